@@ -1,0 +1,149 @@
+"""The configuration boundary: plain frozen values describing a cache's geometry.
+
+Built from a YAML ``model:`` section, by the simulator, or translated from an engine's own
+configuration by an integration module. Core code reads these and nothing else (no
+``extra_config`` grab-bag). Construction validates; a bad value raises
+:class:`~kvtiers.errors.ConfigError` naming the field.
+
+Chunk terms: a *block* is ``tokens_per_block`` tokens of one group on the GPU; a *chunk*
+is ``blocks_per_chunk`` consecutive blocks of one group, the unit every tier stores;
+``tokens_per_hash`` is the granularity of the chained prefix hash. A chunk's last token
+must fall on a hash boundary so its key (the hash there) fingerprints the whole prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtiers.errors import ConfigError
+
+HASH_ALGORITHMS = ("xxh3_128", "sha256")
+
+
+def _positive(value: int, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"expected a positive integer, got {value!r}", path=name)
+
+
+@dataclass(frozen=True)
+class OffloadingGroupConfig:
+    """One KV-cache group: its block size, its layers and the bytes one block occupies.
+
+    ``bytes_per_block`` is summed over every layer tensor of the group (what one worker
+    stores per block).
+    """
+
+    tokens_per_block: int
+    layer_names: tuple[str, ...]
+    bytes_per_block: int
+
+    def __post_init__(self) -> None:
+        _positive(self.tokens_per_block, "tokens_per_block")
+        _positive(self.bytes_per_block, "bytes_per_block")
+        if not self.layer_names:
+            raise ConfigError("a group needs at least one layer", path="layer_names")
+        if len(set(self.layer_names)) != len(self.layer_names):
+            raise ConfigError("layer names repeat within a group", path="layer_names")
+
+
+@dataclass(frozen=True)
+class OffloadingModelConfig:
+    """Model-level identity: name, revision, KV dtype and KV layout."""
+
+    name: str
+    revision: str = "main"
+    dtype: str = "bfloat16"
+    kv_layout: str = "NHD"
+
+    def __post_init__(self) -> None:
+        for name in ("name", "revision", "dtype", "kv_layout"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"expected a non-empty string, got {value!r}", path=name)
+
+
+@dataclass(frozen=True)
+class OffloadingCacheConfig:
+    """Hash granularity, chunk size and the block-hash algorithm."""
+
+    tokens_per_hash: int
+    blocks_per_chunk: int = 1
+    hash_algorithm: str = "xxh3_128"
+
+    def __post_init__(self) -> None:
+        _positive(self.tokens_per_hash, "tokens_per_hash")
+        _positive(self.blocks_per_chunk, "blocks_per_chunk")
+        if self.hash_algorithm not in HASH_ALGORITHMS:
+            raise ConfigError(
+                f"unknown hash algorithm {self.hash_algorithm!r}; use one of "
+                + ", ".join(HASH_ALGORITHMS),
+                path="hash_algorithm",
+            )
+
+
+@dataclass(frozen=True)
+class OffloadingParallelConfig:
+    """Parallel layout. ``rank`` is never part of a cache's identity."""
+
+    rank: int = 0
+    world_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    pcp_size: int = 1
+    dcp_size: int = 1
+    # True when a block's bytes are the same under any parallel layout, so the parallel
+    # sizes are left out of the cache identity and differently-sharded engines share it.
+    is_parallelism_agnostic: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp_size", "pp_size", "pcp_size", "dcp_size"):
+            _positive(getattr(self, name), name)
+        if not 0 <= self.rank < self.world_size:
+            raise ConfigError(
+                f"rank {self.rank} is outside [0, world_size={self.world_size})", path="rank"
+            )
+
+
+@dataclass(frozen=True)
+class OffloadingConfig:
+    """Everything a tier, worker or mover needs to know about the cache it holds.
+
+    ``engine`` names the serving engine whose hashing produced the keys; ``salt`` is an
+    optional user string that separates otherwise identical caches.
+    """
+
+    groups: tuple[OffloadingGroupConfig, ...]
+    model: OffloadingModelConfig
+    cache: OffloadingCacheConfig
+    parallel: OffloadingParallelConfig = field(default_factory=OffloadingParallelConfig)
+    engine: str = "kvtiers"
+    salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ConfigError("at least one KV-cache group is required", path="groups")
+        for idx, group in enumerate(self.groups):
+            if self.tokens_per_chunk(idx) % self.cache.tokens_per_hash:
+                raise ConfigError(
+                    f"a chunk of {self.tokens_per_chunk(idx)} tokens "
+                    f"(tokens_per_block {group.tokens_per_block} x blocks_per_chunk "
+                    f"{self.cache.blocks_per_chunk}) does not end on a hash boundary of "
+                    f"tokens_per_hash {self.cache.tokens_per_hash}; pick sizes that divide",
+                    path=f"groups[{idx}].tokens_per_block",
+                )
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.cache.blocks_per_chunk
+
+    @property
+    def tokens_per_hash(self) -> int:
+        return self.cache.tokens_per_hash
+
+    def tokens_per_chunk(self, group_idx: int) -> int:
+        """Tokens one chunk of ``group_idx`` covers."""
+        return self.groups[group_idx].tokens_per_block * self.cache.blocks_per_chunk
+
+    def chunk_bytes(self, group_idx: int) -> int:
+        """Payload bytes of one chunk of ``group_idx``."""
+        return self.groups[group_idx].bytes_per_block * self.cache.blocks_per_chunk

@@ -1,0 +1,71 @@
+"""The mover contract: chunks between the primary's host memory and a lower tier's medium.
+
+Every non-primary tier owns a mover: a bounded pool of I/O threads. One side of every job
+is the primary's :class:`~kvtiers.core.specs.CPULoadStoreSpec` (slots of a
+:class:`HostRegion`); the other is the tier's own addressing, whose ``keys`` say which
+chunk each slot holds. Chunk sizes come from the shared
+:class:`~kvtiers.core.geometry.ChunkGeometry`.
+
+A mover never reports a chunk as succeeded unless its bytes are exactly right: a failed
+or corrupt read lands in ``failed_keys``. A partly failed job keeps what arrived.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.specs import LoadStoreSpec
+
+
+class HostRegion(Protocol):
+    """Host memory of the primary tier, as fixed-size slots."""
+
+    @property
+    def num_slots(self) -> int: ...
+
+    @property
+    def slot_bytes(self) -> int: ...
+
+    def view(self, slot_id: int) -> memoryview:
+        """A writable, zero-copy view of one slot (``slot_bytes`` long)."""
+        ...
+
+
+@dataclass(frozen=True)
+class MoverResult:
+    """Outcome of one mover job."""
+
+    job_id: int
+    succeeded_keys: tuple[OffloadKey, ...]
+    failed_keys: tuple[OffloadKey, ...] = ()
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
+    # Keys whose stored chunk failed verification (a subset of failed_keys).
+    corrupt_keys: tuple[OffloadKey, ...] = field(default=())
+
+    @property
+    def success(self) -> bool:
+        return not self.failed_keys
+
+
+class Mover(ABC):
+    """Asynchronous tier-to-tier copies through a bounded thread pool."""
+
+    @abstractmethod
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> bool:
+        """Start copying ``src`` to ``dst`` (one of them a CPU spec). False: not accepted."""
+
+    @abstractmethod
+    def get_finished(self) -> list[MoverResult]:
+        """Jobs finished since the last call."""
+
+    @abstractmethod
+    def drain(self) -> None:
+        """Block until no submitted job touches primary memory; never aborts a copy."""
+
+    def shutdown(self) -> None:
+        """Drain, then release threads and clients. Idempotent."""
+        self.drain()

@@ -1,0 +1,122 @@
+"""Addressing of data on each medium, and the per-group transfer descriptor.
+
+A transfer between the GPU and a tier is described per KV-cache group: one
+:class:`GroupTransfer` pairs that group's GPU blocks with the offloaded side's addressing.
+The alignment offset (``gpu_block_offset``) lives on the offloaded side, the side it
+describes: with ``blocks_per_chunk = F``, the worker skips ``gpu_block_offset % F`` leading
+sub-blocks of the first chunk. Direction is not part of the descriptor; it is the method
+the caller picks (``submit_store`` / ``submit_load``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvtiers.core.keys import OffloadKey
+
+
+class LoadStoreSpec:
+    """Base of every medium's addressing. Carries the group's GPU-block alignment offset."""
+
+    def __init__(self) -> None:
+        self._gpu_block_offset = 0
+
+    def set_gpu_block_offset(self, offset: int) -> LoadStoreSpec:
+        """Record the logical index of this group's first GPU block; returns ``self``."""
+        if offset < 0:
+            raise ValueError(f"gpu_block_offset must be >= 0, got {offset}")
+        self._gpu_block_offset = int(offset)
+        return self
+
+    @property
+    def gpu_block_offset(self) -> int:
+        """Logical index, within the request, of the group's first GPU block (default 0)."""
+        return self._gpu_block_offset
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec):
+    """Addressing by integer block (or slot) ids, held as an ``np.int64`` array."""
+
+    def __init__(self, block_ids: Iterable[int] | npt.NDArray[np.int64]) -> None:
+        super().__init__()
+        self.block_ids: npt.NDArray[np.int64] = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+
+    def __len__(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self.block_ids.tolist()}, "
+            f"gpu_block_offset={self.gpu_block_offset})"
+        )
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """ONE group's GPU block ids, in logical order. No group sizes, no block indices."""
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """CPU-tier slot ids, one per chunk, in key order."""
+
+    @property
+    def slot_ids(self) -> npt.NDArray[np.int64]:
+        return self.block_ids
+
+
+class FileLoadStoreSpec(LoadStoreSpec):
+    """Chunk files, one per key: ``paths[i]`` holds the chunk of ``keys[i]``."""
+
+    def __init__(self, paths: Sequence[str], keys: Sequence[OffloadKey]) -> None:
+        super().__init__()
+        if len(paths) != len(keys):
+            raise ValueError(f"{len(paths)} paths for {len(keys)} keys")
+        self.paths: tuple[str, ...] = tuple(paths)
+        self.keys: tuple[OffloadKey, ...] = tuple(keys)
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __repr__(self) -> str:
+        return f"FileLoadStoreSpec({list(self.paths)}, gpu_block_offset={self.gpu_block_offset})"
+
+
+class ObjectLoadStoreSpec(LoadStoreSpec):
+    """Objects in a bucket (or fsspec filesystem), one per key, in key order."""
+
+    def __init__(
+        self, bucket: str, object_keys: Sequence[str], keys: Sequence[OffloadKey]
+    ) -> None:
+        super().__init__()
+        if len(object_keys) != len(keys):
+            raise ValueError(f"{len(object_keys)} object keys for {len(keys)} keys")
+        self.bucket = bucket
+        self.object_keys: tuple[str, ...] = tuple(object_keys)
+        self.keys: tuple[OffloadKey, ...] = tuple(keys)
+
+    def __len__(self) -> int:
+        return len(self.object_keys)
+
+    def __repr__(self) -> str:
+        return (
+            f"ObjectLoadStoreSpec({self.bucket!r}, {list(self.object_keys)}, "
+            f"gpu_block_offset={self.gpu_block_offset})"
+        )
+
+
+@dataclass(frozen=True)
+class GroupTransfer:
+    """One KV-cache group's part of a transfer; direction-neutral.
+
+    ``gpu_spec`` lists the group's GPU blocks in logical order; ``offload_spec`` addresses
+    the chunks on the offloaded medium and carries ``gpu_block_offset``.
+    """
+
+    gpu_spec: GPULoadStoreSpec
+    offload_spec: LoadStoreSpec
