@@ -1,0 +1,176 @@
+"""Atomic publish: the only way a file appears in a kvtiers store.
+
+Steps: a unique temp name in the target directory (``O_CREAT | O_EXCL``) → the caller's
+writer writes every byte (short writes are checked) → ``fsync`` the file →
+``os.replace`` onto the final name → ``fsync`` the directory. A reader therefore sees the
+old state or the new one, never a torn file; a crash leaves at most a stale temp file,
+which :func:`cleanup_stale_temps` removes at start-up. New directories are created 0700 and
+their parent fsynced once, so the directory entry itself is durable.
+
+System calls go through :class:`FileOps` so tests can inject a failure at every step.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+TEMP_SUFFIX = ".kvtmp"
+DEFAULT_FILE_MODE = 0o600
+DEFAULT_DIR_MODE = 0o700
+
+Buffer = bytes | bytearray | memoryview
+#: Writes every byte of the new file into ``fd`` (opened for writing at ``temp_path``).
+Writer = Callable[[int, Path], object]
+
+
+class FileOps:
+    """The system calls publishing uses; subclassed by tests to inject failures."""
+
+    def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | extra_flags
+        return os.open(path, flags, mode)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def close(self, fd: int) -> None:
+        os.close(fd)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def unlink(self, path: Path) -> None:
+        os.unlink(path)
+
+
+DEFAULT_OPS = FileOps()
+
+
+def temp_path_for(final_path: Path) -> Path:
+    """A fresh temp name beside ``final_path`` (hidden, with :data:`TEMP_SUFFIX`)."""
+    return final_path.with_name(f".{final_path.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
+
+
+def is_temp_name(name: str) -> bool:
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def write_all(fd: int, buffers: Sequence[Buffer], offset: int = 0) -> int:
+    """Write every byte of ``buffers`` at ``offset`` with ``pwritev``, retrying short
+    writes; returns the bytes written."""
+    views = [memoryview(b).cast("B") for b in buffers if len(memoryview(b).cast("B"))]
+    total = 0
+    while views:
+        written = os.pwritev(fd, views, offset + total)
+        if written <= 0:
+            raise OSError(errno.EIO, f"pwritev wrote {written} bytes")
+        total += written
+        while views and written >= len(views[0]):
+            written -= len(views[0])
+            views.pop(0)
+        if views and written:
+            views[0] = views[0][written:]
+    return total
+
+
+def ensure_dir(path: Path, *, mode: int = DEFAULT_DIR_MODE, ops: FileOps = DEFAULT_OPS) -> None:
+    """Create ``path`` and missing parents with ``mode``, fsyncing each new directory's
+    parent once so the new entry survives a crash."""
+    if path.is_dir():
+        return
+    ensure_dir(path.parent, mode=mode, ops=ops)
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return
+    ops.fsync_dir(path.parent)
+
+
+def publish(
+    final_path: Path,
+    writer: Writer,
+    *,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+    open_flags: int = 0,
+    ops: FileOps = DEFAULT_OPS,
+) -> None:
+    """Atomically make ``final_path`` hold exactly what ``writer`` writes.
+
+    Replaces an existing file. On any failure the temp file is removed, the final path is
+    untouched, and the error propagates.
+    """
+    ensure_dir(final_path.parent, mode=dir_mode, ops=ops)
+    temp = temp_path_for(final_path)
+    fd = ops.open_exclusive(temp, file_mode, open_flags)
+    published = False
+    try:
+        try:
+            writer(fd, temp)
+            ops.fsync(fd)
+        finally:
+            ops.close(fd)
+        ops.replace(temp, final_path)
+        published = True
+        ops.fsync_dir(final_path.parent)
+    finally:
+        if not published:
+            try:
+                ops.unlink(temp)
+            except FileNotFoundError:
+                pass
+
+
+def publish_bytes(
+    final_path: Path,
+    buffers: Sequence[Buffer],
+    *,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+    ops: FileOps = DEFAULT_OPS,
+) -> None:
+    """:func:`publish` of the concatenation of ``buffers``."""
+    publish(
+        final_path,
+        lambda fd, _path: write_all(fd, buffers),
+        file_mode=file_mode,
+        dir_mode=dir_mode,
+        ops=ops,
+    )
+
+
+def cleanup_stale_temps(root: Path, *, older_than_s: float = 0.0) -> int:
+    """Remove temp files left by interrupted publishes under ``root`` (recursively);
+    returns how many. On a shared directory pass ``older_than_s`` so another live
+    writer's temp files are left alone."""
+    cutoff = time.time() - older_than_s
+    removed = 0
+    stack = [root]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(Path(entry.path))
+            elif is_temp_name(entry.name):
+                try:
+                    if older_than_s <= 0 or entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                        os.unlink(entry.path)
+                        removed += 1
+                except FileNotFoundError:
+                    continue
+    return removed
