@@ -63,7 +63,8 @@ class CorruptChunkError(KVTiersError):
     def __init__(self, check: str, detail: str = "") -> None:
         self.check = check
         self.detail = detail
-        super().__init__(f"corrupt chunk: {check} check failed" + (f" ({detail})" if detail else ""))
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(f"corrupt chunk: {check} check failed{suffix}")
 
 
 class UnknownKeyError(KVTiersError, KeyError):

@@ -129,7 +129,9 @@ def verify_payload(header: ChunkHeader, payload: Buffer) -> None:
     """Check ``payload`` against a decoded header's length and checksum."""
     size = len(memoryview(payload).cast("B"))
     if size != header.payload_bytes:
-        raise CorruptChunkError("payload length", f"{size} bytes, header says {header.payload_bytes}")
+        raise CorruptChunkError(
+            "payload length", f"{size} bytes, header says {header.payload_bytes}"
+        )
     if payload_checksum(payload) != header.checksum:
         raise CorruptChunkError("payload checksum")
 

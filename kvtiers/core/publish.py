@@ -12,6 +12,7 @@ System calls go through :class:`FileOps` so tests can inject a failure at every 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -127,10 +128,8 @@ def publish(
         ops.fsync_dir(final_path.parent)
     finally:
         if not published:
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 ops.unlink(temp)
-            except FileNotFoundError:
-                pass
 
 
 def publish_bytes(
