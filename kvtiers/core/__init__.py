@@ -40,7 +40,7 @@ from kvtiers.core.specs import (
     LoadStoreSpec,
     ObjectLoadStoreSpec,
 )
-from kvtiers.core.worker import OffloadingWorker, TransferResult
+from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker, TransferResult
 
 __all__ = [
     "BlockIDsLoadStoreSpec",
@@ -50,6 +50,8 @@ __all__ = [
     "GPULoadStoreSpec",
     "GroupTransfer",
     "HostRegion",
+    "KVCacheTensors",
+    "KVTensorRef",
     "LoadStoreSpec",
     "Locality",
     "LookupResult",

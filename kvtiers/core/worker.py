@@ -10,8 +10,37 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtiers.core.specs import GroupTransfer
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class KVTensorRef:
+    """One layer of a group: which engine tensor holds it, and its un-padded page bytes."""
+
+    tensor_idx: int
+    page_bytes: int
+
+
+@dataclass(frozen=True)
+class KVCacheTensors:
+    """The engine's KV cache as a worker sees it.
+
+    ``tensors`` are byte views of shape ``(num_blocks, padded_page_bytes)`` (uint8 or int8,
+    on CPU or CUDA); ``groups[g]`` lists group ``g``'s layers in order. A group's bytes per
+    block is the sum of its refs' ``page_bytes``; within a chunk its layout is tensor-major
+    (see :mod:`kvtiers.core.geometry`).
+    """
+
+    tensors: Sequence[torch.Tensor]
+    groups: Sequence[Sequence[KVTensorRef]]
+
+    def group_bytes_per_block(self, group_idx: int) -> int:
+        return sum(ref.page_bytes for ref in self.groups[group_idx])
 
 
 @dataclass(frozen=True)
