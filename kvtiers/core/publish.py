@@ -7,6 +7,11 @@ old state or the new one, never a torn file; a crash leaves at most a stale temp
 which :func:`cleanup_stale_temps` removes at start-up. New directories are created 0700 and
 their parent fsynced once, so the directory entry itself is durable.
 
+No-clobber mode (``replace=False``) links the finished temp file to the final name with
+``os.link`` instead, which fails with :class:`FileExistsError` when the name exists: of
+several processes racing to publish the same name exactly one wins and the others keep
+their hands off the winner's bytes. The temp name is unlinked afterwards.
+
 System calls go through :class:`FileOps` so tests can inject a failure at every step.
 """
 
@@ -44,6 +49,9 @@ class FileOps:
 
     def replace(self, src: Path, dst: Path) -> None:
         os.replace(src, dst)
+
+    def link(self, src: Path, dst: Path) -> None:
+        os.link(src, dst)
 
     def fsync_dir(self, path: Path) -> None:
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
@@ -106,12 +114,18 @@ def publish(
     file_mode: int = DEFAULT_FILE_MODE,
     dir_mode: int = DEFAULT_DIR_MODE,
     open_flags: int = 0,
+    replace: bool = True,
     ops: FileOps = DEFAULT_OPS,
 ) -> None:
     """Atomically make ``final_path`` hold exactly what ``writer`` writes.
 
     Replaces an existing file. On any failure the temp file is removed, the final path is
     untouched, and the error propagates.
+
+    With ``replace=False`` an existing ``final_path`` is never touched: the call raises
+    :class:`FileExistsError` instead (after removing its temp file). Should unlinking the
+    temp name fail once the link is made, the error propagates with the file published
+    and the temp name left for :func:`cleanup_stale_temps`.
     """
     ensure_dir(final_path.parent, mode=dir_mode, ops=ops)
     temp = temp_path_for(final_path)
@@ -123,8 +137,13 @@ def publish(
             ops.fsync(fd)
         finally:
             ops.close(fd)
-        ops.replace(temp, final_path)
-        published = True
+        if replace:
+            ops.replace(temp, final_path)
+            published = True
+        else:
+            ops.link(temp, final_path)
+            published = True
+            ops.unlink(temp)
         ops.fsync_dir(final_path.parent)
     finally:
         if not published:
@@ -138,6 +157,7 @@ def publish_bytes(
     *,
     file_mode: int = DEFAULT_FILE_MODE,
     dir_mode: int = DEFAULT_DIR_MODE,
+    replace: bool = True,
     ops: FileOps = DEFAULT_OPS,
 ) -> None:
     """:func:`publish` of the concatenation of ``buffers``."""
@@ -146,6 +166,7 @@ def publish_bytes(
         lambda fd, _path: write_all(fd, buffers),
         file_mode=file_mode,
         dir_mode=dir_mode,
+        replace=replace,
         ops=ops,
     )
 

@@ -1,0 +1,32 @@
+"""Cache identity and persistence layout: :class:`NamespaceIdentity` and its digest, the
+namespace manifest (written once, checked on every open, fail closed on any difference)
+and :class:`FileMapper` (key → chunk path or object key inside the namespace)."""
+
+from kvtiers.filemapper.identity import (
+    SCHEMA_VERSION,
+    GroupIdentity,
+    NamespaceIdentity,
+    ParallelIdentity,
+)
+from kvtiers.filemapper.manifest import (
+    MANIFEST_FORMAT_VERSION,
+    MANIFEST_NAME,
+    check_manifest,
+    manifest_bytes,
+    open_namespace,
+)
+from kvtiers.filemapper.mapper import CHUNK_SUFFIX, FileMapper
+
+__all__ = [
+    "CHUNK_SUFFIX",
+    "MANIFEST_FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "SCHEMA_VERSION",
+    "FileMapper",
+    "GroupIdentity",
+    "NamespaceIdentity",
+    "ParallelIdentity",
+    "check_manifest",
+    "manifest_bytes",
+    "open_namespace",
+]

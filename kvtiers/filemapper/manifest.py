@@ -1,0 +1,155 @@
+"""The namespace manifest: the identity a namespace was created under, written once.
+
+``<root>/<namespace>/manifest.json`` holds the full :class:`NamespaceIdentity`, its digest,
+the manifest and chunk format versions and the creation time. It is published atomically
+and without clobbering, so of several processes creating one namespace exactly one
+manifest wins and every process then checks that one.
+
+Opening a namespace always re-reads its manifest and compares it field by field with the
+identity of the opener. Any difference, or a manifest that cannot be parsed, raises
+:class:`~kvtiers.errors.NamespaceMismatchError`: kvtiers fails closed rather than serve KV
+computed under another identity.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from kvtiers.core import chunkformat
+from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
+from kvtiers.errors import NamespaceMismatchError
+from kvtiers.filemapper.identity import NamespaceIdentity
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT_VERSION = 1
+#: A manifest is a few KiB; anything larger than this is not one.
+MAX_MANIFEST_BYTES = 1 << 20
+
+_EXPECTED_MANIFEST = "a kvtiers manifest"
+_ABSENT = "<absent>"
+
+
+def manifest_bytes(identity: NamespaceIdentity, *, created_at: float | None = None) -> bytes:
+    """The manifest of ``identity``; ``created_at`` is seconds since the epoch (now if
+    ``None``)."""
+    stamp = time.time() if created_at is None else created_at
+    document = {
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "chunk_format_version": chunkformat.FORMAT_VERSION,
+        "namespace": identity.namespace,
+        "digest": identity.hexdigest,
+        "created_at": datetime.fromtimestamp(stamp, tz=timezone.utc).isoformat(),
+        "identity": identity.to_dict(),
+    }
+    return (json.dumps(document, sort_keys=True, indent=2, ensure_ascii=True) + "\n").encode()
+
+
+def check_manifest(data: bytes, identity: NamespaceIdentity, *, where: str) -> None:
+    """Raise :class:`~kvtiers.errors.NamespaceMismatchError` unless ``data`` is the
+    manifest of exactly ``identity``; ``where`` locates it in the message.
+
+    Every differing field is named with its stored and expected value: the manifest's own
+    fields (``format_version``, ``digest``, ...) and the identity's, dotted
+    (``groups[0].tokens_per_block``, ``len(groups)``, ``parallel.tp_size``).
+    """
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise NamespaceMismatchError(
+            where,
+            {"manifest": (f"unreadable (over {MAX_MANIFEST_BYTES} bytes)", _EXPECTED_MANIFEST)},
+        )
+    try:
+        document = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise NamespaceMismatchError(
+            where, {"manifest": (f"unreadable ({exc})", _EXPECTED_MANIFEST)}
+        ) from exc
+    if not isinstance(document, dict) or not isinstance(document.get("identity"), dict):
+        raise NamespaceMismatchError(
+            where, {"manifest": ("unreadable (not a kvtiers manifest)", _EXPECTED_MANIFEST)}
+        )
+    expected: dict[str, Any] = {
+        "format_version": MANIFEST_FORMAT_VERSION,
+        "chunk_format_version": chunkformat.FORMAT_VERSION,
+        "namespace": identity.namespace,
+        "digest": identity.hexdigest,
+    }
+    differences: dict[str, tuple[object, object]] = {}
+    for name, value in expected.items():
+        _diff(document.get(name, _ABSENT), value, name, differences)
+    _diff(document["identity"], identity.to_dict(), "", differences)
+    if differences:
+        raise NamespaceMismatchError(where, differences)
+
+
+def open_namespace(
+    root: Path,
+    identity: NamespaceIdentity,
+    *,
+    create: bool = True,
+    file_mode: int = DEFAULT_FILE_MODE,
+    dir_mode: int = DEFAULT_DIR_MODE,
+) -> Path:
+    """The directory of ``identity``'s namespace under ``root``, its manifest checked.
+
+    An existing manifest must match (see :func:`check_manifest`). A missing one is
+    published when ``create`` is true, racing safely with other processes doing the same;
+    otherwise :class:`FileNotFoundError` is raised.
+    """
+    namespace_dir = Path(root) / identity.namespace
+    path = namespace_dir / MANIFEST_NAME
+    try:
+        data = _read_manifest(path)
+    except FileNotFoundError:
+        if not create:
+            raise FileNotFoundError(
+                f"{path}: no kvtiers namespace here for this cache identity; "
+                "open it with create=True to start one"
+            ) from None
+        try:
+            publish_bytes(
+                path,
+                [manifest_bytes(identity)],
+                file_mode=file_mode,
+                dir_mode=dir_mode,
+                replace=False,
+            )
+            return namespace_dir
+        except FileExistsError:
+            data = _read_manifest(path)
+    check_manifest(data, identity, where=str(path))
+    return namespace_dir
+
+
+def _read_manifest(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(MAX_MANIFEST_BYTES + 1)
+
+
+def _diff(
+    stored: object,
+    expected: object,
+    path: str,
+    out: dict[str, tuple[object, object]],
+) -> None:
+    """Record in ``out`` every leaf where ``stored`` and ``expected`` differ."""
+    if isinstance(stored, dict) and isinstance(expected, dict):
+        for name in sorted(set(stored) | set(expected), key=str):
+            where = f"{path}.{name}" if path else str(name)
+            _diff(stored.get(name, _ABSENT), expected.get(name, _ABSENT), where, out)
+    elif (
+        isinstance(stored, list)
+        and isinstance(expected, list)
+        and any(isinstance(item, dict) for item in (*stored, *expected))
+    ):
+        if len(stored) != len(expected):
+            out[f"len({path})"] = (len(stored), len(expected))
+        # Items past the shorter list are covered by the length difference just recorded.
+        for idx, (s, e) in enumerate(zip(stored, expected, strict=False)):
+            _diff(s, e, f"{path}[{idx}]", out)
+    elif type(stored) is not type(expected) or stored != expected:
+        # Type first: JSON ``true`` and ``1.0`` compare equal to ``1`` in Python.
+        out[path] = (stored, expected)
