@@ -1,0 +1,108 @@
+"""The eviction-policy interface and the resolver that loads a policy by name or dotted path.
+
+A policy orders the *evictable* keys of one tier and nothing else: the tier inserts a key
+when its chunk becomes ready, touches it on use, removes it when the chunk is dropped for
+another reason, and asks for victims when it needs room. Invariants every policy keeps:
+
+- a key is tracked once between :meth:`EvictionPolicy.insert` and its removal (by
+  :meth:`~EvictionPolicy.remove` or by being returned from :meth:`~EvictionPolicy.evict`);
+- :meth:`EvictionPolicy.evict` is atomic: it returns exactly ``n`` tracked, unprotected keys
+  (and stops tracking them), or ``None`` and changes nothing.
+
+Atomicity is enforced here, once: :meth:`EvictionPolicy.evict` checks that enough unprotected
+keys exist before it calls the policy's own :meth:`EvictionPolicy._evict`, which may then
+assume it will succeed.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Hashable
+from typing import Any
+
+from kvtiers.errors import ConfigError
+
+BUILTIN_POLICIES = {
+    "lru": "kvtiers.policies.lru:LRUPolicy",
+    "arc": "kvtiers.policies.arc:ARCPolicy",
+    "s3fifo": "kvtiers.policies.s3fifo:S3FIFOPolicy",
+}
+
+
+class EvictionPolicy(ABC):
+    """Orders a tier's evictable keys. ``capacity`` is the most keys the tier can hold.
+
+    ``recency`` declares whether victims always come in least-recently-used order (what
+    the conformance suite's LRU-order test expects).
+    """
+
+    recency: bool = False
+
+    def __init__(self, capacity: int) -> None:
+        if capacity <= 0:
+            raise ValueError(f"a policy needs a positive capacity, got {capacity}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Number of tracked (evictable) keys."""
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` is tracked."""
+
+    @abstractmethod
+    def insert(self, key: Hashable) -> None:
+        """Start tracking ``key`` (not tracked yet)."""
+
+    @abstractmethod
+    def touch(self, key: Hashable) -> None:
+        """``key`` was used. Untracked keys are ignored."""
+
+    @abstractmethod
+    def remove(self, key: Hashable) -> None:
+        """Stop tracking ``key`` without counting it as evicted. Untracked keys are ignored."""
+
+    def evict(self, n: int, protected: Collection[Any] = ()) -> list[Any] | None:
+        """Exactly ``n`` victims, none of them in ``protected``, or ``None`` (no change)."""
+        if n <= 0:
+            return []
+        evictable = len(self) - sum(1 for key in protected if key in self)
+        if evictable < n:
+            return None
+        victims = self._evict(n, protected)
+        assert len(victims) == n, f"{type(self).__name__} returned {len(victims)} of {n}"
+        return victims
+
+    @abstractmethod
+    def _evict(self, n: int, protected: Collection[Any]) -> list[Any]:
+        """Pick and stop tracking ``n`` unprotected keys; at least ``n`` exist."""
+
+
+def load_policy(name: str) -> type[EvictionPolicy]:
+    """The policy class called ``name``: ``lru``, ``arc``, ``s3fifo``, or
+    ``"package.module:ClassName"`` for a policy defined elsewhere."""
+    target = BUILTIN_POLICIES.get(name, name)
+    module_name, sep, class_name = target.partition(":")
+    if not sep or not module_name or not class_name:
+        raise ConfigError(
+            f"unknown eviction policy {name!r}; use one of {', '.join(BUILTIN_POLICIES)} "
+            "or a dotted path like 'package.module:ClassName'",
+            path="policy",
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"cannot import module {module_name!r} for eviction policy {name!r}: {exc}",
+            path="policy",
+        ) from exc
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+        raise ConfigError(
+            f"{target!r} is not an EvictionPolicy subclass; a policy must subclass "
+            "kvtiers.policies.EvictionPolicy",
+            path="policy",
+        )
+    return cls

@@ -1,0 +1,65 @@
+"""Builds the CPU tier from its YAML config: host region, manager and worker factory.
+
+``capacity`` is in bytes; the tier holds ``capacity // slot_bytes`` chunks, where a slot
+fits the largest group's chunk rounded up to 4096 bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.mover import HostRegion
+from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
+from kvtiers.errors import ConfigError
+from kvtiers.policies.base import load_policy
+from kvtiers.tiers.base import BuiltTier
+from kvtiers.tiers.cpu.manager import CpuTierManager
+from kvtiers.tiers.cpu.region import SlotRegion
+
+
+class CpuTierSettings(Protocol):
+    """The fields of the ``kind: cpu`` config this factory reads."""
+
+    @property
+    def capacity(self) -> int: ...
+
+    @property
+    def policy(self) -> str: ...
+
+    @property
+    def shared_memory_name(self) -> str | None: ...
+
+
+def build_tier(
+    config: CpuTierSettings,
+    offloading: OffloadingConfig,
+    *,
+    primary_region: HostRegion | None,
+    name: str,
+) -> BuiltTier:
+    """The CPU tier ``name``; it must be the primary (``primary_region`` is ``None``)."""
+    if primary_region is not None:
+        raise ConfigError(
+            "a cpu tier can only be the first tier of a stack; move it to the top",
+            path=name,
+        )
+    geometry = ChunkGeometry.from_config(offloading)
+    num_slots = config.capacity // geometry.slot_bytes
+    if num_slots <= 0:
+        raise ConfigError(
+            f"capacity {config.capacity} bytes holds no chunk of {geometry.slot_bytes} bytes; "
+            f"give at least {geometry.slot_bytes} bytes",
+            path=f"{name}.capacity",
+        )
+    policy = load_policy(config.policy)(num_slots)
+    region = SlotRegion(num_slots, geometry.slot_bytes, config.shared_memory_name)
+    manager = CpuTierManager(num_slots, geometry.slot_bytes, policy, region=region)
+
+    def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
+        from kvtiers.tiers.cpu.worker import CpuWorker
+
+        return CpuWorker(kv, region, geometry)
+
+    return BuiltTier(name=name, manager=manager, region=region, make_worker=make_worker)

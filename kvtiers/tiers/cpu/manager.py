@@ -1,0 +1,283 @@
+"""The CPU tier's manager: slot bookkeeping for the host region, with a pluggable policy.
+
+State per slot is explicit: :class:`SlotState` ``FREE`` / ``WRITING`` (reserved by
+``prepare_store``, bytes in flight) / ``READY`` (stored), and, separately, a pin count per
+pinned key (``prepare_load`` … ``complete_load``). Invariants:
+
+- every key maps to exactly one slot and every non-free slot to exactly one key;
+- only ``READY`` keys are tracked by the policy, and pinned keys are passed to it as
+  protected, so eviction never picks a writing or pinned chunk;
+- ``prepare_store`` either reserves every key it returns or returns ``None`` and changes
+  nothing (the policy's ``evict`` is atomic, and it is the only step that can fail);
+- the number of non-free slots never exceeds ``num_slots``.
+
+Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
+per slot, the policy's own entry; pin counts exist only for pinned keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    ReqContext,
+    RequestOffloadingContext,
+    TierCapabilities,
+)
+from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.errors import UnknownKeyError
+from kvtiers.policies.base import EvictionPolicy
+
+if TYPE_CHECKING:
+    from kvtiers.tiers.cpu.region import SlotRegion
+
+
+class SlotState(IntEnum):
+    """State of one slot of the host region."""
+
+    FREE = 0
+    WRITING = 1
+    READY = 2
+
+
+_WRITING = int(SlotState.WRITING)
+_READY = int(SlotState.READY)
+_FREE = int(SlotState.FREE)
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+_PENDING = LookupResult.HIT_PENDING
+
+
+class CpuTierManager(OffloadingManager):
+    """Bookkeeping of ``num_slots`` host slots of ``slot_bytes`` each.
+
+    ``policy`` is a fresh :class:`~kvtiers.policies.base.EvictionPolicy` sized for
+    ``num_slots``. ``region``, when given, is closed by :meth:`shutdown`. Keys passed to
+    ``complete_store`` that are not being written are ignored.
+    """
+
+    medium = Medium.CPU
+    locality = Locality.LOCAL
+
+    def __init__(
+        self,
+        num_slots: int,
+        slot_bytes: int,
+        policy: EvictionPolicy,
+        *,
+        region: SlotRegion | None = None,
+    ) -> None:
+        if num_slots <= 0:
+            raise ValueError(f"a CPU tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.policy = policy
+        # The region this manager's slots index; closed by shutdown().
+        self.region = region
+        # An instance-level declaration: LRU order holds only for policies that keep it.
+        self.capabilities = TierCapabilities(
+            persistent=False, evicts=True, recency=policy.recency, events=True
+        )
+        self._slots: dict[OffloadKey, int] = {}
+        self._state = bytearray(num_slots)
+        # Popped from the end, so slots are handed out in ascending order at first.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._pins: dict[OffloadKey, int] = {}
+        self._events: list[OffloadingEvent] = []
+        self._hits = 0
+        self._misses = 0
+        self._stores = 0
+        self._store_failures = 0
+        self._evictions = 0
+        self._loads = 0
+
+    # -- queries --------------------------------------------------------------------
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        slot = self._slots.get(key)
+        if slot is None:
+            self._misses += 1
+            return _MISS
+        if self._state[slot] == _READY:
+            self._hits += 1
+            return _HIT
+        return _PENDING
+
+    def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
+        slots = self._slots
+        state = self._state
+        pins = self._pins
+        ids = [slots.get(key, -1) for key in keys]
+        for key, slot in zip(keys, ids, strict=True):
+            if slot < 0 or (state[slot] != _WRITING and key not in pins):
+                raise UnknownKeyError(
+                    f"get_spec: key {key.hex()} is neither reserved by prepare_store nor "
+                    "pinned by prepare_load in the CPU tier"
+                )
+        return CPULoadStoreSpec(np.array(ids, dtype=np.int64))
+
+    # -- store ----------------------------------------------------------------------
+    def prepare_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> list[OffloadKey] | None:
+        slots = self._slots
+        accepted = list(dict.fromkeys(key for key in keys if key not in slots))
+        shortfall = len(accepted) - len(self._free)
+        if shortfall > 0:
+            protected: Collection[OffloadKey] = self._pins
+            present = [key for key in keys if key in slots]
+            if present:
+                # Keys the caller counts as stored must survive the store that names them.
+                protected = set(self._pins).union(present)
+            victims = self.policy.evict(shortfall, protected)
+            if victims is None:
+                return None
+            self._drop(victims)
+        free = self._free
+        state = self._state
+        for key in accepted:
+            slot = free.pop()
+            slots[key] = slot
+            state[slot] = _WRITING
+        return accepted
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        slots = self._slots
+        state = self._state
+        done = [key for key in keys if (slot := slots.get(key)) is not None
+                and state[slot] == _WRITING]
+        if success:
+            insert = self.policy.insert
+            for key in done:
+                state[slots[key]] = _READY
+                insert(key)
+            self._stores += len(done)
+            if done:
+                self._events.append(self._event(done, removed=False))
+        else:
+            for key in done:
+                slot = slots.pop(key)
+                state[slot] = _FREE
+                self._free.append(slot)
+            self._store_failures += len(done)
+
+    # -- load -----------------------------------------------------------------------
+    def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        slots = self._slots
+        state = self._state
+        for key in keys:
+            slot = slots.get(key)
+            if slot is None or state[slot] != _READY:
+                raise UnknownKeyError(
+                    f"prepare_load: key {key.hex()} is not stored in the CPU tier "
+                    "(look it up first; only HIT keys can be loaded)"
+                )
+        pins = self._pins
+        touch = self.policy.touch
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+            touch(key)
+        self._loads += len(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        pins = self._pins
+        for key in keys:
+            if key not in pins:
+                raise UnknownKeyError(
+                    f"complete_load: key {key.hex()} is not pinned in the CPU tier"
+                )
+        for key in keys:
+            count = pins[key] - 1
+            if count:
+                pins[key] = count
+            else:
+                del pins[key]
+
+    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        # Earliest keys last, so a prompt's first chunks (shared by the most requests)
+        # are the most recent.
+        touch = self.policy.touch
+        for key in reversed(list(keys)):
+            touch(key)
+
+    # -- lifecycle ------------------------------------------------------------------
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Drop every ready, unpinned chunk; writing and pinned chunks stay."""
+        victims = [
+            key for key, slot in self._slots.items()
+            if self._state[slot] == _READY and key not in self._pins
+        ]
+        for key in victims:
+            self.policy.remove(key)
+        self._free_slots(victims)
+        if victims:
+            self._events.append(self._event(victims, removed=True))
+
+    def get_stats(self) -> Mapping[str, float]:
+        chunks = len(self._slots)
+        return {
+            "hits": self._hits,
+            "misses": self._misses,
+            "stores": self._stores,
+            "store_failures": self._store_failures,
+            "evictions": self._evictions,
+            "loads": self._loads,
+            "chunks": chunks,
+            "pinned_chunks": len(self._pins),
+            "usage_bytes": chunks * self.slot_bytes,
+            "capacity_bytes": self.num_slots * self.slot_bytes,
+        }
+
+    def shutdown(self) -> None:
+        if self.region is not None:
+            self.region.close()
+
+    # -- internals ------------------------------------------------------------------
+    def _drop(self, victims: list[OffloadKey]) -> None:
+        self._free_slots(victims)
+        self._evictions += len(victims)
+        self._events.append(self._event(victims, removed=True))
+
+    def _free_slots(self, keys: list[OffloadKey]) -> None:
+        slots = self._slots
+        state = self._state
+        free = self._free
+        for key in keys:
+            slot = slots.pop(key)
+            state[slot] = _FREE
+            free.append(slot)
+
+    def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
+        return OffloadingEvent(
+            keys=keys, medium=Medium.CPU, removed=removed, locality=Locality.LOCAL
+        )
+
+    def slot_state(self, key: OffloadKey) -> SlotState:
+        """State of ``key``'s slot (``FREE`` when the key is not present)."""
+        slot = self._slots.get(key)
+        return SlotState.FREE if slot is None else SlotState(self._state[slot])
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        """The slot holding ``key``, or ``None``."""
+        return self._slots.get(key)
+
+    def pin_count(self, key: OffloadKey) -> int:
+        return self._pins.get(key, 0)

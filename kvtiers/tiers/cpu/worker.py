@@ -1,0 +1,360 @@
+"""The GPU ⇄ CPU worker: copies the engine's KV blocks to and from CPU-tier slots.
+
+Layout (see :mod:`kvtiers.core.geometry`): in a slot holding a chunk of group ``g``, the
+group's layer tensors follow each other in order, each as ``blocks_per_chunk`` pages of
+``page_bytes`` back to back. For a transfer of ``n`` GPU blocks, the ``k``-th block is the
+sub-block ``p = skip + k`` of the chunk list, with ``skip = gpu_block_offset %
+blocks_per_chunk``: chunk ``p // F``, sub-block ``p % F``. The last chunk may be partial.
+
+Copies are vectorised: every (GPU block, slot page) pair of a tensor is computed at once
+with numpy, and bytes move with ``index_select`` (gather) and ``index_copy_`` (scatter)
+on the widest integer-like view the alignment allows (16-, 8-, 4-, 2- or 1-byte
+elements): ``index_copy_`` on ``uint8`` runs at a fraction of memory speed. Slot pages are
+addressed through one strided view of the region whose rows start every ``gcd(slot,
+page)`` elements, so pages of partial chunks need no special case.
+
+Jobs run on one worker thread, in submission order, through a bounded staging buffer.
+When the KV tensors live on a GPU, the GPU side of each batch runs on a dedicated CUDA
+stream (gather or scatter on the device, one DMA to or from a pinned staging buffer) and
+the thread waits on a CUDA event before touching the staging buffer on the host.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.specs import CPULoadStoreSpec, GroupTransfer
+from kvtiers.core.worker import KVCacheTensors, OffloadingWorker, TransferResult
+from kvtiers.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtiers.tiers.cpu.region import SlotRegion
+
+#: Bytes gathered or scattered per step: large enough to amortise call overhead, small
+#: enough that the staging buffer stays in cache between the two halves of a copy.
+DEFAULT_BATCH_BYTES = 2 << 20
+
+
+def _dtype_for(element_bytes: int) -> torch.dtype:
+    import torch
+
+    return {
+        16: torch.complex128,
+        8: torch.int64,
+        4: torch.int32,
+        2: torch.int16,
+        1: torch.uint8,
+    }[element_bytes]
+
+
+def _widest_element(*byte_counts: int) -> int:
+    """Largest of 16, 8, 4, 2, 1 dividing every count (copies move these as one element)."""
+    common = 0
+    for count in byte_counts:
+        common = math.gcd(common, count)
+    return next(size for size in (16, 8, 4, 2, 1) if common % size == 0)
+
+
+@dataclass(frozen=True)
+class _TensorPlan:
+    """How one layer tensor of a group maps onto slots.
+
+    ``pages`` is the tensor as ``(num_blocks, page_elems)`` rows; ``slot_rows`` is the
+    region as overlapping rows of ``page_elems`` starting every ``row_step`` elements from
+    the tensor's offset inside a slot.
+    """
+
+    pages: torch.Tensor
+    slot_rows: torch.Tensor
+    page_bytes: int
+    page_elems: int
+    slot_elems: int
+    row_step: int
+
+
+@dataclass(frozen=True)
+class _Job:
+    job_id: int
+    store: bool
+    groups: tuple[GroupTransfer, ...]
+    transfer_bytes: int
+    # CUDA only: recorded on the submitting stream, so copies start after the kernels
+    # that produced (store) or last read (load) the blocks.
+    ready: Any = None
+
+
+class CpuWorker(OffloadingWorker):
+    """Asynchronous copies between ``kv``'s tensors and ``region``'s slots.
+
+    ``geometry`` must describe ``kv``: same number of groups, and group ``g``'s bytes per
+    block equal to the sum of its tensors' page bytes.
+    """
+
+    def __init__(
+        self,
+        kv: KVCacheTensors,
+        region: SlotRegion,
+        geometry: ChunkGeometry,
+        *,
+        batch_bytes: int = DEFAULT_BATCH_BYTES,
+    ) -> None:
+        import torch
+
+        self._check(kv, region, geometry)
+        self.geometry = geometry
+        self._blocks_per_chunk = geometry.blocks_per_chunk
+        self._batch_bytes = batch_bytes
+        self._device = kv.tensors[0].device
+        self._cuda = self._device.type == "cuda"
+        flat = region.tensor()
+        self._plans = [
+            self._plan_group(kv, flat, region.slot_bytes, refs) for refs in kv.groups
+        ]
+        largest_page = max(plan.page_bytes for plans in self._plans for plan in plans)
+        staging_bytes = max(batch_bytes, largest_page)
+        self._staging = torch.empty(
+            staging_bytes, dtype=torch.uint8, pin_memory=self._cuda
+        )
+        self._stream: Any = torch.cuda.Stream(self._device) if self._cuda else None
+        self._device_staging = (
+            torch.empty(staging_bytes, dtype=torch.uint8, device=self._device)
+            if self._cuda
+            else None
+        )
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._lock = threading.Condition()
+        self._pending: set[int] = set()
+        self._finished: list[TransferResult] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvtiers-cpu-worker", daemon=True)
+        self._thread.start()
+
+    # -- construction ---------------------------------------------------------------
+    @staticmethod
+    def _check(kv: KVCacheTensors, region: SlotRegion, geometry: ChunkGeometry) -> None:
+        if len(kv.groups) != geometry.num_groups:
+            raise ConfigError(
+                f"the engine describes {len(kv.groups)} KV-cache groups but the offloading "
+                f"config has {geometry.num_groups}; they must match",
+                path="groups",
+            )
+        for g, refs in enumerate(kv.groups):
+            if kv.group_bytes_per_block(g) != geometry.group_bytes_per_block[g]:
+                raise ConfigError(
+                    f"group {g}: its tensors hold {kv.group_bytes_per_block(g)} bytes per "
+                    f"block but the config says {geometry.group_bytes_per_block[g]}",
+                    path=f"groups[{g}].bytes_per_block",
+                )
+            for ref in refs:
+                tensor = kv.tensors[ref.tensor_idx]
+                if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1:
+                    raise ConfigError(
+                        f"KV tensor {ref.tensor_idx} must be a (num_blocks, page_bytes) "
+                        f"byte view, got shape {tuple(tensor.shape)} {tensor.dtype}",
+                        path="kv_tensors",
+                    )
+                if ref.page_bytes > tensor.shape[1]:
+                    raise ConfigError(
+                        f"KV tensor {ref.tensor_idx}: page_bytes {ref.page_bytes} exceeds "
+                        f"its row of {tensor.shape[1]} bytes",
+                        path="kv_tensors",
+                    )
+        if region.slot_bytes < geometry.max_chunk_bytes:
+            raise ConfigError(
+                f"CPU slots of {region.slot_bytes} bytes cannot hold a chunk of "
+                f"{geometry.max_chunk_bytes}",
+                path="slot_bytes",
+            )
+
+    def _plan_group(
+        self, kv: KVCacheTensors, flat: torch.Tensor, slot_bytes: int, refs: Sequence[Any]
+    ) -> list[_TensorPlan]:
+        import torch
+
+        plans = []
+        offset = 0
+        for ref in refs:
+            tensor = kv.tensors[ref.tensor_idx]
+            size = _widest_element(
+                ref.page_bytes,
+                tensor.stride(0),
+                tensor.storage_offset(),
+                tensor.data_ptr(),
+                offset,
+                slot_bytes,
+            )
+            dtype = _dtype_for(size)
+            page_elems = ref.page_bytes // size
+            pages = tensor.view(dtype)[:, :page_elems]
+            wide = flat.view(dtype)
+            slot_elems = slot_bytes // size
+            row_step = math.gcd(slot_elems, page_elems)
+            start = offset // size
+            num_rows = (wide.numel() - start - page_elems) // row_step + 1
+            slot_rows = torch.as_strided(wide, (num_rows, page_elems), (row_step, 1), start)
+            plans.append(
+                _TensorPlan(pages, slot_rows, ref.page_bytes, page_elems, slot_elems, row_step)
+            )
+            offset += ref.page_bytes * self._blocks_per_chunk
+        return plans
+
+    # -- submission -----------------------------------------------------------------
+    def submit_store(self, job_id: int, groups: Sequence[GroupTransfer]) -> bool:
+        return self._submit(job_id, groups, store=True)
+
+    def submit_load(self, job_id: int, groups: Sequence[GroupTransfer]) -> bool:
+        return self._submit(job_id, groups, store=False)
+
+    def _submit(self, job_id: int, groups: Sequence[GroupTransfer], *, store: bool) -> bool:
+        if len(groups) > len(self._plans):
+            raise ValueError(f"{len(groups)} group transfers for {len(self._plans)} groups")
+        total = 0
+        for g, transfer in enumerate(groups):
+            self._check_transfer(g, transfer)
+            total += len(transfer.gpu_spec) * self.geometry.group_bytes_per_block[g]
+        with self._lock:
+            if self._closed:
+                return False
+            self._pending.add(job_id)
+        ready = None
+        if self._cuda:
+            import torch
+
+            ready = torch.cuda.Event()
+            ready.record()
+        self._jobs.put(_Job(job_id, store, tuple(groups), total, ready))
+        return True
+
+    def _check_transfer(self, group: int, transfer: GroupTransfer) -> None:
+        spec = transfer.offload_spec
+        if not isinstance(spec, CPULoadStoreSpec):
+            raise TypeError(f"group {group}: expected a CPULoadStoreSpec, got {spec!r}")
+        per_chunk = self._blocks_per_chunk
+        blocks = len(transfer.gpu_spec) + spec.gpu_block_offset % per_chunk
+        chunks = len(spec)
+        if transfer.gpu_spec.block_ids.size and not (
+            (chunks - 1) * per_chunk < blocks <= chunks * per_chunk
+        ):
+            raise ValueError(
+                f"group {group}: {len(transfer.gpu_spec)} GPU blocks at offset "
+                f"{spec.gpu_block_offset} do not fill {chunks} chunks of {per_chunk} blocks"
+            )
+
+    # -- completion -----------------------------------------------------------------
+    def get_finished(self) -> list[TransferResult]:
+        with self._lock:
+            finished, self._finished = self._finished, []
+        return finished
+
+    def wait(self, job_ids: Collection[int]) -> None:
+        wanted = set(job_ids)
+        with self._lock:
+            self._lock.wait_for(lambda: not (wanted & self._pending))
+
+    def shutdown(self) -> None:
+        """Finish the queued jobs, then stop the thread. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._jobs.put(None)
+        self._thread.join()
+
+    # -- the worker thread ----------------------------------------------------------
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            start = time.perf_counter()
+            try:
+                if job.ready is not None:
+                    self._stream.wait_event(job.ready)
+                for g, transfer in enumerate(job.groups):
+                    self._transfer_group(g, transfer, job.store)
+                success = True
+            except Exception:
+                success = False
+            result = TransferResult(
+                job.job_id,
+                success,
+                job.transfer_bytes if success else 0,
+                time.perf_counter() - start,
+            )
+            with self._lock:
+                self._pending.discard(job.job_id)
+                self._finished.append(result)
+                self._lock.notify_all()
+
+    def _transfer_group(self, group: int, transfer: GroupTransfer, store: bool) -> None:
+        import torch
+
+        block_ids = transfer.gpu_spec.block_ids
+        if block_ids.size == 0:
+            return
+        per_chunk = self._blocks_per_chunk
+        spec = transfer.offload_spec
+        assert isinstance(spec, CPULoadStoreSpec)
+        positions = np.arange(block_ids.size, dtype=np.int64) + spec.gpu_block_offset % per_chunk
+        slots = spec.slot_ids[positions // per_chunk]
+        subs = positions % per_chunk
+        blocks = torch.from_numpy(block_ids).to(self._device)
+        for plan in self._plans[group]:
+            rows = (slots * plan.slot_elems + subs * plan.page_elems) // plan.row_step
+            self._copy(plan, blocks, torch.from_numpy(rows), store)
+
+    def _copy(
+        self, plan: _TensorPlan, blocks: torch.Tensor, rows: torch.Tensor, store: bool
+    ) -> None:
+        import torch
+
+        dtype = plan.pages.dtype
+        per_batch = max(1, self._batch_bytes // plan.page_bytes)
+        staging = self._staging.view(dtype)
+        for begin in range(0, rows.numel(), per_batch):
+            b, r = blocks[begin : begin + per_batch], rows[begin : begin + per_batch]
+            host = staging[: r.numel() * plan.page_elems].view(r.numel(), plan.page_elems)
+            if self._cuda:
+                self._copy_cuda(plan, b, r, host, store)
+            elif store:
+                torch.index_select(plan.pages, 0, b, out=host)
+                plan.slot_rows.index_copy_(0, r, host)
+            else:
+                torch.index_select(plan.slot_rows, 0, r, out=host)
+                plan.pages.index_copy_(0, b, host)
+
+    def _copy_cuda(
+        self,
+        plan: _TensorPlan,
+        blocks: torch.Tensor,
+        rows: torch.Tensor,
+        host: torch.Tensor,
+        store: bool,
+    ) -> None:
+        import torch
+
+        assert self._device_staging is not None
+        device = self._device_staging.view(plan.pages.dtype)[: host.numel()].view(host.shape)
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._stream):
+            if store:
+                torch.index_select(plan.pages, 0, blocks, out=device)
+                host.copy_(device, non_blocking=True)
+                done.record()
+            else:
+                torch.index_select(plan.slot_rows, 0, rows, out=host)
+                device.copy_(host, non_blocking=True)
+                plan.pages.index_copy_(0, blocks, device)
+                done.record()
+        done.synchronize()
+        if store:
+            plan.slot_rows.index_copy_(0, rows, host)
+
