@@ -21,6 +21,7 @@ the thread waits on a CUDA event before touching the staging buffer on the host.
 
 from __future__ import annotations
 
+import logging
 import math
 import queue
 import threading
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
     import torch
 
     from kvtiers.tiers.cpu.region import SlotRegion
+
+logger = logging.getLogger(__name__)
 
 #: Bytes gathered or scattered per step: large enough to amortise call overhead, small
 #: enough that the staging buffer stays in cache between the two halves of a copy.
@@ -122,7 +125,8 @@ class CpuWorker(OffloadingWorker):
             self._plan_group(kv, flat, region.slot_bytes, refs) for refs in kv.groups
         ]
         largest_page = max(plan.page_bytes for plans in self._plans for plan in plans)
-        staging_bytes = max(batch_bytes, largest_page)
+        # A multiple of the widest element, so every view of it is legal.
+        staging_bytes = -(-max(batch_bytes, largest_page) // 16) * 16
         self._staging = torch.empty(
             staging_bytes, dtype=torch.uint8, pin_memory=self._cuda
         )
@@ -282,6 +286,7 @@ class CpuWorker(OffloadingWorker):
                     self._transfer_group(g, transfer, job.store)
                 success = True
             except Exception:
+                logger.exception("CPU worker job %d failed", job.job_id)
                 success = False
             result = TransferResult(
                 job.job_id,
