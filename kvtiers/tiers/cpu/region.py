@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvtiers.errors import CapacityError
+from kvtiers.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -59,8 +59,9 @@ class SlotRegion:
 
     def _map_shared(self, shm_dir: Path, name: str) -> mmap.mmap:
         if not name or "/" in name or name in (".", ".."):
-            raise CapacityError(
-                f"shared_memory_name {name!r} is not a plain file name; use e.g. 'kvtiers-cpu'"
+            raise ConfigError(
+                f"{name!r} is not a plain file name; use e.g. 'kvtiers-cpu'",
+                path="shared_memory_name",
             )
         path = shm_dir / name
         try:
