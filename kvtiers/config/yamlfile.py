@@ -23,23 +23,8 @@ from pathlib import Path
 
 import yaml
 
+from kvtiers.config.paths import item_path, key_path, parent_path
 from kvtiers.errors import ConfigError
-
-
-def item_path(base: str, index: int) -> str:
-    """Path of item ``index`` of the sequence at ``base``: ``tiers[1]``."""
-    return f"{base}[{index}]"
-
-
-def key_path(base: str, key: str) -> str:
-    """Path of ``key`` in the mapping at ``base``: ``tiers[1].capacity``."""
-    return f"{base}.{key}" if base else key
-
-
-def parent_path(path: str) -> str:
-    """The path one level up: ``tiers[1].capacity`` → ``tiers[1]`` → ``tiers`` → ``""``."""
-    cut = max(path.rfind("."), path.rfind("["))
-    return path[:cut] if cut > 0 else ""
 
 
 @dataclass(frozen=True)

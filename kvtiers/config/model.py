@@ -1,0 +1,159 @@
+"""The ``model:`` section: cache identity and geometry when no engine supplies them.
+
+The demo, the tests and the CLI tools read it to build an
+:class:`~kvtiers.core.config.OffloadingConfig`. A group lists its layers either by count
+(``num_layers: 4``, named ``g<group>.layer<j>``) or by name (``layer_names: [...]``), and
+gives ``page_bytes``, the bytes of one layer's page for one block; a group's
+``bytes_per_block`` is its layer count times ``page_bytes``.
+
+The core configuration classes check their own values; their errors are re-raised here
+with the YAML path of the field that caused them (``model.groups[0].tokens_per_block``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Annotated, ClassVar
+
+from kvtiers.config.paths import item_path, join_path
+from kvtiers.config.schema import Range, Section, example
+from kvtiers.config.sizes import Size
+from kvtiers.core.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from kvtiers.errors import ConfigError
+
+MODEL_PATH = "model"
+
+
+@contextmanager
+def _located(prefix: str, renames: dict[str, str] | None = None) -> Iterator[None]:
+    """Re-raise a core :class:`ConfigError` with its path placed under ``prefix``."""
+    try:
+        yield
+    except ConfigError as exc:
+        path = (renames or {}).get(exc.path, exc.path)
+        raise ConfigError(exc.message, path=join_path(prefix, path)) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSection(Section):
+    """One KV-cache group: block size, layers (by count or by name), one page's bytes."""
+
+    what: ClassVar[str] = "a model group"
+
+    tokens_per_block: int = field(metadata=example("tokens_per_block: 16"))
+    page_bytes: Size = field(metadata=example("page_bytes: 16KiB"))
+    num_layers: Annotated[int, Range(1)] | None = None
+    layer_names: tuple[str, ...] | None = None
+
+    def _check(self) -> None:
+        if (self.num_layers is None) == (self.layer_names is None):
+            raise ConfigError(
+                "give exactly one of num_layers (a count) or layer_names (a list)",
+                path="num_layers" if self.num_layers is not None else "",
+            )
+
+    def resolved_layer_names(self, group_idx: int) -> tuple[str, ...]:
+        """The layer names, generated as ``g<group>.layer<j>`` when only a count is given."""
+        if self.layer_names is not None:
+            return self.layer_names
+        assert self.num_layers is not None
+        return tuple(f"g{group_idx}.layer{j}" for j in range(self.num_layers))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSection(Section):
+    """Parallel sizes; the world size is their product. Defaults: one process."""
+
+    what: ClassVar[str] = "the parallel section"
+
+    tp_size: Annotated[int, Range(1)] = 1
+    pp_size: Annotated[int, Range(1)] = 1
+    pcp_size: Annotated[int, Range(1)] = 1
+    dcp_size: Annotated[int, Range(1)] = 1
+    is_parallelism_agnostic: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSection(Section):
+    """Model identity and cache geometry, as the ``model:`` section of a stack file."""
+
+    what: ClassVar[str] = "the model section"
+
+    name: str = field(metadata=example("name: org/model"))
+    revision: str = "main"
+    dtype: str = "bfloat16"
+    kv_layout: str = "NHD"
+    tokens_per_hash: int = 16
+    blocks_per_chunk: int = 1
+    hash_algorithm: str = "xxh3_128"
+    salt: str = ""
+    groups: tuple[GroupSection, ...] = field(
+        metadata=example("groups: [{tokens_per_block: 16, num_layers: 4, page_bytes: 16KiB}]")
+    )
+    parallel: ParallelSection = ParallelSection()
+
+    def _check(self) -> None:
+        if not self.groups:
+            raise ConfigError(
+                "at least one group is required, e.g. "
+                "[{tokens_per_block: 16, num_layers: 4, page_bytes: 16KiB}]",
+                path="groups",
+            )
+
+    def to_offloading_config(self, rank: int = 0) -> OffloadingConfig:
+        """The core configuration for process ``rank``; errors carry ``model.…`` paths."""
+        groups = []
+        for idx, group in enumerate(self.groups):
+            renames = {"layer_names": "num_layers"} if group.layer_names is None else {}
+            with _located(item_path(join_path(MODEL_PATH, "groups"), idx), renames):
+                names = group.resolved_layer_names(idx)
+                groups.append(
+                    OffloadingGroupConfig(
+                        tokens_per_block=group.tokens_per_block,
+                        layer_names=names,
+                        bytes_per_block=len(names) * group.page_bytes,
+                    )
+                )
+        with _located(MODEL_PATH):
+            model = OffloadingModelConfig(
+                name=self.name,
+                revision=self.revision,
+                dtype=self.dtype,
+                kv_layout=self.kv_layout,
+            )
+            cache = OffloadingCacheConfig(
+                tokens_per_hash=self.tokens_per_hash,
+                blocks_per_chunk=self.blocks_per_chunk,
+                hash_algorithm=self.hash_algorithm,
+            )
+        parallel = self.parallel
+        # ``rank`` is this call's argument and ``world_size`` a product: neither is a key.
+        with _located(join_path(MODEL_PATH, "parallel"), {"rank": "", "world_size": ""}):
+            parallel_config = OffloadingParallelConfig(
+                rank=rank,
+                world_size=parallel.tp_size
+                * parallel.pp_size
+                * parallel.pcp_size
+                * parallel.dcp_size,
+                tp_size=parallel.tp_size,
+                pp_size=parallel.pp_size,
+                pcp_size=parallel.pcp_size,
+                dcp_size=parallel.dcp_size,
+                is_parallelism_agnostic=parallel.is_parallelism_agnostic,
+            )
+        with _located(MODEL_PATH):
+            return OffloadingConfig(
+                groups=tuple(groups),
+                model=model,
+                cache=cache,
+                parallel=parallel_config,
+                salt=self.salt,
+            )

@@ -1,0 +1,213 @@
+"""A whole stack file: ordered tiers, an optional ``model:`` and ``metrics:`` section.
+
+The rules a stack keeps (checked when a :class:`StackConfig` is constructed, so a stack
+built in code is held to them too):
+
+* at least one tier; the first is the primary and must be able to be one (``cpu``, or
+  ``file`` with ``gds: true``);
+* a ``cpu`` tier appears at most once, and only first; ``gds: true`` only on the first
+  tier, and a GDS primary has no lower tiers (they copy through CPU memory it lacks);
+* tier names are unique;
+* a ``model:`` section must yield a valid :class:`~kvtiers.core.config.OffloadingConfig`.
+
+:func:`load_stack_config` reads a file (or takes an already-parsed mapping). Every error
+is a :class:`~kvtiers.errors.ConfigError` whose ``path`` is the YAML location and, for a
+file, whose ``source`` is ``<file>:<line>`` so the one-line message reads
+``stack.yaml:7: tiers[1].capacity: expected a size like 8GiB, …``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, ClassVar
+
+from kvtiers.config.kinds import TIER_KINDS, get_kind
+from kvtiers.config.model import ModelSection
+from kvtiers.config.paths import item_path, key_path
+from kvtiers.config.schema import (
+    Matches,
+    Range,
+    Section,
+    example,
+    parse_section,
+    shown,
+    suggestion,
+)
+from kvtiers.config.tiers import FileTierConfig, TierConfig
+from kvtiers.config.yamlfile import read_yaml
+from kvtiers.errors import ConfigError
+
+TOP_LEVEL_KEYS = ("tiers", "model", "metrics")
+_TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsConfig(Section):
+    """Where to serve Prometheus metrics; port 0 picks a free port."""
+
+    what: ClassVar[str] = "the metrics section"
+
+    port: Annotated[int, Range(0, 65535)] = field(metadata=example("port: 9400"))
+    addr: Annotated[str, Matches(r"\S+", "a listen address such as 127.0.0.1")] = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    """An ordered stack of tiers (primary first) and its optional sections.
+
+    ``source`` is the file the stack was read from, or ``<mapping>``.
+    """
+
+    tiers: tuple[TierConfig, ...]
+    model: ModelSection | None = None
+    metrics: MetricsConfig | None = None
+    source: str = "<mapping>"
+
+    def __post_init__(self) -> None:
+        if not self.tiers:
+            raise ConfigError(
+                f"at least one tier is required, e.g. `{_TIERS_EXAMPLE}`", path="tiers"
+            )
+        self._check_primary()
+        first_use: dict[str, int] = {}
+        for idx, tier in enumerate(self.tiers):
+            where = item_path("tiers", idx)
+            if idx > 0:
+                self._check_lower(tier, where)
+            if tier.name in first_use:
+                raise ConfigError(
+                    f"tier name {tier.name!r} is already used by tiers[{first_use[tier.name]}]; "
+                    "give each tier its own name",
+                    path=key_path(where, "name"),
+                )
+            first_use[tier.name] = idx
+        if self.model is not None:
+            self.model.to_offloading_config()
+
+    def _check_primary(self) -> None:
+        first = self.tiers[0]
+        if first.can_be_primary:
+            if isinstance(first, FileTierConfig) and len(self.tiers) > 1:
+                raise ConfigError(
+                    "a file tier with gds: true as primary cannot have lower tiers: they copy "
+                    "chunks through the primary's CPU memory, which a GDS primary does not "
+                    "have; put a cpu tier first or remove the lower tiers",
+                    path=item_path("tiers", 1),
+                )
+            return
+        if isinstance(first, FileTierConfig):
+            message = (
+                "a file tier can be the first tier (the primary) only with gds: true; "
+                "add gds: true or put a cpu tier first"
+            )
+        else:
+            primaries = ", ".join(name for name, kind in TIER_KINDS.items() if kind.may_be_primary)
+            message = (
+                f"the first tier is the primary and a {first.kind} tier cannot be one "
+                f"(primaries: {primaries}); put a cpu tier first"
+            )
+        raise ConfigError(message, path=key_path(item_path("tiers", 0), "kind"))
+
+    @staticmethod
+    def _check_lower(tier: TierConfig, where: str) -> None:
+        if tier.kind == "cpu":
+            raise ConfigError(
+                "a cpu tier can only be the first tier (the primary), and only one; "
+                "move it first or remove it",
+                path=key_path(where, "kind"),
+            )
+        if isinstance(tier, FileTierConfig) and tier.gds:
+            raise ConfigError(
+                "gds: true is only allowed on the first tier (the primary); remove it here",
+                path=key_path(where, "gds"),
+            )
+
+    @property
+    def primary(self) -> TierConfig:
+        """The first tier."""
+        return self.tiers[0]
+
+    def summary(self) -> str:
+        """One line: ``2 tiers: cpu0(cpu 8.0 GiB, arc) -> file1(file /data, io=auto)``."""
+        count = len(self.tiers)
+        line = f"{count} tier{'s' if count != 1 else ''}: " + " -> ".join(
+            f"{tier.name}({tier.describe()})" for tier in self.tiers
+        )
+        if self.model is not None:
+            groups = len(self.model.groups)
+            line += f"; model {self.model.name} ({groups} group{'s' if groups != 1 else ''})"
+        if self.metrics is not None:
+            line += f"; metrics on {self.metrics.addr}:{self.metrics.port}"
+        return line
+
+
+def load_stack_config(source: str | Path | Mapping[str, object]) -> StackConfig:
+    """Read a stack from a YAML file, or from an already-parsed mapping."""
+    if isinstance(source, Mapping):
+        return parse_stack(source)
+    document = read_yaml(source)
+    try:
+        return parse_stack(document.data, source=str(source))
+    except ConfigError as exc:
+        line = document.line_of(exc.path)
+        where = f"{source}:{line}" if line is not None else str(source)
+        raise ConfigError(exc.message, path=exc.path, source=where) from None
+
+
+def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
+    """Build a :class:`StackConfig` from plain values (errors carry paths, not sources)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(
+            f"the top level must be a mapping with a `tiers:` list, got {shown(data)}; "
+            f"start the file with `{_TIERS_EXAMPLE}`"
+        )
+    for key in data:
+        if key not in TOP_LEVEL_KEYS:
+            raise ConfigError(
+                f"unknown top-level key {key!r}{suggestion(str(key), TOP_LEVEL_KEYS)}; "
+                f"known keys: {', '.join(TOP_LEVEL_KEYS)}",
+                path=str(key),
+            )
+    if "tiers" not in data:
+        raise ConfigError(
+            f"missing required key 'tiers'; list the tiers from fastest to slowest, "
+            f"e.g. `{_TIERS_EXAMPLE}`",
+            path="tiers",
+        )
+    model = data.get("model")
+    metrics = data.get("metrics")
+    return StackConfig(
+        tiers=_parse_tiers(data["tiers"]),
+        model=None if model is None else parse_section(ModelSection, model, "model"),
+        metrics=None if metrics is None else parse_section(MetricsConfig, metrics, "metrics"),
+        source=source,
+    )
+
+
+def _parse_tiers(raw: object) -> tuple[TierConfig, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError(
+            f"expected a list of tiers, got {shown(raw)}; write each tier as `- kind: …`",
+            path="tiers",
+        )
+    tiers = []
+    for idx, raw_tier in enumerate(raw):
+        where = item_path("tiers", idx)
+        if not isinstance(raw_tier, Mapping):
+            raise ConfigError(
+                f"expected a tier mapping such as {{kind: cpu, capacity: 8GiB}}, "
+                f"got {shown(raw_tier)}",
+                path=where,
+            )
+        if "kind" not in raw_tier:
+            raise ConfigError(
+                f"missing required key 'kind'; one of {', '.join(TIER_KINDS)}",
+                path=key_path(where, "kind"),
+            )
+        kind = get_kind(raw_tier["kind"], path=key_path(where, "kind"))
+        tiers.append(
+            parse_section(kind.config_type, raw_tier, where, defaults={"name": f"{kind.name}{idx}"})
+        )
+    return tuple(tiers)
