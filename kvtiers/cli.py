@@ -1,0 +1,104 @@
+"""The ``kvtiers`` command line.
+
+Each subcommand is one :class:`Command` in :data:`COMMANDS`: a function that adds its
+arguments to its parser and a function that runs it and returns the exit status. A
+command imports what it needs inside its ``run`` so ``kvtiers --help`` stays fast.
+
+Exit statuses: 0 success; 2 a configuration or usage error; 1 any other failure kvtiers
+reports (:class:`~kvtiers.errors.KVTiersError`). Errors are printed as one line on
+stderr, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtiers import __version__
+from kvtiers.errors import ConfigError, KVTiersError
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: its name, one-line help, argument set-up and body."""
+
+    name: str
+    help: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _configure_validate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("files", nargs="+", metavar="FILE", help="YAML stack files to check")
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    """Check each stack file; one line per file, on stdout if good, on stderr if not."""
+    from kvtiers.config import load_stack_config
+
+    status = EXIT_OK
+    for name in args.files:
+        try:
+            stack = load_stack_config(name)
+        except ConfigError as exc:
+            # The error's source names the file (and line): ``<file>:<line>: <path>: …``.
+            print(_one_line(str(exc)), file=sys.stderr)
+            status = EXIT_USAGE
+        else:
+            print(f"{name}: ok — {stack.summary()}")
+    return status
+
+
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        name="validate",
+        help="check tier stack files and print a summary of each",
+        configure=_configure_validate,
+        run=_run_validate,
+    ),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser with every command in :data:`COMMANDS`."""
+    parser = argparse.ArgumentParser(
+        prog="kvtiers", description="Tiered KV-cache storage for LLM serving engines."
+    )
+    parser.add_argument("--version", action="version", version=f"kvtiers {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS:
+        sub = subparsers.add_parser(command.name, help=command.help, description=command.help)
+        command.configure(sub)
+        sub.set_defaults(run=command.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        status: int = args.run(args)
+    except ConfigError as exc:
+        print(f"kvtiers: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_USAGE
+    except KVTiersError as exc:
+        print(f"kvtiers: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        print("kvtiers: interrupted", file=sys.stderr)
+        return 130
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
