@@ -1,0 +1,350 @@
+"""Atomic publish: a failure at any step leaves the old file or the new one, never a torn
+one, and no temp file that start-up cleanup would not remove; short writes are retried;
+modes; no-clobber mode; stale temp cleanup."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import pytest
+
+from kvtiers.core import publish as publish_module
+from kvtiers.core.publish import (
+    TEMP_SUFFIX,
+    FileOps,
+    cleanup_stale_temps,
+    is_temp_name,
+    publish,
+    publish_bytes,
+    temp_path_for,
+    write_all,
+)
+
+OLD = b"old content " * 100
+NEW = b"NEW CONTENT " * 300
+
+
+class InjectedFault(OSError):
+    def __init__(self, step: str) -> None:
+        super().__init__(errno.EIO, f"injected failure at {step}")
+        self.step = step
+
+
+class FaultyOps(FileOps):
+    """Real system calls, except that the named steps raise :class:`InjectedFault`
+    (after doing their work for ``close``, which releases the descriptor either way)."""
+
+    def __init__(self, *steps: str) -> None:
+        self.steps = set(steps)
+        self.calls: list[str] = []
+
+    def _maybe_fail(self, step: str) -> None:
+        self.calls.append(step)
+        if step in self.steps:
+            raise InjectedFault(step)
+
+    def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
+        self._maybe_fail("open")
+        return super().open_exclusive(path, mode, extra_flags)
+
+    def fsync(self, fd: int) -> None:
+        self._maybe_fail("fsync")
+        super().fsync(fd)
+
+    def close(self, fd: int) -> None:
+        super().close(fd)
+        self._maybe_fail("close")
+
+    def replace(self, src: Path, dst: Path) -> None:
+        self._maybe_fail("replace")
+        super().replace(src, dst)
+
+    def link(self, src: Path, dst: Path) -> None:
+        self._maybe_fail("link")
+        super().link(src, dst)
+
+    def fsync_dir(self, path: Path) -> None:
+        self._maybe_fail("fsync_dir")
+        super().fsync_dir(path)
+
+    def unlink(self, path: Path) -> None:
+        self._maybe_fail("unlink")
+        super().unlink(path)
+
+
+class WriterFault(RuntimeError):
+    pass
+
+
+def half_then_fail(fd: int, _temp: Path) -> None:
+    """A writer that dies midway, after a partial write."""
+    write_all(fd, [NEW[: len(NEW) // 2]])
+    raise WriterFault("writer died midway")
+
+
+def write_new(fd: int, _temp: Path) -> None:
+    write_all(fd, [NEW])
+
+
+def temps_in(directory: Path) -> list[str]:
+    return [name for name in os.listdir(directory) if is_temp_name(name)]
+
+
+@pytest.fixture
+def umask_022() -> Iterator[None]:
+    old = os.umask(0o022)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+# --- fault injection --------------------------------------------------------------------
+
+# step -> does the new content end up published when that step fails?
+REPLACE_STEPS = {
+    "open": False,
+    "writer": False,
+    "fsync": False,
+    "close": False,
+    "replace": False,
+    "fsync_dir": True,
+}
+LINK_STEPS = {**{k: v for k, v in REPLACE_STEPS.items() if k != "replace"}, "link": False}
+
+
+def run_faulty(final: Path, step: str, *, replace: bool) -> FaultyOps:
+    ops = FaultyOps(step)
+    writer = half_then_fail if step == "writer" else write_new
+    expected_error: type[Exception] = WriterFault if step == "writer" else InjectedFault
+    with pytest.raises(expected_error):
+        publish(final, writer, replace=replace, ops=ops)
+    if step != "writer":
+        assert step in ops.calls
+    return ops
+
+
+@pytest.mark.parametrize("step", sorted(REPLACE_STEPS))
+@pytest.mark.parametrize("existing", [False, True], ids=["first", "overwrite"])
+def test_failure_at_each_step_never_tears_the_file(
+    step: str, existing: bool, tmp_path: Path
+) -> None:
+    final = tmp_path / "chunk.kvc"
+    if existing:
+        final.write_bytes(OLD)
+    run_faulty(final, step, replace=True)
+    if REPLACE_STEPS[step]:
+        assert final.read_bytes() == NEW
+    elif existing:
+        assert final.read_bytes() == OLD
+    else:
+        assert not final.exists()
+    assert temps_in(tmp_path) == []
+
+
+@pytest.mark.parametrize("step", sorted(LINK_STEPS))
+def test_no_clobber_failure_at_each_step_never_tears_the_file(
+    step: str, tmp_path: Path
+) -> None:
+    final = tmp_path / "manifest.json"
+    run_faulty(final, step, replace=False)
+    if LINK_STEPS[step]:
+        assert final.read_bytes() == NEW
+    else:
+        assert not final.exists()
+    assert temps_in(tmp_path) == []
+
+
+def test_no_clobber_unlink_failure_after_link_leaves_a_temp_cleanup_removes(
+    tmp_path: Path,
+) -> None:
+    final = tmp_path / "manifest.json"
+    run_faulty(final, "unlink", replace=False)
+    assert final.read_bytes() == NEW
+    assert len(temps_in(tmp_path)) == 1
+    assert cleanup_stale_temps(tmp_path) == 1
+    assert temps_in(tmp_path) == []
+    assert final.read_bytes() == NEW
+
+
+@pytest.mark.parametrize("step", ["fsync", "replace"])
+def test_failed_temp_removal_leaves_a_temp_cleanup_removes(step: str, tmp_path: Path) -> None:
+    final = tmp_path / "chunk.kvc"
+    final.write_bytes(OLD)
+    ops = FaultyOps(step, "unlink")
+    with pytest.raises(InjectedFault):
+        publish(final, write_new, ops=ops)
+    assert final.read_bytes() == OLD
+    assert len(temps_in(tmp_path)) == 1
+    assert cleanup_stale_temps(tmp_path) == 1
+    assert temps_in(tmp_path) == []
+    assert final.read_bytes() == OLD
+
+
+def test_failed_fsync_of_a_new_directory_publishes_nothing_and_a_retry_succeeds(
+    tmp_path: Path,
+) -> None:
+    final = tmp_path / "ab" / "cd" / "chunk.kvc"
+    with pytest.raises(InjectedFault):
+        publish(final, write_new, ops=FaultyOps("fsync_dir"))
+    assert not final.exists()
+    publish(final, write_new)
+    assert final.read_bytes() == NEW
+    assert temps_in(final.parent) == []
+
+
+def test_publish_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
+    final = tmp_path / "chunk.kvc"
+    final.write_bytes(OLD)
+    ops = FaultyOps()
+    publish_bytes(final, [NEW[:5], b"", NEW[5:]], ops=ops)
+    assert final.read_bytes() == NEW
+    assert temps_in(tmp_path) == []
+    assert ops.calls == ["open", "fsync", "close", "replace", "fsync_dir"]
+
+
+# --- no-clobber -------------------------------------------------------------------------
+
+
+def test_no_clobber_publishes_a_new_file(tmp_path: Path) -> None:
+    final = tmp_path / "sub" / "manifest.json"
+    ops = FaultyOps()
+    publish_bytes(final, [NEW], replace=False, ops=ops)
+    assert final.read_bytes() == NEW
+    assert temps_in(final.parent) == []
+    assert ops.calls[-4:] == ["close", "link", "unlink", "fsync_dir"]
+
+
+def test_no_clobber_keeps_the_existing_file(tmp_path: Path) -> None:
+    final = tmp_path / "manifest.json"
+    final.write_bytes(OLD)
+    with pytest.raises(FileExistsError):
+        publish_bytes(final, [NEW], replace=False)
+    assert final.read_bytes() == OLD
+    assert temps_in(tmp_path) == []
+
+
+# --- short writes -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("limit", [1, 7, 4096])
+def test_short_writes_are_retried(
+    limit: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_pwritev = os.pwritev
+    calls: list[int] = []
+
+    def short_pwritev(fd: int, buffers: Sequence[memoryview], offset: int) -> int:
+        """Writes at most ``limit`` bytes, as a signal or a full disk may cause."""
+        budget, clipped = limit, []
+        for buf in buffers:
+            if budget == 0:
+                break
+            clipped.append(buf[:budget])
+            budget -= len(clipped[-1])
+        calls.append(offset)
+        return real_pwritev(fd, clipped, offset)
+
+    monkeypatch.setattr(publish_module.os, "pwritev", short_pwritev)
+    parts = [b"head", b"", bytearray(NEW[:1000]), memoryview(NEW)[1000:], b"z"]
+    final = tmp_path / "chunk.kvc"
+    publish_bytes(final, parts)
+    expected = b"head" + NEW + b"z"
+    assert final.read_bytes() == expected
+    assert len(calls) == -(-len(expected) // limit)
+
+
+def test_write_all_at_an_offset_returns_the_byte_count(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"x" * 10)
+        assert write_all(fd, [b"abc", b"def"], offset=4) == 6
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"xxxxabcdef"
+
+
+def test_a_write_that_makes_no_progress_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(publish_module.os, "pwritev", lambda fd, buffers, offset: 0)
+    final = tmp_path / "chunk.kvc"
+    with pytest.raises(OSError, match="pwritev wrote 0 bytes"):
+        publish_bytes(final, [NEW])
+    assert not final.exists()
+    assert temps_in(tmp_path) == []
+
+
+# --- modes ------------------------------------------------------------------------------
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_default_modes_are_private(tmp_path: Path, umask_022: None) -> None:
+    final = tmp_path / "a" / "b" / "chunk.kvc"
+    publish_bytes(final, [NEW])
+    assert mode_of(final) == 0o600
+    assert mode_of(tmp_path / "a") == 0o700
+    assert mode_of(tmp_path / "a" / "b") == 0o700
+
+
+def test_configured_modes_are_honoured(tmp_path: Path, umask_022: None) -> None:
+    final = tmp_path / "a" / "b" / "chunk.kvc"
+    publish_bytes(final, [NEW], file_mode=0o644, dir_mode=0o755)
+    assert mode_of(final) == 0o644
+    assert mode_of(tmp_path / "a") == 0o755
+    assert mode_of(tmp_path / "a" / "b") == 0o755
+
+
+# --- stale temp cleanup -----------------------------------------------------------------
+
+
+def make_temp(final: Path, *, age_s: float = 0.0) -> Path:
+    temp = temp_path_for(final)
+    temp.parent.mkdir(parents=True, exist_ok=True)
+    temp.write_bytes(b"partial")
+    if age_s:
+        then = time.time() - age_s
+        os.utime(temp, (then, then))
+    return temp
+
+
+def test_cleanup_removes_only_temp_names(tmp_path: Path) -> None:
+    keep = [
+        tmp_path / "manifest.json",
+        tmp_path / "ns" / "00" / "01" / "0001_g0.kvc",
+        tmp_path / "ns" / ".hidden",
+        tmp_path / "ns" / f"visible{TEMP_SUFFIX}",
+        tmp_path / "ns" / ".almost.kvtmp.bak",
+    ]
+    for path in keep:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"keep")
+    temps = [make_temp(keep[0]), make_temp(keep[1]), make_temp(keep[1]), make_temp(keep[2])]
+    assert all(is_temp_name(t.name) for t in temps)
+
+    assert cleanup_stale_temps(tmp_path) == len(temps)
+    assert not any(t.exists() for t in temps)
+    assert all(path.read_bytes() == b"keep" for path in keep)
+
+
+def test_cleanup_respects_older_than(tmp_path: Path) -> None:
+    final = tmp_path / "00" / "01" / "0001_g0.kvc"
+    old = [make_temp(final, age_s=3600), make_temp(final, age_s=120)]
+    fresh = [make_temp(final), make_temp(final, age_s=30)]
+    assert cleanup_stale_temps(tmp_path, older_than_s=60) == len(old)
+    assert not any(t.exists() for t in old)
+    assert all(t.exists() for t in fresh)
+    assert cleanup_stale_temps(tmp_path) == len(fresh)
+
+
+def test_cleanup_of_a_missing_root(tmp_path: Path) -> None:
+    assert cleanup_stale_temps(tmp_path / "absent") == 0
