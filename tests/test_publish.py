@@ -251,7 +251,9 @@ def test_short_writes_are_retried(
         return real_pwritev(fd, clipped, offset)
 
     monkeypatch.setattr(publish_module.os, "pwritev", short_pwritev)
-    parts = [b"head", b"", bytearray(NEW[:1000]), memoryview(NEW)[1000:], b"z"]
+    parts: list[bytes | bytearray | memoryview] = [
+        b"head", b"", bytearray(NEW[:1000]), memoryview(NEW)[1000:], b"z"
+    ]
     final = tmp_path / "chunk.kvc"
     publish_bytes(final, parts)
     expected = b"head" + NEW + b"z"
