@@ -112,8 +112,7 @@ class ModelSection(Section):
         """The core configuration for process ``rank``; errors carry ``model.…`` paths."""
         groups = []
         for idx, group in enumerate(self.groups):
-            renames = {"layer_names": "num_layers"} if group.layer_names is None else {}
-            with _located(item_path(join_path(MODEL_PATH, "groups"), idx), renames):
+            with _located(item_path(join_path(MODEL_PATH, "groups"), idx)):
                 names = group.resolved_layer_names(idx)
                 groups.append(
                     OffloadingGroupConfig(
@@ -135,8 +134,8 @@ class ModelSection(Section):
                 hash_algorithm=self.hash_algorithm,
             )
         parallel = self.parallel
-        # ``rank`` is this call's argument and ``world_size`` a product: neither is a key.
-        with _located(join_path(MODEL_PATH, "parallel"), {"rank": "", "world_size": ""}):
+        # ``rank`` is this call's argument, not a key: its errors point at the section.
+        with _located(join_path(MODEL_PATH, "parallel"), {"rank": ""}):
             parallel_config = OffloadingParallelConfig(
                 rank=rank,
                 world_size=parallel.tp_size

@@ -80,9 +80,9 @@ class Range:
         if self.low is not None and self.high is not None:
             wanted = f"from {self.low:g} to {self.high:g}"
         elif self.low is not None:
-            wanted = f"greater than {self.low:g}" if self.above else f"at least {self.low:g}"
+            wanted = f"greater than {self.low:g}" if self.above else f"of at least {self.low:g}"
         else:
-            wanted = f"at most {self.high:g}"
+            wanted = f"of at most {self.high:g}"
         return f"expected a value {wanted}, got {value!r}"
 
 

@@ -105,7 +105,7 @@ class StackConfig:
         else:
             primaries = ", ".join(name for name, kind in TIER_KINDS.items() if kind.may_be_primary)
             message = (
-                f"the first tier is the primary and a {first.kind} tier cannot be one "
+                f"the first tier is the primary and {first.what} cannot be one "
                 f"(primaries: {primaries}); put a cpu tier first"
             )
         raise ConfigError(message, path=key_path(item_path("tiers", 0), "kind"))

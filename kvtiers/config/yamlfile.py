@@ -110,7 +110,11 @@ class _Converter:
         if isinstance(node, yaml.ScalarNode):
             return self._loader.construct_object(node, deep=True)
         if id(node) in self._active:
-            raise self._error("an alias refers to a value that contains it", path, node)
+            raise self._error(
+                "an alias refers to a value that contains it; write the value out instead",
+                path,
+                node,
+            )
         self._active.add(id(node))
         try:
             if isinstance(node, yaml.SequenceNode):
