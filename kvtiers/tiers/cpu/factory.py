@@ -42,16 +42,17 @@ def build_tier(
     """The CPU tier ``name``; it must be the primary (``primary_region`` is ``None``)."""
     if primary_region is not None:
         raise ConfigError(
-            "a cpu tier can only be the first tier of a stack; move it to the top",
-            path=name,
+            f"tier {name!r}: a cpu tier can only be the first tier of a stack; "
+            "move it to the top",
+            path="kind",
         )
     geometry = ChunkGeometry.from_config(offloading)
     num_slots = config.capacity // geometry.slot_bytes
     if num_slots <= 0:
         raise ConfigError(
-            f"capacity {config.capacity} bytes holds no chunk of {geometry.slot_bytes} bytes; "
-            f"give at least {geometry.slot_bytes} bytes",
-            path=f"{name}.capacity",
+            f"tier {name!r}: capacity {config.capacity} bytes holds no chunk of "
+            f"{geometry.slot_bytes} bytes; give at least {geometry.slot_bytes} bytes",
+            path="capacity",
         )
     policy = load_policy(config.policy)(num_slots)
     region = SlotRegion(num_slots, geometry.slot_bytes, config.shared_memory_name)

@@ -1,0 +1,254 @@
+"""The CPU tier manager: a Hypothesis state machine against a dict model for each policy,
+plus the details the shared conformance suite leaves open (slot states, stats, factory)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, precondition, rule
+
+from kvtiers.core.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+)
+from kvtiers.core.keys import OffloadKey, make_offload_key
+from kvtiers.core.manager import LookupResult, Medium, ReqContext
+from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.errors import ConfigError, UnknownKeyError
+from kvtiers.policies import BUILTIN_POLICIES, load_policy
+from kvtiers.tiers.cpu import CpuTierManager, SlotRegion, SlotState, build_tier
+
+CTX = ReqContext(req_id="test")
+CAPACITY = 4
+SLOT_BYTES = 4096
+KEYS = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(10)]
+
+
+def payload(key: OffloadKey, generation: int) -> bytes:
+    return (key + generation.to_bytes(4, "big")) * 8
+
+
+class CpuTierMachine(RuleBasedStateMachine):
+    """Drives a CPU tier with stores, loads, touches and resets; the model is a dict of
+    key → (state, payload, pins). Evictions are the only changes the model does not
+    predict; each one is checked to have hit a ready, unpinned key."""
+
+    policy = "lru"
+    in_flight = Bundle("in_flight")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.region = SlotRegion(CAPACITY, SLOT_BYTES)
+        policy = load_policy(self.policy)(CAPACITY)
+        self.manager = CpuTierManager(CAPACITY, SLOT_BYTES, policy, region=self.region)
+        self.model: dict[OffloadKey, tuple[SlotState, bytes]] = {}
+        self.pins: dict[OffloadKey, int] = {}
+        self.generation = 0
+
+    def teardown(self) -> None:
+        self.manager.shutdown()
+
+    def observe(self) -> tuple[object, ...]:
+        m = self.manager
+        return tuple((m.slot_state(k), m.slot_of(k), m.pin_count(k)) for k in KEYS)
+
+    def sync_evictions(self) -> None:
+        for key in list(self.model):
+            if self.manager.slot_state(key) is SlotState.FREE:
+                state, _ = self.model.pop(key)
+                assert state is SlotState.READY and key not in self.pins, "evicted a busy key"
+
+    @rule(target=in_flight, keys=st.lists(st.sampled_from(KEYS), max_size=6))
+    def begin_store(self, keys: list[OffloadKey]) -> tuple[OffloadKey, ...]:
+        before = self.observe()
+        stats = dict(self.manager.get_stats())
+        accepted = self.manager.prepare_store(keys, CTX)
+        new = set(keys) - set(self.model)
+        busy = {k for k, (s, _) in self.model.items() if s is SlotState.WRITING}
+        busy |= set(self.pins) | (set(keys) & set(self.model))
+        if accepted is None:
+            assert self.observe() == before and dict(self.manager.get_stats()) == stats
+            assert len(new) > CAPACITY - len(busy), "refused a store that fits"
+            return ()
+        self.sync_evictions()
+        assert accepted == list(dict.fromkeys(k for k in keys if k not in self.model))
+        spec = self.manager.get_spec(accepted)
+        assert isinstance(spec, CPULoadStoreSpec)
+        self.generation += 1
+        for key, slot in zip(accepted, spec.slot_ids.tolist(), strict=True):
+            data = payload(key, self.generation)
+            self.region.view(slot)[: len(data)] = data
+            self.model[key] = (SlotState.WRITING, data)
+        return tuple(accepted)
+
+    @rule(batch=in_flight, success=st.booleans())
+    def finish_store(self, batch: tuple[OffloadKey, ...], success: bool) -> None:
+        writing = [k for k in batch if self.model.get(k, (None,))[0] is SlotState.WRITING]
+        self.manager.complete_store(writing, CTX, success=success)
+        for key in writing:
+            if success:
+                self.model[key] = (SlotState.READY, self.model[key][1])
+            else:
+                del self.model[key]
+
+    @precondition(lambda self: any(s is SlotState.READY for s, _ in self.model.values()))
+    @rule(data=st.data())
+    def begin_load(self, data: st.DataObject) -> None:
+        ready = sorted(k for k, (s, _) in self.model.items() if s is SlotState.READY)
+        key = data.draw(st.sampled_from(ready))
+        self.manager.prepare_load([key], CTX)
+        self.pins[key] = self.pins.get(key, 0) + 1
+        (slot,) = self.manager.get_spec([key]).block_ids.tolist()
+        stored = self.model[key][1]
+        assert bytes(self.region.view(slot)[: len(stored)]) == stored
+
+    @precondition(lambda self: bool(self.pins))
+    @rule(data=st.data())
+    def finish_load(self, data: st.DataObject) -> None:
+        key = data.draw(st.sampled_from(sorted(self.pins)))
+        self.manager.complete_load([key], CTX)
+        self.pins[key] -= 1
+        if not self.pins[key]:
+            del self.pins[key]
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), max_size=4))
+    def touch(self, keys: list[OffloadKey]) -> None:
+        self.manager.touch(keys, CTX)
+
+    @rule()
+    def reset(self) -> None:
+        self.manager.reset_cache()
+        for key in list(self.model):
+            if self.model[key][0] is SlotState.READY and key not in self.pins:
+                del self.model[key]
+
+    @invariant()
+    def matches_model(self) -> None:
+        expected = {SlotState.READY: LookupResult.HIT, SlotState.WRITING: LookupResult.HIT_PENDING}
+        for key in KEYS:
+            state = self.model[key][0] if key in self.model else None
+            assert self.manager.slot_state(key) is (state or SlotState.FREE)
+            want = expected[state] if state else LookupResult.MISS
+            assert self.manager.lookup(key, CTX) is want
+            assert self.manager.pin_count(key) == self.pins.get(key, 0)
+
+    @invariant()
+    def slots_are_unique_and_within_capacity(self) -> None:
+        slots = [self.manager.slot_of(k) for k in self.model]
+        assert len(slots) <= CAPACITY
+        assert len(set(slots)) == len(slots)
+        assert all(s is not None and 0 <= s < CAPACITY for s in slots)
+        assert self.manager.get_stats()["chunks"] == len(self.model)
+
+
+for _name in BUILTIN_POLICIES:
+    _machine = type(f"CpuTierMachine_{_name}", (CpuTierMachine,), {"policy": _name})
+    _case = _machine.TestCase
+    _case.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+    globals()[f"TestCpuTierStateMachine_{_name}"] = _case
+
+
+# -- details beyond the conformance suite -------------------------------------------
+def make_manager(capacity: int = CAPACITY, policy: str = "lru") -> CpuTierManager:
+    return CpuTierManager(capacity, SLOT_BYTES, load_policy(policy)(capacity))
+
+
+def test_slot_states_and_pins_are_explicit() -> None:
+    manager = make_manager()
+    key = KEYS[0]
+    assert manager.slot_state(key) is SlotState.FREE
+    assert manager.prepare_store([key], CTX) == [key]
+    assert manager.slot_state(key) is SlotState.WRITING
+    manager.complete_store([key], CTX)
+    assert manager.slot_state(key) is SlotState.READY
+    manager.prepare_load([key, key], CTX)
+    assert manager.pin_count(key) == 2
+    manager.complete_load([key, key], CTX)
+    assert manager.pin_count(key) == 0
+    with pytest.raises(UnknownKeyError):
+        manager.complete_load([key], CTX)
+
+
+def test_present_keys_of_a_batch_survive_the_eviction_it_causes() -> None:
+    manager = make_manager(capacity=2)
+    for key in KEYS[:2]:
+        manager.prepare_store([key], CTX)
+        manager.complete_store([key], CTX)
+    # KEYS[0] is the LRU victim, but the batch names it as already stored.
+    assert manager.prepare_store([KEYS[0], KEYS[2]], CTX) == [KEYS[2]]
+    assert manager.lookup(KEYS[0], CTX) is LookupResult.HIT
+    assert manager.lookup(KEYS[1], CTX) is LookupResult.MISS
+    assert manager.prepare_store([KEYS[0], KEYS[3]], CTX) is None
+
+
+def test_stats_and_events() -> None:
+    manager = make_manager(capacity=2)
+    manager.prepare_store(KEYS[:2], CTX)
+    manager.complete_store(KEYS[:2], CTX)
+    manager.prepare_store([KEYS[2]], CTX)
+    manager.complete_store([KEYS[2]], CTX, success=False)
+    manager.prepare_load([KEYS[1]], CTX)
+    manager.prepare_store([KEYS[3]], CTX)
+    stats = manager.get_stats()
+    assert {k: stats[k] for k in ("stores", "store_failures", "evictions", "loads", "chunks")} == {
+        "stores": 2,
+        "store_failures": 1,
+        "evictions": 1,
+        "loads": 1,
+        "chunks": 2,
+    }
+    assert (stats["usage_bytes"], stats["capacity_bytes"]) == (2 * SLOT_BYTES, 2 * SLOT_BYTES)
+    events = list(manager.take_events())
+    assert [(e.keys, e.removed, e.medium) for e in events] == [
+        (KEYS[:2], False, Medium.CPU),
+        ([KEYS[0]], True, Medium.CPU),
+    ]
+
+
+@pytest.mark.parametrize(("policy", "recency"), [("lru", True), ("arc", False), ("s3fifo", False)])
+def test_capabilities_follow_the_policy(policy: str, recency: bool) -> None:
+    caps = make_manager(policy=policy).capabilities
+    assert (caps.recency, caps.evicts, caps.persistent, caps.events) == (recency, True, False, True)
+
+
+@dataclass(frozen=True)
+class Settings:
+    capacity: int
+    policy: str = "arc"
+    shared_memory_name: str | None = None
+
+
+OFFLOADING = OffloadingConfig(
+    groups=(OffloadingGroupConfig(16, ("l0", "l1"), 5000),),
+    model=OffloadingModelConfig("test-model"),
+    cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2),
+)
+
+
+def test_factory_builds_region_manager_and_worker() -> None:
+    slot = 12288  # 2 blocks x 5000 bytes, rounded up to 4096
+    tier = build_tier(
+        Settings(capacity=3 * slot + 100), OFFLOADING, primary_region=None, name="cpu0"
+    )
+    try:
+        assert isinstance(tier.manager, CpuTierManager)
+        assert (tier.manager.num_slots, tier.manager.slot_bytes) == (3, slot)
+        assert tier.region is not None and (tier.region.num_slots, tier.region.slot_bytes) == (
+            3,
+            slot,
+        )
+        assert type(tier.manager.policy).__name__ == "ARCPolicy"
+        assert tier.make_worker is not None
+    finally:
+        tier.shutdown()
+
+
+def test_factory_refuses_a_capacity_below_one_slot() -> None:
+    with pytest.raises(ConfigError, match="holds no chunk") as info:
+        build_tier(Settings(capacity=4096), OFFLOADING, primary_region=None, name="cpu0")
+    assert info.value.path == "capacity"
