@@ -715,6 +715,14 @@ def test_directory_is_not_a_stack(tmp_path: Path) -> None:
         load_stack_config(tmp_path)
 
 
+def test_non_utf8_file_is_one_line(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("tiers: [{kind: cpu, capacity: 1GiB, name: caf\u00e9}]\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text") as info:
+        load_stack_config(path)
+    assert info.value.source == str(path)
+
+
 def test_mapping_errors_carry_the_path_without_a_file() -> None:
     with pytest.raises(ConfigError) as info:
         load_stack_config({"tiers": [{"kind": "cpu", "capacity": "lots"}]})
