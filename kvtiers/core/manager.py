@@ -156,7 +156,7 @@ class OffloadingManager(ABC):
     """
 
     #: What this tier can do; a read-only declaration, never discovered by exceptions.
-    capabilities: ClassVar[TierCapabilities] = TierCapabilities()
+    capabilities: TierCapabilities = TierCapabilities()
     #: Medium and locality, used by tier filters and events.
     medium: Medium = Medium.CPU
     locality: Locality = Locality.LOCAL

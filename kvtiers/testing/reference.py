@@ -21,7 +21,7 @@ from kvtiers.core.manager import (
     RequestOffloadingContext,
     TierCapabilities,
 )
-from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 
 
@@ -49,6 +49,19 @@ class InMemoryTier(OffloadingManager):
         self._stats = {"hits": 0, "misses": 0, "stores": 0, "store_failures": 0,
                        "evictions": 0, "loads": 0}
 
+    def _drop(self, key: OffloadKey) -> None:
+        """Forget ``key`` and free its slot (subclasses also drop their stored bytes)."""
+        slot = self._entries.pop(key).slot
+        self._free_slots.append(slot)
+        self.data.pop(slot, None)
+
+    def _insert_ready(self, key: OffloadKey) -> bool:
+        """Track an already-stored chunk (index rebuild); False when no slot is free."""
+        if key in self._entries or not self._free_slots:
+            return False
+        self._entries[key] = _Entry(slot=self._free_slots.pop(), ready=True)
+        return True
+
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         entry = self._entries.get(key)
         if entry is None:
@@ -70,8 +83,7 @@ class InMemoryTier(OffloadingManager):
             if len(victims) < shortfall:
                 return None
         for victim in victims:
-            self._free_slots.append(self._entries.pop(victim).slot)
-            self.data.pop(self._free_slots[-1], None)
+            self._drop(victim)
         if victims:
             self._stats["evictions"] += len(victims)
             self._events.append(OffloadingEvent(victims, self.medium, removed=True))
@@ -89,7 +101,7 @@ class InMemoryTier(OffloadingManager):
             self._entries.move_to_end(key)
         self._stats["loads"] += len(keys)
 
-    def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
+    def get_spec(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
         slots = []
         for key in keys:
             entry = self._entries.get(key)
@@ -115,9 +127,7 @@ class InMemoryTier(OffloadingManager):
                 entry.ready = True
                 stored.append(key)
             else:
-                del self._entries[key]
-                self._free_slots.append(entry.slot)
-                self.data.pop(entry.slot, None)
+                self._drop(key)
                 self._stats["store_failures"] += 1
         if stored:
             self._stats["stores"] += len(stored)
@@ -139,9 +149,7 @@ class InMemoryTier(OffloadingManager):
     def reset_cache(self) -> None:
         dropped = [k for k, e in self._entries.items() if e.ready and not e.pins]
         for key in dropped:
-            slot = self._entries.pop(key).slot
-            self._free_slots.append(slot)
-            self.data.pop(slot, None)
+            self._drop(key)
         if dropped:
             self._events.append(OffloadingEvent(dropped, self.medium, removed=True))
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.manager import OffloadingManager
@@ -20,13 +20,17 @@ from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 
 @dataclass
 class BuiltTier:
-    """A ready tier: its manager, and its mover (lower tiers) or worker factory (primary)."""
+    """A ready tier: its manager, and its mover (lower tiers) or worker factory (primary).
+
+    ``admission`` says whether the composite cascades newly stored chunks into this tier.
+    """
 
     name: str
     manager: OffloadingManager
     mover: Mover | None = None
     region: HostRegion | None = None
     make_worker: Callable[[KVCacheTensors], OffloadingWorker] | None = None
+    admission: Literal["always", "never"] = "always"
 
     def shutdown(self) -> None:
         """Stop the mover (draining it), then the manager. Idempotent."""

@@ -1,0 +1,1 @@
+"""Tier stacks: the composite manager and the YAML → stack builder."""

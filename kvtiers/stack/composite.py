@@ -1,0 +1,297 @@
+"""`TieredManager`: the group-unaware composite of an ordered list of tiers.
+
+The first tier is the primary: the only one the GPU worker talks to, and the staging area
+every lower tier copies through. The composite implements ``OffloadingManager`` itself,
+so the scheduler sees one manager.
+
+* **Lookup** asks the primary, then each lower tier the request's ``load_tier_filter``
+  allows, in order. The first lower-tier ``HIT`` starts a *promotion*: a primary slot is
+  reserved and the lower tier's chunk pinned (``HIT_PENDING``); the copy is submitted to
+  the lower tier's mover at the end of the step. If the primary cannot reserve a slot the
+  answer is ``MISS`` (recompute rather than stall). ``RETRY`` from a lower tier propagates
+  unless a later tier hits.
+* **Store** goes to the primary. On ``complete_store(success=True)`` each chunk is
+  *cascaded* to every lower tier whose admission accepts it; the primary slot stays pinned
+  while the mover reads it.
+* Every tier-to-tier copy uses the tiers' own ``prepare_* / get_spec / complete_*`` and
+  their movers. Mover completions are collected in ``on_schedule_end``.
+
+Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact; a
+cascaded chunk's primary slot is never evicted or freed while a mover reads it;
+``reset_cache`` drains movers before freeing primary slots. All methods run on the
+scheduler thread; movers touch only memory the composite pinned or reserved for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import (
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TierCapabilities,
+)
+from kvtiers.core.mover import Mover, MoverResult
+from kvtiers.core.specs import LoadStoreSpec
+from kvtiers.errors import ConfigError
+from kvtiers.tiers.base import BuiltTier
+
+_INTERNAL = ReqContext(req_id="kvtiers-internal")
+
+_COUNTERS = (
+    "promotions",
+    "promotion_failures",
+    "promotions_refused",
+    "promoted_bytes",
+    "promote_s",
+    "cascades",
+    "cascade_failures",
+    "cascades_refused",
+    "cascaded_bytes",
+    "cascade_s",
+    "corrupt_chunks",
+)
+
+
+@dataclass
+class _Job:
+    kind: Literal["promote", "cascade"]
+    keys: list[OffloadKey]
+
+
+@dataclass
+class _Lower:
+    tier: BuiltTier
+    mover: Mover
+    jobs: dict[int, _Job] = field(default_factory=dict)
+    pending_promotions: list[OffloadKey] = field(default_factory=list)
+
+    @property
+    def manager(self) -> OffloadingManager:
+        return self.tier.manager
+
+
+class TieredManager(OffloadingManager):
+    """An ordered stack of tiers behind one ``OffloadingManager``. See the module docstring."""
+
+    def __init__(self, tiers: Sequence[BuiltTier]) -> None:
+        if not tiers:
+            raise ConfigError("a stack needs at least one tier", path="tiers")
+        self.tiers = list(tiers)
+        self._primary = tiers[0].manager
+        self._lower: list[_Lower] = []
+        for index, tier in enumerate(tiers[1:], start=1):
+            if tier.mover is None:
+                raise ConfigError(f"tier {tier.name!r} has no mover", path=f"tiers[{index}]")
+            self._lower.append(_Lower(tier, tier.mover))
+        if self._lower and tiers[0].region is None:
+            raise ConfigError(
+                f"primary tier {tiers[0].name!r} has no host memory for lower tiers to copy "
+                "through; put a cpu tier first",
+                path="tiers[0]",
+            )
+        self.medium = self._primary.medium
+        self.locality = self._primary.locality
+        self._job_ids = itertools.count()
+        self._stats: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
+        self._closed = False
+
+    @property
+    def capabilities(self) -> TierCapabilities:  # type: ignore[override]
+        primary = self._primary.capabilities
+        return TierCapabilities(
+            persistent=any(t.manager.capabilities.persistent for t in self.tiers),
+            evicts=primary.evicts,
+            recency=primary.recency,
+            events=primary.events,
+        )
+
+    # -- lookup and promotion -------------------------------------------------------
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        result = self._primary.lookup(key, ctx)
+        if result is not LookupResult.MISS:
+            return result
+        retry = False
+        for lower in self._lower:
+            manager = lower.manager
+            if not ctx.load_tier_filter.allows(manager.medium, manager.locality):
+                continue
+            result = manager.lookup(key, ctx)
+            if result is LookupResult.HIT:
+                return self._start_promotion(lower, key, ctx)
+            if result is LookupResult.HIT_PENDING:
+                return result
+            retry = retry or result is LookupResult.RETRY
+        return LookupResult.RETRY if retry else LookupResult.MISS
+
+    def _start_promotion(self, lower: _Lower, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        accepted = self._primary.prepare_store([key], ctx)
+        if accepted is None:
+            self._stats["promotions_refused"] += 1
+            return LookupResult.MISS
+        lower.manager.prepare_load([key], ctx)
+        lower.pending_promotions.append(key)
+        return LookupResult.HIT_PENDING
+
+    def _flush_promotions(self) -> None:
+        for lower in self._lower:
+            keys, lower.pending_promotions = lower.pending_promotions, []
+            if keys:
+                self._submit(lower, "promote", keys, lower.manager.get_spec(keys),
+                             self._primary.get_spec(keys))
+
+    # -- store and cascade ----------------------------------------------------------
+    def prepare_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> list[OffloadKey] | None:
+        return self._primary.prepare_store(keys, ctx)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+    ) -> None:
+        """Finish a primary store; on success cascade ``keys`` to admitting lower tiers.
+
+        ``keys`` must be keys this manager's ``prepare_store`` returned."""
+        keys = list(keys)
+        self._primary.complete_store(keys, ctx, success)
+        if not success or not keys:
+            return
+        for lower in self._lower:
+            if lower.tier.admission == "never":
+                continue
+            accepted = lower.manager.prepare_store(keys, ctx)
+            if accepted is None:
+                self._stats["cascades_refused"] += len(keys)
+                continue
+            if accepted:
+                self._primary.prepare_load(accepted, ctx)
+                self._submit(lower, "cascade", accepted, self._primary.get_spec(accepted),
+                             lower.manager.get_spec(accepted))
+
+    def _submit(
+        self,
+        lower: _Lower,
+        kind: Literal["promote", "cascade"],
+        keys: list[OffloadKey],
+        src: LoadStoreSpec,
+        dst: LoadStoreSpec,
+    ) -> None:
+        job_id = next(self._job_ids)
+        lower.jobs[job_id] = _Job(kind, keys)
+        if not lower.mover.submit(job_id, src, dst):
+            self._finish(lower, MoverResult(job_id, succeeded_keys=(), failed_keys=tuple(keys)))
+
+    # -- completions ----------------------------------------------------------------
+    def _poll(self) -> None:
+        for lower in self._lower:
+            for result in lower.mover.get_finished():
+                self._finish(lower, result)
+
+    def _finish(self, lower: _Lower, result: MoverResult) -> None:
+        job = lower.jobs.pop(result.job_id)
+        succeeded = list(result.succeeded_keys)
+        failed = [k for k in job.keys if k not in set(succeeded)]
+        self._stats["corrupt_chunks"] += len(result.corrupt_keys)
+        if job.kind == "promote":
+            self._primary.complete_store(succeeded, _INTERNAL, success=True)
+            self._primary.complete_store(failed, _INTERNAL, success=False)
+            lower.manager.complete_load(job.keys, _INTERNAL)
+            self._stats["promotions"] += len(succeeded)
+            self._stats["promotion_failures"] += len(failed)
+            self._stats["promoted_bytes"] += result.transfer_bytes
+            self._stats["promote_s"] += result.transfer_s
+        else:
+            lower.manager.complete_store(succeeded, _INTERNAL, success=True)
+            lower.manager.complete_store(failed, _INTERNAL, success=False)
+            self._primary.complete_load(job.keys, _INTERNAL)
+            self._stats["cascades"] += len(succeeded)
+            self._stats["cascade_failures"] += len(failed)
+            self._stats["cascaded_bytes"] += result.transfer_bytes
+            self._stats["cascade_s"] += result.transfer_s
+
+    def wait_idle(self) -> None:
+        """Submit pending promotions and block until every mover job has completed.
+
+        For tests, the demo and shutdown: the scheduler itself never blocks."""
+        self._flush_promotions()
+        while any(lower.jobs for lower in self._lower):
+            for lower in self._lower:
+                if lower.jobs:
+                    lower.mover.drain()
+            self._poll()
+
+    # -- the rest of the contract ---------------------------------------------------
+    def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._primary.prepare_load(keys, ctx)
+
+    def get_spec(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
+        return self._primary.get_spec(keys)
+
+    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        for tier in self.tiers:
+            tier.manager.touch(keys, ctx)
+
+    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._primary.complete_load(keys, ctx)
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        result = self._primary.on_new_request(ctx)
+        for lower in self._lower:
+            lower.manager.on_new_request(ctx)
+        return result
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        for tier in self.tiers:
+            tier.manager.on_request_finished(ctx)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events: list[OffloadingEvent] = list(self._primary.take_events())
+        for lower in self._lower:
+            for event in lower.manager.take_events():
+                if event.ownership is None:
+                    event.ownership = lower.tier.name
+                events.append(event)
+        return events
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        self._flush_promotions()
+        self._poll()
+        for tier in self.tiers:
+            tier.manager.on_schedule_end(ctx)
+
+    def has_pending_work(self) -> bool:
+        return any(lower.jobs or lower.pending_promotions for lower in self._lower) or any(
+            tier.manager.has_pending_work() for tier in self.tiers
+        )
+
+    def reset_cache(self) -> None:
+        """Drain movers, then drop the primary's chunks; persistent tiers keep theirs."""
+        self.wait_idle()
+        for tier in self.tiers:
+            tier.manager.reset_cache()
+
+    def get_stats(self) -> Mapping[str, float]:
+        stats = dict(self._stats)
+        for tier in self.tiers:
+            for name, value in tier.manager.get_stats().items():
+                stats[f"{tier.name}.{name}"] = value
+        primary = self.tiers[0].name
+        stats["hits"] = stats.get(f"{primary}.hits", 0)
+        stats["misses"] = stats.get(f"{primary}.misses", 0)
+        return stats
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.wait_idle()
+        for tier in reversed(self.tiers):
+            tier.shutdown()
