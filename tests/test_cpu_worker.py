@@ -103,8 +103,10 @@ def run_job(
     return result
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_store_then_load_into_other_blocks(seed: int) -> None:
+@pytest.mark.parametrize("layout", ["scattered", "consecutive_blocks", "consecutive_slots"])
+@pytest.mark.parametrize("seed", range(20))
+def test_store_then_load_into_other_blocks(seed: int, layout: str) -> None:
+    """Scattered ids take the two-pass gather/scatter; a consecutive side, one pass."""
     rng = random.Random(seed)
     setup = make_setup(rng)
     worker = CpuWorker(
@@ -113,6 +115,10 @@ def test_store_then_load_into_other_blocks(seed: int) -> None:
     try:
         free_slots = rng.sample(range(setup.region.num_slots), setup.region.num_slots)
         free_blocks = rng.sample(range(48), 48)
+        if layout == "consecutive_slots":
+            free_slots.sort(reverse=True)
+        elif layout == "consecutive_blocks":
+            free_blocks.sort(reverse=True)
         transfers = random_transfers(rng, setup, free_slots, free_blocks)
         region = setup.region.tensor().numpy()
         region_before = region.copy()

@@ -8,8 +8,11 @@ blocks_per_chunk``: chunk ``p // F``, sub-block ``p % F``. The last chunk may be
 
 Copies are vectorised: every (GPU block, slot page) pair of a tensor is computed at once
 with numpy, and bytes move with ``index_select`` (gather) and ``index_copy_`` (scatter)
-on the widest integer-like view the alignment allows (16-, 8-, 4-, 2- or 1-byte
-elements): ``index_copy_`` on ``uint8`` runs at a fraction of memory speed. Slot pages are
+on the widest view the alignment allows (16-, 8-, 4-, 2- or 1-byte elements):
+``index_copy_`` on ``uint8`` runs at a fraction of memory speed. When either side is evenly
+spaced (consecutive GPU blocks, or slot pages at a constant stride) one indexed copy moves
+the bytes in a single pass; otherwise a gather into a cache-sized staging buffer and a
+scatter out of it take two (torch has no indexed-to-indexed copy). Slot pages are
 addressed through one strided view of the region whose rows start every ``gcd(slot,
 page)`` elements, so pages of partial chunks need no special case.
 
@@ -31,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.specs import CPULoadStoreSpec, GroupTransfer
@@ -46,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 #: Bytes gathered or scattered per step: large enough to amortise call overhead, small
 #: enough that the staging buffer stays in cache between the two halves of a copy.
-DEFAULT_BATCH_BYTES = 2 << 20
+DEFAULT_BATCH_BYTES = 1 << 20
 
 
 def _dtype_for(element_bytes: int) -> torch.dtype:
@@ -121,15 +125,11 @@ class CpuWorker(OffloadingWorker):
         self._device = kv.tensors[0].device
         self._cuda = self._device.type == "cuda"
         flat = region.tensor()
-        self._plans = [
-            self._plan_group(kv, flat, region.slot_bytes, refs) for refs in kv.groups
-        ]
+        self._plans = [self._plan_group(kv, flat, region.slot_bytes, refs) for refs in kv.groups]
         largest_page = max(plan.page_bytes for plans in self._plans for plan in plans)
         # A multiple of the widest element, so every view of it is legal.
         staging_bytes = -(-max(batch_bytes, largest_page) // 16) * 16
-        self._staging = torch.empty(
-            staging_bytes, dtype=torch.uint8, pin_memory=self._cuda
-        )
+        self._staging = torch.empty(staging_bytes, dtype=torch.uint8, pin_memory=self._cuda)
         self._stream: Any = torch.cuda.Stream(self._device) if self._cuda else None
         self._device_staging = (
             torch.empty(staging_bytes, dtype=torch.uint8, device=self._device)
@@ -314,11 +314,50 @@ class CpuWorker(OffloadingWorker):
         blocks = torch.from_numpy(block_ids).to(self._device)
         for plan in self._plans[group]:
             rows = (slots * plan.slot_elems + subs * plan.page_elems) // plan.row_step
-            self._copy(plan, blocks, torch.from_numpy(rows), store)
+            if self._cuda or not self._copy_run(plan, block_ids, rows, store):
+                self._copy_batched(plan, blocks, torch.from_numpy(rows), store)
 
-    def _copy(
+    def _copy_run(
+        self,
+        plan: _TensorPlan,
+        block_ids: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64],
+        store: bool,
+    ) -> bool:
+        """One-pass copy when either side is evenly spaced (consecutive GPU blocks, or
+        slot pages at a constant stride, as a fresh tier hands out). False: neither is."""
+        import torch
+
+        steps = np.diff(rows)
+        if rows.size == 1 or (steps[0] > 0 and (steps == steps[0]).all()):
+            stride = int(steps[0]) * plan.row_step if rows.size > 1 else plan.page_elems
+            run = torch.as_strided(
+                plan.slot_rows,
+                (rows.size, plan.page_elems),
+                (stride, 1),
+                plan.slot_rows.storage_offset() + int(rows[0]) * plan.row_step,
+            )
+            index = torch.from_numpy(block_ids)
+            if store:
+                torch.index_select(plan.pages, 0, index, out=run)
+            else:
+                plan.pages.index_copy_(0, index, run)
+            return True
+        if (np.diff(block_ids) == 1).all():
+            start = int(block_ids[0])
+            run = plan.pages[start : start + block_ids.size]
+            index = torch.from_numpy(rows)
+            if store:
+                plan.slot_rows.index_copy_(0, index, run)
+            else:
+                torch.index_select(plan.slot_rows, 0, index, out=run)
+            return True
+        return False
+
+    def _copy_batched(
         self, plan: _TensorPlan, blocks: torch.Tensor, rows: torch.Tensor, store: bool
     ) -> None:
+        """Gather into the staging buffer, then scatter from it, a batch at a time."""
         import torch
 
         dtype = plan.pages.dtype
@@ -362,4 +401,3 @@ class CpuWorker(OffloadingWorker):
         done.synchronize()
         if store:
             plan.slot_rows.index_copy_(0, rows, host)
-
