@@ -147,7 +147,9 @@ def publish(
         ops.fsync_dir(final_path.parent)
     finally:
         if not published:
-            with contextlib.suppress(FileNotFoundError):
+            # Best effort: the error that stopped the publish is the one to report; a temp
+            # name left behind is removed by cleanup_stale_temps at the next start.
+            with contextlib.suppress(OSError):
                 ops.unlink(temp)
 
 

@@ -1,0 +1,103 @@
+"""YAML → a running stack: the composite manager plus the worker factory of its primary.
+
+The same stack file drives the tests, the demo, the CLI and the vLLM integration. The
+engine (or the YAML ``model:`` section) supplies the cache identity; each tier kind's
+factory is imported lazily, so a stack without S3 never imports boto3.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvtiers.config import StackConfig, load_stack_config, resolve_factory
+from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
+from kvtiers.errors import ConfigError
+from kvtiers.stack.composite import TieredManager
+from kvtiers.tiers.base import BuiltTier
+
+
+@dataclass
+class Stack:
+    """A built tier stack. ``manager`` runs in the scheduler; ``make_worker`` in a worker."""
+
+    config: StackConfig
+    offloading: OffloadingConfig
+    tiers: list[BuiltTier]
+    manager: TieredManager
+    _closers: list[Any] = field(default_factory=list)
+
+    def make_worker(self, kv_caches: KVCacheTensors) -> OffloadingWorker:
+        """The primary's GPU ⇄ primary worker over the engine's KV tensors."""
+        primary = self.tiers[0]
+        if primary.make_worker is None:
+            raise ConfigError(f"tier {primary.name!r} cannot be a primary", path="tiers[0]")
+        return primary.make_worker(kv_caches)
+
+    def shutdown(self) -> None:
+        """Drain movers and release every tier. Idempotent."""
+        self.manager.shutdown()
+        while self._closers:
+            self._closers.pop().close()
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+
+def load_stack(
+    source: str | Path | Mapping[str, object] | StackConfig,
+    identity: OffloadingConfig | None = None,
+    *,
+    rank: int = 0,
+) -> Stack:
+    """Build the stack a YAML file (path or parsed mapping) describes.
+
+    ``identity`` is the engine's cache configuration; without it the stack file's
+    ``model:`` section supplies one. Tiers are built in order, each lower tier given the
+    primary's host region; if one fails, the ones already built are shut down.
+    """
+    config = source if isinstance(source, StackConfig) else load_stack_config(source)
+    if identity is None:
+        if config.model is None:
+            raise ConfigError(
+                "no cache identity: give load_stack an OffloadingConfig or add a model: "
+                "section to the stack file",
+                path="model",
+                source=config.source,
+            )
+        identity = config.model.to_offloading_config(rank)
+    tiers: list[BuiltTier] = []
+    try:
+        for index, tier_config in enumerate(config.tiers):
+            factory = resolve_factory(tier_config.kind, path=f"tiers[{index}].kind")
+            tiers.append(
+                factory(
+                    tier_config,
+                    identity,
+                    primary_region=tiers[0].region if tiers else None,
+                    name=tier_config.name,
+                )
+            )
+        manager = TieredManager(tiers)
+    except BaseException:
+        for tier in reversed(tiers):
+            tier.shutdown()
+        raise
+    stack = Stack(config, identity, tiers, manager)
+    if config.metrics is not None:
+        from kvtiers.stack.metrics import serve_metrics
+
+        stack._closers.append(serve_metrics(manager, config.metrics.addr, config.metrics.port))
+    return stack
