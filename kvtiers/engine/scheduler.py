@@ -1,0 +1,270 @@
+"""Scheduler glue: what an engine's offloading connector does each step, per request.
+
+For every request it keeps the chunk keys of each KV-cache group (computed incrementally
+from token ids), and turns the manager's group-unaware answers into per-group transfers:
+
+* :meth:`OffloadScheduler.match_prefix` — look up each group's chunks in order; the usable
+  prefix is the minimum across groups, floored to a whole number of every group's blocks.
+  Lookups continue through ``HIT_PENDING`` chunks so all promotions of a prefix start in
+  the same step; any pending chunk inside the usable prefix means "ask again next step".
+* :meth:`OffloadScheduler.plan_load` — pin the prefix's chunks once (``prepare_load``),
+  then one ``get_spec`` per group, each carrying the group's ``gpu_block_offset``.
+* :meth:`OffloadScheduler.plan_store` — reserve newly full chunks of every group in one
+  ``prepare_store`` and describe, per group, which GPU blocks fill the accepted chunks.
+* :meth:`OffloadScheduler.complete` — route a worker's job result back to
+  ``complete_load`` / ``complete_store``.
+
+Invariant: every key pinned or reserved here is released exactly once, by ``complete``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.hashing import PrefixHasher, chunk_keys
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import (
+    LookupResult,
+    OffloadingManager,
+    ReqContext,
+    ScheduleEndContext,
+)
+from kvtiers.core.specs import GPULoadStoreSpec, GroupTransfer
+from kvtiers.errors import UnknownKeyError
+
+
+@dataclass
+class _Request:
+    ctx: ReqContext
+    hasher: PrefixHasher
+    keys: list[list[OffloadKey]]
+    # Per group: leading chunks already handled by plan_store (stored, present or skipped).
+    stored_chunks: list[int]
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The usable offloaded prefix of a request.
+
+    ``chunks[g]`` chunks of group ``g`` cover ``tokens`` tokens (the last may be used only
+    in part); ``pending`` means some of them are still arriving: ask again next step.
+    ``promoted`` counts chunks whose lookup started or awaited a promotion.
+    """
+
+    tokens: int
+    chunks: tuple[int, ...]
+    pending: bool
+    promoted: int = 0
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """One worker job: its groups, and the keys to complete when it finishes."""
+
+    job_id: int
+    kind: Literal["load", "store"]
+    req_id: str
+    keys: tuple[OffloadKey, ...]
+    groups: tuple[GroupTransfer, ...]
+
+
+class OffloadScheduler:
+    """Per-request bookkeeping over one manager. Not thread-safe: the scheduler's thread."""
+
+    def __init__(self, manager: OffloadingManager, config: OffloadingConfig) -> None:
+        self.manager = manager
+        self.config = config
+        self._requests: dict[str, _Request] = {}
+        self._jobs: dict[int, TransferPlan] = {}
+        self._job_ids = itertools.count()
+        self._block_lcm = math.lcm(*(g.tokens_per_block for g in config.groups))
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(
+        self, req_id: str, token_ids: Sequence[int], ctx: ReqContext | None = None
+    ) -> None:
+        """Start tracking a request and hash its tokens."""
+        ctx = ctx or ReqContext(req_id=req_id)
+        request = _Request(
+            ctx=ctx,
+            hasher=PrefixHasher(self.config.tokens_per_hash, self.config.cache.hash_algorithm),
+            keys=[[] for _ in self.config.groups],
+            stored_chunks=[0] * len(self.config.groups),
+        )
+        self._requests[req_id] = request
+        self.manager.on_new_request(ctx)
+        self.extend_request(req_id, token_ids)
+
+    def extend_request(self, req_id: str, token_ids: Sequence[int]) -> None:
+        """Append tokens (e.g. decoded ones); new full chunks get keys."""
+        request = self._requests[req_id]
+        request.hasher.extend(token_ids)
+        request.num_tokens += len(token_ids)
+        for group_idx, keys in enumerate(request.keys):
+            keys[:] = chunk_keys(
+                request.hasher.hashes,
+                tokens_per_chunk=self.config.tokens_per_chunk(group_idx),
+                tokens_per_hash=self.config.tokens_per_hash,
+                group_idx=group_idx,
+            )
+
+    def chunk_keys(self, req_id: str, group_idx: int) -> list[OffloadKey]:
+        return list(self._requests[req_id].keys[group_idx])
+
+    def finish_request(self, req_id: str) -> None:
+        """No more plans for this request; jobs in flight still complete normally."""
+        request = self._requests.pop(req_id)
+        self.manager.on_request_finished(request.ctx)
+
+    # -- loads ----------------------------------------------------------------------
+    def match_prefix(self, req_id: str, *, max_tokens: int | None = None) -> PrefixMatch:
+        """The longest prefix every group can load, floored to whole blocks of all groups.
+
+        ``max_tokens`` caps it (an engine must recompute at least the last token)."""
+        request = self._requests[req_id]
+        ready_tokens: list[int] = []
+        pending_tokens: list[int] = []
+        promoted = 0
+        for group_idx, keys in enumerate(request.keys):
+            tokens_per_chunk = self.config.tokens_per_chunk(group_idx)
+            ready = None
+            count = 0
+            for key in keys:
+                result = self.manager.lookup(key, request.ctx)
+                if result is LookupResult.HIT:
+                    count += 1
+                elif result is LookupResult.HIT_PENDING:
+                    ready = count if ready is None else ready
+                    promoted += 1
+                    count += 1
+                else:
+                    if result is LookupResult.RETRY:
+                        ready = count if ready is None else ready
+                    break
+            ready_tokens.append((count if ready is None else ready) * tokens_per_chunk)
+            pending_tokens.append(count * tokens_per_chunk)
+        limit = request.num_tokens if max_tokens is None else min(max_tokens, request.num_tokens)
+        usable = self._floor_blocks(min(min(pending_tokens), limit))
+        ready_usable = self._floor_blocks(min(min(ready_tokens), limit))
+        chunks = tuple(
+            -(-usable // self.config.tokens_per_chunk(g)) for g in range(len(self.config.groups))
+        )
+        return PrefixMatch(usable, chunks, pending=ready_usable < usable, promoted=promoted)
+
+    def _floor_blocks(self, tokens: int) -> int:
+        return tokens // self._block_lcm * self._block_lcm
+
+    def plan_load(
+        self,
+        req_id: str,
+        match: PrefixMatch,
+        gpu_blocks: Sequence[Sequence[int]],
+        *,
+        gpu_cached_tokens: int = 0,
+    ) -> TransferPlan | None:
+        """Pin and describe loading tokens ``[gpu_cached_tokens, match.tokens)``.
+
+        ``gpu_blocks[g]`` are the request's GPU block ids of group ``g`` by logical block
+        index. Returns None when there is nothing to load. ``match`` must not be pending.
+        """
+        if match.pending:
+            raise ValueError("the prefix is still arriving; call match_prefix next step")
+        request = self._requests[req_id]
+        start = self._floor_blocks(gpu_cached_tokens)
+        if match.tokens <= start:
+            return None
+        spans = []
+        all_keys: list[OffloadKey] = []
+        for group_idx, keys in enumerate(request.keys):
+            tokens_per_block = self.config.groups[group_idx].tokens_per_block
+            per_chunk = self.config.blocks_per_chunk
+            first_block, end_block = start // tokens_per_block, match.tokens // tokens_per_block
+            group_keys = keys[first_block // per_chunk : -(-end_block // per_chunk)]
+            spans.append((group_idx, first_block, end_block, group_keys))
+            all_keys.extend(group_keys)
+        self.manager.prepare_load(all_keys, request.ctx)
+        groups = []
+        for group_idx, first_block, end_block, group_keys in spans:
+            spec = self.manager.get_spec(group_keys).set_gpu_block_offset(first_block)
+            gpu = GPULoadStoreSpec(gpu_blocks[group_idx][first_block:end_block])
+            groups.append(GroupTransfer(gpu, spec))
+        return self._register("load", req_id, all_keys, groups)
+
+    # -- stores ---------------------------------------------------------------------
+    def plan_store(
+        self, req_id: str, num_computed_tokens: int, gpu_blocks: Sequence[Sequence[int]]
+    ) -> TransferPlan | None:
+        """Reserve and describe storing every newly full chunk up to
+        ``num_computed_tokens``. Chunks already present, or refused because the primary is
+        full of pinned data, are not stored (and not offered again)."""
+        request = self._requests[req_id]
+        wanted: list[tuple[int, int, OffloadKey]] = []
+        for group_idx, keys in enumerate(request.keys):
+            full = min(len(keys), num_computed_tokens // self.config.tokens_per_chunk(group_idx))
+            for chunk_idx in range(request.stored_chunks[group_idx], full):
+                wanted.append((group_idx, chunk_idx, keys[chunk_idx]))
+            request.stored_chunks[group_idx] = max(request.stored_chunks[group_idx], full)
+        if not wanted:
+            return None
+        accepted = self.manager.prepare_store([key for _, _, key in wanted], request.ctx)
+        if not accepted:
+            return None
+        accepted_set = set(accepted)
+        per_chunk = self.config.blocks_per_chunk
+        groups = []
+        keys_in_job: list[OffloadKey] = []
+        for group_idx in range(len(self.config.groups)):
+            chunks = [(c, k) for g, c, k in wanted if g == group_idx and k in accepted_set]
+            if not chunks:
+                continue
+            blocks = gpu_blocks[group_idx]
+            block_ids = [blocks[c * per_chunk + i] for c, _ in chunks for i in range(per_chunk)]
+            group_keys = [k for _, k in chunks]
+            keys_in_job.extend(group_keys)
+            groups.append(
+                GroupTransfer(GPULoadStoreSpec(block_ids), self.manager.get_spec(group_keys))
+            )
+        return self._register("store", req_id, keys_in_job, groups)
+
+    # -- completions ----------------------------------------------------------------
+    def _register(
+        self,
+        kind: Literal["load", "store"],
+        req_id: str,
+        keys: list[OffloadKey],
+        groups: list[GroupTransfer],
+    ) -> TransferPlan:
+        plan = TransferPlan(next(self._job_ids), kind, req_id, tuple(keys), tuple(groups))
+        self._jobs[plan.job_id] = plan
+        return plan
+
+    def complete(self, job_id: int, success: bool) -> TransferPlan:
+        """Route a finished worker job back to the manager."""
+        try:
+            plan = self._jobs.pop(job_id)
+        except KeyError:
+            raise UnknownKeyError(f"job {job_id} is not in flight") from None
+        ctx = self._ctx_of(plan.req_id)
+        if plan.kind == "load":
+            self.manager.complete_load(plan.keys, ctx)
+        else:
+            self.manager.complete_store(plan.keys, ctx, success=success)
+        return plan
+
+    def _ctx_of(self, req_id: str) -> ReqContext:
+        request = self._requests.get(req_id)
+        return request.ctx if request is not None else ReqContext(req_id=req_id)
+
+    @property
+    def jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def end_step(self, new_req_ids: Sequence[str] = ()) -> None:
+        """End of a scheduler step: the manager flushes promotions and polls movers."""
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=tuple(new_req_ids)))
