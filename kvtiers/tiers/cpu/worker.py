@@ -136,6 +136,7 @@ class CpuWorker(OffloadingWorker):
             if self._cuda
             else None
         )
+        self._intra_op_threads = torch.get_num_threads()
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._lock = threading.Condition()
         self._pending: set[int] = set()
@@ -277,6 +278,11 @@ class CpuWorker(OffloadingWorker):
 
     # -- the worker thread ----------------------------------------------------------
     def _run(self) -> None:
+        import torch
+
+        # torch's OpenMP pool runs a new thread's ops on one core until the thread sets
+        # its own count; give the copies the caller's intra-op parallelism.
+        torch.set_num_threads(self._intra_op_threads)
         while (job := self._jobs.get()) is not None:
             start = time.perf_counter()
             try:
@@ -314,8 +320,30 @@ class CpuWorker(OffloadingWorker):
         blocks = torch.from_numpy(block_ids).to(self._device)
         for plan in self._plans[group]:
             rows = (slots * plan.slot_elems + subs * plan.page_elems) // plan.row_step
-            if self._cuda or not self._copy_run(plan, block_ids, rows, store):
+            if self._cuda:
                 self._copy_batched(plan, blocks, torch.from_numpy(rows), store)
+            elif self._copy_run(plan, block_ids, rows, store):
+                continue
+            elif per_chunk == 1:
+                self._copy_batched(plan, blocks, torch.from_numpy(rows), store)
+            else:
+                # Sub-block f of consecutive slots sits at a constant stride even when
+                # the chunk's pages do not, so each class can still go in one pass.
+                for sub in range(per_chunk):
+                    chosen = subs == sub
+                    self._copy_run_or_batched(plan, block_ids[chosen], rows[chosen], store)
+
+    def _copy_run_or_batched(
+        self,
+        plan: _TensorPlan,
+        block_ids: npt.NDArray[np.int64],
+        rows: npt.NDArray[np.int64],
+        store: bool,
+    ) -> None:
+        import torch
+
+        if rows.size and not self._copy_run(plan, block_ids, rows, store):
+            self._copy_batched(plan, torch.from_numpy(block_ids), torch.from_numpy(rows), store)
 
     def _copy_run(
         self,
@@ -324,8 +352,8 @@ class CpuWorker(OffloadingWorker):
         rows: npt.NDArray[np.int64],
         store: bool,
     ) -> bool:
-        """One-pass copy when either side is evenly spaced (consecutive GPU blocks, or
-        slot pages at a constant stride, as a fresh tier hands out). False: neither is."""
+        """One-pass copy when either side is evenly spaced (GPU blocks at a constant step,
+        or slot pages at a constant stride, as a fresh tier hands out). False: neither is."""
         import torch
 
         steps = np.diff(rows)
@@ -343,9 +371,10 @@ class CpuWorker(OffloadingWorker):
             else:
                 plan.pages.index_copy_(0, index, run)
             return True
-        if (np.diff(block_ids) == 1).all():
-            start = int(block_ids[0])
-            run = plan.pages[start : start + block_ids.size]
+        gaps = np.diff(block_ids)
+        if gaps[0] > 0 and (gaps == gaps[0]).all():
+            start, gap = int(block_ids[0]), int(gaps[0])
+            run = plan.pages[start : start + gap * (block_ids.size - 1) + 1 : gap]
             index = torch.from_numpy(rows)
             if store:
                 plan.slot_rows.index_copy_(0, index, run)
