@@ -47,6 +47,8 @@ from kvtiers.tiers.base import BuiltTier
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
 
 _COUNTERS = (
+    "hits",
+    "misses",
     "promotions",
     "promotion_failures",
     "promotions_refused",
@@ -116,6 +118,14 @@ class TieredManager(OffloadingManager):
 
     # -- lookup and promotion -------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        result = self._lookup(key, ctx)
+        if result is LookupResult.HIT:
+            self._stats["hits"] += 1
+        elif result is LookupResult.MISS:
+            self._stats["misses"] += 1
+        return result
+
+    def _lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         result = self._primary.lookup(key, ctx)
         if result is not LookupResult.MISS:
             return result
@@ -198,9 +208,12 @@ class TieredManager(OffloadingManager):
     def _finish(self, lower: _Lower, result: MoverResult) -> None:
         job = lower.jobs.pop(result.job_id)
         succeeded = list(result.succeeded_keys)
-        failed = [k for k in job.keys if k not in set(succeeded)]
+        arrived = set(succeeded)
+        failed = [k for k in job.keys if k not in arrived]
         self._stats["corrupt_chunks"] += len(result.corrupt_keys)
+        name = lower.tier.name
         if job.kind == "promote":
+            self._add(f"{name}.promoted", len(succeeded), result)
             self._primary.complete_store(succeeded, _INTERNAL, success=True)
             self._primary.complete_store(failed, _INTERNAL, success=False)
             lower.manager.complete_load(job.keys, _INTERNAL)
@@ -209,6 +222,7 @@ class TieredManager(OffloadingManager):
             self._stats["promoted_bytes"] += result.transfer_bytes
             self._stats["promote_s"] += result.transfer_s
         else:
+            self._add(f"{name}.cascaded", len(succeeded), result)
             lower.manager.complete_store(succeeded, _INTERNAL, success=True)
             lower.manager.complete_store(failed, _INTERNAL, success=False)
             self._primary.complete_load(job.keys, _INTERNAL)
@@ -216,6 +230,13 @@ class TieredManager(OffloadingManager):
             self._stats["cascade_failures"] += len(failed)
             self._stats["cascaded_bytes"] += result.transfer_bytes
             self._stats["cascade_s"] += result.transfer_s
+
+    def _add(self, prefix: str, chunks: int, result: MoverResult) -> None:
+        """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` (chunks),
+        with ``_bytes`` and ``_s`` companions."""
+        for suffix, value in (("", chunks), ("_bytes", result.transfer_bytes),
+                              ("_s", result.transfer_s)):
+            self._stats[prefix + suffix] = self._stats.get(prefix + suffix, 0) + value
 
     def wait_idle(self) -> None:
         """Submit pending promotions and block until every mover job has completed.
@@ -283,9 +304,6 @@ class TieredManager(OffloadingManager):
         for tier in self.tiers:
             for name, value in tier.manager.get_stats().items():
                 stats[f"{tier.name}.{name}"] = value
-        primary = self.tiers[0].name
-        stats["hits"] = stats.get(f"{primary}.hits", 0)
-        stats["misses"] = stats.get(f"{primary}.misses", 0)
         return stats
 
     def shutdown(self) -> None:
