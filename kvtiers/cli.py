@@ -59,7 +59,45 @@ def _run_validate(args: argparse.Namespace) -> int:
     return status
 
 
+def _configure_demo(parser: argparse.ArgumentParser) -> None:
+    from kvtiers.engine.demo import DEFAULT_CONFIG
+
+    parser.add_argument("--config", default=str(DEFAULT_CONFIG), metavar="FILE",
+                        help="stack file with a model: section (default: configs/demo.yaml)")
+    parser.add_argument("--plot", metavar="FILE.png", help="draw hit sources and throughput")
+    parser.add_argument("--conversations", type=int, default=16, metavar="N")
+    parser.add_argument("--turns", type=int, default=3, metavar="N")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep what earlier runs left in the file tiers' roots")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    """Both demo phases; exit 1 if any loaded byte was wrong."""
+    from pathlib import Path
+
+    from kvtiers.engine.demo import run_demo
+    from kvtiers.engine.workload import WorkloadSpec
+
+    if args.conversations < 1 or args.turns < 1:
+        raise ConfigError("--conversations and --turns must be at least 1")
+    run_demo(
+        args.config,
+        workload=WorkloadSpec(conversations=args.conversations, turns=args.turns),
+        plot=Path(args.plot) if args.plot else None,
+        fresh=not args.keep,
+        show_progress=not args.no_progress,
+    )
+    return EXIT_OK
+
+
 COMMANDS: tuple[Command, ...] = (
+    Command(
+        name="demo",
+        help="run a simulated engine over a tier stack, then restart it and hit warm",
+        configure=_configure_demo,
+        run=_run_demo,
+    ),
     Command(
         name="validate",
         help="check tier stack files and print a summary of each",
