@@ -310,8 +310,9 @@ def summary(results: dict[str, object]) -> list[str]:
         f"- (b) lookup <= {worst_lookup:.2f} us per key (target 1 us); store and load paths "
         f"<= {worst_path:.2f} us per key at 1024 keys (target 5 us), every store evicting.",
         f"- (c) <= {worst_memory:.0f} bytes per tracked chunk (target 200), excluding the "
-        f"key objects the caller creates ({memory[0]['key_object_bytes']} bytes each here); ARC and S3-FIFO ghost entries (keys only, "
-        "at most one capacity's worth) come on top once evictions start.",
+        f"key objects the caller creates ({memory[0]['key_object_bytes']} bytes each here); "
+        "ARC and S3-FIFO ghost entries (keys only, at most one capacity's worth) come on top "
+        "once evictions start.",
         "- The copy baseline swings between about 7 and 24 GB/s on this shared 2-core "
         "machine (other jobs run alongside); each ratio pairs interleaved best-of runs.",
     ]
