@@ -1,0 +1,93 @@
+"""The small object-store interface the object tiers (``s3``, ``fsspec``) are built on.
+
+An :class:`ObjectStore` names objects by ``/``-separated strings relative to its own root
+(a bucket, or an fsspec URL) and offers the handful of primitives the shared manager and
+mover need: a paginated listing with sizes and modification times, reading an object
+into caller-owned buffers, a put that never overwrites, a delete and an existence probe.
+
+Contract for implementers:
+
+- a missing object is :class:`ObjectMissing` from :meth:`ObjectStore.get_into` and
+  :meth:`ObjectStore.read`, and ``None`` from :meth:`ObjectStore.head`; deleting a
+  missing object is not an error;
+- :meth:`ObjectStore.put_if_absent` returns ``False`` (and writes nothing) when the
+  object already exists — a racing writer has stored it, which for a chunk means the
+  chunk is there;
+- :meth:`ObjectStore.is_transient` says which exceptions are worth retrying (throttling,
+  5xx, dropped connections, timeouts); the caller owns the retry loop.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+Buffer = bytes | bytearray | memoryview
+
+
+class ObjectMissing(Exception):
+    """The named object does not exist."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One listed object: its name (relative to the store's root), size and mtime."""
+
+    name: str
+    size: int
+    # Seconds since the epoch; 0.0 when the backend does not report one.
+    mtime: float
+
+
+class ObjectStore(ABC):
+    """Objects under one root. Methods are safe to call from several threads at once."""
+
+    #: What :class:`~kvtiers.core.specs.ObjectLoadStoreSpec` carries as ``bucket``.
+    bucket: str
+
+    @abstractmethod
+    def describe(self, name: str = "") -> str:
+        """A URL of ``name`` (or of the root) for messages, e.g. ``s3://bucket/name``."""
+
+    @abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose name starts with ``prefix``, page by page."""
+
+    @abstractmethod
+    def head(self, name: str) -> int | None:
+        """The size of ``name``, or ``None`` when it does not exist."""
+
+    @abstractmethod
+    def get_into(self, name: str, buffers: Sequence[memoryview]) -> int:
+        """Fill ``buffers`` in order with the object's leading bytes; return its size.
+
+        When the size differs from the buffers' total length the buffers may be left
+        untouched: the caller treats such an object as not what it expected."""
+
+    @abstractmethod
+    def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
+        """Store the concatenation of ``parts`` unless ``name`` exists; True if stored."""
+
+    @abstractmethod
+    def delete(self, name: str) -> None:
+        """Remove ``name`` (absent is fine)."""
+
+    @abstractmethod
+    def is_transient(self, exc: BaseException) -> bool:
+        """Whether ``exc`` is a failure worth retrying."""
+
+    def read(self, name: str, limit: int) -> bytes:
+        """The whole of a small object (at most ``limit`` + 1 bytes are kept).
+
+        Note to implementers: the default uses :meth:`head` then :meth:`get_into`; a
+        backend with a cheaper whole-object read overrides it."""
+        size = self.head(name)
+        if size is None:
+            raise ObjectMissing(name)
+        buffer = bytearray(min(size, limit + 1))
+        self.get_into(name, [memoryview(buffer)])
+        return bytes(buffer)
+
+    def close(self) -> None:
+        """Release connections. Idempotent."""

@@ -1,0 +1,210 @@
+"""The S3 adapter of the object-store interface, on boto3.
+
+One ``boto3`` session per store; each I/O thread gets its own client (clients are made
+under a lock, since making them from one session is not thread-safe), so requests never
+share a client across threads. botocore's own retries are off (``standard`` mode with one
+attempt): the tier's :class:`~kvtiers.tiers.object.retry.Retrier` is the only retry loop,
+so ``max_attempts`` means what it says. Checksums of request and response bodies are left
+to the chunk format (xxh3_128 in every header) rather than computed again per request.
+
+Credentials come from the standard AWS chain (environment, profile, instance role) unless
+given explicitly (the embedded test server's dummy keys); they are never logged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import boto3
+import botocore.config
+import botocore.exceptions
+
+from kvtiers.errors import ConfigError
+from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
+
+_NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
+_TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "RequestThrottled", "TooManyRequests",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
+    "ConditionalRequestConflict", "BadDigest", "IncompleteBody",
+})
+_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    botocore.exceptions.ConnectionError,  # connection refused/closed/reset, connect + read timeouts
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.IncompleteReadError,
+)
+
+#: ``(event name, handler)`` pairs registered on every client this store makes.
+EventHook = tuple[str, Callable[..., Any]]
+
+
+def _error_code(exc: BaseException) -> tuple[str, int]:
+    if not isinstance(exc, botocore.exceptions.ClientError):
+        return "", 0
+    error = exc.response.get("Error", {})
+    status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+    return str(error.get("Code", "")), int(status or 0)
+
+
+class S3Store(ObjectStore):
+    """Objects in one S3 bucket (names are object keys)."""
+
+    def __init__(
+        self,
+        bucket: str,
+        *,
+        region: str | None = None,
+        endpoint_url: str | None = None,
+        timeout_s: float = 30.0,
+        max_connections: int = 16,
+        credentials: tuple[str, str] | None = None,
+        event_hooks: Sequence[EventHook] = (),
+    ) -> None:
+        self.bucket = bucket
+        self.endpoint_url = endpoint_url
+        key_id, secret = credentials if credentials is not None else (None, None)
+        self._session = boto3.session.Session(
+            aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=region
+        )
+        self._config = botocore.config.Config(
+            retries={"mode": "standard", "max_attempts": 1},
+            connect_timeout=timeout_s,
+            read_timeout=timeout_s,
+            max_pool_connections=max_connections,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+        )
+        self._event_hooks = tuple(event_hooks)
+        self._local = threading.local()
+        self._make_lock = threading.Lock()
+
+    def client(self) -> Any:
+        """This thread's S3 client."""
+        client = getattr(self._local, "client", None)
+        if client is None:
+            with self._make_lock:
+                client = self._session.client(
+                    "s3", endpoint_url=self.endpoint_url, config=self._config
+                )
+            for event, handler in self._event_hooks:
+                client.meta.events.register(event, handler)
+            self._local.client = client
+        return client
+
+    def describe(self, name: str = "") -> str:
+        return f"s3://{self.bucket}/{name}"
+
+    # -- start-up checks ------------------------------------------------------------
+    def check_bucket(self, *, where: str = "bucket") -> None:
+        """Raise :class:`~kvtiers.errors.ConfigError` unless the bucket is reachable
+        with the credentials at hand; the message says what to do."""
+        try:
+            self.client().head_bucket(Bucket=self.bucket)
+        except botocore.exceptions.NoCredentialsError:
+            raise ConfigError(
+                f"no AWS credentials found for bucket {self.bucket!r}; set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or run where an "
+                "instance role is available",
+                path=where,
+            ) from None
+        except botocore.exceptions.ClientError as exc:
+            code, status = _error_code(exc)
+            if status == 404 or code in _NOT_FOUND_CODES or code == "NoSuchBucket":
+                raise ConfigError(
+                    f"bucket {self.bucket!r} does not exist at {self._where()}; create it "
+                    "or fix the bucket name",
+                    path=where,
+                ) from None
+            if status == 403:
+                raise ConfigError(
+                    f"access to bucket {self.bucket!r} at {self._where()} is denied; check "
+                    "the credentials and the bucket policy (list, get, put and delete are needed)",
+                    path=where,
+                ) from None
+            raise ConfigError(
+                f"bucket {self.bucket!r} at {self._where()} cannot be used: {code or status}",
+                path=where,
+            ) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ConfigError(
+                f"cannot reach {self._where()} for bucket {self.bucket!r} "
+                f"({type(exc).__name__}); check endpoint_url and the network",
+                path=where,
+            ) from None
+
+    def _where(self) -> str:
+        return self.endpoint_url or "AWS S3"
+
+    def create_bucket(self) -> None:
+        """Create the bucket if it does not exist (for the embedded test server)."""
+        client = self.client()
+        try:
+            client.head_bucket(Bucket=self.bucket)
+        except botocore.exceptions.ClientError:
+            client.create_bucket(Bucket=self.bucket)
+
+    # -- the interface --------------------------------------------------------------
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        paginator = self.client().get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for item in page.get("Contents", ()):
+                yield ObjectInfo(item["Key"], int(item["Size"]), item["LastModified"].timestamp())
+
+    def head(self, name: str) -> int | None:
+        try:
+            response = self.client().head_object(Bucket=self.bucket, Key=name)
+        except botocore.exceptions.ClientError as exc:
+            if _error_code(exc)[0] in _NOT_FOUND_CODES:
+                return None
+            raise
+        return int(response["ContentLength"])
+
+    def get_into(self, name: str, buffers: Sequence[memoryview]) -> int:
+        try:
+            response = self.client().get_object(Bucket=self.bucket, Key=name)
+        except botocore.exceptions.ClientError as exc:
+            if _error_code(exc)[0] in _NOT_FOUND_CODES:
+                raise ObjectMissing(name) from None
+            raise
+        size = int(response["ContentLength"])
+        body = response["Body"]
+        try:
+            if size != sum(len(b) for b in buffers):
+                return size
+            for buffer in buffers:
+                filled = 0
+                while filled < len(buffer):
+                    n = body.readinto(buffer[filled:])
+                    if not n:
+                        raise botocore.exceptions.IncompleteReadError(
+                            actual_bytes=filled, expected_bytes=len(buffer)
+                        )
+                    filled += n
+            return size
+        finally:
+            body.close()
+
+    def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        try:
+            self.client().put_object(Bucket=self.bucket, Key=name, Body=body, IfNoneMatch="*")
+        except botocore.exceptions.ClientError as exc:
+            code, status = _error_code(exc)
+            if status == 412 or code == "PreconditionFailed":
+                return False
+            raise
+        return True
+
+    def delete(self, name: str) -> None:
+        self.client().delete_object(Bucket=self.bucket, Key=name)
+
+    def is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, _TRANSIENT_ERRORS):
+            return True
+        code, status = _error_code(exc)
+        return code in _TRANSIENT_CODES or status == 429 or status >= 500
+
+    def close(self) -> None:
+        self._local = threading.local()
