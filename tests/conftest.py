@@ -222,3 +222,57 @@ class ObjectTierConformance:
         store.get_into(name, [memoryview(buffer)])
         digest = manager.backend.identity.digest
         return bytes(chunkformat.decode(buffer, namespace_digest=digest, key=spec.keys[index]))
+
+
+class TierDriver:
+    """Drives a built lower tier the way the composite does, over a bytearray region:
+    ``store`` fills slots and cascades them down, ``load`` promotes them back."""
+
+    def __init__(self, built: Any, region: Any, geometry: Any) -> None:
+        self.built = built
+        self.manager = built.manager
+        self.mover = built.mover
+        self.region = region
+        self.geometry = geometry
+        self._job = 0
+
+    def _run(self, src: Any, dst: Any) -> Any:
+        self._job += 1
+        assert self.mover.submit(self._job, src, dst)
+        self.mover.drain()
+        (result,) = self.mover.get_finished()
+        return result
+
+    def store(self, payloads: dict[Any, bytes]) -> Any:
+        """Write each payload into a slot and cascade the accepted keys; the result."""
+        from kvtiers.core.manager import ReqContext
+        from kvtiers.core.specs import CPULoadStoreSpec
+
+        ctx = ReqContext("driver")
+        accepted = self.manager.prepare_store(list(payloads), ctx)
+        assert accepted is not None
+        for slot, key in enumerate(accepted):
+            self.region.view(slot)[: len(payloads[key])] = payloads[key]
+        result = self._run(CPULoadStoreSpec(range(len(accepted))), self.manager.get_spec(accepted))
+        self.manager.complete_store(result.succeeded_keys, ctx, success=True)
+        self.manager.complete_store(result.failed_keys, ctx, success=False)
+        return result
+
+    def load(self, keys: list[Any]) -> tuple[Any, dict[Any, bytes]]:
+        """Promote ``keys`` into slots; the result and the bytes of each succeeded key."""
+        from kvtiers.core.manager import ReqContext
+        from kvtiers.core.specs import CPULoadStoreSpec
+
+        ctx = ReqContext("driver")
+        self.region.buffer[:] = bytes(len(self.region.buffer))
+        self.manager.prepare_load(keys, ctx)
+        try:
+            result = self._run(self.manager.get_spec(keys), CPULoadStoreSpec(range(len(keys))))
+        finally:
+            self.manager.complete_load(keys, ctx)
+        data = {
+            key: bytes(self.region.view(slot)[: self.geometry.key_chunk_bytes(key)])
+            for slot, key in enumerate(keys)
+            if key in result.succeeded_keys
+        }
+        return result, data

@@ -90,7 +90,7 @@ class ObjectTierManager(OffloadingManager):
         self._to_probe: dict[OffloadKey, None] = {}
         self._probing: set[OffloadKey] = set()
         self._negative: dict[OffloadKey, float] = {}
-        self._probe_futures: list[Future[None]] = []
+        self._background: list[Future[None]] = []
         self._closed = False
         backend.open_namespace()
         self._rebuild()
@@ -200,10 +200,11 @@ class ObjectTierManager(OffloadingManager):
         return wanted
 
     def _evict(self, victims: list[OffloadKey]) -> None:
+        self._background = [f for f in self._background if not f.done()]
         for key in victims:
             self._remove(key)
             self._deleting.add(key)
-            self.backend.submit(self._delete_job(key))
+            self._background.append(self.backend.submit(self._delete_job(key)))
         self._stats["evictions"] += len(victims)
         self._events.append(self._event(victims, removed=True))
 
@@ -284,7 +285,7 @@ class ObjectTierManager(OffloadingManager):
     # -- shared namespaces: batched existence probes --------------------------------
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain()
-        self._probe_futures = [f for f in self._probe_futures if not f.done()]
+        self._background = [f for f in self._background if not f.done()]
         if not self._to_probe or self._closed:
             return
         batch = list(self._to_probe)
@@ -294,7 +295,7 @@ class ObjectTierManager(OffloadingManager):
         # One task per I/O thread at most: a batch costs a few round trips, not one each.
         parts = min(self.backend.threads, len(batch))
         for i in range(parts):
-            self._probe_futures.append(self.backend.submit(self._probe_job(batch[i::parts])))
+            self._background.append(self.backend.submit(self._probe_job(batch[i::parts])))
 
     def _probe_job(self, keys: list[OffloadKey]) -> Callable[[], None]:
         def run() -> None:
@@ -309,9 +310,10 @@ class ObjectTierManager(OffloadingManager):
 
         return run
 
-    def wait_for_probes(self) -> None:
-        """Block until every probe sent so far has answered (tests, demos, shutdown)."""
-        wait(self._probe_futures)
+    def wait_background(self) -> None:
+        """Block until every delete and probe started so far is done (tests, demos);
+        their results are taken in at the next call."""
+        wait(self._background)
 
     def has_pending_work(self) -> bool:
         return bool(self._to_probe or self._probing)
