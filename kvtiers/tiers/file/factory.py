@@ -1,0 +1,85 @@
+"""Builds the file tier from its YAML config: manager, plus a mover or a GDS worker.
+
+As a lower tier (``primary_region`` given) the tier gets a :class:`FileMover` copying
+through the primary's host slots. As the primary (``gds: true``, no ``primary_region``)
+it gets no mover and no region; ``make_worker`` builds a :class:`FileWorker` that moves
+GPU blocks straight to and from chunk files, and the manager needs no mover because the
+worker writes the files between ``prepare_store`` and ``complete_store``.
+
+The namespace is opened (manifest checked or created) before anything else, and the I/O
+backend is chosen and probed inside it, once.
+"""
+
+from __future__ import annotations
+
+from kvtiers.config.tiers import FileTierConfig
+from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.mover import HostRegion
+from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
+from kvtiers.errors import ConfigError
+from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
+from kvtiers.tiers.base import BuiltTier
+from kvtiers.tiers.file.io import PublishSettings, select_backend
+from kvtiers.tiers.file.manager import FileTierManager
+from kvtiers.tiers.file.mover import BadChunkHandler, FileMover
+
+
+def build_tier(
+    config: FileTierConfig,
+    offloading: OffloadingConfig,
+    *,
+    primary_region: HostRegion | None,
+    name: str,
+) -> BuiltTier:
+    """The file tier ``name``: a lower tier when ``primary_region`` is given, else a GDS
+    primary (which needs ``gds: true``)."""
+    if primary_region is None and not config.gds:
+        raise ConfigError(
+            f"tier {name!r}: a file tier can be the first tier of a stack only with "
+            "gds: true; put a cpu tier first or set gds: true",
+            path="gds",
+        )
+    identity = NamespaceIdentity.from_config(offloading)
+    geometry = ChunkGeometry.from_config(offloading)
+    mapper = FileMapper(config.root_path, identity)
+    namespace_dir = open_namespace(
+        mapper.root, identity, file_mode=config.file_mode, dir_mode=config.dir_mode
+    )
+    backend = select_backend(config.io, o_direct=config.o_direct, directory=namespace_dir)
+    manager = FileTierManager(
+        mapper,
+        geometry,
+        capacity_bytes=config.capacity,
+        shared=config.shared,
+        file_mode=config.file_mode,
+        dir_mode=config.dir_mode,
+        io_backend=backend.code,
+        io_backend_name=backend.name,
+    )
+    settings = PublishSettings(file_mode=config.file_mode, dir_mode=config.dir_mode)
+    bad_chunks = BadChunkHandler(
+        manager.forget, manager.quarantine_dir if config.quarantine else None, config.dir_mode
+    )
+    if primary_region is not None:
+        mover = FileMover(
+            primary_region,
+            geometry,
+            identity.digest,
+            backend,
+            threads=config.threads,
+            settings=settings,
+            bad_chunks=bad_chunks,
+        )
+        return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)
+
+    def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
+        from kvtiers.tiers.file.gds_worker import FileWorker
+
+        return FileWorker(
+            kv, geometry, identity.digest, backend, settings=settings, bad_chunks=bad_chunks
+        )
+
+    return BuiltTier(
+        name=name, manager=manager, make_worker=make_worker, admission=config.admission
+    )
