@@ -15,6 +15,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvtiers import __version__
 from kvtiers.errors import ConfigError, KVTiersError
@@ -91,12 +92,109 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _add_location(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("location", metavar="ROOT|s3://BUCKET/PREFIX",
+                        help="a file tier's root directory or an S3 bucket and prefix")
+    parser.add_argument("--endpoint-url", metavar="URL",
+                        help="S3 endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
+    parser.add_argument("--region", metavar="NAME", help="S3 region")
+
+
+def _configure_verify(parser: argparse.ArgumentParser) -> None:
+    _add_location(parser)
+    parser.add_argument("--fix", action="store_true",
+                        help="move corrupt chunks to <namespace>/quarantine/")
+
+
+def _configure_gc(parser: argparse.ArgumentParser) -> None:
+    _add_location(parser)
+    parser.add_argument("--namespace", action="append", default=[], metavar="NAME",
+                        help="remove this whole namespace (repeatable)")
+    parser.add_argument("--stale-days", type=float, metavar="D",
+                        help="remove namespaces whose newest chunk is older than D days")
+    parser.add_argument("--older-than-days", type=float, metavar="D",
+                        help="remove chunks older than D days")
+    parser.add_argument("--max-bytes", metavar="SIZE",
+                        help="per namespace, remove the oldest chunks beyond SIZE (e.g. 50GiB)")
+    parser.add_argument("--temp-age-s", type=float, default=3600.0, metavar="S",
+                        help="remove interrupted temp files older than S seconds (default 3600)")
+    parser.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
+
+
+def _open(args: argparse.Namespace) -> Any:
+    from kvtiers.tools.locations import open_location
+
+    return open_location(args.location, endpoint_url=args.endpoint_url, region=args.region)
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    from kvtiers.tools.commands import inspect
+
+    location = _open(args)
+    try:
+        return inspect(location, sys.stdout)
+    finally:
+        location.close()
+
+
+def _run_verify(args: argparse.Namespace) -> int:
+    from kvtiers.tools.commands import verify
+
+    location = _open(args)
+    try:
+        return verify(location, sys.stdout, fix=args.fix, progress=sys.stderr.isatty())
+    finally:
+        location.close()
+
+
+def _run_gc(args: argparse.Namespace) -> int:
+    from kvtiers.config.sizes import parse_size
+    from kvtiers.tools.commands import GcPolicy, gc
+
+    for flag in ("stale_days", "older_than_days", "temp_age_s"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise ConfigError(f"--{flag.replace('_', '-')} must not be negative, got {value}")
+    policy = GcPolicy(
+        namespaces=tuple(args.namespace),
+        stale_days=args.stale_days,
+        older_than_days=args.older_than_days,
+        max_bytes=None if args.max_bytes is None else parse_size(args.max_bytes,
+                                                                  path="--max-bytes"),
+        temp_age_s=args.temp_age_s,
+        dry_run=args.dry_run,
+    )
+    location = _open(args)
+    try:
+        return gc(location, policy, sys.stdout)
+    finally:
+        location.close()
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         name="demo",
         help="run a simulated engine over a tier stack, then restart it and hit warm",
         configure=_configure_demo,
         run=_run_demo,
+    ),
+    Command(
+        name="inspect",
+        help="list namespaces with their manifest fields, chunk counts, bytes and age",
+        configure=_add_location,
+        run=_run_inspect,
+    ),
+    Command(
+        name="verify",
+        help="check every chunk's header and checksum; --fix quarantines bad ones",
+        configure=_configure_verify,
+        run=_run_verify,
+    ),
+    Command(
+        name="gc",
+        help="remove stale namespaces, old chunks, chunks beyond a size, and temp files",
+        configure=_configure_gc,
+        run=_run_gc,
     ),
     Command(
         name="validate",

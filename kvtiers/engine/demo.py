@@ -161,12 +161,13 @@ def plot_phases(phases: Sequence[PhaseResult], names: Sequence[str], path: Path)
             axes[0].bar(xs, values, bottom=bottom, color=colors.get(name), width=1.0,
                         label=name if offset == 0 else None)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        load = [r.loaded_bytes / r.load_s / 1e9 if r.load_s else 0 for r in phase.reports]
-        store = [r.stored_bytes / r.store_s / 1e9 if r.store_s else 0 for r in phase.reports]
-        axes[1].plot(xs, load, ".", color="#4c72b0", label="load (GPU ⇐ cpu)" if not offset
-                     else None)
-        axes[1].plot(xs, store, ".", color="#dd8452", label="store (GPU ⇒ cpu)" if not offset
-                     else None)
+        for attr, color, label in (("load", "#4c72b0", "load (GPU ⇐ cpu)"),
+                                   ("store", "#dd8452", "store (GPU ⇒ cpu)")):
+            points = [(x, getattr(r, f"{attr}ed_bytes") / getattr(r, f"{attr}_s") / 1e9)
+                      for x, r in zip(xs, phase.reports, strict=True)
+                      if getattr(r, f"{attr}_s") > 0]
+            axes[1].plot([p[0] for p in points], [p[1] for p in points], ".", color=color,
+                         label=label if not offset else None)
         axes[0].axvline(offset - 0.5, color="grey", linestyle=":")
         axes[0].text(offset, axes[0].get_ylim()[1] * 0.95, phase.name, va="top")
         offset += len(xs)

@@ -15,7 +15,7 @@ from kvtiers.filemapper.manifest import (
     manifest_bytes,
     open_namespace,
 )
-from kvtiers.filemapper.mapper import CHUNK_SUFFIX, FileMapper
+from kvtiers.filemapper.mapper import CHUNK_SUFFIX, FileMapper, key_from_chunk_name
 
 __all__ = [
     "CHUNK_SUFFIX",
@@ -27,6 +27,7 @@ __all__ = [
     "NamespaceIdentity",
     "ParallelIdentity",
     "check_manifest",
+    "key_from_chunk_name",
     "manifest_bytes",
     "open_namespace",
 ]

@@ -72,10 +72,17 @@ class FileMapper:
 
     def key_from_name(self, name: str) -> OffloadKey | None:
         """The key whose chunk file is named ``name``; ``None`` for any other name."""
-        match = _CHUNK_NAME.fullmatch(name)
-        if match is None:
-            return None
-        group = int(match.group(2))
-        if group >= 2 ** (8 * GROUP_INDEX_BYTES):
-            return None
-        return make_offload_key(bytes.fromhex(match.group(1)), group)
+        return key_from_chunk_name(name)
+
+
+def key_from_chunk_name(name: str) -> OffloadKey | None:
+    """The key a chunk file or object base name stands for; ``None`` for any other name.
+
+    Names carry the whole key, so this needs no identity (the offline tools use it)."""
+    match = _CHUNK_NAME.fullmatch(name)
+    if match is None:
+        return None
+    group = int(match.group(2))
+    if group >= 2 ** (8 * GROUP_INDEX_BYTES):
+        return None
+    return make_offload_key(bytes.fromhex(match.group(1)), group)

@@ -1,0 +1,1 @@
+"""Offline tools over a persistent store: ``kvtiers inspect | verify | gc``."""

@@ -1,0 +1,209 @@
+"""``kvtiers inspect | verify | gc``: offline tools over a file root or an S3 prefix.
+
+They read manifests and chunk headers directly (no tier, no identity needed) and print
+plain text. ``verify`` checks every chunk exactly as a load would (header, namespace,
+key, length, xxh3_128) and with ``--fix`` quarantines what fails; ``gc`` removes whole
+namespaces (named, or stale), old chunks, chunks beyond a size, and interrupted temp
+files — and nothing else.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, TextIO
+
+from kvtiers.config.sizes import format_size
+from kvtiers.core.chunkformat import decode
+from kvtiers.errors import CorruptChunkError
+from kvtiers.filemapper import key_from_chunk_name
+from kvtiers.tools.locations import Entry, Location, is_temp
+
+DAY_S = 86400.0
+
+
+def _age(mtime: float, now: float) -> str:
+    seconds = max(0.0, now - mtime)
+    for unit, size in (("d", DAY_S), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _manifest(location: Location, namespace: str) -> dict[str, Any] | None:
+    try:
+        document = json.loads(location.manifest(namespace))
+    except (OSError, ValueError, KeyError):
+        return None
+    return document if isinstance(document, dict) else None
+
+
+@dataclass
+class _Census:
+    chunks: list[Entry] = field(default_factory=list)
+    temps: list[Entry] = field(default_factory=list)
+    other: list[Entry] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, entries: Iterable[Entry]) -> _Census:
+        census = cls()
+        for entry in entries:
+            if is_temp(entry):
+                census.temps.append(entry)
+            elif key_from_chunk_name(entry.base) is not None:
+                census.chunks.append(entry)
+            else:
+                census.other.append(entry)
+        return census
+
+
+def inspect(location: Location, out: TextIO) -> int:
+    """Namespaces with their manifest fields, chunk counts, bytes and ages."""
+    now = time.time()
+    namespaces = location.namespaces()
+    print(f"{location.describe()}: {len(namespaces)} namespace(s)", file=out)
+    for namespace in namespaces:
+        census = _Census.of(location.entries(namespace))
+        print(f"\n{namespace}", file=out)
+        manifest = _manifest(location, namespace)
+        if manifest is None:
+            print("  manifest: unreadable (every chunk here reads as a miss)", file=out)
+        else:
+            ident = manifest.get("identity", {})
+            groups = ", ".join(
+                f"{g.get('tokens_per_block')} tok/block x {len(g.get('layer_names', []))} "
+                f"layers ({format_size(int(g.get('bytes_per_block', 0)))}/block)"
+                for g in ident.get("groups", [])
+            )
+            parallel = ident.get("parallel")
+            layout = "parallelism-agnostic"
+            if parallel is not None:
+                layout = " ".join(f"{k.removesuffix('_size')}={v}"
+                                  for k, v in sorted(parallel.items()))
+            print(f"  model {ident.get('model_name')}@{ident.get('model_revision')}, engine "
+                  f"{ident.get('engine')}, kv {ident.get('kv_dtype')} {ident.get('kv_layout')}, "
+                  f"hash {ident.get('hash_algorithm')}", file=out)
+            print(f"  tokens_per_hash {ident.get('tokens_per_hash')}, blocks_per_chunk "
+                  f"{ident.get('blocks_per_chunk')}, groups: {groups}", file=out)
+            print(f"  parallel: {layout}; created {manifest.get('created_at')}; "
+                  f"format {manifest.get('format_version')}/"
+                  f"{manifest.get('chunk_format_version')}", file=out)
+        chunks = census.chunks
+        total = sum(e.size for e in chunks)
+        ages = (f", newest {_age(max(e.mtime for e in chunks), now)} old, oldest "
+                f"{_age(min(e.mtime for e in chunks), now)} old") if chunks else ""
+        print(f"  chunks {len(chunks):,} ({format_size(total)}){ages}; temp files "
+              f"{len(census.temps)}; other files {len(census.other)}", file=out)
+    return 0
+
+
+def _progress(entries: list[Entry], show: bool) -> Iterator[Entry]:
+    if not show:
+        yield from entries
+        return
+    from tqdm import tqdm
+
+    yield from tqdm(entries, unit="chunk", leave=False)
+
+
+def verify(location: Location, out: TextIO, *, fix: bool = False,
+           progress: bool = False) -> int:
+    """Check every chunk; 0 when all are good (or were quarantined with ``fix``), else 1."""
+    bad_total = 0
+    for namespace in location.namespaces():
+        census = _Census.of(location.entries(namespace))
+        manifest = _manifest(location, namespace)
+        digest_hex = manifest.get("digest") if manifest else None
+        if not isinstance(digest_hex, str):
+            print(f"{namespace}: manifest unreadable; its {len(census.chunks)} chunks cannot "
+                  "be verified (remove the namespace with kvtiers gc --namespace)", file=out)
+            bad_total += 1
+            continue
+        digest = bytes.fromhex(digest_hex)
+        bad: list[tuple[Entry, str]] = []
+        for entry in _progress(census.chunks, progress):
+            key = key_from_chunk_name(entry.base)
+            assert key is not None
+            try:
+                decode(location.read(entry.name), namespace_digest=digest, key=key)
+            except CorruptChunkError as exc:
+                bad.append((entry, exc.check))
+            except FileNotFoundError:
+                continue
+        print(f"{namespace}: {len(census.chunks) - len(bad):,} chunks ok, {len(bad)} corrupt",
+              file=out)
+        for entry, check in bad:
+            if fix:
+                location.quarantine(namespace, entry.name)
+            print(f"  corrupt: {entry.name}: {check} check failed"
+                  + (" (quarantined)" if fix else ""), file=out)
+        if not fix:
+            bad_total += len(bad)
+    return 1 if bad_total else 0
+
+
+@dataclass(frozen=True)
+class GcPolicy:
+    """What ``gc`` removes. Temp files older than ``temp_age_s`` always go."""
+
+    namespaces: tuple[str, ...] = ()
+    stale_days: float | None = None
+    older_than_days: float | None = None
+    max_bytes: int | None = None
+    temp_age_s: float = 3600.0
+    dry_run: bool = False
+
+
+def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
+    """Remove what ``policy`` names; print one line per namespace touched."""
+    now = time.time()
+    verb = "would remove" if policy.dry_run else "removed"
+    act: Callable[[str], None] = (lambda name: None) if policy.dry_run else location.delete
+    existing = location.namespaces()
+    unknown = [n for n in policy.namespaces if n not in existing]
+    if unknown:
+        print(f"no such namespace(s): {', '.join(unknown)}", file=out)
+    for namespace in existing:
+        census = _Census.of(location.entries(namespace))
+        newest = max((e.mtime for e in census.chunks), default=_created(location, namespace))
+        stale = policy.stale_days is not None and now - newest > policy.stale_days * DAY_S
+        if namespace in policy.namespaces or stale:
+            why = "named" if namespace in policy.namespaces else (
+                f"newest chunk {_age(newest, now)} old")
+            count = (len(census.chunks) + len(census.temps) + len(census.other) + 1
+                     if policy.dry_run else location.remove_namespace(namespace))
+            print(f"{namespace}: {verb} the namespace ({why}; {count} entries)", file=out)
+            continue
+        doomed = [e for e in census.temps if now - e.mtime > policy.temp_age_s]
+        keep = sorted(census.chunks, key=lambda e: e.mtime, reverse=True)
+        if policy.older_than_days is not None:
+            cutoff = now - policy.older_than_days * DAY_S
+            doomed += [e for e in keep if e.mtime < cutoff]
+            keep = [e for e in keep if e.mtime >= cutoff]
+        if policy.max_bytes is not None:
+            total = 0
+            for index, entry in enumerate(keep):
+                total += entry.size
+                if total > policy.max_bytes:
+                    doomed += keep[index:]
+                    break
+        for entry in doomed:
+            act(entry.name)
+        if doomed:
+            print(f"{namespace}: {verb} {len(doomed)} files "
+                  f"({format_size(sum(e.size for e in doomed))})", file=out)
+    return 0
+
+
+def _created(location: Location, namespace: str) -> float:
+    manifest = _manifest(location, namespace)
+    created = manifest.get("created_at") if manifest else None
+    if isinstance(created, str):
+        try:
+            return datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    return datetime.now(timezone.utc).timestamp()

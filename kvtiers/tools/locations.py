@@ -1,0 +1,197 @@
+"""Where the offline tools look: a file root, or ``s3://bucket/prefix``.
+
+A :class:`Location` lists namespaces (directories or prefixes holding a
+``manifest.json``), lists a namespace's entries with size and modification time, reads
+and deletes them, and quarantines a corrupt chunk. Names are ``/``-separated and relative
+to the location. File roots are walked with ``os.scandir``; S3 goes through the S3 tier's
+own store (boto3, imported only then).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtiers.core.publish import ensure_dir, is_temp_name
+from kvtiers.errors import ConfigError
+from kvtiers.filemapper import MANIFEST_NAME
+
+if TYPE_CHECKING:
+    from kvtiers.tiers.object.store import ObjectStore
+
+QUARANTINE_DIR = "quarantine"
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One file or object inside a namespace (``name`` relative to the location)."""
+
+    name: str
+    size: int
+    mtime: float
+
+    @property
+    def base(self) -> str:
+        return self.name.rsplit("/", 1)[-1]
+
+
+class Location(ABC):
+    """A file root or an object prefix holding kvtiers namespaces."""
+
+    @abstractmethod
+    def describe(self) -> str: ...
+
+    @abstractmethod
+    def namespaces(self) -> list[str]:
+        """Names of the namespaces here (those with a manifest)."""
+
+    @abstractmethod
+    def entries(self, namespace: str) -> Iterator[Entry]:
+        """Every entry of ``namespace`` except its manifest and its quarantine."""
+
+    @abstractmethod
+    def read(self, name: str) -> bytes: ...
+
+    @abstractmethod
+    def delete(self, name: str) -> None: ...
+
+    @abstractmethod
+    def quarantine(self, namespace: str, name: str) -> None:
+        """Move a corrupt entry to ``<namespace>/quarantine/`` (objects: copy, then delete)."""
+
+    @abstractmethod
+    def remove_namespace(self, namespace: str) -> int:
+        """Delete a whole namespace; returns how many entries went."""
+
+    def manifest(self, namespace: str) -> bytes:
+        return self.read(f"{namespace}/{MANIFEST_NAME}")
+
+    def close(self) -> None:
+        """Release connections."""
+
+
+class FileLocation(Location):
+    def __init__(self, root: Path) -> None:
+        if not root.is_dir():
+            raise ConfigError(f"{root} is not a directory; give a file tier's root or "
+                              "s3://bucket/prefix", path="location")
+        self.root = root
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def namespaces(self) -> list[str]:
+        return sorted(e.name for e in os.scandir(self.root)
+                      if e.is_dir() and (Path(e.path) / MANIFEST_NAME).is_file())
+
+    def entries(self, namespace: str) -> Iterator[Entry]:
+        stack = [self.root / namespace]
+        while stack:
+            for entry in os.scandir(stack.pop()):
+                if entry.is_dir(follow_symlinks=False):
+                    if not (entry.name == QUARANTINE_DIR and Path(entry.path).parent.name
+                            == namespace):
+                        stack.append(Path(entry.path))
+                    continue
+                name = Path(entry.path).relative_to(self.root).as_posix()
+                if name == f"{namespace}/{MANIFEST_NAME}":
+                    continue
+                stat = entry.stat(follow_symlinks=False)
+                yield Entry(name, stat.st_size, stat.st_mtime)
+
+    def read(self, name: str) -> bytes:
+        return (self.root / name).read_bytes()
+
+    def delete(self, name: str) -> None:
+        (self.root / name).unlink(missing_ok=True)
+
+    def quarantine(self, namespace: str, name: str) -> None:
+        target = self.root / namespace / QUARANTINE_DIR
+        ensure_dir(target)
+        os.replace(self.root / name, target / Path(name).name)
+
+    def remove_namespace(self, namespace: str) -> int:
+        count = sum(1 for _ in self.entries(namespace)) + 1
+        shutil.rmtree(self.root / namespace)
+        return count
+
+
+class ObjectLocation(Location):
+    def __init__(self, store: ObjectStore, prefix: str) -> None:
+        self.store = store
+        self.prefix = prefix.strip("/")
+
+    def _full(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def _relative(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def describe(self) -> str:
+        return self.store.describe(self.prefix)
+
+    def namespaces(self) -> list[str]:
+        found = set()
+        for info in self.store.list(self._full("")):
+            parts = self._relative(info.name).split("/")
+            if len(parts) == 2 and parts[1] == MANIFEST_NAME:
+                found.add(parts[0])
+        return sorted(found)
+
+    def entries(self, namespace: str) -> Iterator[Entry]:
+        skip = {f"{namespace}/{MANIFEST_NAME}"}
+        quarantine = f"{namespace}/{QUARANTINE_DIR}/"
+        for info in self.store.list(self._full(f"{namespace}/")):
+            name = self._relative(info.name)
+            if name not in skip and not name.startswith(quarantine):
+                yield Entry(name, info.size, info.mtime)
+
+    def read(self, name: str) -> bytes:
+        return self.store.read(self._full(name), 1 << 40)
+
+    def delete(self, name: str) -> None:
+        self.store.delete(self._full(name))
+
+    def quarantine(self, namespace: str, name: str) -> None:
+        data = self.read(name)
+        base = name.rsplit("/", 1)[-1]
+        self.store.put_if_absent(self._full(f"{namespace}/{QUARANTINE_DIR}/{base}"), [data])
+        self.delete(name)
+
+    def remove_namespace(self, namespace: str) -> int:
+        names = [info.name for info in self.store.list(self._full(f"{namespace}/"))]
+        for name in names:
+            self.store.delete(name)
+        return len(names)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def open_location(spec: str, *, endpoint_url: str | None = None,
+                  region: str | None = None) -> Location:
+    """``s3://bucket[/prefix]`` or a directory path."""
+    if spec.startswith("s3://"):
+        bucket, _, prefix = spec[len("s3://"):].partition("/")
+        if not bucket:
+            raise ConfigError(f"{spec!r} names no bucket; write s3://bucket/prefix",
+                              path="location")
+        from kvtiers.tiers.s3.store import S3Store
+
+        store = S3Store(bucket, region=region or os.environ.get("AWS_DEFAULT_REGION"),
+                        endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"))
+        store.check_bucket(where="location")
+        return ObjectLocation(store, prefix)
+    if "://" in spec:
+        raise ConfigError(f"{spec!r}: only file roots and s3:// locations are supported",
+                          path="location")
+    return FileLocation(Path(spec).expanduser())
+
+
+def is_temp(entry: Entry) -> bool:
+    return is_temp_name(entry.base)
