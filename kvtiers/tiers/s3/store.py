@@ -31,7 +31,8 @@ _TRANSIENT_CODES = frozenset({
     "ConditionalRequestConflict", "BadDigest", "IncompleteBody",
 })
 _TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
-    botocore.exceptions.ConnectionError,  # connection refused/closed/reset, connect + read timeouts
+    botocore.exceptions.ConnectionError,  # refused, connect timeouts
+    botocore.exceptions.HTTPClientError,  # closed or reset mid-request, read timeouts
     botocore.exceptions.ResponseStreamingError,
     botocore.exceptions.IncompleteReadError,
 )
@@ -69,7 +70,7 @@ class S3Store(ObjectStore):
             aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=region
         )
         self._config = botocore.config.Config(
-            retries={"mode": "standard", "max_attempts": 1},
+            retries={"mode": "standard", "total_max_attempts": 1},
             connect_timeout=timeout_s,
             read_timeout=timeout_s,
             max_pool_connections=max_connections,
