@@ -274,6 +274,7 @@ def test_a_vanished_object_is_a_miss_not_corrupt(make_tier: Callable[..., TierDr
     client.delete_object(Bucket=BUCKET, Key=driver.manager.backend.object_key(conformance_key(0)))
     result, data = driver.load([conformance_key(0)])
     assert result.failed_keys == (conformance_key(0),) and result.corrupt_keys == ()
+    assert data == {}
     assert driver.manager.lookup(conformance_key(0), CTX) is MISS
 
 
