@@ -1,0 +1,146 @@
+"""kvtiers inspect / verify / gc on stores the real tiers wrote (file root and S3)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtiers.engine.simulator import SimulatedEngine
+from kvtiers.engine.workload import WorkloadSpec, conversation_requests
+from kvtiers.stack.builder import load_stack
+from tests.conftest import BUCKET, MotoServer
+
+WORKLOAD = WorkloadSpec(conversations=2, system_prompts=1, turns=1, system_tokens=(200, 260))
+
+
+def _model(name: str) -> dict[str, Any]:
+    return {"name": name, "tokens_per_hash": 16, "blocks_per_chunk": 2,
+            "groups": [{"tokens_per_block": 16, "num_layers": 2, "page_bytes": "2KiB"}]}
+
+
+def _fill(tiers: list[dict[str, Any]], model: str) -> None:
+    stack = load_stack({"tiers": [{"kind": "cpu", "capacity": "2MiB"}, *tiers],
+                        "model": _model(model)})
+    engine = SimulatedEngine(stack, num_gpu_blocks=64)
+    for request in conversation_requests(WORKLOAD):
+        engine.run_request(request.req_id, request.token_ids)
+    engine.shutdown()
+    stack.shutdown()
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", "from kvtiers.cli import main; raise SystemExit(main())", *args],
+        capture_output=True, text=True, env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    _fill([{"kind": "file", "root": str(tmp_path)}], "team/model-a")
+    return tmp_path
+
+
+def _chunks(namespace_dir: Path) -> list[Path]:
+    return sorted(p for p in namespace_dir.rglob("*.kvc") if "quarantine" not in p.parts)
+
+
+def test_inspect_lists_namespace_fields_and_counts(root: Path) -> None:
+    (namespace,) = [p for p in root.iterdir() if p.is_dir()]
+    result = _cli("inspect", str(root))
+    assert result.returncode == 0, result.stderr
+    assert namespace.name in result.stdout
+    assert "model team/model-a@main" in result.stdout
+    assert f"chunks {len(_chunks(namespace))} " in result.stdout
+
+
+def test_verify_finds_a_flipped_byte_and_fix_quarantines_it(root: Path) -> None:
+    (namespace,) = [p for p in root.iterdir() if p.is_dir()]
+    chunks = _chunks(namespace)
+    assert _cli("verify", str(root)).returncode == 0
+    victim = chunks[len(chunks) // 2]
+    data = bytearray(victim.read_bytes())
+    data[5000] ^= 0x01
+    victim.write_bytes(bytes(data))
+    found = _cli("verify", str(root))
+    assert found.returncode == 1
+    assert f"{victim.name}: payload checksum check failed" in found.stdout
+    assert f"{len(chunks) - 1} chunks ok, 1 corrupt" in found.stdout
+    fixed = _cli("verify", "--fix", str(root))
+    assert fixed.returncode == 0 and "(quarantined)" in fixed.stdout
+    assert (namespace / "quarantine" / victim.name).exists() and not victim.exists()
+    assert _cli("verify", str(root)).returncode == 0
+
+
+def test_gc_removes_a_stale_namespace_and_nothing_else(root: Path) -> None:
+    _fill([{"kind": "file", "root": str(root)}], "team/model-b")
+    namespaces = sorted(p for p in root.iterdir() if p.is_dir())
+    stale, fresh = (namespaces if "model-a" in namespaces[0].name else namespaces[::-1])
+    old = time.time() - 10 * 86400
+    for path in stale.rglob("*"):
+        os.utime(path, (old, old))
+    before = {p: p.read_bytes() for p in fresh.rglob("*") if p.is_file()}
+    result = _cli("gc", str(root), "--stale-days", "1")
+    assert result.returncode == 0, result.stderr
+    assert not stale.exists()
+    assert {p: p.read_bytes() for p in fresh.rglob("*") if p.is_file()} == before
+
+
+def test_gc_removes_temps_old_chunks_and_bytes_beyond_a_size(root: Path) -> None:
+    (namespace,) = [p for p in root.iterdir() if p.is_dir()]
+    chunks = _chunks(namespace)
+    temp_old = namespace / ".x.kvc.0123.kvtmp"
+    temp_new = namespace / ".y.kvc.4567.kvtmp"
+    temp_old.write_bytes(b"torn")
+    temp_new.write_bytes(b"in flight")
+    old = time.time() - 7200
+    os.utime(temp_old, (old, old))
+    for index, chunk in enumerate(chunks):
+        os.utime(chunk, (old + index, old + index))
+    dry = _cli("gc", str(root), "--max-bytes", str(2 * chunks[0].stat().st_size), "--dry-run")
+    assert "would remove" in dry.stdout and temp_old.exists()
+    result = _cli("gc", str(root), "--max-bytes", str(2 * chunks[0].stat().st_size))
+    assert result.returncode == 0, result.stderr
+    assert not temp_old.exists() and temp_new.exists()
+    assert _chunks(namespace) == chunks[-2:]
+
+
+def test_bad_locations_are_one_line_errors(tmp_path: Path) -> None:
+    for args in (["inspect", str(tmp_path / "absent")], ["verify", "gs://bucket/x"],
+                 ["gc", str(tmp_path), "--stale-days", "-1"]):
+        result = _cli(*args)
+        assert result.returncode == 2, args
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_tools_work_on_an_s3_prefix(s3_endpoint: MotoServer) -> None:
+    _fill([{"kind": "s3", "bucket": BUCKET, "prefix": "fleet",
+            "endpoint_url": s3_endpoint.endpoint_url}], "team/model-s3")
+    env = {"AWS_ENDPOINT_URL": s3_endpoint.endpoint_url}
+    location = f"s3://{BUCKET}/fleet"
+    inspected = _cli("inspect", location, env=env)
+    assert inspected.returncode == 0, inspected.stderr
+    assert "model team/model-s3@main" in inspected.stdout
+    verified = _cli("verify", location, env=env)
+    assert verified.returncode == 0 and " 0 corrupt" in verified.stdout
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=s3_endpoint.endpoint_url)
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix="fleet/")["Contents"]
+    victim = next(o["Key"] for o in listed if o["Key"].endswith(".kvc"))
+    body = bytearray(client.get_object(Bucket=BUCKET, Key=victim)["Body"].read())
+    body[-1] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=victim, Body=bytes(body))
+    found = _cli("verify", location, "--fix", env=env)
+    assert found.returncode == 0 and "(quarantined)" in found.stdout
+    assert f"{victim.removeprefix('fleet/')}: payload checksum check failed" in found.stdout
+    listing = client.list_objects_v2(Bucket=BUCKET, Prefix="fleet/")["Contents"]
+    remaining = {o["Key"] for o in listing}
+    assert victim not in remaining
+    assert any("/quarantine/" in key for key in remaining)
