@@ -269,9 +269,12 @@ def test_restore_of_an_evicted_key_is_not_deleted_late(tmp_path: Path) -> None:
     manager = tier.manager
     try:
         tier.store([0])
-        tier.store([1])  # evicts 0
-        tier.store([0])  # evicts 1 and reuses 0's name
+        manager.deletions_gate.clear()
+        tier.store([1])  # evicts 0; its unlink waits behind the gate
+        tier.store([0])  # evicts 1 and publishes 0's name again
+        manager.deletions_gate.set()
         manager.wait_deletions()
+        assert not manager.mapper.path(conformance_key(1)).exists()
         assert manager.lookup(conformance_key(0), CTX) is HIT
         assert tier.load(0)[1] == conformance_payload(0, CHUNK)
     finally:

@@ -78,9 +78,14 @@ class _Entry:
 
 
 class _Deleter:
-    """A thread that unlinks evicted chunk files; a queued unlink can be cancelled."""
+    """A thread that unlinks evicted chunk files; a queued unlink can be cancelled.
+
+    While ``gate`` is cleared (tests do this) queued unlinks wait.
+    """
 
     def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
         self._cond = threading.Condition()
         self._queue: list[Path] = []
         self._pending: dict[Path, int] = {}
@@ -111,6 +116,7 @@ class _Deleter:
             if self._closed:
                 return
             self._closed = True
+            self.gate.set()
             self._cond.notify_all()
         self._thread.join()
 
@@ -120,6 +126,8 @@ class _Deleter:
                 self._cond.wait_for(lambda: self._queue or self._closed)
                 if not self._queue:
                     return
+            self.gate.wait()
+            with self._cond:
                 path = self._queue.pop(0)
                 count = self._pending.get(path, 0)
                 if not count:
@@ -402,6 +410,11 @@ class FileTierManager(OffloadingManager):
     def wait_deletions(self) -> None:
         """Block until every evicted file has been unlinked. For tests and tools."""
         self._deleter.wait()
+
+    @property
+    def deletions_gate(self) -> threading.Event:
+        """Cleared, it holds evicted files' unlinks back (tests use it to act meanwhile)."""
+        return self._deleter.gate
 
     # -- store ----------------------------------------------------------------------
     def prepare_store(
