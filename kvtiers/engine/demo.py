@@ -161,11 +161,12 @@ def plot_phases(phases: Sequence[PhaseResult], names: Sequence[str], path: Path)
             axes[0].bar(xs, values, bottom=bottom, color=colors.get(name), width=1.0,
                         label=name if offset == 0 else None)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-        for attr, color, label in (("load", "#4c72b0", "load (GPU ⇐ cpu)"),
-                                   ("store", "#dd8452", "store (GPU ⇒ cpu)")):
-            points = [(x, getattr(r, f"{attr}ed_bytes") / getattr(r, f"{attr}_s") / 1e9)
-                      for x, r in zip(xs, phase.reports, strict=True)
-                      if getattr(r, f"{attr}_s") > 0]
+        for moved, took, color, label in (
+            ("loaded_bytes", "load_s", "#4c72b0", "load (GPU ⇐ cpu)"),
+            ("stored_bytes", "store_s", "#dd8452", "store (GPU ⇒ cpu)"),
+        ):
+            points = [(x, getattr(r, moved) / getattr(r, took) / 1e9)
+                      for x, r in zip(xs, phase.reports, strict=True) if getattr(r, took) > 0]
             axes[1].plot([p[0] for p in points], [p[1] for p in points], ".", color=color,
                          label=label if not offset else None)
         axes[0].axvline(offset - 0.5, color="grey", linestyle=":")

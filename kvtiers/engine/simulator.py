@@ -83,10 +83,16 @@ class _Allocation:
 class SimulatedEngine:
     """Runs requests through ``stack`` one at a time; see the module docstring."""
 
-    def __init__(self, stack: Stack, *, num_gpu_blocks: int, device: str = "cpu") -> None:
+    def __init__(
+        self, stack: Stack, *, num_gpu_blocks: int, device: str = "cpu", settle: bool = True
+    ) -> None:
+        """``settle``: after each request wait until cascades have landed, as an engine
+        with time between requests would; ``False`` runs requests back to back, so stores
+        meet primary slots still pinned by cascades (back-pressure)."""
         import torch
 
         self.stack = stack
+        self.settle = settle
         self.config: OffloadingConfig = stack.offloading
         self.glue = OffloadScheduler(stack.manager, self.config)
         self.tensors: list[torch.Tensor] = []
@@ -127,12 +133,15 @@ class SimulatedEngine:
             self.glue.end_step()
             self._release(allocation)
             self.glue.finish_request(req_id)
+        if self.settle:
+            self.stack.manager.wait_idle()
         return report
 
     def _wait_for_prefix(
         self, req_id: str, num_tokens: int, report: RequestReport
     ) -> PrefixMatch:
         match = self.glue.match_prefix(req_id, max_tokens=num_tokens - 1)
+        report.promoted_chunks = match.promoted
         while match.pending:
             if report.wait_steps >= MAX_WAIT_STEPS:
                 raise KVTiersError(f"{req_id}: its prefix was still pending after "
@@ -143,7 +152,6 @@ class SimulatedEngine:
             if self.stack.manager.has_pending_work():
                 time.sleep(STEP_S)
             match = self.glue.match_prefix(req_id, max_tokens=num_tokens - 1)
-        report.promoted_chunks = match.promoted
         return match
 
     def _load(
