@@ -55,6 +55,7 @@ class ObjectBackend:
         self._lock = threading.Lock()
         self._corrupt_chunks = 0
         self._closed = False
+        self._store_closed = False
 
     # -- names ----------------------------------------------------------------------
     def object_key(self, key: OffloadKey) -> str:
@@ -117,10 +118,16 @@ class ObjectBackend:
             return False
         return True
 
-    def close(self) -> None:
-        """Finish queued work, stop the pool and close the store. Idempotent."""
-        if self._closed:
-            return
+    def stop_threads(self) -> None:
+        """Finish queued work and stop the pool, leaving the store open (for callers
+        that share one store between backends). Idempotent."""
         self._closed = True
         self._pool.shutdown(wait=True)
+
+    def close(self) -> None:
+        """Finish queued work, stop the pool and close the store. Idempotent."""
+        if self._store_closed:
+            return
+        self._store_closed = True
+        self.stop_threads()
         self.store.close()
