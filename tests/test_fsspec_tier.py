@@ -151,3 +151,27 @@ def test_fsspec_cannot_be_the_primary() -> None:
 def test_unknown_protocol_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="cannot open 'nosuchproto://x'"):
         FsspecStore("nosuchproto://x")
+
+
+def test_negative_probe_answers_expire() -> None:
+    from kvtiers.core.manager import ScheduleEndContext
+    from kvtiers.tiers.object import ObjectBackend, ObjectTierManager
+
+    now = [0.0]
+    store = FsspecStore(f"memory://kvtiers-{uuid.uuid4().hex}")
+    backend = ObjectBackend(store, NamespaceIdentity.from_config(offloading_config()))
+    manager = ObjectTierManager(backend, max_chunk_bytes=8192, shared=True,
+                                negative_ttl_s=5.0, clock=lambda: now[0])
+    key = conformance_key(0)
+    try:
+        assert manager.lookup(key, CTX) is LookupResult.RETRY
+        manager.on_schedule_end(ScheduleEndContext())
+        manager.wait_background()
+        assert manager.lookup(key, CTX) is LookupResult.MISS
+        now[0] = 4.9
+        assert manager.lookup(key, CTX) is LookupResult.MISS
+        now[0] = 5.0
+        assert manager.lookup(key, CTX) is LookupResult.RETRY
+        assert manager.get_stats()["probes"] == 1
+    finally:
+        manager.shutdown()

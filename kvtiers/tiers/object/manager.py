@@ -45,6 +45,9 @@ from kvtiers.core.specs import ObjectLoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 from kvtiers.tiers.object.backend import ObjectBackend
 
+#: Remembered negative probe answers are pruned of expired ones beyond this many.
+_NEGATIVE_PRUNE_AT = 4096
+
 
 @dataclass
 class _Entry:
@@ -136,7 +139,7 @@ class ObjectTierManager(OffloadingManager):
             self._probing.discard(key)
             if size is None:
                 self._negative[key] = self._clock() + self.negative_ttl_s
-            elif key not in self._entries:
+            elif key not in self._entries and key not in self._deleting:
                 self._entries[key] = _Entry(size=size, ready=True)
                 self._usage += size
 
@@ -286,6 +289,9 @@ class ObjectTierManager(OffloadingManager):
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain()
         self._background = [f for f in self._background if not f.done()]
+        if len(self._negative) > _NEGATIVE_PRUNE_AT:
+            now = self._clock()
+            self._negative = {k: t for k, t in self._negative.items() if t > now}
         if not self._to_probe or self._closed:
             return
         batch = list(self._to_probe)
