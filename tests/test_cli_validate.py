@@ -119,4 +119,4 @@ def test_commands_are_a_table_of_parsers() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["validate", "a.yaml", "b.yaml"])
     assert args.files == ["a.yaml", "b.yaml"]
-    assert args.run is cli.COMMANDS[0].run
+    assert args.run is next(c.run for c in cli.COMMANDS if c.name == "validate")
