@@ -1,9 +1,10 @@
 """The file tier's manager: an in-memory index over one namespace directory.
 
-At start the namespace's manifest is checked (or created), stale temp files from
-interrupted publishes are removed and the index is rebuilt with ``os.scandir`` over the
-two fan-out levels — names parsed by :meth:`FileMapper.key_from_name`, sizes and mtimes
-from ``stat`` (never opening a file), recency seeded from mtimes (oldest first).
+At start the namespace's manifest is checked (or created), then one ``os.scandir`` pass
+over the namespace and its two fan-out levels both removes stale temp files of
+interrupted publishes (what :func:`~kvtiers.core.publish.cleanup_stale_temps` does, without
+a second walk) and rebuilds the index — names parsed by :meth:`FileMapper.key_from_name`,
+sizes and mtimes from ``stat`` (never opening a file), recency seeded from mtimes.
 
 Index entries hold a size, a ready flag and a pin count, in LRU order. Invariants:
 
@@ -49,7 +50,7 @@ from kvtiers.core.manager import (
     ScheduleEndContext,
     TierCapabilities,
 )
-from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, cleanup_stale_temps
+from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, is_temp_name
 from kvtiers.core.specs import FileLoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import FileMapper, open_namespace
@@ -251,11 +252,6 @@ class FileTierManager(OffloadingManager):
             mapper.root, mapper.identity, file_mode=file_mode, dir_mode=dir_mode
         )
         self.quarantine_dir = self.namespace_dir / QUARANTINE_DIR
-        removed = cleanup_stale_temps(
-            self.namespace_dir, older_than_s=SHARED_TEMP_AGE_S if shared else 0.0
-        )
-        if removed:
-            logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
         self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()
         self.usage_bytes = 0
         self._events: list[OffloadingEvent] = []
@@ -275,8 +271,10 @@ class FileTierManager(OffloadingManager):
         self._negative: dict[OffloadKey, float] = {}
         self._closed = False
         start = time.perf_counter()
-        self._rebuild()
+        removed = self._rebuild(SHARED_TEMP_AGE_S if shared else 0.0)
         self.rebuild_s = time.perf_counter() - start
+        if removed:
+            logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
         logger.info(
             "file tier %s: %d chunks (%d bytes) indexed in %.3f s",
             self.namespace_dir, len(self._entries), self.usage_bytes, self.rebuild_s,
@@ -287,29 +285,47 @@ class FileTierManager(OffloadingManager):
             self._evict(victims)
 
     # -- start-up -------------------------------------------------------------------
-    def _rebuild(self) -> None:
+    def _rebuild(self, temp_age_s: float) -> int:
+        """Index every chunk file and remove stale temp files, in one pass over the tree;
+        returns how many temp files were removed. Temp files younger than
+        ``temp_age_s`` are left alone (another live writer may own them)."""
         found: list[tuple[float, OffloadKey, int]] = []
         key_from_name = self.mapper.key_from_name
-        for top in _subdirs(self.namespace_dir):
-            for leaf in _subdirs(top):
+        cutoff = time.time() - temp_age_s
+        removed = 0
+        stack = [str(self.namespace_dir)]
+        depth = {stack[0]: 0}
+        while stack:
+            directory = stack.pop()
+            level = depth.pop(directory)
+            try:
+                with os.scandir(directory) as it:
+                    entries = list(it)
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                name = entry.name
+                if level < 2 and _FANOUT.fullmatch(name) and entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                    depth[entry.path] = level + 1
+                    continue
+                if is_temp_name(name):
+                    removed += _remove_temp(entry, cutoff if temp_age_s > 0 else None)
+                    continue
+                key = key_from_name(name) if level == 2 else None
+                if key is None:
+                    continue
                 try:
-                    entries = list(os.scandir(leaf))
+                    st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
-                for entry in entries:
-                    key = key_from_name(entry.name)
-                    if key is None:
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except FileNotFoundError:
-                        continue
-                    found.append((st.st_mtime, key, st.st_size))
+                found.append((st.st_mtime, key, st.st_size))
         found.sort(key=lambda item: item[0])
         entries_map = self._entries
         for _mtime, key, size in found:
             entries_map[key] = _Entry(size, True)
             self.usage_bytes += size
+        return removed
 
     # -- the mover's side channel ---------------------------------------------------
     def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
@@ -563,10 +579,12 @@ class FileTierManager(OffloadingManager):
         return OffloadingEvent(list(keys), self.medium, removed=removed, locality=self.locality)
 
 
-def _subdirs(path: Path | str) -> list[str]:
-    """The two-hex-digit fan-out directories directly under ``path``."""
+def _remove_temp(entry: os.DirEntry[str], cutoff: float | None) -> int:
+    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed."""
     try:
-        with os.scandir(path) as it:
-            return [e.path for e in it if _FANOUT.fullmatch(e.name) and e.is_dir()]
+        if cutoff is not None and entry.stat(follow_symlinks=False).st_mtime >= cutoff:
+            return 0
+        os.unlink(entry.path)
     except FileNotFoundError:
-        return []
+        return 0
+    return 1
