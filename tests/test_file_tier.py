@@ -478,3 +478,55 @@ def test_o_direct_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(io, "probe_o_direct", lambda directory: "refused for the test")
     assert select_backend("posix", o_direct=True, directory=tmp_path).code == IO_POSIX
     assert PosixBackend(o_direct=False).name == "posix"
+
+
+# -- in a stack -----------------------------------------------------------------------
+def test_cpu_and_file_stack_cascades_then_promotes_after_restart(tmp_path: Path) -> None:
+    from kvtiers.config.tiers import CPUTierConfig, FileTierConfig
+    from kvtiers.core.specs import CPULoadStoreSpec
+    from kvtiers.stack.composite import TieredManager
+    from kvtiers.tiers.cpu.factory import build_tier as build_cpu
+    from kvtiers.tiers.file.factory import build_tier as build_file
+
+    offloading = offloading_config()
+
+    def stack() -> TieredManager:
+        cpu = build_cpu(CPUTierConfig(name="cpu", capacity=4 * 8192), offloading,
+                        primary_region=None, name="cpu")
+        disk = build_file(FileTierConfig(name="disk", root=str(tmp_path)), offloading,
+                          primary_region=cpu.region, name="disk")
+        return TieredManager([cpu, disk])
+
+    ids = range(3)
+    keys = [conformance_key(i) for i in ids]
+    first = stack()
+    try:
+        assert first.prepare_store(keys, CTX) == keys
+        spec = first.get_spec(keys)
+        assert isinstance(spec, CPULoadStoreSpec)
+        region = first.tiers[0].region
+        assert region is not None
+        for i, slot in zip(ids, spec.slot_ids.tolist(), strict=True):
+            region.view(slot)[:CHUNK] = conformance_payload(i, CHUNK)
+        first.complete_store(keys, CTX)
+        first.wait_idle()
+        assert first.get_stats()["cascades"] == 3
+    finally:
+        first.shutdown()
+
+    second = stack()
+    try:
+        assert [second.lookup(k, CTX) for k in keys] == [LookupResult.HIT_PENDING] * 3
+        second.wait_idle()
+        assert [second.lookup(k, CTX) for k in keys] == [HIT] * 3
+        second.prepare_load(keys, CTX)
+        spec = second.get_spec(keys)
+        assert isinstance(spec, CPULoadStoreSpec)
+        region = second.tiers[0].region
+        assert region is not None
+        for i, slot in zip(ids, spec.slot_ids.tolist(), strict=True):
+            assert bytes(region.view(slot)[:CHUNK]) == conformance_payload(i, CHUNK)
+        second.complete_load(keys, CTX)
+        assert second.get_stats()["promotions"] == 3
+    finally:
+        second.shutdown()

@@ -219,6 +219,12 @@ class FileTierManager(OffloadingManager):
     engines write into the same namespace, so an index miss is checked on disk by a
     background probe (``RETRY`` until it answers). ``io_backend`` is the numeric code of
     the I/O path in use (reported in stats). ``clock`` is injectable for tests.
+
+    ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
+    ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
+    ``corrupt_chunks`` and ``vanished_chunks`` (reported by movers), ``probes`` and
+    ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
+    codes; the name is in :attr:`io_backend_name`).
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)

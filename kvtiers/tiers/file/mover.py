@@ -164,8 +164,11 @@ class FileMover(Mover):
         except CorruptChunkError as exc:
             self.bad_chunks.corrupt(path, key, exc)
             ok, corrupt = False, True
-        except FileNotFoundError:
-            self.bad_chunks.vanished(key)
+        except FileNotFoundError as exc:
+            if task == self._load_one:
+                self.bad_chunks.vanished(key)
+            else:
+                logger.warning("file tier: storing chunk %s failed: %s", path, exc)
             ok = False
         except Exception as exc:
             logger.warning("file tier: chunk %s failed: %s", path, exc)
