@@ -638,7 +638,7 @@ BAD_STACKS = [
         "model-bad-hash",
         f"tiers:\n{CPU}model:\n  name: m\n  hash_algorithm: md5  # <-\n  groups:\n{GROUP}",
         "model.hash_algorithm",
-        "unknown hash algorithm 'md5'",
+        "expected one of xxh3_128, sha256, got 'md5'",
     ),
     (
         "model-tp-zero",

@@ -23,6 +23,7 @@ from kvtiers.core.hashing import (
     request_chunk_keys,
 )
 from kvtiers.core.keys import get_offload_block_hash, get_offload_group_idx
+from kvtiers.errors import ConfigError
 
 TOKENS = list(range(1000, 1000 + 130))
 
@@ -126,3 +127,12 @@ def test_golden_hashes() -> None:
     assert block_hashes(tokens, 16, "sha256")[0].hex() == (
         "c8fd7986b000fc513da809b06ad4a79ab7cbf179ea4c467ac3990f1b447c2fad"
     )
+
+
+def test_engine_supplied_algorithms_are_recorded_not_computed() -> None:
+    cache = OffloadingCacheConfig(tokens_per_hash=16, hash_algorithm="vllm:sha256_cbor")
+    assert cache.hash_algorithm == "vllm:sha256_cbor"
+    with pytest.raises(ConfigError, match="unknown hash algorithm"):
+        OffloadingCacheConfig(tokens_per_hash=16, hash_algorithm="md5")
+    with pytest.raises(ValueError, match="unknown hash algorithm"):
+        block_hashes(TOKENS, 8, "vllm:sha256_cbor")

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from kvtiers.config.paths import item_path, join_path
 from kvtiers.config.schema import Range, Section, example
@@ -93,7 +93,8 @@ class ModelSection(Section):
     kv_layout: str = "NHD"
     tokens_per_hash: int = 16
     blocks_per_chunk: int = 1
-    hash_algorithm: str = "xxh3_128"
+    # The algorithms kvtiers' own hashing implements (the demo and tools hash tokens here).
+    hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
     salt: str = ""
     groups: tuple[GroupSection, ...] = field(
         metadata=example("groups: [{tokens_per_block: 16, num_layers: 4, page_bytes: 16KiB}]")

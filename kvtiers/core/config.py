@@ -13,11 +13,15 @@ must fall on a hash boundary so its key (the hash there) fingerprints the whole 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from kvtiers.errors import ConfigError
 
+#: Algorithms kvtiers' own prefix hashing implements.
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
+# Keys computed by an engine are recorded as "<engine>:<its algorithm>", e.g. "vllm:sha256".
+_ENGINE_HASH = re.compile(r"[a-z0-9_.-]+:[A-Za-z0-9_.-]+")
 
 
 def _positive(value: int, name: str) -> None:
@@ -64,7 +68,11 @@ class OffloadingModelConfig:
 
 @dataclass(frozen=True)
 class OffloadingCacheConfig:
-    """Hash granularity, chunk size and the block-hash algorithm."""
+    """Hash granularity, chunk size and the block-hash algorithm.
+
+    ``hash_algorithm`` is one of :data:`HASH_ALGORITHMS` when kvtiers hashes the tokens,
+    or ``"<engine>:<algorithm>"`` when an engine supplies the keys (it is part of the
+    cache identity either way)."""
 
     tokens_per_hash: int
     blocks_per_chunk: int = 1
@@ -73,10 +81,13 @@ class OffloadingCacheConfig:
     def __post_init__(self) -> None:
         _positive(self.tokens_per_hash, "tokens_per_hash")
         _positive(self.blocks_per_chunk, "blocks_per_chunk")
-        if self.hash_algorithm not in HASH_ALGORITHMS:
+        if self.hash_algorithm not in HASH_ALGORITHMS and not _ENGINE_HASH.fullmatch(
+            self.hash_algorithm
+        ):
             raise ConfigError(
                 f"unknown hash algorithm {self.hash_algorithm!r}; use one of "
-                + ", ".join(HASH_ALGORITHMS),
+                + ", ".join(HASH_ALGORITHMS)
+                + ", or '<engine>:<algorithm>' for keys an engine computes",
                 path="hash_algorithm",
             )
 
