@@ -8,6 +8,10 @@
   clients, that answers requests itself instead of sending them — throttling (503
   SlowDown), 500s, dropped connections, read timeouts — or delays them, ``n`` requests at
   a time, optionally only for one HTTP method.
+- For the object tiers: :func:`offloading_config` (a small cache identity),
+  :class:`ObjectTierConformance` (the conformance suite's backdoor helpers over any
+  object store) and :class:`TierDriver` (stores and loads through a built tier's manager
+  and mover, the way the composite does).
 """
 
 from __future__ import annotations
