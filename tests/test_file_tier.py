@@ -303,10 +303,19 @@ class FailingOps(FileOps):
         self._maybe_fail("replace")
         super().replace(src, dst)
 
+    def fsync_dir(self, path: Path) -> None:
+        self._maybe_fail("fsync_dir")
+        super().fsync_dir(path)
+
 
 @pytest.mark.parametrize(
     ("error", "step"),
-    [(errno.ENOSPC, "fsync"), (errno.ENOSPC, "replace"), (errno.EROFS, "open")],
+    [
+        (errno.ENOSPC, "fsync"),
+        (errno.ENOSPC, "replace"),
+        (errno.EROFS, "open"),
+        (errno.EIO, "fsync_dir"),
+    ],
 )
 def test_full_or_read_only_disk_fails_the_store_cleanly(
     tmp_path: Path, error: int, step: str
