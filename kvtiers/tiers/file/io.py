@@ -6,11 +6,11 @@ and crash-safe), ``read`` fills a header buffer and a payload buffer from a file
 reports the file's size. Two implementations:
 
 * ``posix`` — ``os.pwritev`` / ``os.preadv`` from and into the caller's buffers, no extra
-  copy. With ``o_direct`` the page cache is bypassed when the buffers allow it (4096-byte
-  aligned start; the transfer is rounded up to whole 4096-byte blocks, which a CPU slot
-  always has room for, and a written file is truncated back to its exact size); any
-  buffer that is not aligned goes through the page cache instead. Whether the filesystem
-  takes O_DIRECT at all is probed once at start-up (:func:`probe_o_direct`).
+  copy. With ``o_direct`` the page cache is bypassed when the payload allows it: a
+  4096-byte aligned start (CPU-tier slots are) and a whole number of 4096-byte blocks
+  (the header always is); any other payload goes through the page cache, so no transfer
+  ever touches bytes outside its buffer. Whether the filesystem takes O_DIRECT at all is
+  probed once at start-up (:func:`probe_o_direct`).
 * ``kvikio`` — GPUDirect Storage through kvikio's ``CuFile`` (``pread``/``pwrite``
   futures), into host or device memory. kvikio is imported lazily and used only when
   ``libcuda.so.1`` loads and a tiny write/read probe succeeds (:func:`kvikio_status`).
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtiers.core.chunkformat import HEADER_BYTES
-from kvtiers.core.geometry import ALIGNMENT, round_up
+from kvtiers.core.geometry import ALIGNMENT
 from kvtiers.core.publish import DEFAULT_OPS, FileOps, publish, write_all
 from kvtiers.errors import BackendUnavailableError
 
@@ -108,62 +108,35 @@ class PosixBackend(IOBackend):
         self.code = IO_POSIX_DIRECT if self.o_direct else IO_POSIX
         self._headers = _AlignedHeaders()
 
-    def _direct_payload(self, payload: memoryview) -> memoryview | None:
-        """The payload widened to whole 4096-byte blocks, when O_DIRECT may use it.
-
-        The widening reads the bytes right after the payload in the same buffer: a CPU slot
-        is a multiple of 4096 bytes, so they exist; a bare payload buffer does not qualify.
-        """
-        if not self.o_direct or not _aligned(payload):
-            return None
-        obj = payload.obj
-        if not isinstance(obj, memoryview | bytearray | mmap.mmap):
-            return None
-        base = memoryview(obj).cast("B")
-        start = _address(payload) - _address(base) if base.nbytes and not base.readonly else -1
-        padded = round_up(payload.nbytes)
-        if start < 0 or start + padded > base.nbytes:
-            return None
-        return base[start : start + padded]
+    def _direct(self, payload: memoryview) -> bool:
+        """Whether O_DIRECT may move ``payload``: a 4096-byte aligned start and a whole
+        number of 4096-byte blocks (other buffers go through the page cache)."""
+        return self.o_direct and payload.nbytes % ALIGNMENT == 0 and _aligned(payload)
 
     def write(self, path: Path, header: bytes, payload: Any, settings: PublishSettings) -> None:
         view = memoryview(payload).cast("B")
-        direct = self._direct_payload(view)
-        if direct is None:
-            publish(
-                path,
-                lambda fd, _temp: write_all(fd, [header, view]),
-                file_mode=settings.file_mode,
-                dir_mode=settings.dir_mode,
-                ops=settings.ops,
-            )
-            return
-        aligned_header = self._headers.view
-        aligned_header[:] = header
-        size = HEADER_BYTES + view.nbytes
-
-        def writer(fd: int, _temp: Path) -> None:
-            write_all(fd, [aligned_header, direct])
-            os.ftruncate(fd, size)
-
+        buffers: list[bytes | memoryview] = [header, view]
+        flags = 0
+        if self._direct(view):
+            aligned_header = self._headers.view
+            aligned_header[:] = header
+            buffers[0] = aligned_header
+            flags = _O_DIRECT
         publish(
             path,
-            writer,
+            lambda fd, _temp: write_all(fd, buffers),
             file_mode=settings.file_mode,
             dir_mode=settings.dir_mode,
-            open_flags=_O_DIRECT,
+            open_flags=flags,
             ops=settings.ops,
         )
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
         view = memoryview(payload).cast("B")
-        direct = self._direct_payload(view)
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        if direct is not None and _aligned(header):
-            buffers: list[memoryview] = [header, direct]
+        if self._direct(view) and _aligned(header):
             flags |= _O_DIRECT
-        else:
-            buffers = [header, view]
+        buffers = [header, view]
         fd = os.open(path, flags)
         try:
             size = os.fstat(fd).st_size
