@@ -84,12 +84,17 @@ def run_phase(
     return phase
 
 
-def _rate(num_bytes: float, seconds: float) -> str:
-    return f"{num_bytes / seconds / 1e9:.2f}" if seconds > 0 and num_bytes else "-"
+def _mb_per_s(num_bytes: float, seconds: float) -> str:
+    return f"{num_bytes / seconds / 1e6:,.1f}" if seconds > 0 and num_bytes else "-"
 
 
 def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
-    """A plain-text summary table of one phase."""
+    """A plain-text summary table of one phase.
+
+    Per tier: chunks held at the end, chunks it served to loads, bytes written into and
+    read out of it, and those bytes as an average rate over the phase's wall time (lower
+    tiers work in the background, so a per-job rate would count queueing). The GPU ⇄ cpu
+    worker's own rate per transfer is given on its own line."""
     reports = phase.reports
     prompt = sum(r.prompt_tokens for r in reports)
     reused = sum(r.reused_tokens for r in reports)
@@ -98,40 +103,40 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         for source, count in sources.items():
             served[source] = served.get(source, 0) + count
     stats = phase.stats
+    store_bytes = sum(r.stored_bytes for r in reports)
+    load_bytes = sum(r.loaded_bytes for r in reports)
+    store_s = sum(r.store_s for r in reports)
+    load_s = sum(r.load_s for r in reports)
     lines = [
         f"{phase.name}: {len(reports)} requests in {phase.seconds:.1f} s, "
         f"{prompt:,} prompt tokens, {reused:,} reused from the tiers "
         f"({100 * reused / max(prompt, 1):.1f}%)",
         f"  verified {sum(r.verified_blocks for r in reports):,} loaded blocks "
-        f"({format_size(sum(r.loaded_bytes for r in reports))}): "
-        f"{phase.verification_failures} verification failures",
+        f"({format_size(load_bytes)}): {phase.verification_failures} verification failures",
+        f"  GPU ⇄ {stack_names[0]} worker: store {_mb_per_s(store_bytes, store_s)} MB/s, "
+        f"load {_mb_per_s(load_bytes, load_s)} MB/s per transfer",
         "",
         f"  {'tier':<8}{'chunks':>9}{'served':>9}{'written':>12}{'read':>12}"
-        f"{'write GB/s':>12}{'read GB/s':>11}{'corrupt':>9}{'failed':>8}",
+        f"{'write MB/s':>12}{'read MB/s':>11}{'corrupt':>9}{'failed':>8}",
     ]
-    store_bytes = sum(r.stored_bytes for r in reports)
-    store_s = sum(r.store_s for r in reports)
-    load_bytes = sum(r.loaded_bytes for r in reports)
-    load_s = sum(r.load_s for r in reports)
     written: float
     read: float
     for index, name in enumerate(stack_names):
         if index == 0:
-            written, w_s, read, r_s = store_bytes, store_s, load_bytes, load_s
+            written, read = store_bytes, load_bytes
             failed = sum(r.load_failures + r.store_failures for r in reports)
         else:
             written = stats.get(f"{name}.cascaded_bytes", 0)
-            w_s = stats.get(f"{name}.cascaded_s", 0)
             read = stats.get(f"{name}.promoted_bytes", 0)
-            r_s = stats.get(f"{name}.promoted_s", 0)
             failed = int(stats.get(f"{name}.store_failures", 0))
         lines.append(
             f"  {name:<8}{int(stats.get(f'{name}.chunks', 0)):>9,}{served.get(name, 0):>9,}"
             f"{format_size(int(written)):>12}{format_size(int(read)):>12}"
-            f"{_rate(written, w_s):>12}{_rate(read, r_s):>11}"
+            f"{_mb_per_s(written, phase.seconds):>12}{_mb_per_s(read, phase.seconds):>11}"
             f"{int(stats.get(f'{name}.corrupt_chunks', 0)):>9}{failed:>8}"
         )
     lines += [
+        "  (MB/s: average over the phase's wall time)",
         "",
         f"  promotions {int(stats.get('promotions', 0)):,} (failed "
         f"{int(stats.get('promotion_failures', 0))}, refused "
