@@ -1,0 +1,372 @@
+"""``KVTiersOffloadingSpec``: a kvtiers stack as vLLM's offloading spec.
+
+vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
+``spec_module_path`` in ``kv_connector_extra_config``, once in the scheduler process
+(:meth:`KVTiersOffloadingSpec.get_manager`) and once per worker
+(:meth:`KVTiersOffloadingSpec.get_worker`).
+
+* The manager adapter answers vLLM's manager calls with the stack's composite. vLLM makes
+  ONE call for the keys of every group; the adapter splits the keys by group and asks the
+  composite for one ``get_spec`` per group, so the spec it returns
+  (:class:`KVTiersLoadStoreSpec`) addresses each group's keys in the order given.
+  Evicted keys are the primary's removed events raised by that ``prepare_store``; every
+  event is kept for ``take_events`` when vLLM publishes KV events, else dropped.
+* The worker adapter splits each packed ``GPULoadStoreSpec(block_ids, group_sizes,
+  block_indices)`` into one :class:`~kvtiers.core.specs.GroupTransfer` per group, the
+  group's offloaded spec carrying ``block_indices[g]`` as its ``gpu_block_offset``, and
+  drives the primary tier's kvtiers worker over the engine's KV tensors viewed as bytes.
+
+Scheduler and worker may run in different processes. Both must see the same primary
+memory, so a ``cpu`` primary without ``shared_memory_name`` is given
+``kvtiers-<engine_id>`` (a ``/dev/shm`` file both processes map). A worker process builds
+only the primary tier. One worker per engine (``world_size`` 1) is supported: with
+tensor or pipeline parallelism every rank would need its own primary memory.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+from vllm.v1.kv_offload import base as vbase
+from vllm.v1.kv_offload.config import OffloadingConfig as VllmOffloadingConfig
+
+from kvtiers.config import CPUTierConfig, StackConfig, load_stack_config, resolve_factory
+from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.keys import OffloadKey, get_offload_group_idx
+from kvtiers.core.manager import ReqContext, ScheduleEndContext
+from kvtiers.core.specs import GPULoadStoreSpec, GroupTransfer, LoadStoreSpec
+from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker
+from kvtiers.errors import ConfigError
+from kvtiers.integrations.vllm.translate import (
+    EXTRA_CONFIG,
+    KeyMap,
+    block_hash_algorithm,
+    derived_group_bytes,
+    kvtiers_context,
+    translate_config,
+    vllm_event,
+    vllm_lookup,
+    vllm_request_context,
+    warn_unstable_hashes,
+)
+from kvtiers.stack.builder import Stack, load_stack
+
+_PERSISTENT_KINDS = frozenset({"file", "s3", "fsspec"})
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
+    """The primary tier's addressing of one job: one kvtiers spec per offloaded group,
+    by position, each addressing that group's keys in the order vLLM gave them."""
+
+    def __init__(self, groups: Sequence[LoadStoreSpec]) -> None:
+        self.groups: tuple[LoadStoreSpec, ...] = tuple(groups)
+
+    def __len__(self) -> int:
+        return sum(len(spec) for spec in self.groups)
+
+    def __repr__(self) -> str:
+        return f"KVTiersLoadStoreSpec({list(self.groups)!r})"
+
+
+class KVTiersManager(vbase.OffloadingManager):
+    """vLLM's manager API over a kvtiers stack's composite (see the module docstring)."""
+
+    def __init__(self, stack: Stack, keys: KeyMap, *, events_enabled: bool) -> None:
+        self.stack = stack
+        self._tiered = stack.manager
+        self._keys = keys
+        self._num_groups = len(stack.offloading.groups)
+        self._events_enabled = events_enabled
+        self._events: list[Any] = []
+        self._contexts: dict[str, ReqContext] = {}
+
+    def _ctx(self, ctx: Any) -> ReqContext:
+        known = self._contexts.get(ctx.req_id)
+        return known if known is not None else kvtiers_context(ctx)
+
+    def _spec(self, keys: Iterable[OffloadKey]) -> KVTiersLoadStoreSpec:
+        by_group: list[list[OffloadKey]] = [[] for _ in range(self._num_groups)]
+        for key in keys:
+            by_group[get_offload_group_idx(key)].append(key)
+        return KVTiersLoadStoreSpec([self._tiered.get_spec(group) for group in by_group])
+
+    def _drain_events(self) -> list[Any]:
+        """Move the stack's events into the buffer; the vLLM keys the primary evicted."""
+        evicted: list[Any] = []
+        for event in self._tiered.take_events():
+            if event.removed and event.ownership is None:
+                evicted.extend(self._keys.all_to_vllm(event.keys))
+            if self._events_enabled:
+                self._events.append(vllm_event(event, self._keys))
+        return evicted
+
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        return vllm_lookup(self._tiered.lookup(self._keys.to_kvtiers(key), self._ctx(req_context)))
+
+    def prepare_load(self, keys: Collection[Any], req_context: Any) -> KVTiersLoadStoreSpec:
+        ours = self._keys.all_to_kvtiers(keys)
+        self._tiered.prepare_load(ours, self._ctx(req_context))
+        return self._spec(ours)
+
+    def touch(self, keys: Collection[Any], req_context: Any) -> None:
+        self._tiered.touch(self._keys.all_to_kvtiers(keys), self._ctx(req_context))
+
+    def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
+        self._tiered.complete_load(self._keys.all_to_kvtiers(keys), self._ctx(req_context))
+
+    def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
+        accepted = self._tiered.prepare_store(
+            self._keys.all_to_kvtiers(keys), self._ctx(req_context)
+        )
+        evicted = self._drain_events()
+        if accepted is None:
+            return None
+        return vbase.PrepareStoreOutput(
+            keys_to_store=self._keys.all_to_vllm(accepted),
+            store_spec=self._spec(accepted),
+            evicted_keys=evicted,
+        )
+
+    def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
+        self._tiered.complete_store(
+            self._keys.all_to_kvtiers(keys), self._ctx(req_context), success
+        )
+
+    def on_new_request(self, req_context: Any) -> Any:
+        ctx = kvtiers_context(req_context)
+        self._contexts[req_context.req_id] = ctx
+        return vllm_request_context(self._tiered.on_new_request(ctx))
+
+    def on_request_finished(self, req_context: Any) -> None:
+        self._tiered.on_request_finished(self._ctx(req_context))
+        self._contexts.pop(req_context.req_id, None)
+
+    def take_events(self) -> Iterable[Any]:
+        self._drain_events()
+        events, self._events = self._events, []
+        return events
+
+    def on_schedule_end(self, context: Any) -> None:
+        self._tiered.on_schedule_end(
+            ScheduleEndContext(
+                new_req_ids=context.new_req_ids, preempted_req_ids=context.preempted_req_ids
+            )
+        )
+        self._drain_events()
+
+    def has_pending_work(self) -> bool:
+        return self._tiered.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self._tiered.reset_cache()
+        self._drain_events()
+
+    def get_stats(self) -> None:
+        """``None``: vLLM's stats type needs its full install; kvtiers' counters are served
+        by the stack's ``metrics:`` section and ``stack.manager.get_stats()``."""
+        return None
+
+    def shutdown(self) -> None:
+        self.stack.shutdown()
+
+
+def _byte_rows(tensor: Any, index: int) -> Any:
+    """``tensor`` as a ``(num_blocks, row_bytes)`` uint8 view (never a copy)."""
+    import torch
+
+    try:
+        rows = tensor if tensor.dim() == 2 else tensor.view(tensor.shape[0], -1)
+        return rows if rows.dtype == torch.uint8 else rows.view(torch.uint8)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"KV tensor {index} of shape {tuple(tensor.shape)} cannot be viewed as "
+            f"(num_blocks, bytes) without a copy: {exc}",
+            path="kv_caches",
+        ) from None
+
+
+def kv_cache_tensors(kv_caches: Any) -> KVCacheTensors:
+    """kvtiers' description of vLLM's ``CanonicalKVCaches`` (byte views, no copies)."""
+    return KVCacheTensors(
+        tensors=[_byte_rows(t.tensor, i) for i, t in enumerate(kv_caches.tensors)],
+        groups=[
+            [KVTensorRef(tensor_idx=ref.tensor_idx, page_bytes=ref.page_size_bytes) for ref in refs]
+            for refs in kv_caches.group_data_refs
+        ],
+    )
+
+
+class KVTiersWorker(vbase.OffloadingWorker):
+    """vLLM's worker API over a kvtiers worker (see the module docstring).
+
+    Jobs run in submission order; an ``expedited`` load is not reordered.
+    """
+
+    def __init__(
+        self,
+        worker: OffloadingWorker,
+        num_groups: int,
+        on_shutdown: Callable[[], None] | None = None,
+    ) -> None:
+        self.worker = worker
+        self._num_groups = num_groups
+        self._on_shutdown = on_shutdown
+        self._closed = False
+
+    def split(self, gpu: Any, offloaded: Any) -> list[GroupTransfer]:
+        """One transfer per group from a packed GPU spec and the manager's spec."""
+        if not isinstance(offloaded, KVTiersLoadStoreSpec):
+            raise TypeError(f"expected a KVTiersLoadStoreSpec, got {offloaded!r}")
+        sizes = list(gpu.group_sizes)
+        indices = list(gpu.block_indices)
+        if not len(sizes) == len(offloaded.groups) == self._num_groups:
+            raise ValueError(
+                f"{len(sizes)} GPU groups and {len(offloaded.groups)} offloaded groups for "
+                f"{self._num_groups} KV-cache groups"
+            )
+        block_ids = np.asarray(gpu.block_ids, dtype=np.int64)
+        transfers = []
+        start = 0
+        for size, index, spec in zip(sizes, indices, offloaded.groups, strict=True):
+            group_spec = copy.copy(spec).set_gpu_block_offset(index)
+            transfers.append(
+                GroupTransfer(GPULoadStoreSpec(block_ids[start : start + size]), group_spec)
+            )
+            start += size
+        return transfers
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self.worker.submit_store(job_id, self.split(src_spec, dst_spec))
+
+    def submit_load(
+        self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
+    ) -> bool:
+        return self.worker.submit_load(job_id, self.split(dst_spec, src_spec))
+
+    def get_finished(self) -> list[Any]:
+        return [
+            vbase.TransferResult(
+                job_id=r.job_id,
+                success=r.success,
+                transfer_size=r.transfer_bytes,
+                transfer_time=r.transfer_s,
+            )
+            for r in self.worker.get_finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.worker.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.worker.shutdown()
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+
+def _read_stack(extra_config: Any) -> StackConfig:
+    path = extra_config.get("kvtiers_config")
+    inline = extra_config.get("kvtiers")
+    if (path is None) == (inline is None):
+        raise ConfigError(
+            "give exactly one of kvtiers_config (the path of a stack YAML file) or kvtiers "
+            "(the stack as an inline mapping)",
+            path=EXTRA_CONFIG,
+        )
+    return load_stack_config(path if path is not None else inline)
+
+
+def _share_primary(stack: StackConfig, engine_id: str) -> StackConfig:
+    """``stack`` with a cpu primary placed in ``/dev/shm`` under a per-engine name."""
+    primary = stack.tiers[0]
+    if not isinstance(primary, CPUTierConfig) or primary.shared_memory_name is not None:
+        return stack
+    name = "kvtiers-" + _UNSAFE.sub("_", engine_id)
+    shared = dataclasses.replace(primary, shared_memory_name=name)
+    return dataclasses.replace(stack, tiers=(shared, *stack.tiers[1:]))
+
+
+class KVTiersOffloadingSpec(vbase.OffloadingSpec):
+    """vLLM's offloading spec for a kvtiers stack.
+
+    ``kv_connector_extra_config`` keys: ``kvtiers_config`` (a stack YAML path) or
+    ``kvtiers`` (the stack inline); optional ``model_revision``, ``kvtiers_salt``,
+    ``prefix_caching_hash_algo`` (when the engine's config cannot be read) and
+    ``kvtiers_group_bytes_per_block`` (see
+    :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`).
+    """
+
+    def __init__(self, config: VllmOffloadingConfig) -> None:
+        super().__init__(config)
+        if config.parallel.world_size != 1:
+            raise ConfigError(
+                f"kvtiers' vLLM spec supports one worker per engine, this engine has "
+                f"world_size {config.parallel.world_size}; use vLLM's TieringOffloadingSpec "
+                "with the KVTiersFileTier / KVTiersS3Tier secondary tiers instead",
+                path="parallel",
+            )
+        if config.canonical_layout:
+            raise ConfigError(
+                "canonical_layout is not supported by kvtiers' vLLM spec; remove it",
+                path=f"{EXTRA_CONFIG}.canonical_layout",
+            )
+        self.hash_algorithm = block_hash_algorithm(self.extra_config)
+        self.offloading: OffloadingConfig = translate_config(
+            config,
+            group_bytes_per_block=derived_group_bytes(config),
+            hash_algorithm=self.hash_algorithm,
+        )
+        self.stack_config = _share_primary(_read_stack(self.extra_config), config.engine_id)
+        if any(tier.kind in _PERSISTENT_KINDS for tier in self.stack_config.tiers):
+            warn_unstable_hashes(self.hash_algorithm)
+        self.keys = KeyMap([group.group_id for group in config.groups])
+        self._manager: KVTiersManager | None = None
+
+    def get_manager(self) -> KVTiersManager:
+        """The scheduler's manager; builds the whole stack on first call."""
+        if self._manager is None:
+            stack = load_stack(self.stack_config, self.offloading)
+            self._manager = KVTiersManager(
+                stack, self.keys, events_enabled=self.config.enable_kv_cache_events
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches: Any) -> KVTiersWorker:
+        """A worker over ``kv_caches``; in a process without the manager it builds only
+        the primary tier (attached to the shared primary memory)."""
+        kv = kv_cache_tensors(kv_caches)
+        self._check_geometry(kv)
+        num_groups = len(self.offloading.groups)
+        if self._manager is not None:
+            return KVTiersWorker(self._manager.stack.make_worker(kv), num_groups)
+        tier_config = self.stack_config.tiers[0]
+        factory = resolve_factory(tier_config.kind, path="tiers[0].kind")
+        primary = factory(tier_config, self.offloading, primary_region=None, name=tier_config.name)
+        try:
+            if primary.make_worker is None:
+                raise ConfigError(
+                    f"tier {primary.name!r} cannot be a primary", path="tiers[0]"
+                )
+            worker = primary.make_worker(kv)
+        except BaseException:
+            primary.shutdown()
+            raise
+        return KVTiersWorker(worker, num_groups, primary.shutdown)
+
+    def _check_geometry(self, kv: KVCacheTensors) -> None:
+        expected = [group.bytes_per_block for group in self.offloading.groups]
+        actual = [kv.group_bytes_per_block(g) for g in range(len(kv.groups))]
+        if actual != expected:
+            raise ConfigError(
+                f"the engine's KV tensors hold {actual} bytes per block per group but the "
+                f"scheduler derived {expected}; set kvtiers_group_bytes_per_block: {actual}",
+                path=f"{EXTRA_CONFIG}.kvtiers_group_bytes_per_block",
+            )

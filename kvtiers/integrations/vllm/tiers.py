@@ -1,0 +1,287 @@
+"""kvtiers' file and S3 tiers as secondary tiers of vLLM's own ``TieringOffloadingSpec``.
+
+vLLM keeps its CPU tier (the primary) and hands each secondary tier a ``memoryview`` of
+its chunk rows, ``shape (num_chunks, row_bytes)``; chunk ``c`` lives in row ``c``. A
+:class:`KVTiersFileTier` / :class:`KVTiersS3Tier` wraps kvtiers' tier manager and mover
+over that memory (:class:`MemoryviewRegion`), so vLLM users gain kvtiers' bounded,
+checksummed, restart-safe file tier and its S3 tier without changing their primary.
+
+What a chunk holds: vLLM's CPU chunk, i.e. every rank's bytes of the chunk side by side
+(``worker_kv_bytes_per_block x copies x blocks_per_chunk``, the row's trailing alignment
+padding left out), whatever its group. The identity records that layout (``kv_layout``
+``<layout>+vllm-cpu-chunk``) so these chunks never share a namespace with chunks written
+by :class:`~kvtiers.integrations.vllm.KVTiersOffloadingSpec`.
+
+Jobs: ``submit_store`` reserves the keys the tier does not hold yet (a tier that cannot
+make room fails the job; keys already held succeed at once) and copies the rest from
+their primary rows; ``submit_load`` pins the keys still held and copies them into the
+rows vLLM allocated, a job with missing or corrupt chunks reporting the keys that did
+arrive. Results are collected in ``get_finished_jobs``; ``drain_jobs`` blocks until no
+copy touches the primary memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from vllm.v1.kv_offload import base as vbase
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
+
+from kvtiers.config import FileTierConfig, S3TierConfig, resolve_factory
+from kvtiers.config.schema import parse_section
+from kvtiers.config.tiers import TierConfig
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.mover import MoverResult
+from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.errors import ConfigError, UnknownKeyError
+from kvtiers.integrations.vllm.translate import (
+    KeyMap,
+    block_hash_algorithm,
+    kvtiers_context,
+    translate_config,
+    vllm_event,
+    vllm_request_context,
+    warn_unstable_hashes,
+)
+
+CHUNK_LAYOUT_SUFFIX = "+vllm-cpu-chunk"
+
+
+class MemoryviewRegion:
+    """A :class:`~kvtiers.core.mover.HostRegion` over vLLM's 2-D primary memoryview."""
+
+    def __init__(self, view: memoryview) -> None:
+        if view.ndim != 2 or view.strides is None or view.readonly:
+            raise ConfigError(
+                f"expected a writable (num_chunks, row_bytes) memoryview of the primary "
+                f"tier, got {view.ndim} dimensions (readonly={view.readonly})",
+                path="primary_kv_view",
+            )
+        self._num_slots = view.shape[0] if view.shape else 0
+        self._slot_bytes = view.strides[0]
+        self._flat = view.cast("B")
+
+    @property
+    def num_slots(self) -> int:
+        return self._num_slots
+
+    @property
+    def slot_bytes(self) -> int:
+        return self._slot_bytes
+
+    def view(self, slot_id: int) -> memoryview:
+        if not 0 <= slot_id < self._num_slots:
+            raise IndexError(f"chunk {slot_id} outside [0, {self._num_slots})")
+        start = slot_id * self._slot_bytes
+        return self._flat[start : start + self._slot_bytes]
+
+
+@dataclass
+class _Job:
+    is_load: bool
+    # vLLM's keys paired with kvtiers' keys, in job order.
+    keys: list[tuple[Any, OffloadKey]]
+    # kvtiers keys this tier reserved (store) or pinned (load).
+    held: list[OffloadKey]
+
+
+class _KVTiersSecondaryTier(SecondaryTierManager):
+    """A kvtiers lower tier under vLLM's tiering manager (see the module docstring)."""
+
+    medium: ClassVar[Any] = vbase.Medium.STORAGE
+    config_type: ClassVar[type[TierConfig]]
+
+    def __init__(
+        self,
+        offloading_spec: Any,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: Any = None,
+        *,
+        locality: str | None = None,
+        enable_kv_events: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        where = f"secondary_tiers[type={tier_type}]"
+        if locality is not None:
+            try:
+                self.locality = vbase.Locality(locality)
+            except ValueError:
+                raise ConfigError(
+                    f"expected LOCAL or REMOTE, got {locality!r}", path=f"{where}.locality"
+                ) from None
+        config = offloading_spec.config
+        region = MemoryviewRegion(primary_kv_view)
+        copies = 1 if getattr(offloading_spec, "replicated_layout", False) else (
+            config.parallel.world_size
+        )
+        bytes_per_block = config.worker_kv_bytes_per_block * copies
+        chunk_bytes = bytes_per_block * config.cache.blocks_per_chunk
+        if not 0 < chunk_bytes <= region.slot_bytes:
+            raise ConfigError(
+                f"a chunk of {chunk_bytes} bytes does not fit the primary's rows of "
+                f"{region.slot_bytes} bytes",
+                path=f"{where}.primary_kv_view",
+            )
+        tier_config = parse_section(self.config_type, options, where, defaults={"name": tier_type})
+        algorithm = block_hash_algorithm(config.extra_config)
+        warn_unstable_hashes(algorithm)
+        offloading = translate_config(
+            config,
+            group_bytes_per_block=[bytes_per_block] * len(config.groups),
+            hash_algorithm=algorithm,
+            kv_layout_suffix=CHUNK_LAYOUT_SUFFIX,
+        )
+        factory = resolve_factory(tier_config.kind, path=f"{where}.type")
+        self.tier = factory(tier_config, offloading, primary_region=region, name=tier_config.name)
+        assert self.tier.mover is not None
+        self.manager = self.tier.manager
+        self._mover = self.tier.mover
+        self._keys = KeyMap([group.group_id for group in config.groups])
+        self._events_enabled = enable_kv_events
+        self._jobs: dict[int, _Job] = {}
+        self._results: list[JobResult] = []
+
+    # -- lookups and requests ---------------------------------------------------------
+    def lookup(self, key: Any, req_context: Any) -> Any:
+        result = self.manager.lookup(self._keys.to_kvtiers(key), kvtiers_context(req_context))
+        if result is LookupResult.HIT:
+            return vbase.LookupResult.HIT
+        if result is LookupResult.MISS:
+            return vbase.LookupResult.MISS
+        # Being written here, or an existence probe under way: ask again next step.
+        return vbase.LookupResult.RETRY
+
+    def touch(self, keys: Collection[Any], req_context: Any) -> None:
+        self.manager.touch(self._keys.all_to_kvtiers(keys), kvtiers_context(req_context))
+
+    def on_new_request(self, req_context: Any) -> Any:
+        return vllm_request_context(self.manager.on_new_request(kvtiers_context(req_context)))
+
+    def on_request_finished(self, req_context: Any) -> None:
+        self.manager.on_request_finished(kvtiers_context(req_context))
+
+    # -- jobs -------------------------------------------------------------------------
+    def submit_store(self, job_metadata: Any) -> None:
+        job_id = job_metadata.job_id
+        ctx = kvtiers_context(job_metadata.req_context)
+        pairs = [(key, self._keys.to_kvtiers(key)) for key in job_metadata.keys]
+        ours = [k for _, k in pairs]
+        accepted = self.manager.prepare_store(ours, ctx)
+        if accepted is None:
+            self._results.append(JobResult(job_id=job_id, success=False))
+            return
+        if not accepted:
+            self._results.append(JobResult(job_id=job_id, success=True))
+            return
+        slot_of = dict(zip(ours, (int(c) for c in job_metadata.chunk_ids), strict=True))
+        src = CPULoadStoreSpec([slot_of[k] for k in accepted])
+        self._submit(job_id, _Job(False, pairs, accepted), src, self.manager.get_spec(accepted))
+
+    def submit_load(self, job_metadata: Any) -> None:
+        job_id = job_metadata.job_id
+        ctx = kvtiers_context(job_metadata.req_context)
+        pairs = [(key, self._keys.to_kvtiers(key)) for key in job_metadata.keys]
+        slot_of: dict[OffloadKey, int] = {}
+        for (_, key), chunk in zip(pairs, job_metadata.chunk_ids, strict=True):
+            try:
+                # Evicted since vLLM's lookup (a store in the same step can evict it).
+                self.manager.prepare_load([key], ctx)
+            except UnknownKeyError:
+                continue
+            slot_of[key] = int(chunk)
+        held = list(slot_of)
+        job = _Job(True, pairs, held)
+        if not held:
+            self._finish(job_id, job, MoverResult(job_id, succeeded_keys=()))
+            return
+        dst = CPULoadStoreSpec([slot_of[k] for k in held])
+        self._submit(job_id, job, self.manager.get_spec(held), dst)
+
+    def _submit(self, job_id: int, job: _Job, src: Any, dst: Any) -> None:
+        self._jobs[job_id] = job
+        if not self._mover.submit(job_id, src, dst):
+            del self._jobs[job_id]
+            self._finish(job_id, job, MoverResult(job_id, (), failed_keys=tuple(job.held)))
+
+    def _finish(self, job_id: int, job: _Job, result: MoverResult) -> None:
+        arrived = set(result.succeeded_keys)
+        ctx = ReqContext(req_id="kvtiers-vllm-tier")
+        if job.is_load:
+            self.manager.complete_load(job.held, ctx)
+            arrived_keys = [vkey for vkey, key in job.keys if key in arrived]
+            success = len(arrived_keys) == len(job.keys)
+            self._results.append(
+                JobResult(
+                    job_id=job_id,
+                    success=success,
+                    successful_keys=None if success else arrived_keys,
+                    transfer_time=result.transfer_s,
+                    transfer_bytes=result.transfer_bytes,
+                )
+            )
+            return
+        stored = [key for key in job.held if key in arrived]
+        failed = [key for key in job.held if key not in arrived]
+        self.manager.complete_store(stored, ctx, success=True)
+        self.manager.complete_store(failed, ctx, success=False)
+        self._results.append(
+            JobResult(
+                job_id=job_id,
+                success=not failed,
+                transfer_time=result.transfer_s,
+                transfer_bytes=result.transfer_bytes,
+            )
+        )
+
+    def _poll(self) -> None:
+        for result in self._mover.get_finished():
+            self._finish(result.job_id, self._jobs.pop(result.job_id), result)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._poll()
+        results, self._results = self._results, []
+        return results
+
+    def drain_jobs(self) -> None:
+        self._mover.drain()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or self.manager.has_pending_work()
+
+    # -- the rest ---------------------------------------------------------------------
+    def take_events(self) -> Iterable[Any]:
+        events = self.manager.take_events()
+        if not self._events_enabled:
+            return ()
+        return [vllm_event(event, self._keys, self.tier_type) for event in events]
+
+    def on_schedule_end(self, context: Any) -> None:
+        self.manager.on_schedule_end(
+            ScheduleEndContext(
+                new_req_ids=context.new_req_ids, preempted_req_ids=context.preempted_req_ids
+            )
+        )
+
+    def get_stats(self) -> None:
+        """``None``: vLLM's stats type needs its full install (see ``manager.get_stats()``)."""
+        return None
+
+    def shutdown(self) -> None:
+        self.tier.shutdown()
+
+
+class KVTiersFileTier(_KVTiersSecondaryTier):
+    """kvtiers' file tier (``kind: file`` options: ``root``, ``capacity``, ``io``, …)."""
+
+    config_type = FileTierConfig
+
+
+class KVTiersS3Tier(_KVTiersSecondaryTier):
+    """kvtiers' S3 tier (``kind: s3`` options: ``bucket``, ``prefix``, ``endpoint_url``, …)."""
+
+    config_type = S3TierConfig
