@@ -4,8 +4,9 @@
     every store hashes its payload into the header, every load verifies it) for 256 KiB,
     2 MiB and 16 MiB chunks with 1, 4 and 16 threads. Each is a ratio to the raw medium
     measured in the same run with the same threads and the same bytes: one
-    ``open(O_CREAT) + pwrite + fsync + close`` of a new file per blob for stores, one ``open + pread + close`` per
-    blob for loads. Before every read pass every file is fsynced and dropped from the page
+    ``open(O_CREAT) + pwrite + fsync + close`` of a new file per blob for stores, one
+    ``open + pread + close`` per blob for loads. The passes of each repeat run in rotating
+    order. Before every read pass every file is fsynced and dropped from the page
     cache with ``posix_fadvise(DONTNEED)``. Target: >= 0.85x.
     A third store pass publishes without the directory fsyncs (``NoDirFsyncOps``) to
     show what they cost.
@@ -142,82 +143,118 @@ def raw_read(paths: Sequence[Path], region: Region, header: bytearray, size: int
     return _parallel(threads, one, len(paths))
 
 
+class Case:
+    """One chunk size and thread count: a tier (two movers: with and without directory
+    fsyncs) and raw files over the same region."""
+
+    def __init__(self, base: Path, chunk_bytes: int, threads: int, volume: int) -> None:
+        self.chunk_bytes = chunk_bytes
+        self.threads = threads
+        self.n = n = max(threads, volume // chunk_bytes)
+        offloading = _config(chunk_bytes)
+        identity = NamespaceIdentity.from_config(offloading)
+        geometry = ChunkGeometry.from_config(offloading)
+        self.region = Region(n, geometry.slot_bytes)
+        self.root = base / f"case-{chunk_bytes}-{threads}"
+        raw_dir = self.root / "raw"
+        raw_dir.mkdir(parents=True)
+        self.raw_paths = [raw_dir / f"{i}.blob" for i in range(n)]
+        self.header = encode_header(
+            identity.digest, _keys(1, "raw")[0], self.region.view(0)[:chunk_bytes]
+        )
+        self.manager = FileTierManager(FileMapper(self.root, identity), geometry)
+        self.movers = {
+            "tier_write": FileMover(self.region, geometry, identity.digest, PosixBackend(),
+                                    threads=threads),
+            "tier_write_nodirsync": FileMover(
+                self.region, geometry, identity.digest, PosixBackend(), threads=threads,
+                settings=PublishSettings(ops=NoDirFsyncOps()),
+            ),
+        }
+        self.jobs = itertools.count()
+        self.slots = CPULoadStoreSpec(range(n))
+        self.samples: dict[str, list[float]] = {
+            name: [] for name in ("raw_write", "tier_write", "tier_write_nodirsync",
+                                  "raw_read", "tier_read")
+        }
+        self.made: list[Path] = []
+        self.tier_keys: list[OffloadKey] = []
+
+    def close(self) -> None:
+        for mover in self.movers.values():
+            mover.shutdown()
+        self.manager.shutdown()
+        shutil.rmtree(self.root)
+
+    def _job(self, mover: FileMover, src: object, dst: object) -> float:
+        start = time.perf_counter()
+        mover.submit(next(self.jobs), src, dst)  # type: ignore[arg-type]
+        mover.drain()
+        elapsed = time.perf_counter() - start
+        (result,) = mover.get_finished()
+        assert result.success, result
+        return elapsed
+
+    def write(self, name: str, rep: int) -> None:
+        if name == "raw_write":
+            self.samples[name].append(
+                raw_write(self.raw_paths, self.region, self.header, self.chunk_bytes,
+                          self.threads)
+            )
+            self.made.extend(self.raw_paths)
+            return
+        keys = _keys(self.n, f"{self.chunk_bytes}-{self.threads}-{rep}-{name}")
+        assert self.manager.prepare_store(keys, CTX) == keys
+        spec = self.manager.get_spec(keys)
+        self.samples[name].append(self._job(self.movers[name], self.slots, spec))
+        self.manager.complete_store(keys, CTX)
+        self.made.extend(Path(p) for p in spec.paths)
+        if name == "tier_write":
+            self.tier_keys = keys
+
+    def read(self, name: str) -> None:
+        if name == "raw_read":
+            drop_page_cache(self.raw_paths)
+            self.samples[name].append(
+                raw_read(self.raw_paths, self.region, bytearray(), self.chunk_bytes,
+                         self.threads)
+            )
+            return
+        self.manager.prepare_load(self.tier_keys, CTX)
+        spec = self.manager.get_spec(self.tier_keys)
+        drop_page_cache([Path(p) for p in spec.paths])
+        self.samples[name].append(self._job(self.movers["tier_write"], spec, self.slots))
+        self.manager.complete_load(self.tier_keys, CTX)
+
+    def clear(self) -> None:
+        """Every pass creates fresh files, as stores of new chunks do."""
+        for path in self.made:
+            path.unlink()
+        self.made = []
+
+
 def bench_case(base: Path, chunk_bytes: int, threads: int, volume: int,
                repeats: int) -> dict[str, float]:
-    n = max(threads, volume // chunk_bytes)
-    offloading = _config(chunk_bytes)
-    identity = NamespaceIdentity.from_config(offloading)
-    geometry = ChunkGeometry.from_config(offloading)
-    region = Region(n, geometry.slot_bytes)
-    root = base / f"case-{chunk_bytes}-{threads}"
-    raw_dir = root / "raw"
-    raw_dir.mkdir(parents=True)
-    raw_paths = [raw_dir / f"{i}.blob" for i in range(n)]
-    header = encode_header(identity.digest, _keys(1, "raw")[0], region.view(0)[:chunk_bytes])
-    manager = FileTierManager(FileMapper(root, identity), geometry)
-    mover = FileMover(region, geometry, identity.digest, PosixBackend(), threads=threads)
-    fast = FileMover(region, geometry, identity.digest, PosixBackend(), threads=threads,
-                     settings=PublishSettings(ops=NoDirFsyncOps()))
-    jobs = itertools.count()
-    slots = CPULoadStoreSpec(range(n))
-    samples: dict[str, list[float]] = {"raw_write": [], "tier_write": [], "raw_read": [],
-                                       "tier_read": [], "tier_write_nodirsync": []}
+    case = Case(base, chunk_bytes, threads, volume)
+    writes = ["raw_write", "tier_write", "tier_write_nodirsync"]
+    reads = ["raw_read", "tier_read"]
     try:
         for rep in range(repeats):
-            keys = _keys(n, f"{chunk_bytes}-{threads}-{rep}-fast")
-            assert manager.prepare_store(keys, CTX) == keys
-            spec = manager.get_spec(keys)
-            start = time.perf_counter()
-            fast.submit(next(jobs), slots, spec)
-            fast.drain()
-            samples["tier_write_nodirsync"].append(time.perf_counter() - start)
-            (result,) = fast.get_finished()
-            assert result.success, result
-            manager.complete_store(keys, CTX)
-            for path in spec.paths:
-                os.unlink(path)
-
-            keys = _keys(n, f"{chunk_bytes}-{threads}-{rep}")
-            # Raw and tier passes alternate, so both see the same state of the disk.
-            samples["raw_write"].append(raw_write(raw_paths, region, header, chunk_bytes, threads))
-            assert manager.prepare_store(keys, CTX) == keys
-            spec = manager.get_spec(keys)
-            start = time.perf_counter()
-            mover.submit(next(jobs), slots, spec)
-            mover.drain()
-            samples["tier_write"].append(time.perf_counter() - start)
-            (result,) = mover.get_finished()
-            assert result.success, result
-            manager.complete_store(keys, CTX)
-            tier_paths = [Path(p) for p in spec.paths]
-
-            drop_page_cache(raw_paths)
-            samples["raw_read"].append(raw_read(raw_paths, region, bytearray(), chunk_bytes,
-                                                threads))
-            drop_page_cache(tier_paths)
-            manager.prepare_load(keys, CTX)
-            spec = manager.get_spec(keys)
-            start = time.perf_counter()
-            mover.submit(next(jobs), spec, slots)
-            mover.drain()
-            samples["tier_read"].append(time.perf_counter() - start)
-            (result,) = mover.get_finished()
-            assert result.success, result
-            manager.complete_load(keys, CTX)
-            # Both sides create fresh files on every pass, as stores of new chunks do.
-            for path in [*tier_paths, *raw_paths]:
-                path.unlink()
+            # Each variant takes each position in turn (the disk slows after a pass, as
+            # it flushes and discards), so no variant always follows the others.
+            for name in writes[rep % 3 :] + writes[: rep % 3]:
+                case.write(name, rep)
+            for name in reads[rep % 2 :] + reads[: rep % 2]:
+                case.read(name)
+            case.clear()
     finally:
-        fast.shutdown()
-        mover.shutdown()
-        manager.shutdown()
-        shutil.rmtree(root)
-    payload = n * chunk_bytes
-    out = {name: payload / statistics.median(times) / 1e9 for name, times in samples.items()}
+        case.close()
+    payload = case.n * chunk_bytes
+    out = {name: payload / statistics.median(t) / 1e9 for name, t in case.samples.items()}
     out["store_ratio"] = out["tier_write"] / out["raw_write"]
     out["nodirsync_ratio"] = out["tier_write_nodirsync"] / out["raw_write"]
     out["load_ratio"] = out["tier_read"] / out["raw_read"]
-    out["chunks"] = n
+    out["chunks"] = case.n
     return out
 
 
@@ -266,7 +303,7 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="do not write results/")
     args = parser.parse_args()
     volume = 64 * MIB if args.quick else 256 * MIB
-    repeats = 1 if args.quick else 3
+    repeats = 1 if args.quick else 6
     files = 20_000 if args.quick else 100_000
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtiers-bench-") as tmp:
