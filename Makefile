@@ -10,6 +10,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
+	# vLLM for the integration tests, the light way: the wheel alone, plus the packages its
+	# kv_offload modules import. A plain `pip install vllm` pulls a CUDA torch and ~10 GB.
+	$(PY) -m pip install -q --no-deps "vllm==0.33.0"
+	$(PY) -m pip install -q "msgspec==0.23.0" "psutil==7.2.2" "pyzmq==27.3.0" "regex==2026.11.19"
 	touch $(STAMP)
 
 lint: $(STAMP)
