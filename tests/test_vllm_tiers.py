@@ -1,0 +1,235 @@
+"""KVTiersFileTier and KVTiersS3Tier driven through vLLM 0.33.0's secondary-tier API.
+
+Tiers are built by vLLM's own ``SecondaryTierFactory`` from a ``secondary_tiers`` entry,
+over a primary memoryview shaped like vLLM's CPU tier's (``(num_chunks, row_bytes)``).
+Jobs go in as vLLM ``TransferJob``s and come out as ``JobResult``s; ``drain_jobs`` is the
+synchronisation point, as in vLLM's ``reset_cache``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from vllm.v1.kv_offload import base as vbase
+from vllm.v1.kv_offload.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from vllm.v1.kv_offload.tiering.base import TransferJob
+from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
+
+from kvtiers.errors import ConfigError
+from kvtiers.filemapper import NamespaceIdentity
+from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
+from tests.conftest import BUCKET, MotoServer
+
+F = 2
+WORKER_BYTES_PER_BLOCK = 1000
+CHUNK_BYTES = WORKER_BYTES_PER_BLOCK * F  # what vLLM's CPU chunk holds for one worker
+ROW_BYTES = 4096  # the chunk row, aligned, as vLLM's shared region lays it out
+NUM_CHUNKS = 16
+
+
+class _Spec(vbase.OffloadingSpec):
+    """The smallest vLLM spec: the tiers only read its ``config``."""
+
+    def get_manager(self) -> Any:
+        raise NotImplementedError
+
+    def get_worker(self, kv_caches: Any) -> Any:
+        raise NotImplementedError
+
+
+def make_spec() -> _Spec:
+    return _Spec(
+        OffloadingConfig(
+            groups=(
+                OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",), group_id=0),
+                OffloadingGroupConfig(tokens_per_block=32, layer_names=("b",), group_id=3),
+            ),
+            worker_kv_bytes_per_block=WORKER_BYTES_PER_BLOCK,
+            enable_kv_cache_events=True,
+            extra_config={"spec_name": "TieringOffloadingSpec"},
+            engine_id=f"test-{uuid.uuid4().hex}",
+            model=OffloadingModelConfig(name="org/model", dtype="float16"),
+            cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=F),
+            parallel=OffloadingParallelConfig(
+                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+                is_parallelism_agnostic=False,
+            ),
+        )
+    )
+
+
+class Primary:
+    """vLLM's primary memory as its secondary tiers see it."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray(NUM_CHUNKS * ROW_BYTES)
+        self.view = memoryview(self.buffer).cast("B", (NUM_CHUNKS, ROW_BYTES))
+
+    def row(self, chunk: int) -> bytes:
+        return bytes(self.buffer[chunk * ROW_BYTES : chunk * ROW_BYTES + CHUNK_BYTES])
+
+    def fill(self, chunk: int, seed: int) -> bytes:
+        data = np.random.default_rng(seed).bytes(ROW_BYTES)
+        self.buffer[chunk * ROW_BYTES : (chunk + 1) * ROW_BYTES] = data
+        return data[:CHUNK_BYTES]
+
+
+def keys(seed: int, count: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [vbase.make_offload_key(rng.bytes(16), (0, 3)[i % 2]) for i in range(count)]
+
+
+def job(job_id: int, job_keys: list[bytes], chunks: list[int], *, promotion: bool) -> Any:
+    return TransferJob(
+        job_id=job_id,
+        keys=job_keys,
+        chunk_ids=np.array(chunks, dtype=np.int32),
+        is_promotion=promotion,
+        req_context=vbase.ReqContext(req_id="r"),
+    )
+
+
+def finished(tier: Any) -> list[Any]:
+    tier.drain_jobs()
+    return list(tier.get_finished_jobs())
+
+
+@pytest.fixture(params=["file", "s3"])
+def tier_config(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    if request.param == "file":
+        return {"type": "KVTiersFileTier", "module_path": "kvtiers.integrations.vllm",
+                "root": str(tmp_path / "kv"), "io": "posix", "threads": 2}
+    s3: MotoServer = request.getfixturevalue("s3_endpoint")
+    return {"type": "KVTiersS3Tier", "module_path": "kvtiers.integrations.vllm",
+            "bucket": BUCKET, "prefix": "vllm", "endpoint_url": s3.endpoint_url, "threads": 2}
+
+
+def build(config: dict[str, Any], primary: Primary, spec: _Spec, **more: Any) -> Any:
+    return SecondaryTierFactory.create_secondary_tier({**config, **more}, primary.view, spec)
+
+
+@pytest.fixture
+def spec() -> _Spec:
+    return make_spec()
+
+
+@pytest.fixture
+def tier(tier_config: dict[str, Any], spec: _Spec) -> Iterator[tuple[Any, Primary]]:
+    primary = Primary()
+    tier = build(tier_config, primary, spec, enable_kv_events=True)
+    yield tier, primary
+    tier.shutdown()
+
+
+def test_store_then_load_round_trips_each_chunk(tier: tuple[Any, Primary]) -> None:
+    t, primary = tier
+    assert isinstance(t, (KVTiersFileTier, KVTiersS3Tier))
+    ks = keys(1, 4)
+    payloads = [primary.fill(chunk, seed=chunk) for chunk in range(4)]
+    assert t.lookup(ks[0], vbase.ReqContext("r")) is vbase.LookupResult.MISS
+    t.submit_store(job(1, ks, [0, 1, 2, 3], promotion=False))
+    [result] = finished(t)
+    assert (result.job_id, result.success) == (1, True)
+    assert result.transfer_bytes >= 4 * CHUNK_BYTES  # object tiers count the headers too
+    assert not t.has_pending_work()
+    for key in ks:
+        assert t.lookup(key, vbase.ReqContext("r")) is vbase.LookupResult.HIT
+    [event] = t.take_events()
+    assert (event.keys, event.removed, event.ownership) == (ks, False, t.tier_type)
+
+    t.submit_load(job(2, ks[::-1], [11, 8, 10, 9], promotion=True))
+    [result] = finished(t)
+    assert (result.job_id, result.success, result.successful_keys) == (2, True, None)
+    for chunk, payload in zip([11, 8, 10, 9], payloads[::-1], strict=True):
+        assert primary.row(chunk) == payload
+
+
+def test_keys_already_held_succeed_without_a_copy(tier: tuple[Any, Primary]) -> None:
+    t, primary = tier
+    ks = keys(2, 2)
+    primary.fill(0, seed=0)
+    primary.fill(1, seed=1)
+    t.submit_store(job(1, ks, [0, 1], promotion=False))
+    finished(t)
+    t.submit_store(job(2, ks, [0, 1], promotion=False))
+    assert [(r.job_id, r.success, r.transfer_bytes) for r in t.get_finished_jobs()] == [
+        (2, True, None)
+    ]
+
+
+def test_a_load_with_a_missing_chunk_reports_the_keys_that_arrived(
+    tier: tuple[Any, Primary],
+) -> None:
+    t, primary = tier
+    stored, missing = keys(3, 1)[0], keys(4, 1)[0]
+    payload = primary.fill(0, seed=5)
+    t.submit_store(job(1, [stored], [0], promotion=False))
+    finished(t)
+    t.submit_load(job(2, [missing, stored], [6, 7], promotion=True))
+    [result] = finished(t)
+    assert (result.success, list(result.successful_keys)) == (False, [stored])
+    assert primary.row(7) == payload
+
+
+def test_a_new_tier_over_the_same_storage_hits_warm(
+    tier_config: dict[str, Any], spec: _Spec
+) -> None:
+    first = Primary()
+    ks = keys(6, 3)
+    payloads = [first.fill(chunk, seed=10 + chunk) for chunk in range(3)]
+    tier = build(tier_config, first, spec)
+    tier.submit_store(job(1, ks, [0, 1, 2], promotion=False))
+    assert [r.success for r in finished(tier)] == [True]
+    tier.shutdown()
+
+    second = Primary()
+    tier = build(tier_config, second, spec)
+    try:
+        for key in ks:
+            assert tier.lookup(key, vbase.ReqContext("r")) is vbase.LookupResult.HIT
+        tier.submit_load(job(7, ks, [5, 6, 7], promotion=True))
+        assert [r.success for r in finished(tier)] == [True]
+        assert [second.row(c) for c in (5, 6, 7)] == payloads
+    finally:
+        tier.shutdown()
+
+
+def test_chunks_are_named_apart_from_the_spec_route(tmp_path: Path, spec: _Spec) -> None:
+    primary = Primary()
+    tier = build({"type": "KVTiersFileTier", "module_path": "kvtiers.integrations.vllm",
+                  "root": str(tmp_path)}, primary, spec)
+    identity: NamespaceIdentity = tier.tier.manager.mapper.identity
+    tier.shutdown()
+    # KVTiersOffloadingSpec records the engine's layout, "NHD": the byte layouts differ.
+    assert identity.kv_layout == "NHD+vllm-cpu-chunk"
+    assert [g.bytes_per_block for g in identity.groups] == [WORKER_BYTES_PER_BLOCK] * 2
+    assert (identity.engine, identity.hash_algorithm) == ("vllm", "vllm:sha256")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"capacity": "lots"}, "capacity"),
+        ({"rooot": "/tmp"}, "unknown key 'rooot'"),
+        ({"locality": "NEARBY"}, "expected LOCAL or REMOTE"),
+    ],
+)
+def test_bad_tier_options_fail_at_start_up(
+    tmp_path: Path, spec: _Spec, options: dict[str, Any], message: str
+) -> None:
+    config = {"type": "KVTiersFileTier", "module_path": "kvtiers.integrations.vllm",
+              "root": str(tmp_path), **options}
+    with pytest.raises(ConfigError, match=message):
+        build(config, Primary(), spec)
