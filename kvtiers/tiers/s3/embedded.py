@@ -9,6 +9,7 @@ moto is imported only here, only when asked for.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -42,6 +43,8 @@ def embedded_server() -> EmbeddedServer:
                     "endpoint_url: embedded needs moto's server; install it with "
                     "`pip install 'moto[server]'` or point endpoint_url at a real S3 endpoint"
                 ) from exc
+            # The server logs every request through werkzeug; a demo's output is its table.
+            logging.getLogger("werkzeug").setLevel(logging.WARNING)
             server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
             server.start()
             host, port = server.get_host_and_port()
