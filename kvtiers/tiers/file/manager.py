@@ -299,11 +299,9 @@ class FileTierManager(OffloadingManager):
         key_from_name = self.mapper.key_from_name
         cutoff = time.time() - temp_age_s
         removed = 0
-        stack = [str(self.namespace_dir)]
-        depth = {stack[0]: 0}
+        stack = [(str(self.namespace_dir), 0)]
         while stack:
-            directory = stack.pop()
-            level = depth.pop(directory)
+            directory, level = stack.pop()
             try:
                 with os.scandir(directory) as it:
                     entries = list(it)
@@ -312,8 +310,7 @@ class FileTierManager(OffloadingManager):
             for entry in entries:
                 name = entry.name
                 if level < 2 and _FANOUT.fullmatch(name) and entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                    depth[entry.path] = level + 1
+                    stack.append((entry.path, level + 1))
                     continue
                 if is_temp_name(name):
                     removed += _remove_temp(entry, cutoff if temp_age_s > 0 else None)
