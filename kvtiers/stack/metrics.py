@@ -14,8 +14,8 @@ from typing import Any
 
 from kvtiers.core.manager import OffloadingManager
 
-GAUGES = frozenset({"chunks", "usage_bytes", "capacity_bytes", "capacity_chunks", "slots",
-                    "free_slots", "pinned", "io_backend"})
+GAUGES = frozenset({"chunks", "usage_bytes", "capacity_bytes", "capacity_chunks",
+                    "pinned_chunks", "io_backend"})
 
 
 class _StatsCollector:
