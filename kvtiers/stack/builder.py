@@ -8,10 +8,10 @@ factory is imported lazily, so a stack without S3 never imports boto3.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
 from kvtiers.core.config import OffloadingConfig
@@ -19,6 +19,9 @@ from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
 from kvtiers.tiers.base import BuiltTier
+
+if TYPE_CHECKING:
+    from kvtiers.stack.metrics import MetricsServer
 
 
 @dataclass
@@ -29,7 +32,8 @@ class Stack:
     offloading: OffloadingConfig
     tiers: list[BuiltTier]
     manager: TieredManager
-    _closers: list[Any] = field(default_factory=list)
+    #: The Prometheus exporter, when the stack file has a ``metrics:`` section.
+    metrics: MetricsServer | None = None
 
     def make_worker(self, kv_caches: KVCacheTensors) -> OffloadingWorker:
         """The primary's GPU ⇄ primary worker over the engine's KV tensors."""
@@ -41,8 +45,9 @@ class Stack:
     def shutdown(self) -> None:
         """Drain movers and release every tier. Idempotent."""
         self.manager.shutdown()
-        while self._closers:
-            self._closers.pop().close()
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
 
     def __enter__(self) -> Stack:
         return self
@@ -99,5 +104,5 @@ def load_stack(
     if config.metrics is not None:
         from kvtiers.stack.metrics import serve_metrics
 
-        stack._closers.append(serve_metrics(manager, config.metrics.addr, config.metrics.port))
+        stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port)
     return stack
