@@ -24,12 +24,8 @@ the thread waits on a CUDA event before touching the staging buffer on the host.
 
 from __future__ import annotations
 
-import logging
 import math
-import queue
-import threading
-import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,39 +34,19 @@ import numpy.typing as npt
 
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.specs import CPULoadStoreSpec, GroupTransfer
-from kvtiers.core.worker import KVCacheTensors, OffloadingWorker, TransferResult
+from kvtiers.core.worker import KVCacheTensors
 from kvtiers.errors import ConfigError
+from kvtiers.tiers.queued_worker import QueuedJob, QueuedWorker, dtype_for, widest_element
 
 if TYPE_CHECKING:
     import torch
 
     from kvtiers.tiers.cpu.region import SlotRegion
 
-logger = logging.getLogger(__name__)
 
 #: Bytes gathered or scattered per step: large enough to amortise call overhead, small
 #: enough that the staging buffer stays in cache between the two halves of a copy.
 DEFAULT_BATCH_BYTES = 1 << 20
-
-
-def _dtype_for(element_bytes: int) -> torch.dtype:
-    import torch
-
-    return {
-        16: torch.complex128,
-        8: torch.int64,
-        4: torch.int32,
-        2: torch.int16,
-        1: torch.uint8,
-    }[element_bytes]
-
-
-def _widest_element(*byte_counts: int) -> int:
-    """Largest of 16, 8, 4, 2, 1 dividing every count (copies move these as one element)."""
-    common = 0
-    for count in byte_counts:
-        common = math.gcd(common, count)
-    return next(size for size in (16, 8, 4, 2, 1) if common % size == 0)
 
 
 @dataclass(frozen=True)
@@ -90,23 +66,14 @@ class _TensorPlan:
     row_step: int
 
 
-@dataclass(frozen=True)
-class _Job:
-    job_id: int
-    store: bool
-    groups: tuple[GroupTransfer, ...]
-    transfer_bytes: int
-    # CUDA only: recorded on the submitting stream, so copies start after the kernels
-    # that produced (store) or last read (load) the blocks.
-    ready: Any = None
-
-
-class CpuWorker(OffloadingWorker):
+class CpuWorker(QueuedWorker):
     """Asynchronous copies between ``kv``'s tensors and ``region``'s slots.
 
     ``geometry`` must describe ``kv``: same number of groups, and group ``g``'s bytes per
     block equal to the sum of its tensors' page bytes.
     """
+
+    thread_name = "kvtiers-cpu-worker"
 
     def __init__(
         self,
@@ -137,13 +104,7 @@ class CpuWorker(OffloadingWorker):
             else None
         )
         self._intra_op_threads = torch.get_num_threads()
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._lock = threading.Condition()
-        self._pending: set[int] = set()
-        self._finished: list[TransferResult] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtiers-cpu-worker", daemon=True)
-        self._thread.start()
+        super().__init__()
 
     # -- construction ---------------------------------------------------------------
     @staticmethod
@@ -191,7 +152,7 @@ class CpuWorker(OffloadingWorker):
         offset = 0
         for ref in refs:
             tensor = kv.tensors[ref.tensor_idx]
-            size = _widest_element(
+            size = widest_element(
                 ref.page_bytes,
                 tensor.stride(0),
                 tensor.storage_offset(),
@@ -199,7 +160,7 @@ class CpuWorker(OffloadingWorker):
                 offset,
                 slot_bytes,
             )
-            dtype = _dtype_for(size)
+            dtype = dtype_for(size)
             page_elems = ref.page_bytes // size
             pages = tensor.view(dtype)[:, :page_elems]
             wide = flat.view(dtype)
@@ -215,31 +176,22 @@ class CpuWorker(OffloadingWorker):
         return plans
 
     # -- submission -----------------------------------------------------------------
-    def submit_store(self, job_id: int, groups: Sequence[GroupTransfer]) -> bool:
-        return self._submit(job_id, groups, store=True)
-
-    def submit_load(self, job_id: int, groups: Sequence[GroupTransfer]) -> bool:
-        return self._submit(job_id, groups, store=False)
-
-    def _submit(self, job_id: int, groups: Sequence[GroupTransfer], *, store: bool) -> bool:
+    def _validate(self, groups: Sequence[GroupTransfer], store: bool) -> None:
         if len(groups) > len(self._plans):
             raise ValueError(f"{len(groups)} group transfers for {len(self._plans)} groups")
-        total = 0
         for g, transfer in enumerate(groups):
             self._check_transfer(g, transfer)
-            total += len(transfer.gpu_spec) * self.geometry.group_bytes_per_block[g]
-        with self._lock:
-            if self._closed:
-                return False
-            self._pending.add(job_id)
-        ready = None
-        if self._cuda:
-            import torch
 
-            ready = torch.cuda.Event()
-            ready.record()
-        self._jobs.put(_Job(job_id, store, tuple(groups), total, ready))
-        return True
+    def _ready_marker(self) -> Any:
+        """CUDA: an event on the submitting stream, so copies start after the kernels
+        that produced (store) or last read (load) the blocks."""
+        if not self._cuda:
+            return None
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
 
     def _check_transfer(self, group: int, transfer: GroupTransfer) -> None:
         spec = transfer.offload_spec
@@ -256,54 +208,22 @@ class CpuWorker(OffloadingWorker):
                 f"{spec.gpu_block_offset} do not fill {chunks} chunks of {per_chunk} blocks"
             )
 
-    # -- completion -----------------------------------------------------------------
-    def get_finished(self) -> list[TransferResult]:
-        with self._lock:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def wait(self, job_ids: Collection[int]) -> None:
-        wanted = set(job_ids)
-        with self._lock:
-            self._lock.wait_for(lambda: not (wanted & self._pending))
-
-    def shutdown(self) -> None:
-        """Finish the queued jobs, then stop the thread. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-        self._jobs.put(None)
-        self._thread.join()
-
     # -- the worker thread ----------------------------------------------------------
-    def _run(self) -> None:
+    def _on_thread_start(self) -> None:
         import torch
 
         # torch's OpenMP pool runs a new thread's ops on one core until the thread sets
         # its own count; give the copies the caller's intra-op parallelism.
         torch.set_num_threads(self._intra_op_threads)
-        while (job := self._jobs.get()) is not None:
-            start = time.perf_counter()
-            try:
-                if job.ready is not None:
-                    self._stream.wait_event(job.ready)
-                for g, transfer in enumerate(job.groups):
-                    self._transfer_group(g, transfer, job.store)
-                success = True
-            except Exception:
-                logger.exception("CPU worker job %d failed", job.job_id)
-                success = False
-            result = TransferResult(
-                job.job_id,
-                success,
-                job.transfer_bytes if success else 0,
-                time.perf_counter() - start,
-            )
-            with self._lock:
-                self._pending.discard(job.job_id)
-                self._finished.append(result)
-                self._lock.notify_all()
+
+    def _execute(self, job: QueuedJob) -> int:
+        if job.ready is not None:
+            self._stream.wait_event(job.ready)
+        moved = 0
+        for g, transfer in enumerate(job.groups):
+            self._transfer_group(g, transfer, job.store)
+            moved += len(transfer.gpu_spec) * self.geometry.group_bytes_per_block[g]
+        return moved
 
     def _transfer_group(self, group: int, transfer: GroupTransfer, store: bool) -> None:
         import torch

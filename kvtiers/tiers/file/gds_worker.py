@@ -23,13 +23,8 @@ handler the mover uses. Jobs run one at a time on one thread, in submission orde
 
 from __future__ import annotations
 
-import logging
-import math
 import mmap
-import queue
-import threading
-import time
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,15 +35,15 @@ from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header,
 from kvtiers.core.geometry import ChunkGeometry, round_up
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.specs import FileLoadStoreSpec, GroupTransfer
-from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker, TransferResult
+from kvtiers.core.worker import KVCacheTensors, KVTensorRef
 from kvtiers.errors import ConfigError, CorruptChunkError
 from kvtiers.tiers.file.io import IOBackend, PublishSettings
 from kvtiers.tiers.file.mover import BadChunkHandler
+from kvtiers.tiers.queued_worker import QueuedJob, QueuedWorker, dtype_for, widest_element
 
 if TYPE_CHECKING:
     import torch
 
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -61,22 +56,10 @@ class _Plan:
     chunk_offset_elems: int
 
 
-@dataclass(frozen=True)
-class _Job:
-    job_id: int
-    store: bool
-    groups: tuple[GroupTransfer, ...]
-
-
-def _widest_element(*byte_counts: int) -> int:
-    common = 0
-    for count in byte_counts:
-        common = math.gcd(common, count)
-    return next(size for size in (8, 4, 2, 1) if common % size == 0)
-
-
-class FileWorker(OffloadingWorker):
+class FileWorker(QueuedWorker):
     """Copies between ``kv``'s tensors and chunk files; see the module docstring."""
+
+    thread_name = "kvtiers-file-worker"
 
     def __init__(
         self,
@@ -111,27 +94,19 @@ class FileWorker(OffloadingWorker):
         )
         self._direct = self._cuda and backend.device_memory
         self._header = memoryview(mmap.mmap(-1, HEADER_BYTES))
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._cond = threading.Condition()
-        self._pending: set[int] = set()
-        self._finished: list[TransferResult] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtiers-file-worker", daemon=True)
-        self._thread.start()
+        super().__init__()
 
     def _plan_group(self, kv: KVCacheTensors, refs: Sequence[KVTensorRef]) -> list[_Plan]:
-        import torch
-
-        dtypes = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
         plans = []
         offset = 0
         for ref in refs:
             tensor = kv.tensors[ref.tensor_idx]
-            size = _widest_element(
+            # Integer views only (at most 8 bytes): the staging copies index into them.
+            size = widest_element(
                 ref.page_bytes, tensor.stride(0), int(tensor.storage_offset()), tensor.data_ptr(),
-                offset,
+                offset, largest=8,
             )
-            dtype = dtypes[size]
+            dtype = dtype_for(size)
             page_elems = ref.page_bytes // size
             pages = tensor.view(dtype)[:, :page_elems]
             plans.append(_Plan(pages, dtype, page_elems, offset // size))
@@ -139,13 +114,7 @@ class FileWorker(OffloadingWorker):
         return plans
 
     # -- submission -----------------------------------------------------------------
-    def submit_store(self, job_id: int, groups: Sequence[GroupTransfer]) -> bool:
-        return self._submit(job_id, groups, store=True)
-
-    def submit_load(self, job_id: int, groups: Sequence[GroupTransfer]) -> bool:
-        return self._submit(job_id, groups, store=False)
-
-    def _submit(self, job_id: int, groups: Sequence[GroupTransfer], *, store: bool) -> bool:
+    def _validate(self, groups: Sequence[GroupTransfer], store: bool) -> None:
         if len(groups) > len(self._plans):
             raise ValueError(f"{len(groups)} group transfers for {len(self._plans)} groups")
         for g, transfer in enumerate(groups):
@@ -153,55 +122,16 @@ class FileWorker(OffloadingWorker):
                 raise TypeError(
                     f"group {g}: expected a FileLoadStoreSpec, got {transfer.offload_spec!r}"
                 )
-        with self._cond:
-            if self._closed:
-                return False
-            self._pending.add(job_id)
-        self._jobs.put(_Job(job_id, store, tuple(groups)))
-        return True
-
-    def get_finished(self) -> list[TransferResult]:
-        with self._cond:
-            finished, self._finished = self._finished, []
-        return finished
-
-    def wait(self, job_ids: Collection[int]) -> None:
-        wanted = set(job_ids)
-        with self._cond:
-            self._cond.wait_for(lambda: not (wanted & self._pending))
-
-    def shutdown(self) -> None:
-        """Finish the queued jobs, then stop the thread. Idempotent."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-        self._jobs.put(None)
-        self._thread.join()
 
     # -- the worker thread ----------------------------------------------------------
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            start = time.perf_counter()
-            moved = 0
-            try:
-                if self._cuda:
-                    import torch
+    def _execute(self, job: QueuedJob) -> int:
+        if self._cuda:
+            import torch
 
-                    torch.cuda.current_stream(self._device).synchronize()
-                for g, transfer in enumerate(job.groups):
-                    moved += self._transfer_group(g, transfer, job.store)
-                success = True
-            except Exception as exc:
-                logger.warning("file worker job %d failed: %s", job.job_id, exc)
-                success = False
-            result = TransferResult(
-                job.job_id, success, moved if success else 0, time.perf_counter() - start
-            )
-            with self._cond:
-                self._pending.discard(job.job_id)
-                self._finished.append(result)
-                self._cond.notify_all()
+            torch.cuda.current_stream(self._device).synchronize()
+        return sum(
+            self._transfer_group(g, transfer, job.store) for g, transfer in enumerate(job.groups)
+        )
 
     def _transfer_group(self, group: int, transfer: GroupTransfer, store: bool) -> int:
         import torch
