@@ -2,6 +2,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtiers-installed
+VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
+	annotated_doc==0.0.7 anyio==4.16.0 apache_tvm_ffi==0.1.15.post2 cachetools==8.0.2 \
+	cbor2==6.3.0 cloudpickle==3.1.3 fastapi==0.165.0 frozenlist==1.8.0 h11==0.16.0 \
+	httpcore2==2.16.2 httpx2==2.16.2 huggingface_hub==2.4.0 llguidance==1.9.1 \
+	multidict==7.2.1 openai==3.57.0 openai_harmony==0.0.8 opentelemetry_api==1.45.2 \
+	opentelemetry_sdk==1.45.2 opentelemetry_semantic_conventions==0.66b2 \
+	partial_json_parser==0.2.1.1.post7 propcache==0.5.4 py_cpuinfo==9.0.0 pybase64==1.5.1 \
+	safetensors==0.8.0 sniffio==1.3.1 starlette==1.10.0 tokenizers==0.23.3 \
+	transformers==5.24.0 truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
 
 .PHONY: test demo lint typecheck pytest clean
 
@@ -11,8 +20,9 @@ $(STAMP): pyproject.toml
 	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
 	$(PY) -m pip install -q "torch==2.13.0" -e ".[dev]"
 	# vLLM for the integration tests, the light way: the wheel alone, plus the packages its
-	# kv_offload modules import. A plain `pip install vllm` pulls a CUDA torch and ~10 GB.
-	$(PY) -m pip install -q --no-deps "vllm==0.33.0"
+	# kv_offload modules import (VLLM_TIERING_DEPS: what its TieringOffloadingManager also
+	# imports; ~20 s). A plain `pip install vllm` pulls a CUDA torch and ~10 GB.
+	$(PY) -m pip install -q --no-deps "vllm==0.33.0" $(VLLM_TIERING_DEPS)
 	$(PY) -m pip install -q "msgspec==0.23.0" "psutil==7.2.2" "pyzmq==27.3.0" "regex==2026.11.19"
 	touch $(STAMP)
 
