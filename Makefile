@@ -14,7 +14,7 @@ VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
 
 .PHONY: test demo lint typecheck pytest clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch is pinned so pip takes the local CPU wheel instead of a multi-GB CUDA build.
