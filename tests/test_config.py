@@ -116,7 +116,7 @@ def _single(tier: dict[str, object], *, first: dict[str, object] | None = None) 
 
 def test_cpu_defaults() -> None:
     assert _single({"kind": "cpu", "capacity": "8GiB"}) == CPUTierConfig(
-        name="cpu0",
+        name="cpu",
         capacity=Size(8 * 2**30),
         policy="lru",
         shared_memory_name=None,
@@ -126,7 +126,7 @@ def test_cpu_defaults() -> None:
 
 def test_file_defaults() -> None:
     assert _single({"kind": "file", "root": "/data/kv"}) == FileTierConfig(
-        name="file1",
+        name="file",
         root="/data/kv",
         capacity=None,
         io="auto",
@@ -143,7 +143,7 @@ def test_file_defaults() -> None:
 
 def test_s3_defaults() -> None:
     assert _single({"kind": "s3", "bucket": "kv-cache"}) == S3TierConfig(
-        name="s31",
+        name="s3",
         bucket="kv-cache",
         prefix="",
         region=None,
@@ -163,7 +163,7 @@ def test_s3_defaults() -> None:
 def test_fsspec_defaults() -> None:
     tier = _single({"kind": "fsspec", "url": "memory://kv"})
     assert tier == FsspecTierConfig(
-        name="fsspec1",
+        name="fsspec",
         url="memory://kv",
         threads=16,
         capacity=None,
@@ -548,9 +548,9 @@ BAD_STACKS = [
     ),
     (
         "duplicate-tier-names",
-        f"tiers:\n{CPU}  - kind: file\n    root: /d\n    name: cpu0  # <-\n",
+        f"tiers:\n{CPU}  - kind: file\n    root: /d\n    name: cpu  # <-\n",
         "tiers[1].name",
-        "'cpu0' is already used by tiers[0]",
+        "'cpu' is already used by tiers[0]",
     ),
     (
         "string-for-bool",
@@ -756,7 +756,7 @@ def test_summary_line() -> None:
         }
     )
     assert stack.summary() == (
-        "2 tiers: cpu0(cpu 8.0 GiB, arc) -> file1(file /mnt/nvme/kvtiers, 500.0 GiB, io=auto)"
+        "2 tiers: cpu(cpu 8.0 GiB, arc) -> file(file /mnt/nvme/kvtiers, 500.0 GiB, io=auto)"
     )
 
 
@@ -832,3 +832,13 @@ def test_registry_names_the_factories() -> None:
     for name, kind in kinds_module.TIER_KINDS.items():
         assert kind.name == name
         assert kind.config_type.__dataclass_fields__["kind"].default == name
+
+
+def test_tier_names_default_to_the_kind_and_number_repeats() -> None:
+    stack = load_stack_config({"tiers": [
+        {"kind": "cpu", "capacity": "1MiB"},
+        {"kind": "file", "root": "/a"},
+        {"kind": "file", "root": "/b"},
+        {"kind": "s3", "bucket": "kv-cache"},
+    ]})
+    assert [tier.name for tier in stack.tiers] == ["cpu", "file1", "file2", "s3"]

@@ -130,7 +130,7 @@ class StackConfig:
         return self.tiers[0]
 
     def summary(self) -> str:
-        """One line: ``2 tiers: cpu0(cpu 8.0 GiB, arc) -> file1(file /data, io=auto)``."""
+        """One line: ``2 tiers: cpu(cpu 8.0 GiB, arc) -> file(file /data, io=auto)``."""
         count = len(self.tiers)
         line = f"{count} tier{'s' if count != 1 else ''}: " + " -> ".join(
             f"{tier.name}({tier.describe()})" for tier in self.tiers
@@ -192,6 +192,7 @@ def _parse_tiers(raw: object) -> tuple[TierConfig, ...]:
             f"expected a list of tiers, got {shown(raw)}; write each tier as `- kind: …`",
             path="tiers",
         )
+    kinds = [t.get("kind") for t in raw if isinstance(t, Mapping)]
     tiers = []
     for idx, raw_tier in enumerate(raw):
         where = item_path("tiers", idx)
@@ -207,7 +208,7 @@ def _parse_tiers(raw: object) -> tuple[TierConfig, ...]:
                 path=key_path(where, "kind"),
             )
         kind = get_kind(raw_tier["kind"], path=key_path(where, "kind"))
-        tiers.append(
-            parse_section(kind.config_type, raw_tier, where, defaults={"name": f"{kind.name}{idx}"})
-        )
+        # A tier's name defaults to its kind; repeated kinds add their position.
+        name = kind.name if kinds.count(kind.name) == 1 else f"{kind.name}{idx}"
+        tiers.append(parse_section(kind.config_type, raw_tier, where, defaults={"name": name}))
     return tuple(tiers)

@@ -1,9 +1,10 @@
 """The configuration of each tier kind: ``cpu``, ``file``, ``s3``, ``fsspec``.
 
 Every tier has a ``kind``, a ``name`` (unique within a stack; the stack parser defaults it
-to ``<kind><index>``) and an ``admission`` rule for chunks cascaded to it. The classes here
-only describe and check values; building a tier from them is the job of the kind's
-factory (see :mod:`kvtiers.config.kinds`). Sizes are bytes; ``*_s`` fields are seconds.
+to its kind, or ``<kind><index>`` when the kind repeats) and an ``admission`` rule for
+chunks cascaded to it. The classes here only describe and check values; building a tier
+from them is the job of the kind's factory (see :mod:`kvtiers.config.kinds`). Sizes are
+bytes; ``*_s`` fields are seconds.
 """
 
 from __future__ import annotations
