@@ -102,11 +102,13 @@ class QueuedWorker(OffloadingWorker):
 
     def _submit(self, job_id: int, groups: Sequence[GroupTransfer], *, store: bool) -> bool:
         self._validate(groups, store)
+        ready = self._ready_marker()
         with self._cond:
             if self._closed:
                 return False
             self._pending.add(job_id)
-        self._jobs.put(QueuedJob(job_id, store, tuple(groups), self._ready_marker()))
+            # Queued under the lock: shutdown's end marker can never overtake the job.
+            self._jobs.put(QueuedJob(job_id, store, tuple(groups), ready))
         return True
 
     def get_finished(self) -> list[TransferResult]:
