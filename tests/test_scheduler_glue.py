@@ -11,7 +11,7 @@ from kvtiers.core.config import (
     OffloadingGroupConfig,
     OffloadingModelConfig,
 )
-from kvtiers.core.manager import ReqContext
+from kvtiers.core.manager import LookupResult, ReqContext
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.engine.scheduler import OffloadScheduler, TransferPlan
 from kvtiers.errors import UnknownKeyError
@@ -140,3 +140,65 @@ def test_tokens_arriving_later_extend_the_keys(glue: OffloadScheduler) -> None:
     glue.extend_request("grow", TOKENS[40:130])
     assert [len(glue.chunk_keys("grow", g)) for g in (0, 1)] == [4, 2]
     assert glue.chunk_keys("grow", 0) == glue.chunk_keys("r", 0)[:4]
+
+
+class _RetryAfter(InMemoryTier):
+    """Answers RETRY for the given keys (an asynchronous probe under way)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.retry: set[bytes] = set()
+        self.looked_up: list[bytes] = []
+
+    def lookup(self, key, ctx):  # type: ignore[no-untyped-def]
+        self.looked_up.append(key)
+        return LookupResult.RETRY if key in self.retry else super().lookup(key, ctx)
+
+
+def test_retry_inside_the_prefix_makes_it_pending() -> None:
+    manager = _RetryAfter(64)
+    glue = OffloadScheduler(manager, CONFIG)
+    glue.add_request("r", TOKENS)
+    _store_all(glue)
+    manager.retry = {glue.chunk_keys("r", 0)[3]}
+    match = glue.match_prefix("r")
+    assert match.pending and match.tokens == 96
+    manager.retry = {glue.chunk_keys("r", 0)[5]}
+    assert glue.match_prefix("r", max_tokens=128).pending is False  # beyond the cap
+
+
+def test_chunks_beyond_the_cap_are_not_looked_up() -> None:
+    manager = _RetryAfter(64)
+    glue = OffloadScheduler(manager, CONFIG)
+    glue.add_request("r", TOKENS)
+    _store_all(glue)
+    manager.looked_up.clear()
+    glue.match_prefix("r", max_tokens=64)
+    assert set(manager.looked_up) == {*glue.chunk_keys("r", 0)[:2], glue.chunk_keys("r", 1)[0]}
+
+
+def test_each_group_loads_from_its_own_first_uncached_block(glue: OffloadScheduler) -> None:
+    _store_all(glue)
+    plan = glue.plan_load("r", glue.match_prefix("r"), GPU, gpu_cached_tokens=48)
+    assert plan is not None
+    assert plan.groups[0].offload_spec.gpu_block_offset == 3  # 48 tokens = 3 blocks of 16
+    assert plan.groups[1].offload_spec.gpu_block_offset == 1  # 1 whole block of 32
+    assert plan.groups[0].gpu_spec.block_ids.tolist() == GPU[0][3:12]
+
+
+def test_a_group_storing_nothing_keeps_its_position() -> None:
+    config = OffloadingConfig(
+        groups=(
+            OffloadingGroupConfig(32, ("big.0",), 512),
+            OffloadingGroupConfig(16, ("small.0",), 1024),
+        ),
+        model=OffloadingModelConfig(name="glue"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2),
+    )
+    glue = OffloadScheduler(InMemoryTier(64), config)
+    glue.add_request("r", TOKENS[:40])
+    plan = glue.plan_store("r", 40, [[1, 2], [10, 11, 12]])
+    assert plan is not None
+    assert len(plan.groups) == 2
+    assert plan.groups[0].gpu_spec.block_ids.tolist() == []
+    assert plan.groups[1].gpu_spec.block_ids.tolist() == [10, 11]

@@ -63,3 +63,14 @@ def test_block_content_names_the_prefix() -> None:
     assert block_seeds(list(range(64)), 16, 1) != a
     page = page_content(a[0], 0, 4096)
     assert page.shape == (4096,) and not (page == page_content(a[0], 1, 4096)).all()
+
+
+def test_larger_chunks_in_the_first_group_store_and_load_exactly() -> None:
+    model = {**MODEL, "groups": list(reversed(MODEL["groups"]))}  # type: ignore[call-overload]
+    built = load_stack({"tiers": [{"kind": "cpu", "capacity": "4MiB"}], "model": model})
+    engine = SimulatedEngine(built, num_gpu_blocks=128)
+    reports = [engine.run_request(r.req_id, r.token_ids) for r in conversation_requests(SMALL)]
+    engine.shutdown()
+    built.shutdown()
+    assert sum(r.reused_tokens for r in reports) > 0
+    assert sum(r.verification_failures for r in reports) == 0

@@ -126,16 +126,22 @@ class OffloadScheduler:
     def match_prefix(self, req_id: str, *, max_tokens: int | None = None) -> PrefixMatch:
         """The longest prefix every group can load, floored to whole blocks of all groups.
 
-        ``max_tokens`` caps it (an engine must recompute at least the last token)."""
+        ``max_tokens`` caps it (an engine must recompute at least the last token); chunks
+        beyond the cap are not looked up, so no promotion starts that could not be used.
+        The match is pending while a chunk inside it is still arriving (``HIT_PENDING``),
+        or while a lookup that could lengthen it answered ``RETRY``."""
         request = self._requests[req_id]
+        limit = request.num_tokens if max_tokens is None else min(max_tokens, request.num_tokens)
         ready_tokens: list[int] = []
-        pending_tokens: list[int] = []
+        reach_tokens: list[int] = []
+        retried: list[bool] = []
         promoted = 0
         for group_idx, keys in enumerate(request.keys):
             tokens_per_chunk = self.config.tokens_per_chunk(group_idx)
             ready = None
             count = 0
-            for key in keys:
+            retry = False
+            for key in keys[: -(-limit // tokens_per_chunk)]:
                 result = self.manager.lookup(key, request.ctx)
                 if result is LookupResult.HIT:
                     count += 1
@@ -144,18 +150,24 @@ class OffloadScheduler:
                     promoted += 1
                     count += 1
                 else:
-                    if result is LookupResult.RETRY:
-                        ready = count if ready is None else ready
+                    retry = result is LookupResult.RETRY
                     break
             ready_tokens.append((count if ready is None else ready) * tokens_per_chunk)
-            pending_tokens.append(count * tokens_per_chunk)
-        limit = request.num_tokens if max_tokens is None else min(max_tokens, request.num_tokens)
-        usable = self._floor_blocks(min(min(pending_tokens), limit))
+            reach_tokens.append(count * tokens_per_chunk)
+            retried.append(retry)
+        usable = self._floor_blocks(min(min(reach_tokens), limit))
         ready_usable = self._floor_blocks(min(min(ready_tokens), limit))
+        # A RETRY matters when its group is the one that limits the prefix.
+        retry_pending = any(
+            retry and self._floor_blocks(min(reach, limit)) == usable
+            for retry, reach in zip(retried, reach_tokens, strict=True)
+        )
         chunks = tuple(
             -(-usable // self.config.tokens_per_chunk(g)) for g in range(len(self.config.groups))
         )
-        return PrefixMatch(usable, chunks, pending=ready_usable < usable, promoted=promoted)
+        return PrefixMatch(
+            usable, chunks, pending=ready_usable < usable or retry_pending, promoted=promoted
+        )
 
     def _floor_blocks(self, tokens: int) -> int:
         return tokens // self._block_lcm * self._block_lcm
@@ -171,20 +183,21 @@ class OffloadScheduler:
         """Pin and describe loading tokens ``[gpu_cached_tokens, match.tokens)``.
 
         ``gpu_blocks[g]`` are the request's GPU block ids of group ``g`` by logical block
-        index. Returns None when there is nothing to load. ``match`` must not be pending.
+        index; each group loads from its first block not wholly cached on the GPU.
+        Returns None when there is nothing to load. ``match`` must not be pending.
         """
         if match.pending:
             raise ValueError("the prefix is still arriving; call match_prefix next step")
         request = self._requests[req_id]
-        start = self._floor_blocks(gpu_cached_tokens)
-        if match.tokens <= start:
+        if match.tokens <= gpu_cached_tokens:
             return None
         spans = []
         all_keys: list[OffloadKey] = []
         for group_idx, keys in enumerate(request.keys):
             tokens_per_block = self.config.groups[group_idx].tokens_per_block
             per_chunk = self.config.blocks_per_chunk
-            first_block, end_block = start // tokens_per_block, match.tokens // tokens_per_block
+            first_block = gpu_cached_tokens // tokens_per_block
+            end_block = match.tokens // tokens_per_block
             group_keys = keys[first_block // per_chunk : -(-end_block // per_chunk)]
             spans.append((group_idx, first_block, end_block, group_keys))
             all_keys.extend(group_keys)
@@ -219,10 +232,10 @@ class OffloadScheduler:
         per_chunk = self.config.blocks_per_chunk
         groups = []
         keys_in_job: list[OffloadKey] = []
+        # One transfer per group, in group order (empty where a group stores nothing): the
+        # worker reads a transfer's position as its group.
         for group_idx in range(len(self.config.groups)):
             chunks = [(c, k) for g, c, k in wanted if g == group_idx and k in accepted_set]
-            if not chunks:
-                continue
             blocks = gpu_blocks[group_idx]
             block_ids = [blocks[c * per_chunk + i] for c, _ in chunks for i in range(per_chunk)]
             group_keys = [k for _, k in chunks]
