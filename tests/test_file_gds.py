@@ -215,6 +215,38 @@ def test_partial_chunk_store_fails_the_job(tmp_path: Path) -> None:
         manager.shutdown()
 
 
+def test_failed_store_removes_the_chunks_it_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second chunk's write fails: the first, already published, must not stay on disk
+    unindexed once the job fails."""
+    manager, tier = _stack(tmp_path, _config(1, 1))
+    assert tier.make_worker is not None
+    worker = tier.make_worker(_kv(1, seed=3))
+    keys = [_chunk_key(c, 0) for c in range(2)]
+    backend = worker.backend  # type: ignore[attr-defined]
+    write = backend.write
+    writes: list[Path] = []
+
+    def write_once(path: Path, *args: object) -> None:
+        if writes:
+            raise OSError(28, "No space left on device", str(path))
+        writes.append(path)
+        write(path, *args)
+
+    monkeypatch.setattr(backend, "write", write_once)
+    try:
+        assert manager.prepare_store(keys, CTX) == keys
+        spec = manager.get_spec(keys)
+        assert not _run(worker, 0, [GroupTransfer(GPULoadStoreSpec([0, 1]), spec)], True)
+        manager.complete_store(keys, CTX, success=False)
+        assert len(writes) == 1, "the first chunk was published before the failure"
+        assert not any(tmp_path.rglob("*.kvc")), "a failed store left a chunk file behind"
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+
+
 def test_corrupt_chunk_fails_the_load_and_becomes_a_miss(tmp_path: Path) -> None:
     manager, tier = _stack(tmp_path, _config(1, 1))
     assert tier.make_worker is not None

@@ -1,6 +1,6 @@
 """What every worker that copies on its own thread shares: the job queue, the thread, the
 pending set, finished results, ``wait`` and ``shutdown``; plus the wide-element helpers
-its copies use.
+its copies use and the check that the engine's KV tensors match the chunk geometry.
 
 A subclass checks a job when it is submitted (:meth:`QueuedWorker._validate`, errors
 raise in the caller) and runs it on the worker thread (:meth:`QueuedWorker._execute`,
@@ -21,8 +21,10 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.specs import GroupTransfer
-from kvtiers.core.worker import OffloadingWorker, TransferResult
+from kvtiers.core.worker import KVCacheTensors, OffloadingWorker, TransferResult
+from kvtiers.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +52,39 @@ def dtype_for(element_bytes: int) -> torch.dtype:
         2: torch.int16,
         1: torch.uint8,
     }[element_bytes]
+
+
+def check_kv_geometry(kv: KVCacheTensors, geometry: ChunkGeometry) -> None:
+    """Raise :class:`~kvtiers.errors.ConfigError` unless ``kv`` matches ``geometry``: the
+    same number of groups, each group's bytes per block as configured, and every tensor a
+    ``(num_blocks, row_bytes)`` byte view whose rows hold its pages."""
+    if len(kv.groups) != geometry.num_groups:
+        raise ConfigError(
+            f"the engine describes {len(kv.groups)} KV-cache groups but the offloading "
+            f"config has {geometry.num_groups}; they must match",
+            path="groups",
+        )
+    for g, refs in enumerate(kv.groups):
+        if kv.group_bytes_per_block(g) != geometry.group_bytes_per_block[g]:
+            raise ConfigError(
+                f"group {g}: its tensors hold {kv.group_bytes_per_block(g)} bytes per "
+                f"block but the config says {geometry.group_bytes_per_block[g]}",
+                path=f"groups[{g}].bytes_per_block",
+            )
+        for ref in refs:
+            tensor = kv.tensors[ref.tensor_idx]
+            if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1:
+                raise ConfigError(
+                    f"KV tensor {ref.tensor_idx} must be a (num_blocks, page_bytes) "
+                    f"byte view, got shape {tuple(tensor.shape)} {tensor.dtype}",
+                    path="kv_tensors",
+                )
+            if ref.page_bytes > tensor.shape[1]:
+                raise ConfigError(
+                    f"KV tensor {ref.tensor_idx}: page_bytes {ref.page_bytes} exceeds "
+                    f"its row of {tensor.shape[1]} bytes",
+                    path="kv_tensors",
+                )
 
 
 @dataclass(frozen=True)

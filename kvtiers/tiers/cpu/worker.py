@@ -36,7 +36,13 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.specs import CPULoadStoreSpec, GroupTransfer
 from kvtiers.core.worker import KVCacheTensors
 from kvtiers.errors import ConfigError
-from kvtiers.tiers.queued_worker import QueuedJob, QueuedWorker, dtype_for, widest_element
+from kvtiers.tiers.queued_worker import (
+    QueuedJob,
+    QueuedWorker,
+    check_kv_geometry,
+    dtype_for,
+    widest_element,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -109,33 +115,7 @@ class CpuWorker(QueuedWorker):
     # -- construction ---------------------------------------------------------------
     @staticmethod
     def _check(kv: KVCacheTensors, region: SlotRegion, geometry: ChunkGeometry) -> None:
-        if len(kv.groups) != geometry.num_groups:
-            raise ConfigError(
-                f"the engine describes {len(kv.groups)} KV-cache groups but the offloading "
-                f"config has {geometry.num_groups}; they must match",
-                path="groups",
-            )
-        for g, refs in enumerate(kv.groups):
-            if kv.group_bytes_per_block(g) != geometry.group_bytes_per_block[g]:
-                raise ConfigError(
-                    f"group {g}: its tensors hold {kv.group_bytes_per_block(g)} bytes per "
-                    f"block but the config says {geometry.group_bytes_per_block[g]}",
-                    path=f"groups[{g}].bytes_per_block",
-                )
-            for ref in refs:
-                tensor = kv.tensors[ref.tensor_idx]
-                if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1:
-                    raise ConfigError(
-                        f"KV tensor {ref.tensor_idx} must be a (num_blocks, page_bytes) "
-                        f"byte view, got shape {tuple(tensor.shape)} {tensor.dtype}",
-                        path="kv_tensors",
-                    )
-                if ref.page_bytes > tensor.shape[1]:
-                    raise ConfigError(
-                        f"KV tensor {ref.tensor_idx}: page_bytes {ref.page_bytes} exceeds "
-                        f"its row of {tensor.shape[1]} bytes",
-                        path="kv_tensors",
-                    )
+        check_kv_geometry(kv, geometry)
         if region.slot_bytes < geometry.max_chunk_bytes:
             raise ConfigError(
                 f"CPU slots of {region.slot_bytes} bytes cannot hold a chunk of "
@@ -237,7 +217,9 @@ class CpuWorker(QueuedWorker):
         positions = np.arange(block_ids.size, dtype=np.int64) + spec.gpu_block_offset % per_chunk
         slots = spec.slot_ids[positions // per_chunk]
         subs = positions % per_chunk
-        blocks = torch.from_numpy(block_ids).to(self._device)
+        blocks = torch.from_numpy(block_ids)
+        if self._cuda:
+            blocks = blocks.to(self._device)
         for plan in self._plans[group]:
             rows = (slots * plan.slot_elems + subs * plan.page_elems) // plan.row_step
             if self._cuda:

@@ -16,14 +16,17 @@ Paths, per chunk:
   the widest integer view the alignment allows (``index_copy_`` on ``uint8`` is slow).
 
 Stores must cover whole chunks (the scheduler only stores whole chunks); a store that
-does not fails its job. Loads may start mid-chunk (``skip``) and end mid-chunk. A chunk
+does not fails its job, and a store that fails removes the chunks it already published
+(the manager drops the whole job's keys). Loads may start mid-chunk (``skip``) and end mid-chunk. A chunk
 that fails verification fails its job, is quarantined and reported through the same
 handler the mover uses. Jobs run one at a time on one thread, in submission order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +39,16 @@ from kvtiers.core.geometry import ChunkGeometry, round_up
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.specs import FileLoadStoreSpec, GroupTransfer
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef
-from kvtiers.errors import ConfigError, CorruptChunkError
+from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.file.io import IOBackend, PublishSettings
 from kvtiers.tiers.file.mover import BadChunkHandler
-from kvtiers.tiers.queued_worker import QueuedJob, QueuedWorker, dtype_for, widest_element
+from kvtiers.tiers.queued_worker import (
+    QueuedJob,
+    QueuedWorker,
+    check_kv_geometry,
+    dtype_for,
+    widest_element,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -73,7 +82,7 @@ class FileWorker(QueuedWorker):
     ) -> None:
         import torch
 
-        _check(kv, geometry)
+        check_kv_geometry(kv, geometry)
         self.geometry = geometry
         self.digest = digest
         self.backend = backend
@@ -123,17 +132,40 @@ class FileWorker(QueuedWorker):
                     f"group {g}: expected a FileLoadStoreSpec, got {transfer.offload_spec!r}"
                 )
 
+    def _ready_marker(self) -> Any:
+        """CUDA: an event on the submitting thread's current stream, so the job starts
+        after the kernels that produced (store) or last read (load) the blocks."""
+        if not self._cuda:
+            return None
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self._device))
+        return ready
+
     # -- the worker thread ----------------------------------------------------------
     def _execute(self, job: QueuedJob) -> int:
-        if self._cuda:
-            import torch
+        if job.ready is not None:
+            # File I/O is driven from the host, so the host waits (a stream wait would not
+            # hold back kvikio or the staging copies' host side).
+            job.ready.synchronize()
+        published: list[Path] = []
+        try:
+            return sum(
+                self._transfer_group(g, transfer, job.store, published)
+                for g, transfer in enumerate(job.groups)
+            )
+        except BaseException:
+            # The job fails and the manager drops every key of it: chunks already
+            # published would be files nobody indexes, using space until a restart.
+            for path in published:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise
 
-            torch.cuda.current_stream(self._device).synchronize()
-        return sum(
-            self._transfer_group(g, transfer, job.store) for g, transfer in enumerate(job.groups)
-        )
-
-    def _transfer_group(self, group: int, transfer: GroupTransfer, store: bool) -> int:
+    def _transfer_group(
+        self, group: int, transfer: GroupTransfer, store: bool, published: list[Path]
+    ) -> int:
         import torch
 
         spec = transfer.offload_spec
@@ -163,6 +195,7 @@ class FileWorker(QueuedWorker):
             chunk_ids = ids[first : first + hi - lo]
             if store:
                 self._store_chunk(group, Path(path), key, chunk_ids)
+                published.append(Path(path))
             else:
                 self._load_chunk(group, Path(path), key, chunk_ids, lo)
             moved += (hi - lo) * self.geometry.group_bytes_per_block[group]
@@ -221,27 +254,10 @@ class FileWorker(QueuedWorker):
             if self._cuda and not self._direct:
                 rows = rows.to(self._device)
             plan.pages.index_copy_(0, ids, rows)
+        if self._cuda:
+            import torch
 
+            # The scatters are asynchronous: the next chunk's read must not overwrite the
+            # staging buffer under them, and the job must not report before they land.
+            torch.cuda.current_stream(self._device).synchronize()
 
-def _check(kv: KVCacheTensors, geometry: ChunkGeometry) -> None:
-    if len(kv.groups) != geometry.num_groups:
-        raise ConfigError(
-            f"the engine describes {len(kv.groups)} KV-cache groups but the offloading "
-            f"config has {geometry.num_groups}; they must match",
-            path="groups",
-        )
-    for g in range(len(kv.groups)):
-        if kv.group_bytes_per_block(g) != geometry.group_bytes_per_block[g]:
-            raise ConfigError(
-                f"group {g}: its tensors hold {kv.group_bytes_per_block(g)} bytes per block "
-                f"but the config says {geometry.group_bytes_per_block[g]}",
-                path=f"groups[{g}].bytes_per_block",
-            )
-        for ref in kv.groups[g]:
-            tensor = kv.tensors[ref.tensor_idx]
-            if tensor.dim() != 2 or tensor.element_size() != 1 or tensor.stride(1) != 1:
-                raise ConfigError(
-                    f"KV tensor {ref.tensor_idx} must be a (num_blocks, page_bytes) byte "
-                    f"view, got shape {tuple(tensor.shape)} {tensor.dtype}",
-                    path="kv_tensors",
-                )

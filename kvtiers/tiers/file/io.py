@@ -91,8 +91,9 @@ def _aligned(view: memoryview) -> bool:
     return view.nbytes == 0 or (not view.readonly and _address(view) % ALIGNMENT == 0)
 
 
-class _AlignedHeaders(threading.local):
-    """One page-aligned 4096-byte buffer per thread, for O_DIRECT headers."""
+class AlignedHeaders(threading.local):
+    """One page-aligned 4096-byte buffer per thread (``view``), for headers O_DIRECT may
+    write from or read into."""
 
     def __init__(self) -> None:
         self.page = mmap.mmap(-1, HEADER_BYTES)
@@ -106,7 +107,7 @@ class PosixBackend(IOBackend):
         self.o_direct = o_direct and bool(_O_DIRECT)
         self.name = "posix+o_direct" if self.o_direct else "posix"
         self.code = IO_POSIX_DIRECT if self.o_direct else IO_POSIX
-        self._headers = _AlignedHeaders()
+        self._headers = AlignedHeaders()
 
     def _direct(self, payload: memoryview) -> bool:
         """Whether O_DIRECT may move ``payload``: a 4096-byte aligned start and a whole

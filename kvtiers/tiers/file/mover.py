@@ -39,7 +39,7 @@ from kvtiers.core.mover import HostRegion, Mover, MoverResult
 from kvtiers.core.publish import FileOps
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
-from kvtiers.tiers.file.io import IOBackend, PublishSettings
+from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class FileMover(Mover):
         self._in_flight = 0
         self._done: list[MoverResult] = []
         self._closed = False
-        self._local = threading.local()
+        self._headers = AlignedHeaders()
 
     # -- submission -----------------------------------------------------------------
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> bool:
@@ -275,20 +275,10 @@ class FileMover(Mover):
             job.dirs.setdefault(path.parent, []).append((key, path))
         return size
 
-    def _header_buffer(self) -> memoryview:
-        buf = getattr(self._local, "header", None)
-        if buf is None:
-            import mmap
-
-            # Page-aligned, so O_DIRECT reads can land in it.
-            buf = memoryview(mmap.mmap(-1, HEADER_BYTES))
-            self._local.header = buf
-        return buf
-
     def _load_one(self, job: _JobState, slot: int, path: Path, key: OffloadKey) -> int:
         size = self.geometry.key_chunk_bytes(key)
         payload = self.region.view(slot)[:size]
-        header_buf = self._header_buffer()
+        header_buf = self._headers.view
         got, file_size = self.backend.read(path, header_buf, payload)
         if got < HEADER_BYTES + size or file_size != HEADER_BYTES + size:
             raise CorruptChunkError(
