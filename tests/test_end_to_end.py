@@ -119,7 +119,8 @@ def test_reset_cache_with_cascades_in_flight(tmp_path: Path, s3_endpoint: MotoSe
         engine = SimulatedEngine(stack, num_gpu_blocks=256, settle=False)
         request = conversation_requests(WORKLOAD)[0]
         engine.run_request("first", request.token_ids)
-        assert stack.manager.has_pending_work()  # cascades to file and S3 still running
+        # Cascades to file and S3 are usually still running here (settle=False); the
+        # ordering itself is pinned down deterministically in test_composite.py.
         stack.manager.reset_cache()
         assert not stack.manager.has_pending_work()
         assert stack.manager.get_stats()["cpu.chunks"] == 0

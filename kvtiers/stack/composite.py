@@ -41,7 +41,7 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.mover import Mover, MoverResult
 from kvtiers.core.specs import LoadStoreSpec
-from kvtiers.errors import ConfigError
+from kvtiers.errors import ConfigError, UnknownKeyError
 from kvtiers.tiers.base import BuiltTier
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -105,6 +105,9 @@ class TieredManager(OffloadingManager):
         self._job_ids = itertools.count()
         self._stats: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        #: ``get_stats()`` as of the last step, for readers on other threads (the metrics
+        #: exporter): tiers' state belongs to the scheduler thread alone.
+        self.stats_snapshot: Mapping[str, float] = dict(self.get_stats())
 
     @property
     def capabilities(self) -> TierCapabilities:  # type: ignore[override]
@@ -147,7 +150,12 @@ class TieredManager(OffloadingManager):
         if accepted is None:
             self._stats["promotions_refused"] += 1
             return LookupResult.MISS
-        lower.manager.prepare_load([key], ctx)
+        try:
+            lower.manager.prepare_load([key], ctx)
+        except UnknownKeyError:
+            # The chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
+            self._primary.complete_store([key], ctx, success=False)
+            return LookupResult.MISS
         lower.pending_promotions.append(key)
         return LookupResult.HIT_PENDING
 
@@ -196,7 +204,12 @@ class TieredManager(OffloadingManager):
     ) -> None:
         job_id = next(self._job_ids)
         lower.jobs[job_id] = _Job(kind, keys)
-        if not lower.mover.submit(job_id, src, dst):
+        try:
+            accepted = lower.mover.submit(job_id, src, dst)
+        except Exception:
+            self._finish(lower, MoverResult(job_id, succeeded_keys=(), failed_keys=tuple(keys)))
+            raise
+        if not accepted:
             self._finish(lower, MoverResult(job_id, succeeded_keys=(), failed_keys=tuple(keys)))
 
     # -- completions ----------------------------------------------------------------
@@ -287,6 +300,7 @@ class TieredManager(OffloadingManager):
         self._poll()
         for tier in self.tiers:
             tier.manager.on_schedule_end(ctx)
+        self.stats_snapshot = dict(self.get_stats())
 
     def has_pending_work(self) -> bool:
         return any(lower.jobs or lower.pending_promotions for lower in self._lower) or any(

@@ -2,8 +2,10 @@
 
 Each stat ``<tier>.<name>`` becomes the metric ``kvtiers_<name>`` with label
 ``tier="<tier>"``; the composite's own counters carry ``tier="stack"``. Gauges (sizes,
-chunk counts) keep their name; everything else is a counter and gets ``_total``. Values
-are read from ``get_stats()`` at scrape time; prometheus-client is imported only here.
+chunk counts) keep their name; everything else is a counter and gets ``_total``. A scrape
+reads the composite's ``stats_snapshot``, taken on the scheduler thread at the end of
+each step, so the HTTP thread never touches tier state. prometheus-client is imported
+only here.
 """
 
 from __future__ import annotations
@@ -12,21 +14,21 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
-from kvtiers.core.manager import OffloadingManager
+from kvtiers.stack.composite import TieredManager
 
 GAUGES = frozenset({"chunks", "usage_bytes", "capacity_bytes", "capacity_chunks",
                     "pinned_chunks", "io_backend"})
 
 
 class _StatsCollector:
-    def __init__(self, manager: OffloadingManager) -> None:
+    def __init__(self, manager: TieredManager) -> None:
         self.manager = manager
 
     def collect(self) -> Iterator[Any]:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         by_name: dict[str, list[tuple[str, float]]] = defaultdict(list)
-        for full_name, value in dict(self.manager.get_stats()).items():
+        for full_name, value in self.manager.stats_snapshot.items():
             tier, _, name = full_name.rpartition(".")
             by_name[name].append((tier or "stack", float(value)))
         for name, samples in sorted(by_name.items()):
@@ -52,7 +54,7 @@ class MetricsServer:
         self._server.server_close()
 
 
-def serve_metrics(manager: OffloadingManager, addr: str, port: int) -> MetricsServer:
+def serve_metrics(manager: TieredManager, addr: str, port: int) -> MetricsServer:
     """Serve ``manager``'s stats on ``http://addr:port/metrics`` (port 0: any free port)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
