@@ -230,6 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVTiersError as exc:
         print(f"kvtiers: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
+    except (OSError, MemoryError, OverflowError) as exc:
+        # The system refused (permissions, a full disk, memory a stack asked for): say
+        # what, in one line, rather than a traceback.
+        print(f"kvtiers: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("kvtiers: interrupted", file=sys.stderr)
         return 130

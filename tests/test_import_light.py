@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-HEAVY = ("torch", "boto3", "botocore", "kvikio", "moto", "matplotlib", "fsspec")
+HEAVY = ("torch", "boto3", "botocore", "kvikio", "moto", "matplotlib", "fsspec",
+         "prometheus_client", "tqdm", "vllm")
 
 
 @pytest.mark.parametrize("module", ["kvtiers", "kvtiers.core", "kvtiers.config", "kvtiers.cli",

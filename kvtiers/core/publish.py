@@ -119,8 +119,10 @@ def publish(
 ) -> None:
     """Atomically make ``final_path`` hold exactly what ``writer`` writes.
 
-    Replaces an existing file. On any failure the temp file is removed, the final path is
-    untouched, and the error propagates.
+    Replaces an existing file. A failure before the rename (or link) removes the temp
+    file, leaves the final path untouched, and propagates. A failure of the directory
+    fsync after it propagates too, but the file is then in place (complete, not yet
+    known to be durable): callers must not assume the old state.
 
     With ``replace=False`` an existing ``final_path`` is never touched: the call raises
     :class:`FileExistsError` instead (after removing its temp file). Should unlinking the

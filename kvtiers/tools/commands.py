@@ -20,6 +20,7 @@ from kvtiers.config.sizes import format_size
 from kvtiers.core.chunkformat import decode
 from kvtiers.errors import CorruptChunkError
 from kvtiers.filemapper import key_from_chunk_name
+from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
 
 DAY_S = 86400.0
@@ -36,7 +37,7 @@ def _age(mtime: float, now: float) -> str:
 def _manifest(location: Location, namespace: str) -> dict[str, Any] | None:
     try:
         document = json.loads(location.manifest(namespace))
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError, KeyError, ObjectMissing):
         return None
     return document if isinstance(document, dict) else None
 
@@ -131,8 +132,8 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
                 decode(location.read(entry.name), namespace_digest=digest, key=key)
             except CorruptChunkError as exc:
                 bad.append((entry, exc.check))
-            except FileNotFoundError:
-                continue
+            except (FileNotFoundError, ObjectMissing):
+                continue  # evicted by a running engine since the listing
         print(f"{namespace}: {len(census.chunks) - len(bad):,} chunks ok, {len(bad)} corrupt",
               file=out)
         for entry, check in bad:
