@@ -144,3 +144,14 @@ def test_tools_work_on_an_s3_prefix(s3_endpoint: MotoServer) -> None:
     remaining = {o["Key"] for o in listing}
     assert victim not in remaining
     assert any("/quarantine/" in key for key in remaining)
+
+
+def test_a_refused_allocation_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    stack = tmp_path / "huge.yaml"
+    stack.write_text(
+        "tiers:\n  - kind: cpu\n    capacity: 99999999999TiB\n"
+        "model:\n  name: m\n  groups: [{tokens_per_block: 16, num_layers: 1, page_bytes: 4KiB}]\n"
+    )
+    result = _cli("demo", "--config", str(stack), "--no-progress")
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
