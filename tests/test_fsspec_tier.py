@@ -98,6 +98,45 @@ def test_flipped_byte_is_a_counted_miss_and_deleted(make_tier: Callable[..., Tie
     assert driver.manager.lookup(conformance_key(0), CTX) is LookupResult.MISS
 
 
+# -- capacity ---------------------------------------------------------------------------
+CHUNK_BYTES = chunkformat.HEADER_BYTES + 8192
+
+
+def removed_keys(driver: TierDriver) -> list[OffloadKey]:
+    return [k for e in driver.manager.take_events() if e.removed for k in e.keys]
+
+
+def test_a_store_never_evicts_a_present_key_of_its_own_batch(
+    make_tier: Callable[..., TierDriver],
+) -> None:
+    driver = make_tier(capacity=2 * CHUNK_BYTES)
+    driver.store(payloads([0]))
+    driver.store(payloads([1]))
+    k0, k1, k2 = (conformance_key(i) for i in range(3))
+    assert driver.manager.prepare_store([k0, k2], CTX) == [k2]
+    assert removed_keys(driver) == [k1]
+    assert driver.manager.lookup(k0, CTX) is LookupResult.HIT
+
+
+def test_probe_hits_are_held_within_capacity(make_tier: Callable[..., TierDriver]) -> None:
+    from kvtiers.core.manager import ScheduleEndContext
+
+    reader = make_tier(shared=True, capacity=2 * CHUNK_BYTES)
+    reader.store(payloads([0]))
+    make_tier().store(payloads([1, 2]))
+    manager = reader.manager
+    for i in (1, 2):
+        assert manager.lookup(conformance_key(i), CTX) is LookupResult.RETRY
+        manager.on_schedule_end(ScheduleEndContext())
+        manager.wait_background()
+        assert manager.lookup(conformance_key(i), CTX) is LookupResult.HIT
+    assert manager.get_stats()["usage_bytes"] <= 2 * CHUNK_BYTES
+    assert removed_keys(reader) == [conformance_key(0)]
+    manager.wait_background()
+    store = manager.backend.store
+    assert store.head(manager.backend.object_key(conformance_key(0))) is None
+
+
 def test_racing_writers_leave_one_valid_object(url: str) -> None:
     store = FsspecStore(url)
     digest = NamespaceIdentity.from_config(offloading_config()).digest

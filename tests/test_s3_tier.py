@@ -228,10 +228,15 @@ def test_a_key_being_deleted_is_not_stored_again_until_the_delete_is_done(
                        capacity=1 * (chunkformat.HEADER_BYTES + 8192))
     driver.store(payloads([0]))
     driver.store(payloads([1]))
-    assert driver.manager.prepare_store([conformance_key(0)], CTX) == []
+    k0, k1, k2 = (conformance_key(i) for i in range(3))
+    # "Cannot store now", changing nothing: k1 is not evicted, k2 not reserved.
+    assert driver.manager.prepare_store([k0], CTX) is None
+    assert driver.manager.prepare_store([k2, k0], CTX) is None
+    assert driver.manager.lookup(k1, CTX) is HIT
+    assert driver.manager.lookup(k2, CTX) is MISS
     release.set()
     driver.manager.wait_background()
-    assert driver.manager.prepare_store([conformance_key(0)], CTX) is not None
+    assert driver.manager.prepare_store([k0], CTX) == [k0]
 
 
 # -- corruption -------------------------------------------------------------------------

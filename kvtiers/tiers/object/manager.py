@@ -5,8 +5,10 @@ modification times as recency) — never a request per key — and kept in LRU o
 never decodes a key's group: a reservation is accounted at ``HEADER_BYTES +
 max_chunk_bytes``, a listed or probed object at its real size. With a ``capacity``
 (bytes) the least recently used ready, unpinned chunks are dropped from the index at once
-and their objects deleted on the I/O pool; a key whose delete is still running is not
-stored again until the delete is done, so a delete never removes a newer copy.
+and their objects deleted on the I/O pool — to make room for a store (never evicting a key
+of the same batch that is already present) or for chunks a probe found. A key whose
+delete is still running is not stored again until the delete is done (``prepare_store``
+answers ``None``), so a delete never removes a newer copy.
 
 Everything here runs on the scheduler thread and never waits for I/O. Work finished on
 I/O threads (deletes, existence probes, chunks the mover found corrupt or missing) comes
@@ -134,14 +136,23 @@ class ObjectTierManager(OffloadingManager):
                 self._remove(key)
                 self._stats["forgotten"] += 1
                 self._events.append(self._event([key], removed=True))
+        found = False
         while not self._probed.empty():
             key, size = self._probed.get()
             self._probing.discard(key)
             if size is None:
                 self._negative[key] = self._clock() + self.negative_ttl_s
-            elif key not in self._entries and key not in self._deleting:
+            # A closed tier takes no new entries: it could not delete any to stay in capacity.
+            elif key not in self._entries and key not in self._deleting and not self._closed:
                 self._entries[key] = _Entry(size=size, ready=True)
                 self._usage += size
+                found = True
+        if found and self.capacity_bytes is not None:
+            # The new entries are ready and unpinned, so they can always be evicted
+            # themselves (last, being the most recently used) if nothing older can.
+            victims, _ = self._pick_victims(self._usage - self.capacity_bytes, set())
+            if victims:
+                self._evict(victims)
 
     def _remove(self, key: OffloadKey) -> None:
         self._usage -= self._entries.pop(key).size
@@ -173,26 +184,27 @@ class ObjectTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._drain()
-        wanted: list[OffloadKey] = []
-        seen: set[OffloadKey] = set()
+        wanted: dict[OffloadKey, None] = {}
+        present: set[OffloadKey] = set()
         for key in keys:
-            if key in seen or key in self._entries or key in self._deleting:
-                continue
-            seen.add(key)
-            wanted.append(key)
+            if key in self._entries:
+                present.add(key)
+            elif key in self._deleting:
+                # Its old object is still being deleted; a store now could be removed by
+                # that delete, and leaving the key out would claim it is present.
+                return None
+            else:
+                wanted[key] = None
         if not wanted:
             return []
         need = len(wanted) * self.reserve_bytes
         victims: list[OffloadKey] = []
         if self.capacity_bytes is not None:
-            excess = self._usage + need - self.capacity_bytes
-            for key, entry in self._entries.items():
-                if excess <= 0:
-                    break
-                if entry.ready and entry.pins == 0:
-                    victims.append(key)
-                    excess -= entry.size
-            if excess > 0:
+            # Keys of this batch that are present stay: the caller is told they are.
+            victims, short = self._pick_victims(
+                self._usage + need - self.capacity_bytes, present
+            )
+            if short > 0:
                 return None
         if victims:
             self._evict(victims)
@@ -200,7 +212,22 @@ class ObjectTierManager(OffloadingManager):
             self._entries[key] = _Entry(size=self.reserve_bytes, ready=False)
             self._negative.pop(key, None)
         self._usage += need
-        return wanted
+        return list(wanted)
+
+    def _pick_victims(
+        self, excess: int, protected: set[OffloadKey]
+    ) -> tuple[list[OffloadKey], int]:
+        """The least recently used ready, unpinned, unprotected keys that free ``excess``
+        bytes, and how many bytes they fall short of it (> 0 when they cannot). Changes
+        nothing."""
+        victims: list[OffloadKey] = []
+        for key, entry in self._entries.items():
+            if excess <= 0:
+                break
+            if entry.ready and entry.pins == 0 and key not in protected:
+                victims.append(key)
+                excess -= entry.size
+        return victims, excess
 
     def _evict(self, victims: list[OffloadKey]) -> None:
         self._background = [f for f in self._background if not f.done()]
