@@ -547,6 +547,19 @@ BAD_STACKS = [
         "a simple name",
     ),
     (
+        "two-file-tiers-one-root",
+        f"tiers:\n{CPU}  - kind: file\n    root: /d\n  - kind: file\n    root: /d/  # <-\n",
+        "tiers[2].root",
+        "tiers[1] already stores chunks at /d",
+    ),
+    (
+        "two-s3-tiers-one-prefix",
+        f"tiers:\n{CPU}  - kind: s3\n    bucket: kv-cache\n    prefix: a\n"
+        "  - kind: s3\n    bucket: kv-cache  # <-\n    prefix: a/\n",
+        "tiers[2].bucket",
+        "two tiers over one place evict each other's chunks",
+    ),
+    (
         "duplicate-tier-names",
         f"tiers:\n{CPU}  - kind: file\n    root: /d\n    name: cpu  # <-\n",
         "tiers[1].name",

@@ -35,7 +35,7 @@ from kvtiers.config.schema import (
     shown,
     suggestion,
 )
-from kvtiers.config.tiers import FileTierConfig, TierConfig
+from kvtiers.config.tiers import FileTierConfig, FsspecTierConfig, S3TierConfig, TierConfig
 from kvtiers.config.yamlfile import read_yaml
 from kvtiers.errors import ConfigError
 
@@ -72,6 +72,7 @@ class StackConfig:
             )
         self._check_primary()
         first_use: dict[str, int] = {}
+        first_place: dict[tuple[str, ...], int] = {}
         for idx, tier in enumerate(self.tiers):
             where = item_path("tiers", idx)
             if idx > 0:
@@ -83,6 +84,17 @@ class StackConfig:
                     path=key_path(where, "name"),
                 )
             first_use[tier.name] = idx
+            # Two tiers over one place would evict each other's chunks.
+            place, field_name = _place(tier)
+            if place and place in first_place:
+                raise ConfigError(
+                    f"tiers[{first_place[place]}] already stores chunks at "
+                    f"{' '.join(place[1:])}; two tiers over one place evict each other's "
+                    "chunks: give this tier its own location",
+                    path=key_path(where, field_name),
+                )
+            if place:
+                first_place[place] = idx
         if self.model is not None:
             self.model.to_offloading_config()
 
@@ -141,6 +153,18 @@ class StackConfig:
         if self.metrics is not None:
             line += f"; metrics on {self.metrics.addr}:{self.metrics.port}"
         return line
+
+
+def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:
+    """Where a persistent tier keeps its chunks, and the key that says so (or nothing)."""
+    if isinstance(tier, FileTierConfig):
+        return ("file", str(tier.root_path)), "root"
+    if isinstance(tier, S3TierConfig):
+        location = f"s3://{tier.bucket}/{tier.prefix.strip('/')}"
+        return ("s3", location, f"(endpoint {tier.endpoint_url or 'AWS'})"), "bucket"
+    if isinstance(tier, FsspecTierConfig):
+        return ("fsspec", tier.url.rstrip("/")), "url"
+    return (), ""
 
 
 def load_stack_config(source: str | Path | Mapping[str, object]) -> StackConfig:
