@@ -26,7 +26,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.tiering.base import TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from kvtiers.errors import ConfigError
+from kvtiers.errors import ConfigError, UnknownKeyError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
 from tests.conftest import BUCKET, MotoServer
@@ -233,3 +233,64 @@ def test_bad_tier_options_fail_at_start_up(
               "root": str(tmp_path), **options}
     with pytest.raises(ConfigError, match=message):
         build(config, Primary(), spec)
+
+
+def test_a_key_loaded_twice_fills_both_rows_and_leaves_no_pin(
+    tier: tuple[Any, Primary],
+) -> None:
+    t, primary = tier
+    [key] = keys(7, 1)
+    payload = primary.fill(0, seed=7)
+    t.submit_store(job(1, [key], [0], promotion=False))
+    finished(t)
+    t.submit_load(job(2, [key, key], [5, 6], promotion=True))
+    [result] = finished(t)
+    assert (result.success, result.successful_keys) == (True, None)
+    assert [primary.row(5), primary.row(6)] == [payload, payload]
+    # Only pinned (or reserved) keys have a spec: every pin the job took was dropped.
+    with pytest.raises(UnknownKeyError):
+        t.manager.get_spec([t._keys.to_kvtiers(key)])
+
+
+class _SubmitFailed(Exception):
+    """The mover's submission failed."""
+
+
+def _raise_on_submit(job_id: int, src: Any, dst: Any) -> bool:
+    raise _SubmitFailed(f"job {job_id}")
+
+
+def test_a_store_whose_submission_raises_fails_and_frees_its_reservations(
+    tier: tuple[Any, Primary], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t, primary = tier
+    ks = keys(8, 2)
+    primary.fill(0, seed=0)
+    primary.fill(1, seed=1)
+    monkeypatch.setattr(t._mover, "submit", _raise_on_submit)
+    with pytest.raises(_SubmitFailed):
+        t.submit_store(job(1, ks, [0, 1], promotion=False))
+    assert not t.has_pending_work()
+    assert [(r.job_id, r.success) for r in t.get_finished_jobs()] == [(1, False)]
+    for key in ks:
+        assert t.lookup(key, vbase.ReqContext("r")) is vbase.LookupResult.MISS
+
+
+def test_a_load_whose_submission_raises_fails_and_drops_its_pins(
+    tier: tuple[Any, Primary], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    t, primary = tier
+    ks = keys(9, 2)
+    primary.fill(0, seed=0)
+    primary.fill(1, seed=1)
+    t.submit_store(job(1, ks, [0, 1], promotion=False))
+    finished(t)
+    monkeypatch.setattr(t._mover, "submit", _raise_on_submit)
+    with pytest.raises(_SubmitFailed):
+        t.submit_load(job(2, ks, [5, 6], promotion=True))
+    assert not t.has_pending_work()
+    results = [(r.job_id, r.success, list(r.successful_keys)) for r in t.get_finished_jobs()]
+    assert results == [(2, False, [])]
+    for key in ks:
+        with pytest.raises(UnknownKeyError):
+            t.manager.get_spec([t._keys.to_kvtiers(key)])

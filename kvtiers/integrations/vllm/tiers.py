@@ -186,27 +186,37 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         job_id = job_metadata.job_id
         ctx = kvtiers_context(job_metadata.req_context)
         pairs = [(key, self._keys.to_kvtiers(key)) for key in job_metadata.keys]
-        slot_of: dict[OffloadKey, int] = {}
+        # One pin and one copy per occurrence: a key listed twice fills both of its rows,
+        # and complete_load(held) drops exactly the pins taken here.
+        held: list[OffloadKey] = []
+        rows: list[int] = []
         for (_, key), chunk in zip(pairs, job_metadata.chunk_ids, strict=True):
             try:
                 # Evicted since vLLM's lookup (a store in the same step can evict it).
                 self.manager.prepare_load([key], ctx)
             except UnknownKeyError:
                 continue
-            slot_of[key] = int(chunk)
-        held = list(slot_of)
+            held.append(key)
+            rows.append(int(chunk))
         job = _Job(True, pairs, held)
         if not held:
             self._finish(job_id, job, MoverResult(job_id, succeeded_keys=()))
             return
-        dst = CPULoadStoreSpec([slot_of[k] for k in held])
+        dst = CPULoadStoreSpec(rows)
         self._submit(job_id, job, self.manager.get_spec(held), dst)
 
     def _submit(self, job_id: int, job: _Job, src: Any, dst: Any) -> None:
+        """Hand the copy to the mover. A job the mover refuses, or whose submission
+        raises, fails at once: its reservations and pins are released and its failed
+        ``JobResult`` is queued; the exception, if any, then propagates."""
         self._jobs[job_id] = job
-        if not self._mover.submit(job_id, src, dst):
-            del self._jobs[job_id]
-            self._finish(job_id, job, MoverResult(job_id, (), failed_keys=tuple(job.held)))
+        accepted = False
+        try:
+            accepted = self._mover.submit(job_id, src, dst)
+        finally:
+            if not accepted:
+                del self._jobs[job_id]
+                self._finish(job_id, job, MoverResult(job_id, (), failed_keys=tuple(job.held)))
 
     def _finish(self, job_id: int, job: _Job, result: MoverResult) -> None:
         arrived = set(result.succeeded_keys)
