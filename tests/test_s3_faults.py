@@ -1,10 +1,12 @@
 """Faults between the s3 tier's clients and the server: throttling, 500s, dropped
 connections, read timeouts and slow responses are retried with backoff, then fail the
 key cleanly; no wrong bytes are ever reported; the tier works again once faults stop.
+A 501 (no conditional writes) is not retried, and at start-up is a configuration error.
 Also the retry policy on its own, with an injected clock."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -13,12 +15,21 @@ import pytest
 from kvtiers.config.tiers import S3TierConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.errors import ConfigError
+from kvtiers.filemapper import MANIFEST_NAME
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.object.retry import Retrier
 from kvtiers.tiers.s3.factory import build_tier
-from tests.conftest import BUCKET, FaultInjector, MotoServer, TierDriver, offloading_config
+from tests.conftest import (
+    BUCKET,
+    FaultInjector,
+    MotoServer,
+    TierDriver,
+    _Body,
+    offloading_config,
+)
 
 ATTEMPTS = 3
 KINDS = ["throttle", "server_error", "drop", "timeout"]
@@ -110,6 +121,58 @@ def test_a_permanent_error_is_not_retried(tier: TierDriver, faults: FaultInjecto
     # One GET (wrong length: not read), then one DELETE of the corrupt object.
     assert faults.passed - before == 2
     assert tier.manager.get_stats()["retries"] == 0
+
+
+# -- stores without conditional writes --------------------------------------------------
+class NotImplementedPuts:
+    """Answers PUTs of objects named ``*suffix`` with 501 Not Implemented, as a store
+    without conditional writes answers a put with If-None-Match; counts them."""
+
+    def __init__(self, suffix: str) -> None:
+        self.suffix = suffix
+        self.answered = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, request: Any, **_: Any) -> Any:
+        from botocore.awsrequest import AWSResponse
+
+        if request.method != "PUT" or not request.url.endswith(self.suffix):
+            return None
+        with self._lock:
+            self.answered += 1
+        body = b"<Error><Code>NotImplemented</Code><Message>injected</Message></Error>"
+        return AWSResponse(request.url, 501, {"Content-Type": "application/xml"}, _Body(body))
+
+
+def build(endpoint: MotoServer, hook: NotImplementedPuts) -> tuple[BuiltTier, TierDriver]:
+    offloading = offloading_config()
+    geometry = ChunkGeometry.from_config(offloading)
+    region = BytearrayRegion(2, geometry.slot_bytes)
+    config = S3TierConfig(name="s3", bucket=BUCKET, endpoint_url=endpoint.endpoint_url,
+                          threads=1, max_attempts=ATTEMPTS, backoff_base_s=0.001,
+                          backoff_max_s=0.002)
+    built = build_tier(config, offloading, primary_region=region, name="s3",
+                       event_hooks=[(FaultInjector.EVENT, hook)])
+    return built, TierDriver(built, region, geometry)
+
+
+def test_not_implemented_is_not_retried(s3_endpoint: MotoServer) -> None:
+    hook = NotImplementedPuts(".kvc")
+    built, driver = build(s3_endpoint, hook)
+    try:
+        assert driver.store(chunk(0)).failed_keys == (conformance_key(0),)
+        assert hook.answered == 1
+        assert driver.manager.get_stats()["retries"] == 0
+    finally:
+        built.shutdown()
+
+
+def test_no_conditional_writes_is_a_config_error(s3_endpoint: MotoServer) -> None:
+    hook = NotImplementedPuts(MANIFEST_NAME)
+    with pytest.raises(ConfigError, match="does not support conditional writes") as info:
+        build(s3_endpoint, hook)
+    assert info.value.path == "endpoint_url"
+    assert hook.answered == 1
 
 
 # -- the retry policy -------------------------------------------------------------------

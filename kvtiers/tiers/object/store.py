@@ -14,7 +14,8 @@ Contract for implementers:
   object already exists — a racing writer has stored it, which for a chunk means the
   chunk is there;
 - :meth:`ObjectStore.is_transient` says which exceptions are worth retrying (throttling,
-  5xx, dropped connections, timeouts); the caller owns the retry loop.
+  server errors other than 501 Not Implemented, dropped connections, timeouts); the
+  caller owns the retry loop.
 """
 
 from __future__ import annotations

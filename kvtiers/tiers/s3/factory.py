@@ -2,8 +2,9 @@
 
 The bucket is checked at build time (HeadBucket), so a wrong bucket, missing credentials
 or an unreachable endpoint is a start-up :class:`~kvtiers.errors.ConfigError`, not a
-stream of failed stores. ``endpoint_url: embedded`` starts (or reuses) the process's local
-moto server and creates the bucket there.
+stream of failed stores; so is an endpoint without conditional writes, found when the
+namespace manifest is first published. ``endpoint_url: embedded`` starts (or reuses) the
+process's local moto server and creates the bucket there.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager, Retrier
-from kvtiers.tiers.s3.store import EventHook, S3Store
+from kvtiers.tiers.s3.store import EventHook, S3Store, lacks_conditional_writes
 
 
 def make_store(config: S3TierConfig, *, event_hooks: Sequence[EventHook] = ()) -> S3Store:
@@ -86,8 +87,16 @@ def build_tier(
             capacity_bytes=config.capacity,
             shared=config.shared,
         )
-    except BaseException:
+    except BaseException as exc:
         backend.close()
+        if lacks_conditional_writes(exc):  # the namespace manifest is the first put
+            raise ConfigError(
+                f"the S3 endpoint {config.endpoint_url or 'AWS S3'} does not support "
+                "conditional writes (PutObject with If-None-Match), which kvtiers needs so "
+                "that racing writers never overwrite each other; use a store that supports "
+                "them",
+                path="endpoint_url",
+            ) from None
         raise
     mover = ObjectMover(
         backend, primary_region, geometry,

@@ -31,6 +31,9 @@ _TRANSIENT_CODES = frozenset({
     "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable",
     "ConditionalRequestConflict", "BadDigest", "IncompleteBody",
 })
+# 501 Not Implemented is an answer, not a hiccup: a store without conditional writes gives
+# it to every put, so retrying it only delays the failure.
+_TRANSIENT_STATUSES = frozenset({429, 500, 502, 503, 504})
 _TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     botocore.exceptions.ConnectionError,  # refused, connect timeouts
     botocore.exceptions.HTTPClientError,  # closed or reset mid-request, read timeouts
@@ -52,6 +55,16 @@ def _error_code(exc: BaseException) -> tuple[str, int]:
     error = exc.response.get("Error", {})
     status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
     return str(error.get("Code", "")), int(status or 0)
+
+
+def lacks_conditional_writes(exc: BaseException) -> bool:
+    """Whether ``exc`` is an endpoint's 501 Not Implemented to a put: it does not support
+    the ``If-None-Match`` condition every put of this store carries."""
+    return (
+        isinstance(exc, botocore.exceptions.ClientError)
+        and exc.operation_name == "PutObject"
+        and _error_code(exc)[1] == 501
+    )
 
 
 class S3Store(ObjectStore):
@@ -228,7 +241,7 @@ class S3Store(ObjectStore):
         if isinstance(exc, _TRANSIENT_ERRORS):
             return True
         code, status = _error_code(exc)
-        return code in _TRANSIENT_CODES or status == 429 or status >= 500
+        return code in _TRANSIENT_CODES or status in _TRANSIENT_STATUSES
 
     def close(self) -> None:
         self._local = threading.local()
