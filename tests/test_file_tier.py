@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -279,6 +280,66 @@ def test_restore_of_an_evicted_key_is_not_deleted_late(tmp_path: Path) -> None:
         assert tier.load(0)[1] == conformance_payload(0, CHUNK)
     finally:
         tier.close()
+
+
+def test_restore_while_its_unlink_runs_is_refused_and_never_waits(tmp_path: Path) -> None:
+    """The scheduler must not wait on a running unlink, nor publish under its name."""
+    tier = open_tier(tmp_path, capacity_chunks=1)
+    manager = tier.manager
+    started, release = threading.Event(), threading.Event()
+
+    def slow_unlink(path: Path) -> None:
+        started.set()
+        release.wait(timeout=60)
+        os.unlink(path)
+
+    manager._deleter._unlink = slow_unlink
+    key0, key1 = conformance_key(0), conformance_key(1)
+    try:
+        tier.store([0])
+        tier.store([1])  # evicts 0; its unlink starts and holds
+        assert started.wait(timeout=60)
+        answers: list[object] = []
+        caller = threading.Thread(target=lambda: answers.append(manager.prepare_store([key0], CTX)))
+        caller.start()
+        caller.join(timeout=10)
+        blocked = caller.is_alive()
+        release.set()
+        caller.join()
+        assert not blocked, "prepare_store waited on the deleter's unlink"
+        assert answers == [None], "a name being unlinked was reserved again"
+        assert manager.lookup(key1, CTX) is HIT and manager.get_stats()["evictions"] == 1
+        manager.wait_deletions()
+        assert tier.store([0]) == [key0]
+        manager.wait_deletions()
+        assert tier.load(0)[1] == conformance_payload(0, CHUNK)
+    finally:
+        release.set()
+        tier.close()
+
+
+def test_shared_probe_hits_are_kept_within_capacity(tmp_path: Path) -> None:
+    reader = open_tier(tmp_path, shared=True, capacity_chunks=2)
+    writer = open_tier(tmp_path)
+    manager = reader.manager
+    try:
+        reader.store([0, 1])
+        writer.store([5, 6])
+        manager.take_events()
+        found = [conformance_key(5), conformance_key(6)]
+        assert [manager.lookup(key, CTX) for key in found] == [RETRY, RETRY]
+        manager.on_schedule_end(ScheduleEndContext())
+        manager.wait_probes()
+        assert [manager.lookup(key, CTX) for key in found] == [HIT, HIT]
+        stats = manager.get_stats()
+        assert stats["usage_bytes"] <= stats["capacity_bytes"], "probe hits overshot capacity"
+        assert stats["evictions"] == 2
+        removed = [key for event in manager.take_events() if event.removed for key in event.keys]
+        assert removed == [conformance_key(0), conformance_key(1)]
+        assert [manager.lookup(conformance_key(i), CTX) for i in (0, 1)] == [RETRY, RETRY]
+    finally:
+        writer.close()
+        reader.close()
 
 
 # -- full disk, read-only filesystem --------------------------------------------------

@@ -10,8 +10,9 @@ Index entries hold a size, a ready flag and a pin count, in LRU order. Invariant
 
 - ``usage`` is the sum of the entries' sizes: reserved keys count at the largest blob
   (``HEADER_BYTES + geometry.max_chunk_bytes``; managers never decode a key's group),
-  rebuilt ones at their file size; with a ``capacity`` it never exceeds it, so once a
-  store completes the tier is within capacity;
+  rebuilt ones and shared-directory probe hits at their file size; with a ``capacity`` it
+  never exceeds it (probe hits evict like stores do), so once a store completes the tier
+  is within capacity;
 - ``prepare_store`` evicts least recently used ready, unpinned chunks to make room, or
   returns ``None`` and changes nothing;
 - the scheduler thread never does file I/O: evicted files are unlinked by a deleter
@@ -19,8 +20,9 @@ Index entries hold a size, a ready flag and a pin count, in LRU order. Invariant
   probe thread, and movers report corrupt or vanished chunks through :meth:`forget`, a
   thread-safe queue drained on the next scheduler-thread call.
 
-An eviction whose unlink is still queued when the same key is stored again is cancelled,
-so the deleter can never remove a freshly published file.
+An eviction whose unlink is still queued when the same key is stored again is cancelled;
+one whose unlink is running makes that store return ``None`` (try again later), so the
+deleter can never remove a freshly published file and the scheduler never waits on it.
 """
 
 from __future__ import annotations
@@ -79,18 +81,23 @@ class _Entry:
 
 
 class _Deleter:
-    """A thread that unlinks evicted chunk files; a queued unlink can be cancelled.
+    """A thread that unlinks evicted chunk files, off the scheduler thread.
 
-    While ``gate`` is cleared (tests do this) queued unlinks wait.
+    Its lock guards bookkeeping only and is never held across an unlink: the scheduler
+    thread takes it, and an unlink on a slow filesystem (NFS) may take long. A queued
+    unlink can be cancelled; one already running cannot, so :meth:`cancel` refuses while
+    one of its names is being unlinked. While ``gate`` is cleared (tests do this) queued
+    unlinks wait. ``unlink`` is injectable for tests.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, unlink: Callable[[Path], None] = os.unlink) -> None:
         self.gate = threading.Event()
         self.gate.set()
+        self._unlink = unlink
         self._cond = threading.Condition()
         self._queue: list[Path] = []
         self._pending: dict[Path, int] = {}
-        self._busy = False
+        self._running: Path | None = None
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvtiers-file-deleter", daemon=True)
         self._thread.start()
@@ -102,15 +109,21 @@ class _Deleter:
                 self._pending[path] = self._pending.get(path, 0) + 1
             self._cond.notify_all()
 
-    def cancel(self, path: Path) -> None:
-        """Keep ``path``: its queued unlinks are skipped (the name is about to be reused)."""
+    def cancel(self, paths: Collection[Path]) -> bool:
+        """Keep ``paths``: their queued unlinks are skipped (the names are about to be
+        reused). False, changing nothing, while one of them is being unlinked: a file
+        published under that name now could be removed by it."""
         with self._cond:
-            self._pending.pop(path, None)
+            if self._running is not None and self._running in paths:
+                return False
+            for path in paths:
+                self._pending.pop(path, None)
+            return True
 
     def wait(self) -> None:
         """Block until every queued unlink has run."""
         with self._cond:
-            self._cond.wait_for(lambda: not self._queue and not self._busy)
+            self._cond.wait_for(lambda: not self._queue and self._running is None)
 
     def close(self) -> None:
         with self._cond:
@@ -138,16 +151,16 @@ class _Deleter:
                     del self._pending[path]
                 else:
                     self._pending[path] = count - 1
-                self._busy = True
-                # Unlinking under the lock makes cancel() and the unlink mutually
-                # exclusive: a cancelled name is never removed after cancel() returns.
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    logger.warning("file tier: could not remove evicted chunk %s: %s", path, exc)
-                self._busy = False
+                # Taken with the queue entry, so cancel() either skipped it or sees it.
+                self._running = path
+            try:
+                self._unlink(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("file tier: could not remove evicted chunk %s: %s", path, exc)
+            with self._cond:
+                self._running = None
                 self._cond.notify_all()
 
 
@@ -407,6 +420,11 @@ class FileTierManager(OffloadingManager):
                 self._entries[key] = _Entry(size, True)
                 self.usage_bytes += size
                 self._stats["probe_hits"] += 1
+        capacity = self.capacity_bytes
+        if capacity is not None and self.usage_bytes > capacity:
+            victims = self._pick_victims(self.usage_bytes - capacity, set())
+            assert victims is not None, "the probe hits are ready and unpinned themselves"
+            self._evict(victims)
         if len(self._negative) > 4 * len(results) + 1024:
             now = self._clock()
             self._negative = {k: t for k, t in self._negative.items() if t > now}
@@ -444,6 +462,7 @@ class FileTierManager(OffloadingManager):
         accepted = list(dict.fromkeys(key for key in keys if key not in entries))
         need = len(accepted) * self.reserve_bytes
         capacity = self.capacity_bytes
+        victims = None
         if capacity is not None and self.usage_bytes + need > capacity:
             if need > capacity:
                 return None
@@ -451,10 +470,15 @@ class FileTierManager(OffloadingManager):
             victims = self._pick_victims(self.usage_bytes + need - capacity, present)
             if victims is None:
                 return None
+        path = self.mapper.path
+        if not self._deleter.cancel({path(key) for key in accepted}):
+            # The evicted file of one of these keys is being unlinked right now; waiting
+            # for it would stall the scheduler on I/O, so the store is refused for now.
+            return None
+        if victims:
             self._evict(victims)
         for key in accepted:
             entries[key] = _Entry(self.reserve_bytes, False)
-            self._deleter.cancel(self.mapper.path(key))
             self._negative.pop(key, None)
         self.usage_bytes += need
         return accepted
