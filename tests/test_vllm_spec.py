@@ -240,6 +240,25 @@ def test_a_store_that_evicts_reports_the_evicted_keys(
         assert primary.slot_of(scheduler.keys.to_kvtiers(key)) is None
 
 
+def test_removals_outside_a_store_reach_the_next_store_output(
+    engine: tuple[Any, Any, Any],
+) -> None:
+    _, manager, worker = engine
+    req = make_request(1, first_block=0)
+    held = req.keys[0][:3] + req.keys[1][:1]
+    store(manager, worker, req, [range(0, 3), range(0, 1)], job_id=1)  # fills 4 slots
+    manager.stack.manager.wait_idle()  # cascades release their pins on the primary
+    manager.reset_cache()  # the primary drops all four; no store is under way to report it
+    removed = [k for e in manager.take_events() if e.removed and e.ownership is None
+               for k in e.keys]
+    assert sorted(removed) == sorted(held)
+    # Stored again, the first two are no longer evicted; the other two are, exactly once.
+    out = store(manager, worker, req, [range(0, 2), range(0, 0)], job_id=2)
+    assert out.evicted_keys == [k for k in removed if k not in req.keys[0][:2]]
+    out = store(manager, worker, req, [range(2, 3), range(0, 0)], job_id=3)
+    assert out.evicted_keys == []
+
+
 def test_a_new_engine_over_the_same_root_hits_warm(
     tmp_path: Path, kv: list[torch.Tensor]
 ) -> None:

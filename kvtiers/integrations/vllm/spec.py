@@ -9,8 +9,11 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   ONE call for the keys of every group; the adapter splits the keys by group and asks the
   composite for one ``get_spec`` per group, so the spec it returns
   (:class:`KVTiersLoadStoreSpec`) addresses each group's keys in the order given.
-  Evicted keys are the primary's removed events raised by that ``prepare_store``; every
-  event is kept for ``take_events`` when vLLM publishes KV events, else dropped.
+  A ``PrepareStoreOutput``'s evicted keys are the keys the primary has removed since the
+  previous output and not stored again (evictions raised in ``on_schedule_end``,
+  ``reset_cache`` or ``take_events`` wait for the next output), none of them among its
+  keys to store; each removal is reported once. Every event is kept for ``take_events``
+  when vLLM publishes KV events, else dropped.
 * The worker adapter splits each packed ``GPULoadStoreSpec(block_ids, group_sizes,
   block_indices)`` into one :class:`~kvtiers.core.specs.GroupTransfer` per group, the
   group's offloaded spec carrying ``block_indices[g]`` as its ``gpu_block_offset``, and
@@ -84,6 +87,8 @@ class KVTiersManager(vbase.OffloadingManager):
         self._num_groups = len(stack.offloading.groups)
         self._events_enabled = events_enabled
         self._events: list[Any] = []
+        # vLLM keys the primary removed since the last PrepareStoreOutput, in order.
+        self._evicted: dict[Any, None] = {}
         self._contexts: dict[str, ReqContext] = {}
 
     def _ctx(self, ctx: Any) -> ReqContext:
@@ -96,15 +101,17 @@ class KVTiersManager(vbase.OffloadingManager):
             by_group[get_offload_group_idx(key)].append(key)
         return KVTiersLoadStoreSpec([self._tiered.get_spec(group) for group in by_group])
 
-    def _drain_events(self) -> list[Any]:
-        """Move the stack's events into the buffer; the vLLM keys the primary evicted."""
-        evicted: list[Any] = []
+    def _drain_events(self) -> None:
+        """Move the stack's events into the buffer and track the primary's removals."""
         for event in self._tiered.take_events():
-            if event.removed and event.ownership is None:
-                evicted.extend(self._keys.all_to_vllm(event.keys))
+            if event.ownership is None:
+                for key in self._keys.all_to_vllm(event.keys):
+                    if event.removed:
+                        self._evicted[key] = None
+                    else:
+                        self._evicted.pop(key, None)
             if self._events_enabled:
                 self._events.append(vllm_event(event, self._keys))
-        return evicted
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         return vllm_lookup(self._tiered.lookup(self._keys.to_kvtiers(key), self._ctx(req_context)))
@@ -124,13 +131,15 @@ class KVTiersManager(vbase.OffloadingManager):
         accepted = self._tiered.prepare_store(
             self._keys.all_to_kvtiers(keys), self._ctx(req_context)
         )
-        evicted = self._drain_events()
+        self._drain_events()
         if accepted is None:
             return None
+        to_store = self._keys.all_to_vllm(accepted)
+        for key in to_store:
+            self._evicted.pop(key, None)
+        evicted, self._evicted = list(self._evicted), {}
         return vbase.PrepareStoreOutput(
-            keys_to_store=self._keys.all_to_vllm(accepted),
-            store_spec=self._spec(accepted),
-            evicted_keys=evicted,
+            keys_to_store=to_store, store_spec=self._spec(accepted), evicted_keys=evicted
         )
 
     def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
