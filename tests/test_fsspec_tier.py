@@ -192,6 +192,21 @@ def test_unknown_protocol_is_a_config_error() -> None:
         FsspecStore("nosuchproto://x")
 
 
+@pytest.mark.parametrize("bare", ["memory://", "memory:///", "file:///", "file://"])
+def test_a_url_without_a_path_is_a_config_error(bare: str) -> None:
+    with pytest.raises(ConfigError, match="names no directory") as info:
+        FsspecStore(bare)
+    assert info.value.path == "url"
+
+
+@pytest.mark.parametrize("url", [f"memory://kvtiers-{uuid.uuid4().hex}"])
+def test_a_one_level_memory_url_survives_reopen(make_tier: Callable[..., TierDriver]) -> None:
+    make_tier().store(payloads([0, 1]))
+    reopened = make_tier()
+    assert reopened.manager.get_stats()["chunks"] == 2
+    assert reopened.load([conformance_key(0), conformance_key(1)])[1] == payloads([0, 1])
+
+
 def test_negative_probe_answers_expire() -> None:
     from kvtiers.core.manager import ScheduleEndContext
     from kvtiers.tiers.object import ObjectBackend, ObjectTierManager

@@ -1,6 +1,7 @@
 """The fsspec adapter of the object-store interface: any fsspec URL as an object tier.
 
-Objects are files under the URL's path; names are ``/``-separated paths below it.
+Objects are files under the URL's path, which must name a directory below the root;
+names are ``/``-separated paths below it.
 Listing uses ``fs.find(detail=True)`` (one recursive listing, sizes and times included).
 
 Put-if-absent, and the atomicity each backend gives:
@@ -67,10 +68,19 @@ class FsspecStore(ObjectStore):
         self.url = url
         self.bucket = url
         self.root = str(root).rstrip("/")
+        # At a bare root (memory://, file:///) listed names come back with a leading "/"
+        # and local names would resolve against the working directory; a bare file://
+        # means the working directory itself. None of them is a place to keep a cache.
+        if not self.root or not url.partition("://")[2].strip("/"):
+            raise ConfigError(
+                f"{url!r} names no directory; give a path below the root, e.g. "
+                "memory://kvtiers or file:///var/cache/kvtiers",
+                path="url",
+            )
         self._local = isinstance(fs, LocalFileSystem)
 
     def _path(self, name: str) -> str:
-        return f"{self.root}/{name}" if self.root else name
+        return f"{self.root}/{name}"
 
     def describe(self, name: str = "") -> str:
         return f"{self.url.rstrip('/')}/{name}"
@@ -79,7 +89,7 @@ class FsspecStore(ObjectStore):
         base = self._path(prefix.rstrip("/"))
         if not self.fs.exists(base):
             return
-        skip = len(self.root) + 1 if self.root else 0
+        skip = len(self.root) + 1
         found = self.fs.find(base, detail=True)
         for path, info in sorted(found.items()):
             if info.get("type", "file") != "file":
