@@ -4,13 +4,14 @@ The spec is created by vLLM's ``OffloadingSpecFactory`` from a real vLLM
 ``OffloadingConfig`` with two KV-cache groups of different ``tokens_per_block`` (group ids
 0 and 2, so keys are rewritten at the boundary) and ``blocks_per_chunk`` 2. As in vLLM,
 the scheduler and the worker each get their own spec instance, and specs travel between
-them pickled. KV tensors are CPU tensors shared by both groups' layers, the way vLLM's
-hybrid allocator shares them.
+them pickled; one test runs the worker in a spawned process of its own. KV tensors are
+CPU tensors shared by both groups' layers, the way vLLM's hybrid allocator shares them.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import pickle
 import uuid
@@ -137,13 +138,18 @@ def run(worker: Any, job_id: int, submit: Any) -> None:
     assert results[0].transfer_size and results[0].transfer_size > 0
 
 
-@pytest.fixture
-def kv() -> list[torch.Tensor]:
+def make_kv() -> list[torch.Tensor]:
+    """The engine's KV tensors; every call (in any process) returns the same bytes."""
     gen = torch.Generator().manual_seed(7)
     return [
         torch.randint(-128, 128, (NUM_BLOCKS, PAGE_BYTES), dtype=torch.int8, generator=gen)
         for _ in range(2)
     ]
+
+
+@pytest.fixture
+def kv() -> list[torch.Tensor]:
+    return make_kv()
 
 
 @pytest.fixture
@@ -379,6 +385,19 @@ def test_bad_settings_fail_at_start_up(
         OffloadingSpecFactory.create_spec(vllm_config(tmp_path, **change))
 
 
+def _store_in_a_worker_process(
+    config: OffloadingConfig, job_id: int, gpu: Any, store_spec: Any
+) -> list[tuple[int, bool]]:
+    """Worker side, in a spawned process: store ``gpu``'s blocks of :func:`make_kv`."""
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(canonical_kv(make_kv()))
+    try:
+        assert worker.submit_store(job_id, gpu, store_spec)
+        worker.wait({job_id})
+        return [(r.job_id, r.success) for r in worker.get_finished()]
+    finally:
+        worker.shutdown()
+
+
 def test_worker_in_its_own_process_attaches_to_the_shared_primary(
     tmp_path: Path, kv: list[torch.Tensor]
 ) -> None:
@@ -388,8 +407,33 @@ def test_worker_in_its_own_process_attaches_to_the_shared_primary(
     assert name == f"kvtiers-{config.engine_id}"
     manager = scheduler.get_manager()
     assert os.path.exists(f"/dev/shm/{name}")
+    req = make_request(4, first_block=0)
+    keys = req.keys[0][:2] + req.keys[1][:1]
+    out = manager.prepare_store(keys, ctx())
+    assert out is not None and out.keys_to_store == keys
+    gpu = gpu_spec([(req.blocks[0][:4], 0), (req.blocks[1][:2], 0)])
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        results = pool.apply(_store_in_a_worker_process, (config, 1, gpu, out.store_spec))
+    assert results == [(1, True)]
+    manager.complete_store(keys, ctx())
+    assert os.path.exists(f"/dev/shm/{name}")  # the worker process only attached to it
+
+    # The bytes the other process wrote reach this process's engine through the primary.
     worker = OffloadingSpecFactory.create_spec(config).get_worker(canonical_kv(kv))
-    worker.shutdown()
+    try:
+        originals = [t.clone() for t in kv]
+        for t in kv:
+            t.zero_()
+        src = manager.prepare_load(keys, ctx())
+        dst = [[40, 41, 42, 43], [50, 51]]
+        run(worker, 2, lambda j: worker.submit_load(j, src, gpu_spec([(dst[0], 0), (dst[1], 0)])))
+        manager.complete_load(keys, ctx())
+        for g, blocks in enumerate(dst):
+            for src_block, dst_block in zip(req.blocks[g][: len(blocks)], blocks, strict=True):
+                for t, original in zip(kv, originals, strict=True):
+                    assert torch.equal(t[dst_block], original[src_block]), (g, src_block)
+    finally:
+        worker.shutdown()
     assert os.path.exists(f"/dev/shm/{name}")  # the creator (the scheduler) still maps it
     manager.shutdown()
     assert not os.path.exists(f"/dev/shm/{name}")
