@@ -17,9 +17,9 @@ Paths, per chunk:
 
 Stores must cover whole chunks (the scheduler only stores whole chunks); a store that
 does not fails its job, and a store that fails removes the chunks it already published
-(the manager drops the whole job's keys). Loads may start mid-chunk (``skip``) and end mid-chunk. A chunk
-that fails verification fails its job, is quarantined and reported through the same
-handler the mover uses. Jobs run one at a time on one thread, in submission order.
+(the manager drops the whole job's keys). Loads may start mid-chunk (``skip``) and end
+mid-chunk. A chunk that fails verification fails its job, is quarantined and reported
+through the same handler the mover uses. Jobs run one at a time on one thread, in submission order.
 """
 
 from __future__ import annotations
