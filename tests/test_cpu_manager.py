@@ -174,6 +174,19 @@ def test_slot_states_and_pins_are_explicit() -> None:
         manager.complete_load([key], CTX)
 
 
+def test_releasing_more_pins_than_held_changes_nothing() -> None:
+    manager = make_manager()
+    key, other = KEYS[:2]
+    assert manager.prepare_store([key, other], CTX) == [key, other]
+    manager.complete_store([key, other], CTX)
+    manager.prepare_load([other, key], CTX)
+    with pytest.raises(UnknownKeyError, match=r"pinned 1 times .* released 2 times"):
+        manager.complete_load([other, key, key], CTX)
+    assert (manager.pin_count(other), manager.pin_count(key)) == (1, 1)
+    manager.complete_load([other, key], CTX)
+    assert (manager.pin_count(other), manager.pin_count(key)) == (0, 0)
+
+
 def test_present_keys_of_a_batch_survive_the_eviction_it_causes() -> None:
     manager = make_manager(capacity=2)
     for key in KEYS[:2]:

@@ -17,6 +17,7 @@ per slot, the policy's own entry; pin counts exist only for pinned keys.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
 from enum import IntEnum
 from typing import TYPE_CHECKING
@@ -191,16 +192,20 @@ class CpuTierManager(OffloadingManager):
         self._loads += len(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        """Drop one pin per occurrence of each key. Raises, changing nothing, when a key
+        would drop more pins than it holds."""
         pins = self._pins
-        for key in keys:
-            if key not in pins:
+        drops = Counter(keys)
+        for key, count in drops.items():
+            if pins.get(key, 0) < count:
                 raise UnknownKeyError(
-                    f"complete_load: key {key.hex()} is not pinned in the CPU tier"
+                    f"complete_load: key {key.hex()} is pinned {pins.get(key, 0)} times in "
+                    f"the CPU tier but released {count} times (complete each prepare_load once)"
                 )
-        for key in keys:
-            count = pins[key] - 1
-            if count:
-                pins[key] = count
+        for key, count in drops.items():
+            left = pins[key] - count
+            if left:
+                pins[key] = left
             else:
                 del pins[key]
 
