@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from collections.abc import Iterator
@@ -52,6 +53,27 @@ def test_named_region_is_shared_and_removed_by_its_creator(shm_name: str) -> Non
     assert creator.path.exists()
     creator.close()
     assert not (SHM_DIR / shm_name).exists()
+
+
+def test_attaching_to_a_left_over_file_warns_once_and_keeps_it(
+    shm_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    left_over = SHM_DIR / shm_name
+    left_over.write_bytes(b"x" * 8192)
+    with caplog.at_level(logging.WARNING, logger="kvtiers.tiers.cpu.region"):
+        region = SlotRegion(2, 4096, shm_name)
+        assert bytes(region.view(0)[:1]) == b"x"
+        region.close()
+    (warning,) = caplog.records
+    assert str(left_over) in warning.getMessage() and "reused" in warning.getMessage()
+    assert f"rm {left_over}" in warning.getMessage()
+    assert left_over.exists(), "an attached region must not remove the file it did not create"
+
+
+def test_creating_a_region_does_not_warn(shm_name: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtiers.tiers.cpu.region"):
+        SlotRegion(2, 4096, shm_name).close()
+    assert not caplog.records
 
 
 def test_attaching_with_another_size_is_refused(shm_name: str) -> None:

@@ -2,7 +2,8 @@
 
 The region is an anonymous ``mmap`` by default, or a named file under ``/dev/shm`` when
 engine processes must share it (the process that creates the file removes it on
-:meth:`SlotRegion.close`; others attach to it). It implements
+:meth:`SlotRegion.close`; others attach to it, with a warning naming the file, since a
+file left by a crashed process is attached to the same way and never removed). It implements
 :class:`~kvtiers.core.mover.HostRegion`: movers get zero-copy ``memoryview`` slots, the
 GPU worker a torch ``uint8`` view of the whole region (:meth:`SlotRegion.tensor`).
 
@@ -13,6 +14,7 @@ copies run at full DMA speed. Nothing is pinned on machines without CUDA: torch'
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from pathlib import Path
@@ -22,6 +24,8 @@ from kvtiers.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
 
@@ -86,6 +90,16 @@ class SlotRegion:
                 path.unlink(missing_ok=True)
             raise
         os.close(fd)
+        if not created:
+            # Expected when another process of the same engine created it (vLLM's scheduler
+            # and worker); a file left by a crashed process is otherwise never removed.
+            logger.warning(
+                "CPU tier: attaching to the existing shared region %s; its contents are "
+                "reused and it is left in place on close. If no other process of this "
+                "engine is running it was left by one that crashed: stop the engine and "
+                "remove it (rm %s)",
+                path, path,
+            )
         self.path = path
         self._owns_file = created
         return mapping
