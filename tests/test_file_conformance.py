@@ -1,8 +1,10 @@
 """The shared manager conformance suite, run against the file tier with each I/O backend.
 
 Chunks are written and read through the tier's own mover, so the suite also proves the
-backend's bytes. The kvikio run is skipped, with the probe's reason, where kvikio cannot
-do I/O (no NVIDIA driver, or kvikio not installed).
+backend's bytes. The suite shuts down the managers it makes; each manager's mover is shut
+down with it (at teardown, or when the manager is reopened). The kvikio run is skipped,
+with the probe's reason, where kvikio cannot do I/O (no NVIDIA driver, or kvikio not
+installed).
 """
 
 from __future__ import annotations
@@ -62,7 +64,12 @@ class TestFileTierConformance(TierConformanceTests):
         return manager
 
     def reopen(self, manager: OffloadingManager) -> OffloadingManager:
+        """Shut ``manager`` and its mover down, then open the namespace again: a restart,
+        not two live managers over one directory."""
         assert isinstance(manager, FileTierManager) and manager.capacity_bytes is not None
+        mover, _region = self._movers_by_manager.pop(id(manager))
+        mover.shutdown()
+        manager.shutdown()
         return self.make_manager(manager.capacity_bytes // (HEADER_BYTES + self.chunk_size))
 
     def _copy(self, manager: OffloadingManager, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:

@@ -131,12 +131,18 @@ class TestARC(PolicyTests):
 
     def test_a_ghost_hit_comes_back_as_frequent(self) -> None:
         policy = self.make(range(4), capacity=4)
+        assert isinstance(policy, ARCPolicy)
         assert policy.evict(1) == [0]
         policy.insert(0)
         policy.insert(4)
-        # 0 returned from the ghost list: it now outlives keys seen only once.
-        victims = policy.evict(4)
-        assert victims is not None and victims[-1] == 0
+        # 0 came back from the B1 ghost list: it goes to T2 (not T1) and the B1 hit grows
+        # T1's target size p from 0 to 1.
+        assert 0 in policy._t2 and 0 not in policy._t1
+        assert policy._p == 1
+        # So T1 is evicted only down to p before T2 gives up 0, and 4 (in T1) outlives it;
+        # with p still 0, T1 would be emptied first: [1, 2, 3, 4].
+        assert policy.evict(4) == [1, 2, 3, 0]
+        assert 4 in policy
 
 
 class TestS3FIFO(PolicyTests):
