@@ -66,8 +66,20 @@ def test_attaching_to_a_left_over_file_warns_once_and_keeps_it(
         region.close()
     (warning,) = caplog.records
     assert str(left_over) in warning.getMessage() and "reused" in warning.getMessage()
+    assert "ended without removing it" in warning.getMessage()
     assert f"rm {left_over}" in warning.getMessage()
     assert left_over.exists(), "an attached region must not remove the file it did not create"
+
+
+def test_attaching_beside_a_live_creator_does_not_warn(
+    shm_name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    creator = SlotRegion(2, 4096, shm_name)
+    with caplog.at_level(logging.WARNING, logger="kvtiers.tiers.cpu.region"):
+        attached = SlotRegion(2, 4096, shm_name)
+        attached.close()
+    creator.close()
+    assert not caplog.records
 
 
 def test_creating_a_region_does_not_warn(shm_name: str, caplog: pytest.LogCaptureFixture) -> None:

@@ -14,6 +14,7 @@ copies run at full DMA speed. Nothing is pinned on machines without CUDA: torch'
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
@@ -28,6 +29,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+
+
+def _lock_alone(fd: int) -> bool:
+    """Whether no other process holds a lock on ``fd``'s file (then this one holds it
+    exclusively until it asks for a shared lock)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
 
 
 def _format_bytes(n: int) -> str:
@@ -52,6 +63,7 @@ class SlotRegion:
         self.nbytes = num_slots * slot_bytes
         self.path: Path | None = None
         self._owns_file = False
+        self._lock_fd: int | None = None
         if shared_memory_name is None:
             self._mmap = mmap.mmap(-1, self.nbytes)
         else:
@@ -84,20 +96,22 @@ class SlotRegion:
             if created:
                 self._reserve(fd, path)
             mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
+            # Every process using the region holds a shared lock on it while it does. An
+            # attacher that can take the lock exclusively is alone: the file was left by a
+            # process that ended without removing it (a crash).
+            left_over = not created and _lock_alone(fd)
+            fcntl.flock(fd, fcntl.LOCK_SH)
         except BaseException:
             os.close(fd)
             if created:
                 path.unlink(missing_ok=True)
             raise
-        os.close(fd)
-        if not created:
-            # Expected when another process of the same engine created it (vLLM's scheduler
-            # and worker); a file left by a crashed process is otherwise never removed.
+        self._lock_fd = fd
+        if left_over:
             logger.warning(
-                "CPU tier: attaching to the existing shared region %s; its contents are "
-                "reused and it is left in place on close. If no other process of this "
-                "engine is running it was left by one that crashed: stop the engine and "
-                "remove it (rm %s)",
+                "CPU tier: %s was left by a process that ended without removing it; its "
+                "contents are reused and it is left in place on close. To start clean, "
+                "stop the engine and remove it (rm %s)",
                 path, path,
             )
         self.path = path
@@ -186,3 +200,6 @@ class SlotRegion:
         if self._owns_file and self.path is not None:
             self.path.unlink(missing_ok=True)
             self._owns_file = False
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases this process's shared lock
+            self._lock_fd = None
