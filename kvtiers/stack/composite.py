@@ -63,6 +63,14 @@ _COUNTERS = (
 )
 
 
+# Per job kind: the composite's counters for chunks done, chunks failed, bytes and seconds,
+# and the per-tier counter's name.
+_JOB_STATS = {
+    "promote": ("promotions", "promotion_failures", "promoted_bytes", "promote_s", "promoted"),
+    "cascade": ("cascades", "cascade_failures", "cascaded_bytes", "cascade_s", "cascaded"),
+}
+
+
 @dataclass
 class _Job:
     kind: Literal["promote", "cascade"]
@@ -224,25 +232,21 @@ class TieredManager(OffloadingManager):
         arrived = set(succeeded)
         failed = [k for k in job.keys if k not in arrived]
         self._stats["corrupt_chunks"] += len(result.corrupt_keys)
-        name = lower.tier.name
+        # A promotion copies lower → primary, a cascade primary → lower: the receiver's
+        # reservation completes, the sender's pin is released.
         if job.kind == "promote":
-            self._add(f"{name}.promoted", len(succeeded), result)
-            self._primary.complete_store(succeeded, _INTERNAL, success=True)
-            self._primary.complete_store(failed, _INTERNAL, success=False)
-            lower.manager.complete_load(job.keys, _INTERNAL)
-            self._stats["promotions"] += len(succeeded)
-            self._stats["promotion_failures"] += len(failed)
-            self._stats["promoted_bytes"] += result.transfer_bytes
-            self._stats["promote_s"] += result.transfer_s
+            receiver, sender = self._primary, lower.manager
         else:
-            self._add(f"{name}.cascaded", len(succeeded), result)
-            lower.manager.complete_store(succeeded, _INTERNAL, success=True)
-            lower.manager.complete_store(failed, _INTERNAL, success=False)
-            self._primary.complete_load(job.keys, _INTERNAL)
-            self._stats["cascades"] += len(succeeded)
-            self._stats["cascade_failures"] += len(failed)
-            self._stats["cascaded_bytes"] += result.transfer_bytes
-            self._stats["cascade_s"] += result.transfer_s
+            receiver, sender = lower.manager, self._primary
+        receiver.complete_store(succeeded, _INTERNAL, success=True)
+        receiver.complete_store(failed, _INTERNAL, success=False)
+        sender.complete_load(job.keys, _INTERNAL)
+        done, failures, moved, seconds, per_tier = _JOB_STATS[job.kind]
+        self._stats[done] += len(succeeded)
+        self._stats[failures] += len(failed)
+        self._stats[moved] += result.transfer_bytes
+        self._stats[seconds] += result.transfer_s
+        self._add(f"{lower.tier.name}.{per_tier}", len(succeeded), result)
 
     def _add(self, prefix: str, chunks: int, result: MoverResult) -> None:
         """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` (chunks),
