@@ -335,7 +335,8 @@ def test_shared_probe_hits_are_kept_within_capacity(tmp_path: Path) -> None:
         assert stats["usage_bytes"] <= stats["capacity_bytes"], "probe hits overshot capacity"
         assert stats["evictions"] == 2
         removed = [key for event in manager.take_events() if event.removed for key in event.keys]
-        assert removed == [conformance_key(0), conformance_key(1)]
+        # 0 and 1 were stored in one batch: which of them goes first is not specified.
+        assert sorted(removed) == sorted([conformance_key(0), conformance_key(1)])
         assert [manager.lookup(conformance_key(i), CTX) for i in (0, 1)] == [RETRY, RETRY]
     finally:
         writer.close()
