@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import random
 import sys
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from machine import cores, cpu_model
 
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey, make_offload_key
@@ -197,17 +197,9 @@ def bench_memory(policy: str, chunks: int) -> dict[str, float]:
 
 # -- report --------------------------------------------------------------------------
 def machine_note() -> dict[str, str]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
+        "cpu": cpu_model(),
+        "cores": cores(),
         "torch": torch.__version__,
         "torch_threads": str(torch.get_num_threads()),
         "python": platform.python_version(),

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
+from machine import cpu_model
 
 from kvtiers.core.chunkformat import HEADER_BYTES, encode_header
 from kvtiers.core.config import (
@@ -281,12 +282,7 @@ def bench_rebuild(base: Path, num_files: int) -> tuple[float, int]:
 
 
 def machine_note(directory: Path) -> str:
-    cpu = platform.processor() or "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    cpu = cpu_model()
     fs = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", str(directory)],
                         capture_output=True, text=True, check=False).stdout.strip()
     return (

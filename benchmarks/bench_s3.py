@@ -32,6 +32,7 @@ from typing import Any
 
 import boto3
 import botocore.config
+from machine import cores, cpu_model
 
 from kvtiers.core import chunkformat
 from kvtiers.core.config import (
@@ -249,19 +250,11 @@ NOTES = [
 
 
 def machine_note() -> dict[str, str]:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import moto
 
     return {
-        "cpu": cpu,
-        "cores": str(os.cpu_count()),
+        "cpu": cpu_model(),
+        "cores": cores(),
         "python": platform.python_version(),
         "boto3": boto3.__version__,
         "moto": moto.__version__,
