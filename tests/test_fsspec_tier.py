@@ -3,7 +3,9 @@ corruption, racing writers, listing details and configuration errors."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -229,3 +231,21 @@ def test_negative_probe_answers_expire() -> None:
         assert manager.get_stats()["probes"] == 1
     finally:
         manager.shutdown()
+
+
+def test_a_local_store_removes_stale_temps_at_start(tmp_path: Path) -> None:
+    from kvtiers.tiers.fsspec.store import STALE_TEMP_AGE_S, FsspecStore
+
+    nested = tmp_path / "ns" / "ab"
+    nested.mkdir(parents=True)
+    stale = nested / ".x.kvc.0123.kvtmp"
+    fresh = nested / ".y.kvc.4567.kvtmp"
+    chunk = nested / "ab12_g0.kvc"
+    for path in (stale, fresh, chunk):
+        path.write_bytes(b"data")
+    old = time.time() - 2 * STALE_TEMP_AGE_S
+    os.utime(stale, (old, old))
+    os.utime(chunk, (old, old))
+    FsspecStore(f"file://{tmp_path}").close()
+    assert not stale.exists()
+    assert fresh.exists() and chunk.exists()

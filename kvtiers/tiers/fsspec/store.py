@@ -27,10 +27,11 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtiers.core.publish import publish_bytes
+from kvtiers.core.publish import cleanup_stale_temps, publish_bytes
 from kvtiers.errors import ConfigError
 from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
 
+STALE_TEMP_AGE_S = 3600.0
 _TIME_FIELDS = ("mtime", "LastModified", "updated", "last_modified", "created")
 
 
@@ -78,6 +79,10 @@ class FsspecStore(ObjectStore):
                 path="url",
             )
         self._local = isinstance(fs, LocalFileSystem)
+        if self._local:
+            # Temp files of publishes a crash interrupted; younger ones may belong to a
+            # live writer on a shared directory and are left to it.
+            cleanup_stale_temps(Path(self.root), older_than_s=STALE_TEMP_AGE_S)
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
