@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import urllib.request
 
+from kvtiers.core.manager import ScheduleEndContext
 from kvtiers.engine.simulator import SimulatedEngine
 from kvtiers.engine.workload import WorkloadSpec, conversation_requests
 from kvtiers.stack.builder import load_stack
@@ -25,7 +26,7 @@ def test_stats_are_exported_per_tier() -> None:
         "tiers": [{"kind": "cpu", "name": "hot", "capacity": "1MiB"}],
         "model": {"name": "m", "groups": [{"tokens_per_block": 16, "num_layers": 1,
                                            "page_bytes": "4KiB"}]},
-        "metrics": {"port": 0},
+        "metrics": {"port": 0, "refresh_s": 0},
     })
     try:
         assert stack.metrics is not None
@@ -44,3 +45,17 @@ def test_stats_are_exported_per_tier() -> None:
     finally:
         stack.shutdown()
     stack.shutdown()
+
+
+def test_without_metrics_no_step_pays_for_a_stats_snapshot() -> None:
+    stack = load_stack({
+        "tiers": [{"kind": "cpu", "capacity": "1MiB"}],
+        "model": {"name": "m", "groups": [{"tokens_per_block": 16, "num_layers": 1,
+                                           "page_bytes": "4KiB"}]},
+    })
+    calls = []
+    real = stack.manager.get_stats
+    stack.manager.get_stats = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+    stack.manager.on_schedule_end(ScheduleEndContext())
+    stack.shutdown()
+    assert calls == [] and stack.manager.stats_snapshot == {}

@@ -51,6 +51,8 @@ class MetricsConfig(Section):
 
     port: Annotated[int, Range(0, 65535)] = field(metadata=example("port: 9400"))
     addr: Annotated[str, Matches(r"\S+", "a listen address such as 127.0.0.1")] = "127.0.0.1"
+    # How often the scheduler refreshes the numbers a scrape reads (0: every step).
+    refresh_s: Annotated[float, Range(0)] = 1.0
 
 
 @dataclass(frozen=True)

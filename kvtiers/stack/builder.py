@@ -104,5 +104,7 @@ def load_stack(
     if config.metrics is not None:
         from kvtiers.stack.metrics import serve_metrics
 
+        manager.stats_refresh_s = config.metrics.refresh_s
+        manager.refresh_stats_snapshot()
         stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port)
     return stack

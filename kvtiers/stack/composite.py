@@ -25,6 +25,8 @@ scheduler thread; movers touch only memory the composite pinned or reserved for 
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -113,9 +115,13 @@ class TieredManager(OffloadingManager):
         self._job_ids = itertools.count()
         self._stats: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
-        #: ``get_stats()`` as of the last step, for readers on other threads (the metrics
-        #: exporter): tiers' state belongs to the scheduler thread alone.
-        self.stats_snapshot: Mapping[str, float] = dict(self.get_stats())
+        #: ``get_stats()`` as taken at the end of a step, for readers on other threads (the
+        #: metrics exporter): tiers' state belongs to the scheduler thread alone. Refreshed
+        #: at most every ``stats_refresh_s`` seconds, and only when that is set (counting a
+        #: large tier's chunks is not free, so a stack without metrics never does it).
+        self.stats_snapshot: Mapping[str, float] = {}
+        self.stats_refresh_s: float | None = None
+        self._snapshot_at = -math.inf
 
     @property
     def capabilities(self) -> TierCapabilities:  # type: ignore[override]
@@ -304,7 +310,15 @@ class TieredManager(OffloadingManager):
         self._poll()
         for tier in self.tiers:
             tier.manager.on_schedule_end(ctx)
+        if self.stats_refresh_s is not None:
+            now = time.monotonic()
+            if now - self._snapshot_at >= self.stats_refresh_s:
+                self.refresh_stats_snapshot(now)
+
+    def refresh_stats_snapshot(self, now: float | None = None) -> None:
+        """Take ``stats_snapshot`` now (on the scheduler thread)."""
         self.stats_snapshot = dict(self.get_stats())
+        self._snapshot_at = time.monotonic() if now is None else now
 
     def has_pending_work(self) -> bool:
         return any(lower.jobs or lower.pending_promotions for lower in self._lower) or any(
