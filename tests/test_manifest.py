@@ -157,7 +157,7 @@ def test_mismatch_names_each_differing_field(tmp_path: Path) -> None:
             "groups[0].layer_names",
             (["layers.0", "layers.1"], ["layers.0"]),
         ),
-        (make_identity(), make_identity(schema_version=2), "schema_version", (1, 2)),
+        (make_identity(), make_identity(schema_version=3), "schema_version", (2, 3)),
         (make_identity(), make_identity(kv_dtype="float16"), "kv_dtype", ("bfloat16", "float16")),
     ],
 )
