@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtiers.core import chunkformat
 from kvtiers.core.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -22,7 +23,6 @@ from kvtiers.core.config import (
 )
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.publish import temp_path_for
-from kvtiers.core import chunkformat
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import (
     CHUNK_SUFFIX,

@@ -10,7 +10,9 @@ What a chunk holds: vLLM's CPU chunk, i.e. every rank's bytes of the chunk side 
 (``worker_kv_bytes_per_block x copies x blocks_per_chunk``, the row's trailing alignment
 padding left out), whatever its group. The identity records that layout (``kv_layout``
 ``<layout>+vllm-cpu-chunk``) so these chunks never share a namespace with chunks written
-by :class:`~kvtiers.integrations.vllm.KVTiersOffloadingSpec`.
+by :class:`~kvtiers.integrations.vllm.KVTiersOffloadingSpec`, and vLLM's canonical format
+id when vLLM stores canonical pages (``canonical_layout``), so a canonical-layout engine
+and a direct-layout engine never read each other's chunks.
 
 Jobs: ``submit_store`` reserves the keys the tier does not hold yet (a tier that cannot
 make room fails the job; keys already held succeed at once) and copies the rest from
@@ -37,6 +39,7 @@ from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.errors import ConfigError, UnknownKeyError
+from kvtiers.integrations.vllm.engine import find_engine_configs
 from kvtiers.integrations.vllm.translate import (
     KeyMap,
     block_hash_algorithm,
@@ -48,6 +51,24 @@ from kvtiers.integrations.vllm.translate import (
 )
 
 CHUNK_LAYOUT_SUFFIX = "+vllm-cpu-chunk"
+
+
+def canonical_format(config: Any) -> str:
+    """vLLM's id of the canonical chunk byte format when ``canonical_layout`` is on (it
+    couples the format version with the KV layout family), else ``""``."""
+    if not config.canonical_layout:
+        return ""
+    if config.kv_cache_layout is None:
+        raise ConfigError(
+            "canonical_layout is on but vLLM reported no KV cache layout to name the "
+            "canonical format after",
+            path="kv_connector_extra_config.canonical_layout",
+        )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+        canonical_format_id,
+    )
+
+    return str(canonical_format_id(config.kv_cache_layout))
 
 
 class MemoryviewRegion:
@@ -128,13 +149,18 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
                 path=f"{where}.primary_kv_view",
             )
         tier_config = parse_section(self.config_type, options, where, defaults={"name": tier_type})
-        algorithm = block_hash_algorithm(config.extra_config)
+        # Read while vLLM's connector is building its scheduler (see engine.py).
+        engine = find_engine_configs()
+        algorithm = block_hash_algorithm(config.extra_config, engine)
         warn_unstable_hashes(algorithm)
         offloading = translate_config(
             config,
+            engine=engine,
             group_bytes_per_block=[bytes_per_block] * len(config.groups),
             hash_algorithm=algorithm,
+            layout_agnostic=config.parallel.is_parallelism_agnostic or config.replicated_layout,
             kv_layout_suffix=CHUNK_LAYOUT_SUFFIX,
+            canonical_format=canonical_format(config),
         )
         factory = resolve_factory(tier_config.kind, path=f"{where}.type")
         self.tier = factory(tier_config, offloading, primary_region=region, name=tier_config.name)
