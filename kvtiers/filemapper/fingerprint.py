@@ -10,6 +10,7 @@ them; a branch name (``main``) or a local directory does not. For those,
   its weight files (``*.safetensors``, ``*.bin``, ``*.pt``, ``*.pth``, ``*.gguf``) and the
   bytes of its weight index files; its name is its real path, so a relative and an
   absolute spelling, or a symlink, name one model;
+- a single model file (GGUF): its real path, name and size;
 - a hub name with a moving revision: the commit the local hub cache resolved that
   revision to (the one the engine loaded), found without network access.
 
@@ -122,6 +123,12 @@ def resolve_model(name: str, revision: str | None) -> ModelIdentity:
         return ModelIdentity(
             name=str(real), revision=given, fingerprint=directory_fingerprint(real)
         )
+    if path.is_file():
+        # A single-file model (GGUF): its real path, and its size for a fingerprint.
+        real = Path(os.path.realpath(path))
+        size = real.stat().st_size
+        digest = hashlib.sha256(f"weight\0{real.name}\0{size}\n".encode()).hexdigest()
+        return ModelIdentity(name=str(real), revision=given, fingerprint="sha256:" + digest)
     if is_immutable_revision(given):
         return ModelIdentity(name=name, revision=given, fingerprint="")
     commit = hub_cache_commit(name, given or "main")

@@ -234,7 +234,12 @@ def translate_config(
             "RoPE overrides or draft model"
         )
     revision = model_revision(extra, None if inputs is None else inputs.revision)
-    model = resolve_model(config.model.name if inputs is None else inputs.model, revision)
+    try:
+        model = resolve_model(config.model.name if inputs is None else inputs.model, revision)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot fingerprint the model for the cache identity: {exc}", path="model"
+        ) from None
     if not model.fingerprint and not is_immutable_revision(model.revision):
         _warn_once(
             f"model {model.name!r} has no pinned commit and no local files kvtiers can "
