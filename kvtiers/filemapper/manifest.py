@@ -124,6 +124,14 @@ def open_namespace(
     return namespace_dir
 
 
+def differences(stored: object, expected: object) -> dict[str, tuple[object, object]]:
+    """Every leaf where two identities (``to_dict`` forms, or manifests) differ, by dotted
+    name, with the two values; a field only one side has is paired with ``"<absent>"``."""
+    out: dict[str, tuple[object, object]] = {}
+    _diff(stored, expected, "", out)
+    return out
+
+
 def _read_manifest(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read(MAX_MANIFEST_BYTES + 1)
