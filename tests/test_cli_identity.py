@@ -47,6 +47,7 @@ ONE_FIELD = {
     "model_revision": {"revision": "r3"},
     "kv_dtype": {"dtype": "float16"},
     "quantization": {"quantization": "awq"},
+    "model_overrides": {"overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}},
     "groups[0].attention": {
         "groups": [{"tokens_per_block": 16, "num_layers": 2, "page_bytes": "1KiB",
                     "attention": "sliding_window:64"}]
