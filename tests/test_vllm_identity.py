@@ -440,3 +440,12 @@ def test_fake_weights_are_never_read(model_dir: Path, tmp_path: Path) -> None:
     grown = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
     assert same.namespace == before.namespace
     assert grown.namespace != before.namespace
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_namespace_is_logged_at_start(
+    route: str, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="kvtiers.integrations.vllm.translate"):
+        identity = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    assert f"namespace {identity.namespace}" in caplog.text

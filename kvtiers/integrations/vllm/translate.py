@@ -51,6 +51,7 @@ from kvtiers.core.manager import (
 )
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper.fingerprint import is_immutable_revision, resolve_model
+from kvtiers.filemapper.identity import NamespaceIdentity
 from kvtiers.integrations.vllm.engine import EngineConfigs, group_attention, model_inputs
 
 logger = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ def translate_config(
     layout = config.kv_cache_layout or (None if inputs is None else inputs.kv_layout)
     par = config.parallel
     try:
-        return OffloadingConfig(
+        translated = OffloadingConfig(
             groups=tuple(
                 OffloadingGroupConfig(
                     tokens_per_block=group.tokens_per_block,
@@ -295,6 +296,13 @@ def translate_config(
         raise ConfigError(
             f"vLLM's offloading config does not fit kvtiers: {exc.message}", path=exc.path
         ) from None
+    # Named in the log so an operator can `kvtiers diff` it against an earlier namespace.
+    logger.info(
+        "kvtiers cache identity for %s: namespace %s",
+        model.name,
+        NamespaceIdentity.from_config(translated).namespace,
+    )
+    return translated
 
 
 class KeyMap:
