@@ -275,7 +275,7 @@ class _RecordingPrimary(InMemoryTier):
 
     def reset_cache(self) -> None:
         assert self.mover is not None
-        self.in_flight_at_reset.append(self.mover._in_flight)
+        self.in_flight_at_reset.append(self.mover.in_flight)
         super().reset_cache()
 
 
