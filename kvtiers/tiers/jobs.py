@@ -144,7 +144,11 @@ class JobDriver(Generic[T]):
         if not accepted:
             return accepted
         if self.primary is not None:
-            self.primary.prepare_load(accepted, ctx)
+            try:
+                self.primary.prepare_load(accepted, ctx)
+            except Exception:
+                self.tier.complete_store(accepted, ctx, success=False)
+                raise
 
         def specs() -> tuple[LoadStoreSpec, LoadStoreSpec]:
             rows = None if slots is None else [slots[key] for key in accepted]
