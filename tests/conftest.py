@@ -271,13 +271,20 @@ class TierDriver:
                                             slots=slots))
 
     def load(self, keys: list[Any]) -> tuple[Any, dict[Any, bytes]]:
-        """Copy ``keys`` into slots; the result and the bytes of each succeeded key."""
+        """Copy ``keys`` into slots; the result and the bytes of each succeeded key. Raises
+        :class:`~kvtiers.errors.UnknownKeyError` when the tier does not hold one of them."""
+        from kvtiers.errors import UnknownKeyError
         from kvtiers.tiers.jobs import LoadHold
 
         self._job += 1
         self.region.buffer[:] = bytes(len(self.region.buffer))
         for slot, key in enumerate(keys):
-            assert self.jobs.hold_for_load(key, self.ctx, slot=slot) is LoadHold.HELD, key
+            if self.jobs.hold_for_load(key, self.ctx, slot=slot) is not LoadHold.HELD:
+                # Give back the keys already held before failing.
+                self.jobs.load_held(self._job, None)
+                self.jobs.drain()
+                self._finished.clear()
+                raise UnknownKeyError(f"load: {key.hex()} is not a HIT of this tier")
         result = self._result(self.jobs.load_held(self._job, None))
         data = {
             key: bytes(self.region.view(slot)[: self.geometry.key_chunk_bytes(key)])
