@@ -114,7 +114,7 @@ def test_bad_specs_raise_before_anything_starts(mover: ScriptedFanOut) -> None:
     src, dst = specs(A)
     with pytest.raises(TypeError, match="only stores"):
         mover.submit(1, dst, src)
-    with pytest.raises(ValueError, match="one slot per chunk"):
+    with pytest.raises(ValueError, match="one of each per chunk"):
         mover.submit(1, CPULoadStoreSpec([0, 1]), dst)
     assert mover.in_flight == 0 and mover.events == []
 

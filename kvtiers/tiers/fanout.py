@@ -103,8 +103,8 @@ def plan_chunks(
     address_list = list(addresses)
     if not len(slot_list) == len(keys) == len(address_list):
         raise ValueError(
-            f"a job pairs {len(slot_list)} primary slots with {len(keys)} chunks; "
-            "give one slot per chunk"
+            f"a job pairs {len(slot_list)} primary slots with {len(keys)} keys and "
+            f"{len(address_list)} medium addresses; give one of each per chunk"
         )
     return tuple(
         ChunkCopy(i, slot, key, address)
