@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -294,6 +295,12 @@ class FileTierManager(OffloadingManager):
         self.rebuild_s = time.perf_counter() - start
         if removed:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
+        if self.unindexed_entries:
+            logger.warning(
+                "file tier %s: %d entries named like chunks are not regular files and were "
+                "not indexed; `kvtiers verify` lists them", self.namespace_dir,
+                self.unindexed_entries,
+            )
         logger.info(
             "file tier %s: %d chunks (%d bytes) indexed in %.3f s",
             self.namespace_dir, len(self._entries), self.usage_bytes, self.rebuild_s,
@@ -309,6 +316,7 @@ class FileTierManager(OffloadingManager):
         returns how many temp files were removed. Temp files younger than
         ``temp_age_s`` are left alone (another live writer may own them)."""
         found: list[tuple[float, OffloadKey, int]] = []
+        self.unindexed_entries = 0
         key_from_name = self.mapper.key_from_name
         cutoff = time.time() - temp_age_s
         removed = 0
@@ -334,6 +342,11 @@ class FileTierManager(OffloadingManager):
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    # A FIFO, directory or symlink under a chunk's name is never a chunk:
+                    # indexed, every load of it would fail. `kvtiers verify` lists them.
+                    self.unindexed_entries += 1
                     continue
                 found.append((st.st_mtime, key, st.st_size))
         found.sort(key=lambda item: item[0])
@@ -607,11 +620,12 @@ class FileTierManager(OffloadingManager):
 
 
 def _remove_temp(entry: os.DirEntry[str], cutoff: float | None) -> int:
-    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed."""
+    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed. One that
+    cannot be removed (a read-only filesystem) stays: it is never read as a chunk."""
     try:
         if cutoff is not None and entry.stat(follow_symlinks=False).st_mtime >= cutoff:
             return 0
         os.unlink(entry.path)
-    except FileNotFoundError:
+    except OSError:
         return 0
     return 1

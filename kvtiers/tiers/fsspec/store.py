@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtiers.core.publish import cleanup_stale_temps, publish_bytes
+from kvtiers.core.regular import open_regular
 from kvtiers.errors import ConfigError
 from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
 
@@ -113,7 +115,8 @@ class FsspecStore(ObjectStore):
         path = self._path(name)
         try:
             if self._local:
-                with open(path, "rb") as f:
+                # Never blocks on a FIFO or device put where a chunk should be.
+                with os.fdopen(open_regular(path), "rb") as f:
                     size = f.seek(0, 2)
                     f.seek(0)
                     if size == sum(len(b) for b in buffers):
