@@ -11,6 +11,12 @@ before the result is reported: each chunk's bytes are still fsynced before its r
 so nothing torn can ever appear, and on journaling filesystems one commit then covers
 every rename of the job instead of one commit per chunk.
 
+``shutdown`` is bounded: it waits for jobs in flight at most ``shutdown_timeout_s``
+(default :data:`~kvtiers.core.mover.SHUTDOWN_TIMEOUT_S`), then abandons threads stuck in
+I/O with one warning. Chunk reads never block on a FIFO or device put in a chunk's place
+(the I/O backend refuses non-regular files), and a read that fails with any error fails
+its key.
+
 Invariants: a chunk is in ``succeeded_keys`` only when its bytes are exactly right; any
 failure puts it in ``failed_keys``. A chunk that fails verification is also in
 ``corrupt_keys``: its file is moved to ``<namespace>/quarantine/`` (or removed) and the
@@ -28,18 +34,18 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import HostRegion, Mover, MoverResult
+from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, HostRegion, Mover, MoverResult
 from kvtiers.core.publish import FileOps
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
+from kvtiers.tiers.iopool import IOPool
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +152,7 @@ class FileMover(Mover):
         threads: int = 8,
         settings: PublishSettings | None = None,
         bad_chunks: BadChunkHandler | None = None,
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
     ) -> None:
         if region.slot_bytes < geometry.max_chunk_bytes:
             raise ValueError(
@@ -158,7 +165,8 @@ class FileMover(Mover):
         self.backend = backend
         self.settings = settings or PublishSettings()
         self.bad_chunks = bad_chunks or BadChunkHandler(None, None)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtiers-file")
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._pool = IOPool(threads, "kvtiers-file")
         self._cond = threading.Condition()
         self._in_flight = 0
         self._done: list[MoverResult] = []
@@ -300,9 +308,19 @@ class FileMover(Mover):
             self._cond.wait_for(lambda: self._in_flight == 0)
 
     def shutdown(self) -> None:
+        """Wait for jobs in flight at most ``shutdown_timeout_s``, then stop the threads;
+        threads still stuck in I/O then (a hung filesystem) are abandoned with a warning
+        and their jobs never report."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-        self.drain()
-        self._pool.shutdown(wait=True)
+            idle = self._cond.wait_for(
+                lambda: self._in_flight == 0, timeout=self.shutdown_timeout_s
+            )
+            stuck = self._in_flight
+        if not self._pool.shutdown(None if idle else 0.0):
+            logger.warning(
+                "file tier: %d job(s) still in I/O after %g s at shutdown; their threads are "
+                "abandoned", stuck, self.shutdown_timeout_s,
+            )

@@ -194,7 +194,14 @@ class ObjectMover(Mover):
             self._idle.wait_for(lambda: not self._jobs)
 
     def shutdown(self) -> None:
+        """Wait for jobs in flight at most the backend's ``shutdown_timeout_s`` (each
+        request already ends by its operation deadline); jobs still running then are left
+        to the backend's shutdown, which abandons their threads."""
         if self._closed:
             return
         self._closed = True
-        self.drain()
+        wait_s = max(0.0, self.backend.shutdown_deadline() - time.monotonic())
+        with self._idle:
+            if not self._idle.wait_for(lambda: not self._jobs, timeout=wait_s):
+                log.warning("object tier: %d job(s) still running at shutdown after %g s",
+                            len(self._jobs), self.backend.shutdown_timeout_s)
