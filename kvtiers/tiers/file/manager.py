@@ -58,6 +58,7 @@ from kvtiers.core.specs import FileLoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import FileMapper, open_namespace
 from kvtiers.tiers.file.io import IO_POSIX
+from kvtiers.tiers.file.space import SpaceLatch
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +234,8 @@ class FileTierManager(OffloadingManager):
     engines write into the same namespace, so an index miss is checked on disk by a
     background probe (``RETRY`` until it answers). ``io_backend`` is the numeric code of
     the I/O path in use (reported in stats). ``clock`` is injectable for tests.
+    ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
+    (read-only root, full disk) ``prepare_store`` answers ``None``.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
@@ -257,6 +260,7 @@ class FileTierManager(OffloadingManager):
         io_backend: int = IO_POSIX,
         io_backend_name: str = "posix",
         clock: Callable[[], float] = time.monotonic,
+        space: SpaceLatch | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -268,6 +272,7 @@ class FileTierManager(OffloadingManager):
         self.io_backend_name = io_backend_name
         self.reserve_bytes = HEADER_BYTES + geometry.max_chunk_bytes
         self._clock = clock
+        self._space = space
         self.namespace_dir = open_namespace(
             mapper.root, mapper.identity, file_mode=file_mode, dir_mode=dir_mode
         )
@@ -471,6 +476,8 @@ class FileTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._drain_forgotten()
+        if self._space is not None and not self._space.admits():
+            return None  # read-only, or full until the latch lets one store try again
         entries = self._entries
         accepted = list(dict.fromkeys(key for key in keys if key not in entries))
         need = len(accepted) * self.reserve_bytes

@@ -45,6 +45,7 @@ from kvtiers.core.publish import FileOps
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
+from kvtiers.tiers.file.space import SpaceLatch, is_no_space
 from kvtiers.tiers.iopool import IOPool
 
 logger = logging.getLogger(__name__)
@@ -139,7 +140,9 @@ class FileMover(Mover):
     """Copies chunks between ``region``'s slots and chunk files; see the module docstring.
 
     ``digest`` is the namespace identity digest every header carries. ``threads`` bounds
-    the I/O concurrency.
+    the I/O concurrency. ``space``, when given, is told of stores that fail for want of
+    space (one aggregated warning there instead of one per chunk) and of stores that
+    succeed.
     """
 
     def __init__(
@@ -153,6 +156,7 @@ class FileMover(Mover):
         settings: PublishSettings | None = None,
         bad_chunks: BadChunkHandler | None = None,
         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+        space: SpaceLatch | None = None,
     ) -> None:
         if region.slot_bytes < geometry.max_chunk_bytes:
             raise ValueError(
@@ -166,6 +170,7 @@ class FileMover(Mover):
         self.settings = settings or PublishSettings()
         self.bad_chunks = bad_chunks or BadChunkHandler(None, None)
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.space = space
         self._pool = IOPool(threads, "kvtiers-file")
         self._cond = threading.Condition()
         self._in_flight = 0
@@ -223,8 +228,13 @@ class FileMover(Mover):
                 logger.warning("file tier: storing chunk %s failed: %s", path, exc)
             ok = False
         except Exception as exc:
-            logger.warning("file tier: chunk %s failed: %s", path, exc)
+            if task == self._store_one and self.space is not None and is_no_space(exc):
+                self.space.mark_full(exc)
+            else:
+                logger.warning("file tier: chunk %s failed: %s", path, exc)
             ok = False
+        if ok and task == self._store_one and self.space is not None:
+            self.space.mark_ok()
         with self._cond:
             if ok:
                 job.ok.append(key)
