@@ -12,8 +12,10 @@ last chunk is done.
   size, or with a bad header, namespace, key or checksum is corrupt: it fails its key, is
   counted, is deleted when ``delete_corrupt`` is set, and the manager is told to forget
   it. A key is reported as succeeded only after its bytes verified.
-- Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`;
-  when attempts run out the key fails and the job carries on with the others.
+- Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`
+  within the tier's operation deadline; when attempts or the deadline run out the key
+  fails and the job carries on with the others. ``shutdown`` waits for jobs in flight at
+  most the backend's ``shutdown_timeout_s``.
 """
 
 from __future__ import annotations
