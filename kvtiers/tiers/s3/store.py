@@ -129,8 +129,9 @@ class S3Store(ObjectStore):
         """botocore ``before-send`` hook: this request's socket waits end by the calling
         operation's deadline."""
         left = remaining_s()
-        if left is not None and left < self.timeout_s:
-            request.context["read_timeout"] = max(_MIN_WAIT_S, left)
+        context = getattr(request, "context", None)
+        if left is not None and left < self.timeout_s and isinstance(context, dict):
+            context["read_timeout"] = max(_MIN_WAIT_S, left)
 
     def describe(self, name: str = "") -> str:
         return f"s3://{self.bucket}/{name}"
