@@ -221,3 +221,18 @@ def test_file_load_spec_paths_are_the_chunk_paths(tmp_path: Path) -> None:
         assert list(spec.paths) == [str(tier.manager.mapper.path(key))]
     finally:
         tier.close()
+
+
+def test_load_stack_over_a_fifo_manifest_fails_at_once(tmp_path: Path) -> None:
+    from kvtiers.stack.builder import load_stack
+
+    stack_file = {
+        "tiers": [{"kind": "cpu", "capacity": "1MiB"}, {"kind": "file", "root": str(tmp_path)}],
+        "model": {"name": "team/model", "tokens_per_hash": 16, "blocks_per_chunk": 1,
+                  "groups": [{"tokens_per_block": 16, "num_layers": 1, "page_bytes": "4KiB"}]},
+    }
+    load_stack(stack_file).shutdown()
+    (manifest,) = tmp_path.glob("*/manifest.json")
+    _replace_with(manifest, "fifo")
+    with pytest.raises(NamespaceMismatchError, match="a FIFO is where a regular file must be"):
+        run_bounded(lambda: load_stack(stack_file), manifest)
