@@ -8,9 +8,10 @@ threads and a :meth:`IOPool.shutdown` that waits at most a given time: threads s
 busy then are abandoned (they end on their own if their call ever returns, and never hold
 up exit), and the caller is told so.
 
-Invariants: tasks run in submission order, at most ``threads`` at once; after
-:meth:`IOPool.shutdown` no new task starts (queued ones are cancelled); a task's
-exception is kept in its future, never lost in the thread.
+Invariants: tasks start in submission order, at most ``threads`` at once; after
+:meth:`IOPool.shutdown` no task can be submitted, and none starts once its wait is over
+(queued ones are then cancelled); a task's exception is kept in its future, never lost
+in the thread.
 """
 
 from __future__ import annotations
@@ -73,23 +74,35 @@ class IOPool:
             with self._lock:
                 self._idle += 1
 
-    def shutdown(self, timeout_s: float | None = None) -> bool:
-        """Cancel queued tasks, let running ones finish, and wait for the threads at most
-        ``timeout_s`` seconds (``None``: for ever). True when every thread has ended;
-        False when some are still busy and have been abandoned. Idempotent."""
+    def shutdown(self, timeout_s: float | None = None, *, cancel_queued: bool = False) -> bool:
+        """Stop taking work and wait for the threads at most ``timeout_s`` seconds
+        (``None``: for ever). Queued tasks still run within that time unless
+        ``cancel_queued``; whatever has not started when the time is up is cancelled.
+        True when every thread has ended; False when some are still busy and have been
+        abandoned. Idempotent."""
         with self._lock:
             self._closed = True
             threads = list(self._threads)
-        while True:
-            try:
-                task = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if task is not None:
-                task[0].cancel()
+        if cancel_queued:
+            self._cancel_queued()
         for _ in threads:
             self._queue.put(None)
         end = None if timeout_s is None else time.monotonic() + timeout_s
         for thread in threads:
             thread.join(None if end is None else max(0.0, end - time.monotonic()))
-        return not any(thread.is_alive() for thread in threads)
+        alive = sum(thread.is_alive() for thread in threads)
+        if alive:
+            self._cancel_queued()
+            # The stop signals just drained, again for each thread still running a task.
+            for _ in range(alive):
+                self._queue.put(None)
+        return not alive
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                task = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if task is not None:
+                task[0].cancel()

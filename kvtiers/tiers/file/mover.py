@@ -329,7 +329,7 @@ class FileMover(Mover):
                 lambda: self._in_flight == 0, timeout=self.shutdown_timeout_s
             )
             stuck = self._in_flight
-        if not self._pool.shutdown(None if idle else 0.0):
+        if not self._pool.shutdown(None if idle else 0.0, cancel_queued=not idle):
             logger.warning(
                 "file tier: %d job(s) still in I/O after %g s at shutdown; their threads are "
                 "abandoned", stuck, self.shutdown_timeout_s,

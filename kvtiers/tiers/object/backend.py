@@ -134,10 +134,10 @@ class ObjectBackend:
             return self._shutdown_by
 
     def stop_threads(self) -> None:
-        """Stop the pool, leaving the store open (for callers that share one store
-        between backends). Queued work is dropped; running requests get at most
-        ``shutdown_timeout_s`` to end, then their threads are abandoned with a warning.
-        Idempotent."""
+        """Finish queued work and stop the pool, leaving the store open (for callers
+        that share one store between backends); all within ``shutdown_timeout_s`` of the
+        shutdown's start, after which work not started is dropped and threads still in a
+        request are abandoned with a warning. Idempotent."""
         if self._closed:
             return
         self._closed = True
