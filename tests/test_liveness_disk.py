@@ -199,3 +199,22 @@ def test_a_real_full_disk_at_open_leaves_no_namespace(small_mount: Path) -> None
         open_namespace(small_mount, IDENTITY)
     assert sorted(p.name for p in small_mount.iterdir()) == ["filler"]
     assert not FileMapper(small_mount, IDENTITY).manifest_path.parent.exists()
+
+
+def test_stale_temp_cleanup_leaves_what_a_read_only_filesystem_keeps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtiers.core.publish import cleanup_stale_temps
+
+    temp = tmp_path / "ab" / ".chunk.kvc.0123.kvtmp"
+    temp.parent.mkdir()
+    temp.write_bytes(b"x")
+
+    def read_only(path: object, *args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(os, "unlink", read_only)
+    assert cleanup_stale_temps(tmp_path) == 0
+    monkeypatch.undo()
+    assert temp.exists()
+    assert cleanup_stale_temps(tmp_path) == 1
