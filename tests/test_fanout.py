@@ -71,9 +71,9 @@ class ScriptedFanOut(FanOutMover[FanOutJob]):
     def _chunk_failed(self, job: FanOutJob, chunk: ChunkCopy, error: Exception) -> None:
         self.log(f"failed {chunk.address}")
 
-    def _release(self) -> None:
+    def _release(self, idle: bool) -> None:
         self.log("released")
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=idle)
 
 
 def specs(*keys: OffloadKey) -> tuple[CPULoadStoreSpec, ObjectLoadStoreSpec]:

@@ -96,6 +96,15 @@ class Tier:
             self.manager, self.mover, self._finished.append, ctx=CTX
         )
 
+    def run(self, src: object, dst: object) -> MoverResult:
+        """Submit one job straight to the mover (no manager bookkeeping) and wait for it."""
+        job = next(self.jobs)
+        assert self.mover.submit(job, src, dst)  # type: ignore[arg-type]
+        self.mover.drain()
+        (result,) = self.mover.get_finished()
+        assert result.job_id == job
+        return result
+
     def _result(self) -> MoverResult:
         """The mover's result of the job just submitted."""
         self.driver.drain()

@@ -19,6 +19,11 @@ from typing import Protocol
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.specs import LoadStoreSpec
 
+#: How long a mover's ``shutdown`` waits for I/O in flight before abandoning it, seconds.
+#: Above the object tiers' default operation deadline (30 s), so a stalled request
+#: normally ends, and is reported, before shutdown gives up on it.
+SHUTDOWN_TIMEOUT_S = 35.0
+
 
 class HostRegion(Protocol):
     """Host memory of the primary tier, as fixed-size slots."""
@@ -67,5 +72,10 @@ class Mover(ABC):
         """Block until no submitted job touches primary memory; never aborts a copy."""
 
     def shutdown(self) -> None:
-        """Drain, then release threads and clients. Idempotent."""
+        """Drain, then release threads and clients. Idempotent.
+
+        Bounded: an implementation that runs I/O on threads waits for it at most
+        :data:`SHUTDOWN_TIMEOUT_S` (or its own configured bound), then abandons threads
+        still stuck in I/O with a warning instead of blocking for ever (docs/architecture.md,
+        "Liveness")."""
         self.drain()

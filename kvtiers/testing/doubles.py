@@ -195,5 +195,5 @@ class MemoryMover(FanOutMover[FanOutJob]):
         self.gate.set()
         super().shutdown()
 
-    def _release(self) -> None:
-        self._pool.shutdown(wait=True)
+    def _release(self, idle: bool) -> None:
+        self._pool.shutdown(wait=idle, cancel_futures=not idle)

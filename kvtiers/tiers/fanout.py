@@ -16,7 +16,9 @@ the job is in ``failed_keys`` and, if its chunk was corrupt, in ``corrupt_keys``
 job order, a key listed twice counted twice. Every accepted job is reported exactly once,
 even when a copy or a hook raises. ``drain`` returns only once every accepted job is
 reported; after ``shutdown`` begins no job is accepted, so shutdown waits for the copies
-already running and nothing else.
+already running and nothing else, and for them at most ``shutdown_timeout_s``: copies
+stuck in I/O past that are abandoned with a warning and their jobs never report
+(docs/architecture.md, "Liveness").
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from enum import Enum, auto
 from typing import Generic, SupportsInt, TypeVar
 
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import Mover, MoverResult
+from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, Mover, MoverResult
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 
@@ -117,10 +119,12 @@ _J = TypeVar("_J", bound=FanOutJob)
 
 class FanOutMover(Mover, Generic[_J]):
     """A :class:`~kvtiers.core.mover.Mover` running one task per chunk; see the module
-    docstring. ``name`` starts its log lines (e.g. ``"file tier"``)."""
+    docstring. ``name`` starts its log lines (e.g. ``"file tier"``); ``shutdown_timeout_s``
+    bounds how long :meth:`shutdown` waits for running copies."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         self.name = name
+        self.shutdown_timeout_s = shutdown_timeout_s
         self._cond = threading.Condition()
         self._jobs: dict[int, _J] = {}
         self._done: list[MoverResult] = []
@@ -157,8 +161,14 @@ class FanOutMover(Mover, Generic[_J]):
         """Runs once every chunk of ``job`` is done, before its result is published; may
         :meth:`FanOutJob.revoke` chunks."""
 
-    def _release(self) -> None:
-        """Release threads and clients; called once, by :meth:`shutdown`, after draining."""
+    def _shutdown_wait_s(self) -> float:
+        """How long :meth:`shutdown` waits for running copies. Default:
+        ``shutdown_timeout_s``."""
+        return self.shutdown_timeout_s
+
+    def _release(self, idle: bool) -> None:
+        """Release threads and clients; called once, by :meth:`shutdown`, after its wait.
+        ``idle`` is False when copies were still running then: do not wait for them."""
 
     # -- the contract ---------------------------------------------------------------
     @property
@@ -200,14 +210,20 @@ class FanOutMover(Mover, Generic[_J]):
             self._cond.wait_for(lambda: not self._jobs)
 
     def shutdown(self) -> None:
-        """Refuse new jobs, wait for the copies already running, then release the pool.
-        Idempotent."""
+        """Refuse new jobs, wait for the copies already running (at most
+        :meth:`_shutdown_wait_s`), then release the pool. Idempotent."""
         with self._cond:
             if self._closed:
                 return
             self._closed = True
-        self.drain()
-        self._release()
+            idle = self._cond.wait_for(lambda: not self._jobs, timeout=self._shutdown_wait_s())
+            stuck = len(self._jobs)
+        if not idle:
+            logger.warning(
+                "%s: %d job(s) still in I/O %g s after shutdown began; their threads are "
+                "abandoned and the jobs never report", self.name, stuck, self.shutdown_timeout_s,
+            )
+        self._release(idle)
 
     # -- one chunk ------------------------------------------------------------------
     def _run(self, job: _J, chunk: ChunkCopy) -> None:

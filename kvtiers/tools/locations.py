@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtiers.core.publish import ensure_dir, is_temp_name
+from kvtiers.core.regular import describe_mode, read_regular
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import MANIFEST_NAME
 
@@ -34,6 +36,9 @@ class Entry:
     name: str
     size: int
     mtime: float
+    #: What the entry is when it is not a regular file (``a FIFO``, ``a symbolic link``):
+    #: such an entry is never read, only reported. ``None`` for regular files and objects.
+    irregular: str | None = None
 
     @property
     def base(self) -> str:
@@ -101,11 +106,17 @@ class FileLocation(Location):
                 name = Path(entry.path).relative_to(self.root).as_posix()
                 if name == f"{namespace}/{MANIFEST_NAME}":
                     continue
-                stat = entry.stat(follow_symlinks=False)
-                yield Entry(name, stat.st_size, stat.st_mtime)
+                st = entry.stat(follow_symlinks=False)
+                irregular = None if stat.S_ISREG(st.st_mode) else describe_mode(st.st_mode)
+                yield Entry(name, st.st_size, st.st_mtime, irregular)
 
     def read(self, name: str) -> bytes:
-        return (self.root / name).read_bytes()
+        """The whole file; anything but a regular file raises ``OSError`` at once."""
+        return read_regular(self.root / name, 1 << 40)
+
+    def manifest(self, namespace: str) -> bytes:
+        # As the tiers read it: a symlink to a regular manifest is followed.
+        return read_regular(self.root / namespace / MANIFEST_NAME, 1 << 40, follow_symlinks=True)
 
     def delete(self, name: str) -> None:
         (self.root / name).unlink(missing_ok=True)

@@ -31,6 +31,7 @@ import logging
 import os
 import queue
 import re
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -57,6 +58,7 @@ from kvtiers.core.specs import FileLoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import FileMapper, open_namespace
 from kvtiers.tiers.file.io import IO_POSIX
+from kvtiers.tiers.file.space import SpaceLatch
 
 logger = logging.getLogger(__name__)
 
@@ -232,6 +234,8 @@ class FileTierManager(OffloadingManager):
     engines write into the same namespace, so an index miss is checked on disk by a
     background probe (``RETRY`` until it answers). ``io_backend`` is the numeric code of
     the I/O path in use (reported in stats). ``clock`` is injectable for tests.
+    ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
+    (read-only root, full disk) ``prepare_store`` answers ``None``.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
@@ -256,6 +260,7 @@ class FileTierManager(OffloadingManager):
         io_backend: int = IO_POSIX,
         io_backend_name: str = "posix",
         clock: Callable[[], float] = time.monotonic,
+        space: SpaceLatch | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -267,6 +272,7 @@ class FileTierManager(OffloadingManager):
         self.io_backend_name = io_backend_name
         self.reserve_bytes = HEADER_BYTES + geometry.max_chunk_bytes
         self._clock = clock
+        self._space = space
         self.namespace_dir = open_namespace(
             mapper.root, mapper.identity, file_mode=file_mode, dir_mode=dir_mode
         )
@@ -294,6 +300,12 @@ class FileTierManager(OffloadingManager):
         self.rebuild_s = time.perf_counter() - start
         if removed:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
+        if self.unindexed_entries:
+            logger.warning(
+                "file tier %s: %d entries named like chunks are not regular files and were "
+                "not indexed; `kvtiers verify` lists them", self.namespace_dir,
+                self.unindexed_entries,
+            )
         logger.info(
             "file tier %s: %d chunks (%d bytes) indexed in %.3f s",
             self.namespace_dir, len(self._entries), self.usage_bytes, self.rebuild_s,
@@ -309,6 +321,7 @@ class FileTierManager(OffloadingManager):
         returns how many temp files were removed. Temp files younger than
         ``temp_age_s`` are left alone (another live writer may own them)."""
         found: list[tuple[float, OffloadKey, int]] = []
+        self.unindexed_entries = 0
         key_from_name = self.mapper.key_from_name
         cutoff = time.time() - temp_age_s
         removed = 0
@@ -334,6 +347,11 @@ class FileTierManager(OffloadingManager):
                 try:
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    # A FIFO, directory or symlink under a chunk's name is never a chunk:
+                    # indexed, every load of it would fail. `kvtiers verify` lists them.
+                    self.unindexed_entries += 1
                     continue
                 found.append((st.st_mtime, key, st.st_size))
         found.sort(key=lambda item: item[0])
@@ -458,6 +476,8 @@ class FileTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._drain_forgotten()
+        if self._space is not None and not self._space.admits():
+            return None  # read-only, or full until the latch lets one store try again
         entries = self._entries
         accepted = list(dict.fromkeys(key for key in keys if key not in entries))
         need = len(accepted) * self.reserve_bytes
@@ -607,11 +627,12 @@ class FileTierManager(OffloadingManager):
 
 
 def _remove_temp(entry: os.DirEntry[str], cutoff: float | None) -> int:
-    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed."""
+    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed. One that
+    cannot be removed (a read-only filesystem) stays: it is never read as a chunk."""
     try:
         if cutoff is not None and entry.stat(follow_symlinks=False).st_mtime >= cutoff:
             return 0
         os.unlink(entry.path)
-    except FileNotFoundError:
+    except OSError:
         return 0
     return 1

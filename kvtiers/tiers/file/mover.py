@@ -18,6 +18,12 @@ failure puts it in ``failed_keys``. A chunk that fails verification is also in
 manager is told to forget the key, so it becomes a miss, never wrong bytes. A chunk whose
 file has vanished is forgotten the same way without counting as corrupt. A failed store
 leaves no file behind (publish removes its temp file) and the final name untouched.
+
+``shutdown`` is bounded: it waits for jobs in flight at most ``shutdown_timeout_s``
+(default :data:`~kvtiers.core.mover.SHUTDOWN_TIMEOUT_S`), then abandons threads stuck in
+I/O with one warning. Chunk reads never block on a FIFO or device put in a chunk's place
+(the I/O backend refuses non-regular files), and a read that fails with any error fails
+its key.
 """
 
 from __future__ import annotations
@@ -28,19 +34,20 @@ import os
 import secrets
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import HostRegion
+from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, HostRegion
 from kvtiers.core.publish import FileOps
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
 from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
+from kvtiers.tiers.file.space import SpaceLatch, is_no_space
+from kvtiers.tiers.iopool import IOPool
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +134,9 @@ class FileMover(FanOutMover[_FileJob]):
     """Copies chunks between ``region``'s slots and chunk files; see the module docstring.
 
     ``digest`` is the namespace identity digest every header carries. ``threads`` bounds
-    the I/O concurrency.
+    the I/O concurrency. ``space``, when given, is told of stores that fail for want of
+    space (one aggregated warning there instead of one per chunk) and of stores that
+    succeed.
     """
 
     def __init__(
@@ -140,20 +149,23 @@ class FileMover(FanOutMover[_FileJob]):
         threads: int = 8,
         settings: PublishSettings | None = None,
         bad_chunks: BadChunkHandler | None = None,
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+        space: SpaceLatch | None = None,
     ) -> None:
         if region.slot_bytes < geometry.max_chunk_bytes:
             raise ValueError(
                 f"slots of {region.slot_bytes} bytes cannot hold a chunk of "
                 f"{geometry.max_chunk_bytes} bytes"
             )
-        super().__init__("file tier")
+        super().__init__("file tier", shutdown_timeout_s)
         self.region = region
         self.geometry = geometry
         self.digest = digest
         self.backend = backend
         self.settings = settings or PublishSettings()
         self.bad_chunks = bad_chunks or BadChunkHandler(None, None)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtiers-file")
+        self.space = space
+        self._pool = IOPool(threads, "kvtiers-file")
         self._headers = AlignedHeaders()
 
     # -- the fan-out mover's hooks --------------------------------------------------
@@ -183,7 +195,9 @@ class FileMover(FanOutMover[_FileJob]):
         self.bad_chunks.corrupt(Path(chunk.address), chunk.key, error)
 
     def _chunk_failed(self, job: _FileJob, chunk: ChunkCopy, error: Exception) -> None:
-        if not isinstance(error, FileNotFoundError):
+        if job.store and self.space is not None and is_no_space(error):
+            self.space.mark_full(error)
+        elif not isinstance(error, FileNotFoundError):
             super()._chunk_failed(job, chunk, error)
         elif job.store:
             logger.warning("file tier: storing chunk %s failed: %s", chunk.address, error)
@@ -207,8 +221,8 @@ class FileMover(FanOutMover[_FileJob]):
                     with contextlib.suppress(OSError):
                         os.unlink(chunk.address)
 
-    def _release(self) -> None:
-        self._pool.shutdown(wait=True)
+    def _release(self, idle: bool) -> None:
+        self._pool.shutdown(None if idle else 0.0, cancel_queued=not idle)
 
     # -- one chunk ------------------------------------------------------------------
     def _store_one(self, job: _FileJob, chunk: ChunkCopy) -> int:
@@ -218,6 +232,8 @@ class FileMover(FanOutMover[_FileJob]):
         path = Path(chunk.address)
         assert job.settings is not None
         self.backend.write(path, header, payload, job.settings)
+        if self.space is not None:
+            self.space.mark_ok()
         with job.lock:
             job.dirs.setdefault(path.parent, []).append(chunk.index)
         return size

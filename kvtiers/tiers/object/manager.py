@@ -105,7 +105,8 @@ class ObjectTierManager(OffloadingManager):
         """Index every chunk object of the namespace, oldest modification first."""
         found = []
         for info in self.backend.retrier.call(
-            lambda: list(self.backend.store.list(self.backend.namespace_prefix + "/"))
+            lambda: list(self.backend.store.list(self.backend.namespace_prefix + "/")),
+            bounded=False,  # one listing is many pages; each is bounded by the store
         ):
             key = self.backend.key_of(info.name)
             if key is not None:

@@ -12,13 +12,16 @@ bounded I/O pool (:class:`~kvtiers.tiers.fanout.FanOutMover`); the job's
   size, or with a bad header, namespace, key or checksum is corrupt: it fails its key, is
   counted, is deleted when ``delete_corrupt`` is set, and the manager is told to forget
   it. A key is reported as succeeded only after its bytes verified.
-- Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`;
-  when attempts run out the key fails and the job carries on with the others.
+- Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`
+  within the tier's operation deadline; when attempts or the deadline run out the key
+  fails and the job carries on with the others. ``shutdown`` waits for jobs in flight at
+  most the backend's ``shutdown_timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable
 
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
@@ -68,6 +71,11 @@ class ObjectMover(FanOutMover[FanOutJob]):
             f"an object mover copies between CPU slots and objects, got "
             f"{type(src).__name__} -> {type(dst).__name__}"
         )
+
+    def _shutdown_wait_s(self) -> float:
+        # The backend's deadline is shared with its own pool's shutdown, so the two waits
+        # together stay within its shutdown_timeout_s.
+        return max(0.0, self.backend.shutdown_deadline() - time.monotonic())
 
     def _accepting(self) -> bool:
         return not self.backend.closed

@@ -71,6 +71,7 @@ def build_tier(
         max_attempts=config.max_attempts,
         base_s=config.backoff_base_s,
         max_s=config.backoff_max_s,
+        deadline_s=config.op_deadline_s,
     )
     backend = ObjectBackend(
         store,
