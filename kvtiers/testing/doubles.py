@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -88,27 +88,25 @@ class MemoryObjectTier(InMemoryTier):
             existing = list(store.objects) if persistent else []
             if not persistent:
                 store.objects.clear()
-        for key in existing:
-            self._insert_ready(key)
+        self._insert_ready(existing)
 
-    def forget(self, keys: Collection[OffloadKey]) -> None:
+    def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
         for key in keys:
             self._forgotten.put(key)
 
     def _drain_forgotten(self) -> None:
+        reported = []
         while not self._forgotten.empty():
-            key = self._forgotten.get()
-            entry = self._entries.get(key)
-            if entry is not None and entry.ready and not entry.pins:
-                self._drop(key)
-            elif entry is not None:
-                self._forgotten.put(key)
-                return
+            reported.append(self._forgotten.get())
+        if reported:
+            self._release(self.index.discard(reported))
 
-    def _drop(self, key: OffloadKey) -> None:
-        super()._drop(key)
+    def _release(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
+        super()._release(keys)
         with self.store.lock:
-            self.store.objects.pop(key, None)
+            for key in keys:
+                self.store.objects.pop(key, None)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._drain_forgotten()
@@ -194,7 +192,7 @@ class MemoryMover(Mover):
                     ok.append(key)
                     moved += len(data)
         if corrupt:
-            self.tier.forget(corrupt)
+            self.tier.forget(corrupt, corrupt=True)
         result = MoverResult(job_id, tuple(ok), tuple(bad), moved,
                              time.perf_counter() - start, tuple(corrupt))
         with self._lock:
