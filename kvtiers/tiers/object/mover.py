@@ -22,13 +22,13 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import HostRegion, Mover, MoverResult
+from kvtiers.core.mover import ChunkReporter, HostRegion, Mover, MoverResult
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec, ObjectLoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.object.backend import ObjectBackend
@@ -51,8 +51,8 @@ class _Job:
 class ObjectMover(Mover):
     """Copies chunks between a :class:`HostRegion` and an :class:`ObjectBackend`.
 
-    ``forget`` (usually the manager's :meth:`ObjectTierManager.forget`) is called from I/O
-    threads with keys whose objects turned out corrupt or missing.
+    ``reporter`` (usually the tier's :class:`ObjectTierManager`) is told from I/O threads
+    of keys whose objects turned out corrupt or missing.
     """
 
     def __init__(
@@ -62,13 +62,13 @@ class ObjectMover(Mover):
         geometry: ChunkGeometry,
         *,
         delete_corrupt: bool = True,
-        forget: Callable[[Iterable[OffloadKey]], None] | None = None,
+        reporter: ChunkReporter | None = None,
     ) -> None:
         self.backend = backend
         self.region = region
         self.geometry = geometry
         self.delete_corrupt = delete_corrupt
-        self.forget = forget
+        self.reporter = reporter
         self._digest = backend.identity.digest
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
@@ -124,8 +124,8 @@ class ObjectMover(Mover):
             corrupt = True
             self._on_corrupt(key, name, exc)
         except ObjectMissing:
-            if self.forget is not None:
-                self.forget([key])
+            if self.reporter is not None:
+                self.reporter.forget([key], corrupt=False)
         except Exception as exc:  # any other failure fails this key, never the job
             log.warning("object tier: %s failed: %s: %s",
                         self.backend.store.describe(name), type(exc).__name__, exc)
@@ -180,8 +180,8 @@ class ObjectMover(Mover):
         self.backend.count_corrupt()
         if self.delete_corrupt:
             self.backend.delete_quietly(name)
-        if self.forget is not None:
-            self.forget([key])
+        if self.reporter is not None:
+            self.reporter.forget([key], corrupt=True)
 
     # -- completion -----------------------------------------------------------------
     def get_finished(self) -> list[MoverResult]:
