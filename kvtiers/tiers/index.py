@@ -166,9 +166,12 @@ class ChunkIndex:
     def finish(self, keys: Iterable[OffloadKey], success: bool) -> list[OffloadKey]:
         """End the stores of ``keys``: ready (most recent) on success, dropped otherwise.
 
-        Keys that are not ``WRITING`` are ignored; returns the keys that were."""
+        Keys that are not ``WRITING`` are ignored; returns the keys that were, each once."""
         entries = self._entries
-        done = [key for key in keys if (e := entries.get(key)) is not None and e.state is _WRITING]
+        done = [
+            key for key in dict.fromkeys(keys)
+            if (e := entries.get(key)) is not None and e.state is _WRITING
+        ]
         if success:
             for key in done:
                 entries[key].state = _READY
