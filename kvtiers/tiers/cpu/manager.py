@@ -64,7 +64,14 @@ class CpuTierManager(OffloadingManager):
 
     ``policy`` is a fresh :class:`~kvtiers.policies.base.EvictionPolicy` sized for
     ``num_slots``. ``region``, when given, is closed by :meth:`shutdown`. Keys passed to
-    ``complete_store`` that are not being written are ignored.
+    ``complete_store`` that are not being written are ignored, and a key named twice
+    counts once.
+
+    The rules are those of :class:`~kvtiers.tiers.index.ChunkIndex`, which the other
+    tiers use (this tier keeps its own arrays for its pluggable policies; see
+    docs/architecture.md): releasing more pins than held raises, changing nothing;
+    ``touch`` of a key being written is ignored (the policy tracks ready keys only);
+    ``prepare_store`` either reserves every key it returns or changes nothing.
     """
 
     medium = Medium.CPU
@@ -156,7 +163,8 @@ class CpuTierManager(OffloadingManager):
     ) -> None:
         slots = self._slots
         state = self._state
-        done = [key for key in keys if (slot := slots.get(key)) is not None
+        # Each key once: a key named twice is stored (or freed) once.
+        done = [key for key in dict.fromkeys(keys) if (slot := slots.get(key)) is not None
                 and state[slot] == _WRITING]
         if success:
             insert = self.policy.insert
