@@ -163,22 +163,29 @@ class CpuTierManager(OffloadingManager):
     ) -> None:
         slots = self._slots
         state = self._state
-        # Each key once: a key named twice is stored (or freed) once.
-        done = [key for key in dict.fromkeys(keys) if (slot := slots.get(key)) is not None
-                and state[slot] == _WRITING]
+        # One pass that changes each slot's state as it goes, so a key named twice is
+        # no longer WRITING (or no longer present) the second time: it counts once.
+        done = []
         if success:
             insert = self.policy.insert
-            for key in done:
-                state[slots[key]] = _READY
-                insert(key)
+            for key in keys:
+                slot = slots.get(key)
+                if slot is not None and state[slot] == _WRITING:
+                    state[slot] = _READY
+                    insert(key)
+                    done.append(key)
             self._stores += len(done)
             if done:
                 self._events.append(self._event(done, removed=False))
         else:
-            for key in done:
-                slot = slots.pop(key)
-                state[slot] = _FREE
-                self._free.append(slot)
+            free = self._free
+            for key in keys:
+                slot = slots.get(key)
+                if slot is not None and state[slot] == _WRITING:
+                    del slots[key]
+                    state[slot] = _FREE
+                    free.append(slot)
+                    done.append(key)
             self._store_failures += len(done)
 
     # -- load -----------------------------------------------------------------------
