@@ -39,6 +39,7 @@ from kvtiers.testing.doubles import (
 )
 from kvtiers.testing.reference import InMemoryTier
 from kvtiers.tiers.base import BuiltTier
+from kvtiers.tiers.index import ChunkState
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))
 CTX = ReqContext(req_id="r")
@@ -294,7 +295,7 @@ def test_retry_propagates_unless_a_later_tier_hits() -> None:
     ])
     assert manager.lookup(conformance_key(0), CTX) is RETRY
     store.put(conformance_key(1), conformance_payload(1, GEOMETRY.chunk_bytes(0)))
-    lower._insert_ready(conformance_key(1))
+    lower._insert_ready([conformance_key(1)])
     assert manager.lookup(conformance_key(1), CTX) is PENDING
     manager.shutdown()
 
@@ -404,7 +405,7 @@ class CompositeWithFaults(RuleBasedStateMachine):
         self.h.manager.wait_idle()
         assert not self.h.manager.has_pending_work()
         for tier in (self.h.primary, self.h.lower):
-            assert all(e.ready and not e.pins for e in tier._entries.values())
+            assert all(e.state is ChunkState.READY and not e.pins for _, e in tier.index.items())
         self.h.close()
 
 

@@ -167,7 +167,7 @@ def open_tier(
         threads=2,
         settings=settings,
         bad_chunks=BadChunkHandler(
-            manager.forget, manager.quarantine_dir if quarantine else None
+            manager, manager.quarantine_dir if quarantine else None
         ),
     )
     return Tier(manager, mover, region)

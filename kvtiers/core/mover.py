@@ -13,6 +13,7 @@ or corrupt read lands in ``failed_keys``. A partly failed job keeps what arrived
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -36,6 +37,16 @@ class HostRegion(Protocol):
 
     def view(self, slot_id: int) -> memoryview:
         """A writable, zero-copy view of one slot (``slot_bytes`` long)."""
+        ...
+
+
+class ChunkReporter(Protocol):
+    """Where a mover reports chunks it found bad: its own tier's manager."""
+
+    def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
+        """Thread-safe: the chunks of ``keys`` are gone from the medium — ``corrupt``:
+        they failed verification (quarantined or deleted); otherwise they vanished. The
+        manager drops them from its index on its next scheduler-thread call."""
         ...
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -88,27 +88,25 @@ class MemoryObjectTier(InMemoryTier):
             existing = list(store.objects) if persistent else []
             if not persistent:
                 store.objects.clear()
-        for key in existing:
-            self._insert_ready(key)
+        self._insert_ready(existing)
 
-    def forget(self, keys: Collection[OffloadKey]) -> None:
+    def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
         for key in keys:
             self._forgotten.put(key)
 
     def _drain_forgotten(self) -> None:
+        reported = []
         while not self._forgotten.empty():
-            key = self._forgotten.get()
-            entry = self._entries.get(key)
-            if entry is not None and entry.ready and not entry.pins:
-                self._drop(key)
-            elif entry is not None:
-                self._forgotten.put(key)
-                return
+            reported.append(self._forgotten.get())
+        if reported:
+            self._release(self.index.discard(reported))
 
-    def _drop(self, key: OffloadKey) -> None:
-        super()._drop(key)
+    def _release(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
+        super()._release(keys)
         with self.store.lock:
-            self.store.objects.pop(key, None)
+            for key in keys:
+                self.store.objects.pop(key, None)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._drain_forgotten()
@@ -183,7 +181,7 @@ class MemoryMover(FanOutMover[FanOutJob]):
         return len(data)
 
     def _chunk_corrupt(self, job: FanOutJob, chunk: ChunkCopy, error: CorruptChunkError) -> None:
-        self.tier.forget([chunk.key])
+        self.tier.forget([chunk.key], corrupt=True)
 
     def _chunk_failed(self, job: FanOutJob, chunk: ChunkCopy, error: Exception) -> None:
         """Injected failures are the test's own doing: not logged."""

@@ -70,7 +70,7 @@ def build_tier(
     )
     settings = PublishSettings(file_mode=config.file_mode, dir_mode=config.dir_mode)
     bad_chunks = BadChunkHandler(
-        manager.forget, manager.quarantine_dir if config.quarantine else None, config.dir_mode
+        manager, manager.quarantine_dir if config.quarantine else None, config.dir_mode
     )
     if primary_region is not None:
         mover = FileMover(

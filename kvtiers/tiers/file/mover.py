@@ -40,7 +40,7 @@ from pathlib import Path
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, HostRegion
+from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, ChunkReporter, HostRegion
 from kvtiers.core.publish import FileOps
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
@@ -55,16 +55,16 @@ class BadChunkHandler:
     """What happens to a chunk file that failed verification or vanished.
 
     ``quarantine_dir`` ``None`` removes corrupt files; otherwise they are moved there
-    under a unique name for inspection. ``forget`` tells the manager (thread-safe).
+    under a unique name for inspection. ``reporter`` (the manager) is told, thread-safe.
     """
 
     def __init__(
         self,
-        forget: Callable[..., None] | None,
+        reporter: ChunkReporter | None,
         quarantine_dir: Path | None,
         dir_mode: int = 0o700,
     ) -> None:
-        self._forget = forget
+        self._reporter = reporter
         self.quarantine_dir = quarantine_dir
         self._dir_mode = dir_mode
 
@@ -82,12 +82,12 @@ class BadChunkHandler:
             logger.warning("file tier: could not move corrupt chunk %s aside: %s", path, exc)
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if self._forget is not None:
-            self._forget([key], corrupt=True)
+        if self._reporter is not None:
+            self._reporter.forget([key], corrupt=True)
 
     def vanished(self, key: OffloadKey) -> None:
-        if self._forget is not None:
-            self._forget([key], corrupt=False)
+        if self._reporter is not None:
+            self._reporter.forget([key], corrupt=False)
 
 
 class _DeferredDirSync(FileOps):

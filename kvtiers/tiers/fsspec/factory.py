@@ -47,5 +47,5 @@ def build_tier(
     except BaseException:
         backend.close()
         raise
-    mover = ObjectMover(backend, primary_region, geometry, forget=manager.forget)
+    mover = ObjectMover(backend, primary_region, geometry, reporter=manager)
     return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import HostRegion
+from kvtiers.core.mover import ChunkReporter, HostRegion
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec, ObjectLoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
@@ -40,8 +40,8 @@ log = logging.getLogger(__name__)
 class ObjectMover(FanOutMover[FanOutJob]):
     """Copies chunks between a :class:`HostRegion` and an :class:`ObjectBackend`.
 
-    ``forget`` (usually the manager's :meth:`ObjectTierManager.forget`) is called from I/O
-    threads with keys whose objects turned out corrupt or missing.
+    ``reporter`` (usually the tier's :class:`ObjectTierManager`) is told from I/O threads
+    of keys whose objects turned out corrupt or missing.
     """
 
     def __init__(
@@ -51,14 +51,14 @@ class ObjectMover(FanOutMover[FanOutJob]):
         geometry: ChunkGeometry,
         *,
         delete_corrupt: bool = True,
-        forget: Callable[[Iterable[OffloadKey]], None] | None = None,
+        reporter: ChunkReporter | None = None,
     ) -> None:
         super().__init__("object tier")
         self.backend = backend
         self.region = region
         self.geometry = geometry
         self.delete_corrupt = delete_corrupt
-        self.forget = forget
+        self.reporter = reporter
         self._digest = backend.identity.digest
 
     # -- the fan-out mover's hooks --------------------------------------------------
@@ -93,8 +93,8 @@ class ObjectMover(FanOutMover[FanOutJob]):
 
     def _chunk_failed(self, job: FanOutJob, chunk: ChunkCopy, error: Exception) -> None:
         if isinstance(error, ObjectMissing):
-            if self.forget is not None:
-                self.forget([chunk.key])
+            if self.reporter is not None:
+                self.reporter.forget([chunk.key], corrupt=False)
             return
         log.warning("object tier: %s failed: %s: %s",
                     self.backend.store.describe(chunk.address), type(error).__name__, error)
@@ -131,5 +131,5 @@ class ObjectMover(FanOutMover[FanOutJob]):
         self.backend.count_corrupt()
         if self.delete_corrupt:
             self.backend.delete_quietly(name)
-        if self.forget is not None:
-            self.forget([key])
+        if self.reporter is not None:
+            self.reporter.forget([key], corrupt=True)

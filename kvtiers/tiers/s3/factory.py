@@ -101,6 +101,6 @@ def build_tier(
         raise
     mover = ObjectMover(
         backend, primary_region, geometry,
-        delete_corrupt=config.delete_corrupt, forget=manager.forget,
+        delete_corrupt=config.delete_corrupt, reporter=manager,
     )
     return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)
