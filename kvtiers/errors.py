@@ -84,3 +84,11 @@ class BackendUnavailableError(KVTiersError):
 
 class TransferError(KVTiersError):
     """A transfer between two media failed; the job is reported as failed."""
+
+
+class UnsupportedVersionError(KVTiersError, ImportError):
+    """An installed package kvtiers integrates with is outside the supported versions.
+
+    An ``ImportError``: the integration module refuses to load, before any raw failure
+    deep inside the other package could happen.
+    """
