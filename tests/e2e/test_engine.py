@@ -234,14 +234,7 @@ def test_every_chunk_damaged_is_recomputed_with_identical_tokens(
     [
         "block_size_64",
         "bfloat16",
-        pytest.param(
-            "revision_r2",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 12: the spec reads the revision from vLLM's current config, "
-                "which the engine core does not set, so every revision records 'main'",
-            ),
-        ),
+        "revision_r2",
     ],
 )
 def test_identity_change_is_a_cold_miss(second: dict[str, Any], name: str) -> None:
