@@ -21,6 +21,8 @@ from kvtiers.stack.composite import TieredManager
 from kvtiers.tiers.base import BuiltTier
 
 if TYPE_CHECKING:
+    import torch
+
     from kvtiers.stack.metrics import MetricsServer
 
 
@@ -35,8 +37,14 @@ class Stack:
     #: The Prometheus exporter, when the stack file has a ``metrics:`` section.
     metrics: MetricsServer | None = None
 
-    def make_worker(self, kv_caches: KVCacheTensors) -> OffloadingWorker:
-        """The primary's GPU ⇄ primary worker over the engine's KV tensors."""
+    def make_worker(
+        self, kv_caches: KVCacheTensors | Mapping[str, torch.Tensor]
+    ) -> OffloadingWorker:
+        """The primary's GPU ⇄ primary worker over the engine's KV tensors: a
+        :class:`KVCacheTensors`, or ``{layer name: tensor}`` (see
+        :meth:`KVCacheTensors.from_layers`)."""
+        if isinstance(kv_caches, Mapping):
+            kv_caches = KVCacheTensors.from_layers(kv_caches, self.offloading)
         primary = self.tiers[0]
         if primary.make_worker is None:
             raise ConfigError(f"tier {primary.name!r} cannot be a primary", path="tiers[0]")
