@@ -44,6 +44,7 @@ from kvtiers.core.manager import (
 from kvtiers.core.mover import Mover, MoverResult
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.errors import ConfigError, UnknownKeyError
+from kvtiers.stack.metrics_latency import LatencyHistograms
 from kvtiers.tiers.base import BuiltTier
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -121,6 +122,8 @@ class TieredManager(OffloadingManager):
         #: large tier's chunks is not free, so a stack without metrics never does it).
         self.stats_snapshot: Mapping[str, float] = {}
         self.stats_refresh_s: float | None = None
+        #: Promotion and cascade job latencies, counted only when metrics are exported.
+        self.latency: LatencyHistograms | None = None
         self._snapshot_at = -math.inf
 
     @property
@@ -253,6 +256,8 @@ class TieredManager(OffloadingManager):
         self._stats[moved] += result.transfer_bytes
         self._stats[seconds] += result.transfer_s
         self._add(f"{lower.tier.name}.{per_tier}", len(succeeded), result)
+        if self.latency is not None:
+            self.latency.observe(job.kind, lower.tier.name, result.transfer_s)
 
     def _add(self, prefix: str, chunks: int, result: MoverResult) -> None:
         """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` (chunks),
