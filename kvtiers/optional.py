@@ -22,6 +22,8 @@ EXTRAS: dict[str, str] = {
     "tqdm": "demo",
     "matplotlib": "demo",
     "moto": "demo",
+    "flask": "demo",
+    "flask_cors": "demo",
     "vllm": "vllm",
 }
 """Top-level module name → the extra that installs it."""
