@@ -230,21 +230,21 @@ def machine_note() -> dict[str, str]:
 
 def render(results: dict[str, object]) -> str:
     note = results["machine"]
-    assert isinstance(note, dict)
+    command = results["command"]
+    assert isinstance(note, dict) and isinstance(command, str)
     lines = [
         "# CPU tier benchmarks",
         "",
         f"Machine: {note['cpu']}, {note['cores']} cores, torch {note['torch']} "
         f"({note['torch_threads']} threads), Python {note['python']}, {note['date']}.",
-        "Command: `.venv/bin/python benchmarks/bench_cpu.py"
-        + (" --quick`" if results["quick"] else "`"),
+        f"Command: `{' '.join(['.venv/bin/python benchmarks/bench_cpu.py', command]).strip()}`",
         "",
         "## (a) Worker throughput vs a plain contiguous copy (target >= 0.8x)",
         "",
         f"{LAYERS_PER_GROUP} layer tensors per group, random non-contiguous GPU blocks; slots "
         "`scattered` (random) or `fresh` (consecutive, as a tier that has not churned yet "
-        "hands out). `kernel`: the fused page-copy kernel (every page moved once, "
-        f"{results['kernel_threads']} threads); `torch`: the fallback (scattered: gather to a "
+        "hands out). `kernel`: the fused page-copy kernel (every page moved once; threads: "
+        f"{results['kernel_threads']}); `torch`: the fallback (scattered: gather to a "
         "staging buffer, then scatter; fresh: one indexed pass). Ratios are to the plain copy "
         "in the same row.",
         "",
@@ -262,37 +262,39 @@ def render(results: dict[str, object]) -> str:
             f"| {r['layout']} | {r['page_kib']} KiB | {r['groups']} | {r['blocks_per_chunk']} | "
             f"{r['bytes'] / 2**20:.0f} | {r['copy_gbs']:.1f} | {cells} |"
         )
-    lines += [
-        "",
-        "## (b) Scheduler path, microseconds per key (targets: lookup <= 1, "
-        "store and load paths <= 5 at 1024)",
-        "",
-        "A full tier of random keys; hits, loads and misses drawn at random (no locality).",
-        "",
-        "| policy | chunks | batch | lookup hit | lookup miss "
-        "| prepare_store+get_spec+complete_store | prepare_load+get_spec+complete_load |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results["scheduler"]:  # type: ignore[attr-defined]
-        lines.append(
-            f"| {r['policy']} | {r['capacity']} | {r['batch']} | {r['lookup_hit_us']:.2f} "
-            f"| {r['lookup_miss_us']:.2f} | {r['store_us']:.2f} | {r['load_us']:.2f} |"
-        )
-    lines += [
-        "",
-        "## (c) Manager memory per tracked chunk (target <= 200 bytes)",
-        "",
-        "Everything the manager and its policy allocate (tracemalloc), excluding the key "
-        "objects themselves, which the caller creates.",
-        "",
-        "| policy | chunks | bytes per chunk | + key object |",
-        "|---|---:|---:|---:|",
-    ]
-    for r in results["memory"]:  # type: ignore[attr-defined]
-        lines.append(
-            f"| {r['policy']} | {r['chunks']} | {r['bytes_per_chunk']:.0f} | "
-            f"{r['bytes_per_chunk'] + r['key_object_bytes']:.0f} |"
-        )
+    if results["scheduler"]:
+        lines += [
+            "",
+            "## (b) Scheduler path, microseconds per key (targets: lookup <= 1, "
+            "store and load paths <= 5 at 1024)",
+            "",
+            "A full tier of random keys; hits, loads and misses drawn at random (no locality).",
+            "",
+            "| policy | chunks | batch | lookup hit | lookup miss "
+            "| prepare_store+get_spec+complete_store | prepare_load+get_spec+complete_load |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in results["scheduler"]:  # type: ignore[attr-defined]
+            lines.append(
+                f"| {r['policy']} | {r['capacity']} | {r['batch']} | {r['lookup_hit_us']:.2f} "
+                f"| {r['lookup_miss_us']:.2f} | {r['store_us']:.2f} | {r['load_us']:.2f} |"
+            )
+    if results["memory"]:
+        lines += [
+            "",
+            "## (c) Manager memory per tracked chunk (target <= 200 bytes)",
+            "",
+            "Everything the manager and its policy allocate (tracemalloc), excluding the key "
+            "objects themselves, which the caller creates.",
+            "",
+            "| policy | chunks | bytes per chunk | + key object |",
+            "|---|---:|---:|---:|",
+        ]
+        for r in results["memory"]:  # type: ignore[attr-defined]
+            lines.append(
+                f"| {r['policy']} | {r['chunks']} | {r['bytes_per_chunk']:.0f} | "
+                f"{r['bytes_per_chunk'] + r['key_object_bytes']:.0f} |"
+            )
     lines += ["", "## Reading the numbers", "", *summary(results)]
     return "\n".join(lines) + "\n"
 
@@ -317,11 +319,7 @@ def summary(results: dict[str, object]) -> list[str]:
             f"{below}/{len(ratios)} below 0.8x)"
         )
 
-    at_1024 = [r for r in scheduler if r["batch"] == 1024]
-    worst_lookup = max(max(r["lookup_hit_us"], r["lookup_miss_us"]) for r in scheduler)
-    worst_path = max(max(r["store_us"], r["load_us"]) for r in at_1024)
-    worst_memory = max(r["bytes_per_chunk"] for r in memory)
-    return [
+    lines = [
         f"- (a) kernel, `scattered` slots: {ratio_range('scattered', 'kernel')}; `fresh` "
         f"slots: {ratio_range('fresh', 'kernel')} of a plain copy (target 0.8x). The kernel "
         "moves each page once with `memcpy`, whatever the layout, so scattered and fresh "
@@ -333,25 +331,52 @@ def summary(results: dict[str, object]) -> list[str]:
         "Scattered on both sides, torch has no indexed-to-indexed copy: every byte is "
         "gathered into a cache-sized staging buffer and scattered out again, so about 0.5x "
         "is that path's ceiling.",
-        f"- (b) lookup <= {worst_lookup:.2f} us per key (target 1 us); store and load paths "
-        f"<= {worst_path:.2f} us per key at 1024 keys (target 5 us), every store evicting.",
-        f"- (c) <= {worst_memory:.0f} bytes per tracked chunk (target 200), excluding the "
-        f"key objects the caller creates ({memory[0]['key_object_bytes']} bytes each here); "
-        "ARC and S3-FIFO ghost entries (keys only, at most one capacity's worth) come on top "
-        "once evictions start.",
         "- The copy baseline swings between about 7 and 24 GB/s on this shared 2-core "
         "machine (other jobs run alongside); each ratio pairs interleaved best-of runs.",
     ]
+    if scheduler:
+        at_1024 = [r for r in scheduler if r["batch"] == 1024]
+        worst_lookup = max(max(r["lookup_hit_us"], r["lookup_miss_us"]) for r in scheduler)
+        worst_path = max(max(r["store_us"], r["load_us"]) for r in at_1024)
+        lines.append(
+            f"- (b) lookup <= {worst_lookup:.2f} us per key (target 1 us); store and load paths "
+            f"<= {worst_path:.2f} us per key at 1024 keys (target 5 us), every store evicting."
+        )
+    if memory:
+        worst_memory = max(r["bytes_per_chunk"] for r in memory)
+        lines.append(
+            f"- (c) <= {worst_memory:.0f} bytes per tracked chunk (target 200), excluding the "
+            f"key objects the caller creates ({memory[0]['key_object_bytes']} bytes each here); "
+            "ARC and S3-FIFO ghost entries (keys only, at most one capacity's worth) come on top "
+            "once evictions start."
+        )
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch intra-op threads, which also size the copy baseline and the kernel "
+        "(default: torch's); 1 is the least disturbed by other jobs on a small machine",
+    )
+    parser.add_argument("--repeats", type=int, help="worker runs per row, best kept (7)")
+    parser.add_argument(
+        "--worker-only", action="store_true", help="only (a), the worker throughput"
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     total = (16 if args.quick else 64) << 20
-    repeats = 3 if args.quick else 7
-    results: dict[str, object] = {"machine": machine_note(), "quick": args.quick}
+    repeats = args.repeats or (3 if args.quick else 7)
+    results: dict[str, object] = {
+        "machine": machine_note(),
+        "quick": args.quick,
+        "command": " ".join(sys.argv[1:]),
+    }
     results["kernel_threads"] = min(torch.get_num_threads(), MAX_COPY_THREADS)
     results["worker"] = [
         bench_worker(page * KIB, groups, per_chunk, total, repeats, layout)
@@ -360,9 +385,10 @@ def main() -> None:
         for groups in (1, 4)
         for per_chunk in (1, 4)
     ]
-    keys_per_run = 20_000 if args.quick else 100_000
     results["scheduler"] = []
-    for capacity in (20_000,) if args.quick else (100_000, 400_000):
+    results["memory"] = []
+    keys_per_run = 20_000 if args.quick else 100_000
+    for capacity in () if args.worker_only else (20_000,) if args.quick else (100_000, 400_000):
         stored = random_keys(capacity, seed=1)
         results["scheduler"] += [
             bench_scheduler(policy, batch, keys_per_run, capacity, stored)
@@ -370,12 +396,15 @@ def main() -> None:
             for batch in (1, 16, 1024)
         ]
     chunks = 20_000 if args.quick else 100_000
-    results["memory"] = [bench_memory(policy, chunks) for policy in BUILTIN_POLICIES]
+    if not args.worker_only:
+        results["memory"] = [bench_memory(policy, chunks) for policy in BUILTIN_POLICIES]
     report = render(results)
     print(report)
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        name = "cpu-quick" if args.quick else "cpu"
+        name = ("cpu-quick" if args.quick else "cpu") + (
+            f"-threads{args.threads}" if args.threads else ""
+        )
         (RESULTS / f"{name}.md").write_text(report)
         (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
 
