@@ -115,3 +115,19 @@ def test_a_failed_build_returns_none_and_leaves_no_files(
     assert load_page_copier(tmp_path) is None
     assert "could not be built" in caplog.text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_compiler_python_was_built_with_is_used_only_when_present(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sysconfig
+
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: "no-such-cc-here -pthread")
+    assert compiler() == ["cc"]
+    present = shutil.which("cc") or shutil.which("gcc")
+    assert present is not None
+    monkeypatch.setattr(sysconfig, "get_config_var", lambda name: f"{present} -pthread")
+    assert compiler() == [present, "-pthread"]
+    monkeypatch.setenv("CC", "clang -O1")
+    assert compiler() == ["clang", "-O1"]

@@ -23,6 +23,7 @@ import logging
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -96,9 +97,15 @@ def cache_dir() -> Path:
 
 
 def compiler() -> list[str]:
-    """The C compiler command: ``$CC``, else the one Python was built with, else ``cc``."""
-    command = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
-    return shlex.split(str(command))
+    """The C compiler command: ``$CC`` when set; else the one Python was built with, when
+    it is on this machine's ``PATH`` (a relocated Python may name its build host's); else
+    ``cc``."""
+    if command := os.environ.get("CC"):
+        return shlex.split(command)
+    built_with = shlex.split(str(sysconfig.get_config_var("CC") or ""))
+    if built_with and shutil.which(built_with[0]):
+        return built_with
+    return ["cc"]
 
 
 def library_path(directory: Path) -> Path:
