@@ -32,13 +32,18 @@ def addresses(buffer: np.ndarray, offsets: list[int]) -> np.ndarray:
     return np.asarray(offsets, dtype=np.int64) + buffer.ctypes.data
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["memcpy", "streaming"])
 @pytest.mark.parametrize("threads", [1, 2, 3, 16, 40])
 @pytest.mark.parametrize("seed", range(8))
 def test_pages_of_mixed_sizes_land_exactly_where_asked(
-    copier: PageCopier, seed: int, threads: int
+    copier: PageCopier, seed: int, threads: int, streaming: bool
 ) -> None:
+    """Sizes and offsets are unaligned, so streaming copies exercise their unaligned head
+    and tail as well as the 64-byte body."""
     rng = random.Random(seed)
-    sizes = [rng.choice((1, 7, 64, 100, 4096, 70_000)) for _ in range(rng.randint(1, 40))]
+    sizes = [
+        rng.choice((1, 7, 15, 16, 64, 79, 100, 4096, 70_001)) for _ in range(rng.randint(1, 40))
+    ]
     # Disjoint ranges in both buffers, in a random order on each side.
     src_offsets, dst_offsets, position = [], [], 0
     for size in sizes:
@@ -61,6 +66,7 @@ def test_pages_of_mixed_sizes_land_exactly_where_asked(
         addresses(source, src_offsets),
         np.asarray(sizes, dtype=np.int64),
         threads,
+        streaming=streaming,
     )
     np.testing.assert_array_equal(target, expected)
     assert 1 <= used <= min(threads, len(sizes))

@@ -1,10 +1,11 @@
 """GPU ⇄ CPU worker round trips over random geometries, plus its error handling.
 
 Every round trip runs on each copy path: the fused page-copy kernel on one thread, the
-kernel split over three threads (the per-thread byte floor lowered so small jobs split),
-and the pure-torch path. Block and slot ids come scattered, sorted, in runs of consecutive
-ids, or consecutive on one side; transfers start at a random GPU block offset, so leading
-sub-blocks of the first chunk are skipped and the last chunk may be partial.
+kernel split over three threads with non-temporal stores (the per-thread and streaming byte
+floors lowered so small jobs take them), and the pure-torch path. Block and slot ids come
+scattered, sorted, in runs of consecutive ids, or consecutive on one side; transfers start
+at a random GPU block offset, so leading sub-blocks of the first chunk are skipped and the
+last chunk may be partial.
 
 Expected slot contents are computed independently of the worker, straight from the layout
 rule of :mod:`kvtiers.core.geometry`: chunk ``c`` of group ``g`` in slot ``s`` holds, for
@@ -32,7 +33,7 @@ from kvtiers.tiers.cpu.region import SlotRegion
 from kvtiers.tiers.cpu.worker import CpuWorker
 
 PAGE_SIZES = (8, 24, 36, 64, 100, 256, 1000, 4096)
-COPY_PATHS = ("kernel", "kernel-threads", "torch")
+COPY_PATHS = ("kernel", "kernel-threads-streaming", "torch")
 HAS_COMPILER = shutil.which(compiler()[0]) is not None
 
 
@@ -47,8 +48,9 @@ def make_worker(
     if not HAS_COMPILER:
         pytest.skip(f"no C compiler ({compiler()[0]}) to build the page-copy kernel")
     threads = 1
-    if path == "kernel-threads":
+    if path == "kernel-threads-streaming":
         monkeypatch.setattr(worker_module, "MIN_BYTES_PER_THREAD", 1)
+        monkeypatch.setattr(worker_module, "STREAMING_BYTES", 1)
         threads = 3
     worker = CpuWorker(
         setup.kv, setup.region, setup.geometry, kernel=True, copy_threads=threads, **options

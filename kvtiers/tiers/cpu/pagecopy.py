@@ -59,6 +59,7 @@ class PageCopier:
             ctypes.c_void_p,
             ctypes.c_void_p,
             ctypes.c_int,
+            ctypes.c_int,
         ]
         function.restype = ctypes.c_int
         self._function = function
@@ -69,8 +70,12 @@ class PageCopier:
         src: npt.NDArray[np.int64],
         nbytes: npt.NDArray[np.int64],
         threads: int = 1,
+        *,
+        streaming: bool = False,
     ) -> int:
-        """Copy every page; return the number of threads that copied. The caller
+        """Copy every page; return the number of threads that copied. ``streaming``
+        writes with non-temporal stores where the CPU has them (for copies far larger than
+        the cache: the destination is not read into the cache first). The caller
         guarantees every range is inside memory it owns and no destination overlaps
         another range."""
         if not dst.shape == src.shape == nbytes.shape or dst.ndim != 1:
@@ -84,7 +89,7 @@ class PageCopier:
         if dst.size == 0:
             return 0
         return int(
-            self._function(dst.size, *(a.ctypes.data for a in arrays), threads)
+            self._function(dst.size, *(a.ctypes.data for a in arrays), threads, int(streaming))
         )
 
 

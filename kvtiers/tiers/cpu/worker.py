@@ -9,7 +9,8 @@ blocks_per_chunk``: chunk ``p // F``, sub-block ``p % F``. The last chunk may be
 CPU copies go through the fused page-copy kernel of :mod:`kvtiers.tiers.cpu.pagecopy` when
 it builds: every (source, destination) page address of the job is computed at once with
 numpy, bounds-checked, and one call moves each page once, in any layout, with the GIL
-released and over up to ``copy_threads`` threads (one per ``MIN_BYTES_PER_THREAD``).
+released, over up to ``copy_threads`` threads (one per ``MIN_BYTES_PER_THREAD``), and with
+non-temporal stores for jobs of ``STREAMING_BYTES`` or more.
 
 Without the kernel (no C compiler, ``kernel=False``, or KV tensors on a GPU), copies are
 vectorised in torch: bytes move with ``index_select`` (gather) and ``index_copy_`` (scatter)
@@ -64,6 +65,9 @@ DEFAULT_BATCH_BYTES = 1 << 20
 MIN_BYTES_PER_THREAD = 1 << 20
 #: Threads past this add no bandwidth to a host memory copy.
 MAX_COPY_THREADS = 8
+#: Jobs moving at least this many bytes write with non-temporal stores: far larger than a
+#: core's share of the last-level cache, their destination would only evict useful lines.
+STREAMING_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -309,7 +313,8 @@ class CpuWorker(QueuedWorker):
             if not job.store:
                 src, dst = dst, src
             threads = max(1, min(self._copy_threads, moved // MIN_BYTES_PER_THREAD))
-            copier.copy(dst, src, np.concatenate(sizes), threads)
+            streaming = moved >= STREAMING_BYTES
+            copier.copy(dst, src, np.concatenate(sizes), threads, streaming=streaming)
         return moved
 
     @staticmethod
