@@ -331,10 +331,14 @@ def summary(results: dict[str, object]) -> list[str]:
     lines = [
         f"- (a) kernel, `scattered` slots: {ratio_range('scattered', 'kernel')}; `fresh` "
         f"slots: {ratio_range('fresh', 'kernel')} of a plain copy (target 0.8x). The kernel "
-        "moves each page once with `memcpy`, whatever the layout, so scattered and fresh "
-        "slots cost the same; what separates it from the baseline is one call per page "
-        "(16 KiB pages pay the most) and the page-sized jumps between source and "
-        "destination, which the hardware prefetchers of a single contiguous copy never see.",
+        "moves each page once, whatever the layout, so scattered and fresh slots cost the "
+        "same; jobs this size write with non-temporal stores, which skip reading each "
+        "destination line before overwriting it (torch's `copy_` baseline does not, hence "
+        "rows above 1x). Rows below 0.8x are mostly 16 KiB pages with blocks_per_chunk 4, "
+        "where each page is a short copy between distant addresses, and runs the machine's "
+        "other jobs disturbed; what would help further: huge pages for the region (fewer "
+        "TLB misses per 16 KiB page) and a persistent thread pool instead of a thread "
+        "started per job.",
         f"- (a) torch fallback (used when no C compiler is found), same run: `scattered` "
         f"{ratio_range('scattered', 'torch')}; `fresh` {ratio_range('fresh', 'torch')}. "
         "Scattered on both sides, torch has no indexed-to-indexed copy: every byte is "
