@@ -25,6 +25,11 @@ from kvtiers.errors import ConfigError
 BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
+# A /dev/shm file name: no leading dot (the region's temp names start with one), short.
+SHM_NAME = Matches(
+    r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}",
+    "a simple name of at most 200 letters, digits, '.', '_' and '-', not starting with '.'",
+)
 Threads = Annotated[int, Range(1, 256)]
 Seconds = Annotated[float, Range(0, above=True)]
 _OWNER_READ_WRITE = OctalMode(0o600)
@@ -69,7 +74,7 @@ class CPUTierConfig(TierConfig):
     kind: Literal["cpu"] = "cpu"
     capacity: Size = field(metadata=example("capacity: 8GiB"))
     policy: Annotated[str, Check(_policy_problem)] = "lru"
-    shared_memory_name: Annotated[str, SIMPLE_NAME] | None = None
+    shared_memory_name: Annotated[str, SHM_NAME] | None = None
 
     @property
     def can_be_primary(self) -> bool:
