@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from kvtiers.config.schema import Check, Matches, OctalMode, Range, Section, example
 from kvtiers.config.sizes import Size, format_size
+from kvtiers.core.bounded import nesting_problem
 from kvtiers.errors import ConfigError
 
 BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
@@ -30,6 +31,9 @@ SHM_NAME = Matches(
     r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}",
     "a simple name of at most 200 letters, digits, '.', '_' and '-', not starting with '.'",
 )
+# fsspec storage options are a handful of settings, sometimes one nested client mapping.
+STORAGE_OPTIONS_MAX_DEPTH = 6
+STORAGE_OPTIONS_MAX_VALUES = 1000
 Threads = Annotated[int, Range(1, 256)]
 Seconds = Annotated[float, Range(0, above=True)]
 _OWNER_READ_WRITE = OctalMode(0o600)
@@ -240,6 +244,19 @@ class FsspecTierConfig(TierConfig):
     capacity: Size | None = None
     shared: bool = False
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def _check(self) -> None:
+        problem = nesting_problem(
+            self.storage_options,
+            max_depth=STORAGE_OPTIONS_MAX_DEPTH,
+            max_values=STORAGE_OPTIONS_MAX_VALUES,
+        )
+        if problem is not None:
+            raise ConfigError(
+                f"{problem}; fsspec options are a few flat settings (credentials, "
+                "endpoint), so write them out plainly",
+                path="storage_options",
+            )
 
     def describe(self) -> str:
         parts = [f"fsspec {self.url}"]

@@ -57,7 +57,9 @@ def build_tier(
         io_backend=backend.code,
         io_backend_name=backend.name,
     )
-    settings = PublishSettings(file_mode=config.file_mode, dir_mode=config.dir_mode)
+    settings = PublishSettings(
+        file_mode=config.file_mode, dir_mode=config.dir_mode, root=mapper.root
+    )
     bad_chunks = BadChunkHandler(
         manager.forget, manager.quarantine_dir if config.quarantine else None, config.dir_mode
     )
