@@ -154,6 +154,10 @@ def _check_depth(text: str, source: str) -> None:
             depth -= 1
 
 
+def _brief(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
+
+
 class _Converter:
     """Turns composed nodes into dicts, lists and scalars, recording lines by path."""
 
@@ -182,7 +186,7 @@ class _Converter:
             )
         self.lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.ScalarNode):
-            return self._loader.construct_object(node, deep=True)
+            return self._scalar(node, path)
         if id(node) in self._active:
             raise self._error(
                 "an alias refers to a value that contains it; write the value out instead",
@@ -201,9 +205,22 @@ class _Converter:
         finally:
             self._active.discard(id(node))
 
+    def _scalar(self, node: yaml.ScalarNode, path: str) -> object:
+        try:
+            return self._loader.construct_object(node, deep=True)
+        except (ValueError, OverflowError) as exc:
+            # A value PyYAML's typing cannot build: an integer of thousands of digits, a
+            # timestamp like 2024-13-45.
+            detail = " ".join(str(exc).split())
+            raise self._error(
+                f"cannot read {_brief(node.value)!r} ({detail}); quote it if it is text",
+                path,
+                node,
+            ) from None
+
     def _key(self, node: yaml.Node, path: str) -> str:
         if isinstance(node, yaml.ScalarNode):
-            key = self._loader.construct_object(node, deep=True)
+            key = self._scalar(node, path)
             if isinstance(key, str):
                 return key
             shown = repr(key)
