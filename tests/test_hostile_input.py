@@ -165,6 +165,11 @@ def test_an_alias_bomb_inside_storage_options_is_refused(tmp_path: Path) -> None
     assert "tiers[1].storage_options:" in err
 
 
+def test_a_control_character_is_a_one_line_error(tmp_path: Path) -> None:
+    err = _one_line_usage_error(tmp_path, "tiers:\x1f\n")
+    assert "invalid YAML: unacceptable character #x001f" in err
+
+
 def test_an_oversized_stack_file_is_refused_unread(tmp_path: Path) -> None:
     path = tmp_path / "big.yaml"
     with open(path, "wb") as f:

@@ -112,8 +112,10 @@ def _read_bounded(path: Path) -> bytes:
 
 def parse_yaml(text: str, *, source: str = "") -> YamlDocument:
     """Convert one YAML document; an empty document is an error (a stack needs tiers)."""
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
+        # The reader rejects control characters as soon as it is made: inside the try.
+        loader = yaml.SafeLoader(text)
         _check_depth(text, source)
         node = loader.get_single_node()
         if node is None:
@@ -132,7 +134,8 @@ def parse_yaml(text: str, *, source: str = "") -> YamlDocument:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"invalid YAML: {detail}", source=source) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def _check_depth(text: str, source: str) -> None:
