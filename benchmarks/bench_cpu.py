@@ -8,8 +8,14 @@
     ``prepare_load + get_spec + complete_load`` (targets <= 1 us and <= 5 us at 1024).
 (c) Manager memory per tracked chunk, measured with tracemalloc (target <= 200 bytes).
 
-Run: ``.venv/bin/python benchmarks/bench_cpu.py [--quick]``. Writes
-``benchmarks/results/cpu.md`` and ``cpu.json`` unless ``--no-write``.
+(b) and (c) also measure ``chunkindex``: the same operations on a slot map over a
+:class:`~kvtiers.tiers.index.ChunkIndex` (the reference tier, LRU), the bookkeeping the
+file and object tiers use, so the CPU tier's tuned arrays are compared with it in the
+same run (docs/architecture.md says why the CPU tier keeps them).
+
+Run: ``.venv/bin/python benchmarks/bench_cpu.py [--quick] [--scheduler-only]``. Writes
+``benchmarks/results/cpu.md`` and ``cpu.json`` unless ``--no-write`` or
+``--scheduler-only`` (which prints the (b) table only).
 """
 
 from __future__ import annotations
@@ -31,15 +37,18 @@ from machine import cores, cpu_model
 
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey, make_offload_key
-from kvtiers.core.manager import ReqContext
+from kvtiers.core.manager import OffloadingManager, ReqContext
 from kvtiers.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, GroupTransfer
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef
 from kvtiers.policies import BUILTIN_POLICIES, load_policy
+from kvtiers.testing.reference import InMemoryTier
 from kvtiers.tiers.cpu.manager import CpuTierManager
 from kvtiers.tiers.cpu.region import SlotRegion
 from kvtiers.tiers.cpu.worker import CpuWorker
 
 RESULTS = Path(__file__).parent / "results"
+#: The CPU tier with each builtin policy, then the ChunkIndex bookkeeping it is compared with.
+SCHEDULER_KINDS = (*BUILTIN_POLICIES, "chunkindex")
 KIB = 1024
 LAYERS_PER_GROUP = 2
 CTX = ReqContext(req_id="bench")
@@ -128,9 +137,17 @@ def random_keys(count: int, seed: int) -> list[OffloadKey]:
     return [make_offload_key(rng.randbytes(16), 0) for _ in range(count)]
 
 
+def make_manager(kind: str, capacity: int) -> OffloadingManager:
+    """The CPU tier with policy ``kind``, or for ``chunkindex`` the reference tier (a slot
+    map over a ChunkIndex, LRU)."""
+    if kind == "chunkindex":
+        return InMemoryTier(capacity)
+    return CpuTierManager(capacity, 4096, load_policy(kind)(capacity))
+
+
 def bench_scheduler(policy: str, batch: int, keys_per_run: int) -> dict[str, float]:
     capacity = max(4096, 4 * batch)
-    manager = CpuTierManager(capacity, 4096, load_policy(policy)(capacity))
+    manager = make_manager(policy, capacity)
     stored = random_keys(capacity, seed=1)
     for begin in range(0, capacity, 1024):
         part = stored[begin : begin + 1024]
@@ -178,7 +195,7 @@ def bench_memory(policy: str, chunks: int) -> dict[str, float]:
     keys = random_keys(chunks, seed=3)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    manager = CpuTierManager(chunks, 4096, load_policy(policy)(chunks))
+    manager = make_manager(policy, chunks)
     for begin in range(0, chunks, 1024):
         part = keys[begin : begin + 1024]
         manager.prepare_store(part, CTX)
@@ -236,19 +253,8 @@ def render(results: dict[str, object]) -> str:
         )
     lines += [
         "",
-        "## (b) Scheduler path, microseconds per key (targets: lookup <= 1, "
-        "store and load paths <= 5 at 1024)",
+        render_scheduler(results["scheduler"]),  # type: ignore[arg-type]
         "",
-        "| policy | batch | lookup | prepare_store+get_spec+complete_store "
-        "| prepare_load+get_spec+complete_load |",
-        "|---|---:|---:|---:|---:|",
-    ]
-    for r in results["scheduler"]:  # type: ignore[attr-defined]
-        lines.append(
-            f"| {r['policy']} | {r['batch']} | {r['lookup_us']:.2f} | {r['store_us']:.2f} "
-            f"| {r['load_us']:.2f} |"
-        )
-    lines += [
         "",
         "## (c) Manager memory per tracked chunk (target <= 200 bytes)",
         "",
@@ -267,12 +273,41 @@ def render(results: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_scheduler(rows: list[dict[str, float]]) -> str:
+    """The (b) section: one row per policy (or ``chunkindex``) and batch size."""
+    lines = [
+        "## (b) Scheduler path, microseconds per key (targets: lookup <= 1, "
+        "store and load paths <= 5 at 1024)",
+        "",
+        "| policy | batch | lookup | prepare_store+get_spec+complete_store "
+        "| prepare_load+get_spec+complete_load |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['policy']} | {r['batch']} | {r['lookup_us']:.2f} | {r['store_us']:.2f} "
+            f"| {r['load_us']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
 def summary(results: dict[str, object]) -> list[str]:
     """The closing note: each target, the measured range, and what limits it."""
     worker = results["worker"]
     scheduler = results["scheduler"]
     memory = results["memory"]
     assert isinstance(worker, list) and isinstance(scheduler, list) and isinstance(memory, list)
+    index_rows = {r["batch"]: r for r in scheduler if r["policy"] == "chunkindex"}
+    lru_rows = {r["batch"]: r for r in scheduler if r["policy"] == "lru"}
+    index_memory = [r for r in memory if r["policy"] == "chunkindex"]
+    # The targets are the CPU tier's; the chunkindex rows are its comparison.
+    scheduler = [r for r in scheduler if r["policy"] != "chunkindex"]
+    memory = [r for r in memory if r["policy"] != "chunkindex"]
+    comparison = ", ".join(
+        f"batch {batch}: store {index_rows[batch]['store_us'] / lru['store_us']:.2f}x, "
+        f"load {index_rows[batch]['load_us'] / lru['load_us']:.2f}x"
+        for batch, lru in lru_rows.items() if batch in index_rows
+    )
 
     def ratio_range(layout: str) -> str:
         ratios = [
@@ -305,6 +340,9 @@ def summary(results: dict[str, object]) -> list[str]:
         f"key objects the caller creates ({memory[0]['key_object_bytes']} bytes each here); "
         "ARC and S3-FIFO ghost entries (keys only, at most one capacity's worth) come on top "
         "once evictions start.",
+        f"- ChunkIndex (the reference tier) against the CPU tier with lru, time ratio: "
+        f"{comparison}; memory {index_memory[0]['bytes_per_chunk']:.0f} bytes per chunk "
+        "(above 1.0x: the CPU tier's arrays are faster, so it keeps them).",
         "- The copy baseline swings between about 7 and 24 GB/s on this shared 2-core "
         "machine (other jobs run alongside); each ratio pairs interleaved best-of runs.",
     ]
@@ -314,7 +352,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--scheduler-only", action="store_true", help="run and print (b) only; writes nothing"
+    )
     args = parser.parse_args()
+    keys_per_run = 20_000 if args.quick else 100_000
+    if args.scheduler_only:
+        print(render_scheduler(
+            [bench_scheduler(kind, batch, keys_per_run) for kind in SCHEDULER_KINDS
+             for batch in (1, 16, 1024)]
+        ))
+        return
     total = (16 if args.quick else 64) << 20
     repeats = 3 if args.quick else 7
     results: dict[str, object] = {"machine": machine_note(), "quick": args.quick}
@@ -325,14 +373,13 @@ def main() -> None:
         for groups in (1, 4)
         for per_chunk in (1, 4)
     ]
-    keys_per_run = 20_000 if args.quick else 100_000
     results["scheduler"] = [
-        bench_scheduler(policy, batch, keys_per_run)
-        for policy in BUILTIN_POLICIES
+        bench_scheduler(kind, batch, keys_per_run)
+        for kind in SCHEDULER_KINDS
         for batch in (1, 16, 1024)
     ]
     chunks = 20_000 if args.quick else 100_000
-    results["memory"] = [bench_memory(policy, chunks) for policy in BUILTIN_POLICIES]
+    results["memory"] = [bench_memory(kind, chunks) for kind in SCHEDULER_KINDS]
     report = render(results)
     print(report)
     if not args.no_write:

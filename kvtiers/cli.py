@@ -4,9 +4,9 @@ Each subcommand is one :class:`Command` in :data:`COMMANDS`: a function that add
 arguments to its parser and a function that runs it and returns the exit status. A
 command imports what it needs inside its ``run`` so ``kvtiers --help`` stays fast.
 
-Exit statuses: 0 success; 2 a configuration or usage error; 1 any other failure kvtiers
-reports (:class:`~kvtiers.errors.KVTiersError`). Errors are printed as one line on
-stderr, never as a traceback.
+Exit statuses: 0 success; 2 a configuration or usage error (bad arguments included); 1 any
+other failure kvtiers reports (:class:`~kvtiers.errors.KVTiersError`). Errors are printed
+as one line on stderr, never as a traceback.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 from kvtiers import __version__
 from kvtiers.errors import ConfigError, KVTiersError
@@ -171,6 +171,43 @@ def _run_gc(args: argparse.Namespace) -> int:
         location.close()
 
 
+def _configure_identity(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", metavar="FILE",
+                        help="a stack file with a model: section")
+
+
+def _run_identity(args: argparse.Namespace) -> int:
+    """Print the identity (fields, digest, namespace) a stack file's model gives."""
+    from kvtiers.config import load_stack_config
+    from kvtiers.filemapper import NamespaceIdentity
+    from kvtiers.tools.identity import print_identity
+
+    stack = load_stack_config(args.config)
+    if stack.model is None:
+        raise ConfigError(
+            f"{args.config}: no model: section, so no cache identity to show; add one "
+            "(see configs/demo.yaml)"
+        )
+    print_identity(NamespaceIdentity.from_config(stack.model.to_offloading_config()), sys.stdout)
+    return EXIT_OK
+
+
+def _configure_diff(parser: argparse.ArgumentParser) -> None:
+    _add_location(parser)
+    parser.add_argument("first", metavar="NS_A", help="a namespace (kvtiers inspect lists them)")
+    parser.add_argument("second", metavar="NS_B", help="the namespace to compare it with")
+
+
+def _run_diff(args: argparse.Namespace) -> int:
+    from kvtiers.tools.identity import diff
+
+    location = _open(args)
+    try:
+        return diff(location, args.first, args.second, sys.stdout)
+    finally:
+        location.close()
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         name="demo",
@@ -197,6 +234,18 @@ COMMANDS: tuple[Command, ...] = (
         run=_run_gc,
     ),
     Command(
+        name="identity",
+        help="print the cache identity and namespace a stack file's model: section gives",
+        configure=_configure_identity,
+        run=_run_identity,
+    ),
+    Command(
+        name="diff",
+        help="name the identity fields that differ between two namespaces (why a cache missed)",
+        configure=_configure_diff,
+        run=_run_diff,
+    ),
+    Command(
         name="validate",
         help="check tier stack files and print a summary of each",
         configure=_configure_validate,
@@ -205,9 +254,16 @@ COMMANDS: tuple[Command, ...] = (
 )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error reported on one line (status 2) like every other."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every command in :data:`COMMANDS`."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kvtiers", description="Tiered KV-cache storage for LLM serving engines."
     )
     parser.add_argument("--version", action="version", version=f"kvtiers {__version__}")

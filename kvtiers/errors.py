@@ -89,3 +89,11 @@ class TransferError(KVTiersError):
 class SymlinkEscapeError(KVTiersError, OSError):
     """A symbolic link inside a store's root, where kvtiers would have to follow it to
     read, write or delete; it may lead out of the root, so kvtiers refuses."""
+
+
+class UnsupportedVersionError(KVTiersError, ImportError):
+    """An installed package kvtiers integrates with is outside the supported versions.
+
+    An ``ImportError``: the integration module refuses to load, before any raw failure
+    deep inside the other package could happen.
+    """

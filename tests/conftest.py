@@ -229,51 +229,63 @@ class ObjectTierConformance:
 
 
 class TierDriver:
-    """Drives a built lower tier the way the composite does, over a bytearray region:
-    ``store`` fills slots and cascades them down, ``load`` promotes them back."""
+    """Drives a built lower tier through a :class:`~kvtiers.tiers.jobs.JobDriver`, as the
+    composite does, over a bytearray region the test owns: ``store`` fills slots and copies
+    them down, ``load`` copies them back."""
 
     def __init__(self, built: Any, region: Any, geometry: Any) -> None:
+        from kvtiers.core.manager import ReqContext
+        from kvtiers.tiers.jobs import JobDriver
+
         self.built = built
         self.manager = built.manager
         self.mover = built.mover
         self.region = region
         self.geometry = geometry
+        self.ctx = ReqContext("driver")
+        self._finished: list[Any] = []
+        self.jobs: Any = JobDriver(self.manager, self.mover, self._finished.append, ctx=self.ctx)
         self._job = 0
 
-    def _run(self, src: Any, dst: Any) -> Any:
-        self._job += 1
-        assert self.mover.submit(self._job, src, dst)
-        self.mover.drain()
-        (result,) = self.mover.get_finished()
-        return result
+    def _result(self, copied: list[Any] | None) -> Any:
+        """The mover's result of the job just started (an empty one when nothing was
+        copied)."""
+        from kvtiers.core.mover import MoverResult
+
+        assert copied is not None, "the tier refused the store"
+        if not copied:
+            return MoverResult(self._job, succeeded_keys=())
+        self.jobs.drain()
+        (job,) = self._finished
+        self._finished.clear()
+        return job.result
 
     def store(self, payloads: dict[Any, bytes]) -> Any:
-        """Write each payload into a slot and cascade the accepted keys; the result."""
-        from kvtiers.core.manager import ReqContext
-        from kvtiers.core.specs import CPULoadStoreSpec
-
-        ctx = ReqContext("driver")
-        accepted = self.manager.prepare_store(list(payloads), ctx)
-        assert accepted is not None
-        for slot, key in enumerate(accepted):
-            self.region.view(slot)[: len(payloads[key])] = payloads[key]
-        result = self._run(CPULoadStoreSpec(range(len(accepted))), self.manager.get_spec(accepted))
-        self.manager.complete_store(result.succeeded_keys, ctx, success=True)
-        self.manager.complete_store(result.failed_keys, ctx, success=False)
-        return result
+        """Write each payload into a slot and copy the keys the tier accepts; the result."""
+        self._job += 1
+        slots = {}
+        for slot, (key, payload) in enumerate(payloads.items()):
+            self.region.view(slot)[: len(payload)] = payload
+            slots[key] = slot
+        return self._result(self.jobs.store(self._job, list(payloads), self.ctx, None,
+                                            slots=slots))
 
     def load(self, keys: list[Any]) -> tuple[Any, dict[Any, bytes]]:
-        """Promote ``keys`` into slots; the result and the bytes of each succeeded key."""
-        from kvtiers.core.manager import ReqContext
-        from kvtiers.core.specs import CPULoadStoreSpec
+        """Copy ``keys`` into slots; the result and the bytes of each succeeded key. Raises
+        :class:`~kvtiers.errors.UnknownKeyError` when the tier does not hold one of them."""
+        from kvtiers.errors import UnknownKeyError
+        from kvtiers.tiers.jobs import LoadHold
 
-        ctx = ReqContext("driver")
+        self._job += 1
         self.region.buffer[:] = bytes(len(self.region.buffer))
-        self.manager.prepare_load(keys, ctx)
-        try:
-            result = self._run(self.manager.get_spec(keys), CPULoadStoreSpec(range(len(keys))))
-        finally:
-            self.manager.complete_load(keys, ctx)
+        for slot, key in enumerate(keys):
+            if self.jobs.hold_for_load(key, self.ctx, slot=slot) is not LoadHold.HELD:
+                # Give back the keys already held before failing.
+                self.jobs.load_held(self._job, None)
+                self.jobs.drain()
+                self._finished.clear()
+                raise UnknownKeyError(f"load: {key.hex()} is not a HIT of this tier")
+        result = self._result(self.jobs.load_held(self._job, None))
         data = {
             key: bytes(self.region.view(slot)[: self.geometry.key_chunk_bytes(key)])
             for slot, key in enumerate(keys)

@@ -24,6 +24,7 @@ from kvtiers.core.manager import (
     TierMatcher,
 )
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
+from kvtiers.errors import UnknownKeyError
 from kvtiers.stack.composite import TieredManager
 from kvtiers.testing.conformance import (
     TierConformanceTests,
@@ -38,6 +39,7 @@ from kvtiers.testing.doubles import (
 )
 from kvtiers.testing.reference import InMemoryTier
 from kvtiers.tiers.base import BuiltTier
+from kvtiers.tiers.index import ChunkState
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))
 CTX = ReqContext(req_id="r")
@@ -225,6 +227,37 @@ def test_failed_cascade_leaves_lower_tier_without_the_chunk(harness: Harness) ->
     assert harness.lookup(0) is HIT  # the primary copy is unaffected
 
 
+def _refuse(job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> bool:
+    return False
+
+
+def test_a_cascade_the_mover_refuses_fails_and_unpins_the_primary_slot(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(harness.mover, "submit", _refuse)
+    harness.store_chunks([0, 1, 2, 3], settle=False)
+    assert harness.manager.get_stats()["cascade_failures"] == 4
+    assert not harness.manager.has_pending_work()
+    assert harness.lower.lookup(conformance_key(0), CTX) is MISS
+    # Every primary slot is unpinned again: a new chunk can evict one.
+    assert harness.manager.prepare_store([conformance_key(9)], CTX) == [conformance_key(9)]
+
+
+def test_a_promotion_the_mover_refuses_is_a_miss_and_unpins_the_lower_chunk(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness.fill(6)
+    monkeypatch.setattr(harness.mover, "submit", _refuse)
+    assert harness.lookup(0) is PENDING
+    harness.manager.on_schedule_end(ScheduleEndContext())
+    assert harness.manager.get_stats()["promotion_failures"] == 1
+    assert not harness.manager.has_pending_work()
+    assert harness.primary.lookup(conformance_key(0), CTX) is MISS
+    # The lower tier's chunk is unpinned: only reserved or pinned keys have a spec.
+    with pytest.raises(UnknownKeyError):
+        harness.lower.get_spec([conformance_key(0)])
+
+
 def test_cascading_slot_is_pinned_until_the_mover_is_done(harness: Harness) -> None:
     harness.mover.gate.clear()
     harness.store_chunks([0, 1, 2, 3], settle=False)
@@ -262,7 +295,7 @@ def test_retry_propagates_unless_a_later_tier_hits() -> None:
     ])
     assert manager.lookup(conformance_key(0), CTX) is RETRY
     store.put(conformance_key(1), conformance_payload(1, GEOMETRY.chunk_bytes(0)))
-    lower._insert_ready(conformance_key(1))
+    lower._insert_ready([conformance_key(1)])
     assert manager.lookup(conformance_key(1), CTX) is PENDING
     manager.shutdown()
 
@@ -275,7 +308,7 @@ class _RecordingPrimary(InMemoryTier):
 
     def reset_cache(self) -> None:
         assert self.mover is not None
-        self.in_flight_at_reset.append(self.mover._in_flight)
+        self.in_flight_at_reset.append(self.mover.in_flight)
         super().reset_cache()
 
 
@@ -372,7 +405,7 @@ class CompositeWithFaults(RuleBasedStateMachine):
         self.h.manager.wait_idle()
         assert not self.h.manager.has_pending_work()
         for tier in (self.h.primary, self.h.lower):
-            assert all(e.ready and not e.pins for e in tier._entries.values())
+            assert all(e.state is ChunkState.READY and not e.pins for _, e in tier.index.items())
         self.h.close()
 
 

@@ -58,7 +58,7 @@ class TestFileTierConformance(TierConformanceTests):
             IDENTITY.digest,
             self.make_backend(),
             threads=2,
-            bad_chunks=BadChunkHandler(manager.forget, manager.quarantine_dir),
+            bad_chunks=BadChunkHandler(manager, manager.quarantine_dir),
         )
         self._movers_by_manager[id(manager)] = (mover, region)
         return manager

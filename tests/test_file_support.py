@@ -1,5 +1,6 @@
 """Helpers shared by the file tier's test modules (no tests here): a small cache identity,
-a manager with a mover over a host region, store/load round trips through them."""
+a manager with a mover over a host region, store/load round trips through them (driven by
+the :class:`~kvtiers.tiers.jobs.JobDriver`, as the composite drives its lower tiers)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import ReqContext
 from kvtiers.core.mover import MoverResult
-from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import FileMapper, NamespaceIdentity
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.tiers.file.io import IOBackend, PosixBackend, PublishSettings
 from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.mover import BadChunkHandler, FileMover
+from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 CTX = ReqContext(req_id="file-tests")
 CHUNK = 8192
@@ -88,7 +90,14 @@ class Tier:
         self.mover.shutdown()
         self.manager.shutdown()
 
+    def __post_init__(self) -> None:
+        self._finished: list[FinishedJob[None]] = []
+        self.driver: JobDriver[None] = JobDriver(
+            self.manager, self.mover, self._finished.append, ctx=CTX
+        )
+
     def run(self, src: object, dst: object) -> MoverResult:
+        """Submit one job straight to the mover (no manager bookkeeping) and wait for it."""
         job = next(self.jobs)
         assert self.mover.submit(job, src, dst)  # type: ignore[arg-type]
         self.mover.drain()
@@ -96,34 +105,37 @@ class Tier:
         assert result.job_id == job
         return result
 
+    def _result(self) -> MoverResult:
+        """The mover's result of the job just submitted."""
+        self.driver.drain()
+        (job,) = self._finished
+        self._finished.clear()
+        return job.result
+
     def store(self, ids: Iterable[int], *, payload_of: int | None = None) -> list[OffloadKey]:
         """Store chunks ``ids`` (payload of ``payload_of`` if given); returns stored keys."""
         ids = list(ids)
         keys = [conformance_key(i) for i in ids]
-        accepted = self.manager.prepare_store(keys, CTX)
+        slots: dict[OffloadKey, int] = {}
+        for slot, (key, i) in enumerate(zip(keys, ids, strict=True)):
+            source = i if payload_of is None else payload_of
+            self.region.view(slot)[:CHUNK] = conformance_payload(source, CHUNK)
+            slots[key] = slot
+        accepted = self.driver.store(next(self.jobs), keys, CTX, None, slots=slots)
         assert accepted is not None
         if not accepted:
             return []
-        by_key = dict(zip(keys, ids, strict=True))
-        for slot, key in enumerate(accepted):
-            source = by_key[key] if payload_of is None else payload_of
-            self.region.view(slot)[:CHUNK] = conformance_payload(source, CHUNK)
-        spec = self.manager.get_spec(accepted)
-        result = self.run(CPULoadStoreSpec(range(len(accepted))), spec)
-        self.manager.complete_store(list(result.succeeded_keys), CTX, success=True)
-        self.manager.complete_store(list(result.failed_keys), CTX, success=False)
-        return list(result.succeeded_keys)
+        return list(self._result().succeeded_keys)
 
     def load(self, i: int) -> tuple[MoverResult, bytes]:
-        """Pin, read chunk ``i`` into slot 0, unpin; returns the result and slot bytes."""
+        """Pin, read chunk ``i`` into slot 0, unpin; returns the result and slot bytes.
+        Raises :class:`~kvtiers.errors.UnknownKeyError` when the tier does not hold it."""
         key = conformance_key(i)
-        self.manager.prepare_load([key], CTX)
-        try:
-            self.region.view(0)[:CHUNK] = bytes(CHUNK)
-            result = self.run(self.manager.get_spec([key]), CPULoadStoreSpec([0]))
-        finally:
-            self.manager.complete_load([key], CTX)
-        return result, bytes(self.region.view(0)[:CHUNK])
+        if self.driver.hold_for_load(key, CTX, slot=0) is not LoadHold.HELD:
+            raise UnknownKeyError(f"chunk {i} is not a HIT of this tier")
+        self.region.view(0)[:CHUNK] = bytes(CHUNK)
+        self.driver.load_held(next(self.jobs), None)
+        return self._result(), bytes(self.region.view(0)[:CHUNK])
 
 
 def open_tier(
@@ -155,7 +167,7 @@ def open_tier(
         threads=2,
         settings=settings,
         bad_chunks=BadChunkHandler(
-            manager.forget, manager.quarantine_dir if quarantine else None
+            manager, manager.quarantine_dir if quarantine else None
         ),
     )
     return Tier(manager, mover, region)

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvtiers.core import chunkformat
 from kvtiers.core.config import (
     OffloadingCacheConfig,
     OffloadingConfig,
@@ -50,8 +51,8 @@ def base_config() -> OffloadingConfig:
 GOLDEN_KEY = make_offload_key(bytes(range(16)), 1)
 # Computed once from base_config() and pinned: a change here is a change of the on-disk
 # layout that orphans every existing cache, so it needs a SCHEMA_VERSION bump.
-GOLDEN_DIGEST = "1a6d5b4e44323e8f9cb744938172ecfe2da38d94ec8b61b52db3c0450817e7fe"
-GOLDEN_NAMESPACE = "meta-llama__Llama-3.1-8B-1a6d5b4e44323e8f"
+GOLDEN_DIGEST = "4bdefc9bdb3b81e48b056dd737b4d00c263b9d1deb77a854dcdeed4b7d20f637"
+GOLDEN_NAMESPACE = "meta-llama__Llama-3.1-8B-4bdefc9bdb3b81e4"
 GOLDEN_RELATIVE_PATH = f"{GOLDEN_NAMESPACE}/00/01/000102030405060708090a0b0c0d0e0f_g1.kvc"
 GOLDEN_OBJECT_KEY = f"prod/cache/{GOLDEN_RELATIVE_PATH}"
 
@@ -83,6 +84,13 @@ FIELD_MUTATIONS: dict[str, Callable[[OffloadingConfig], OffloadingConfig]] = {
     "model_revision": replace_model(revision="0e9e39f"),
     "kv_dtype": replace_model(dtype="float8_e4m3fn"),
     "kv_layout": replace_model(kv_layout="HND"),
+    "model_fingerprint": replace_model(fingerprint="sha256:" + "ab" * 32),
+    "compute_dtype": replace_model(compute_dtype="float16"),
+    "quantization": replace_model(quantization="awq"),
+    "kv_scales": replace_model(kv_scales="calculated"),
+    "model_overrides": replace_model(overrides='{"rope_theta":500000.0}'),
+    "draft_model": replace_model(draft_model="eagle3:org/draft@main"),
+    "canonical_format": replace_model(canonical_format="v1-nhd"),
     "tokens_per_hash": replace_cache(tokens_per_hash=32),
     "blocks_per_chunk": replace_cache(blocks_per_chunk=2),
     "hash_algorithm": replace_cache(hash_algorithm="sha256"),
@@ -90,6 +98,7 @@ FIELD_MUTATIONS: dict[str, Callable[[OffloadingConfig], OffloadingConfig]] = {
     "groups.layer_names": replace_group0(layer_names=("layers.0.attn", "layers.1.mlp")),
     "groups.layer_names order": replace_group0(layer_names=("layers.1.attn", "layers.0.attn")),
     "groups.bytes_per_block": replace_group0(bytes_per_block=131072),
+    "groups.attention": replace_group0(attention="sliding_window:4096"),
     "groups (fewer)": lambda c: dataclasses.replace(c, groups=c.groups[:1]),
     "groups (order)": lambda c: dataclasses.replace(c, groups=c.groups[::-1]),
     "parallel.world_size": replace_parallel(world_size=4),
@@ -139,7 +148,7 @@ def test_golden_path_and_object_key(tmp_path: Path) -> None:
 def test_canonical_json_is_sorted_compact_ascii() -> None:
     identity = dataclasses.replace(golden_identity(), salt="é")
     text = identity.canonical_json().decode("ascii")
-    assert text.startswith('{"blocks_per_chunk":4,"engine":"vllm","groups":[{')
+    assert text.startswith('{"blocks_per_chunk":4,"canonical_format":"","chunk_format_version":1,')
     assert ", " not in text and ": " not in text
     assert '"salt":"\\u00e9"' in text
 
@@ -177,9 +186,20 @@ def test_changing_schema_version_moves_the_namespace() -> None:
     assert changed.namespace != base.namespace
 
 
+def test_a_chunk_format_bump_moves_the_namespace(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = golden_identity()
+    monkeypatch.setattr(chunkformat, "FORMAT_VERSION", chunkformat.FORMAT_VERSION + 1)
+    bumped = NamespaceIdentity.from_config(base_config())
+    assert bumped.chunk_format_version == base.chunk_format_version + 1
+    assert bumped.namespace != base.namespace
+
+
 def test_every_identity_field_has_a_mutation() -> None:
     """A field added to the identity without a namespace-move test fails here."""
-    covered = {name.split(" ")[0] for name in FIELD_MUTATIONS} | {"schema_version"}
+    covered = {name.split(" ")[0] for name in FIELD_MUTATIONS} | {
+        "schema_version",
+        "chunk_format_version",
+    }
     assert leaf_fields(golden_identity().to_dict()) <= covered
 
 

@@ -157,7 +157,7 @@ def test_mismatch_names_each_differing_field(tmp_path: Path) -> None:
             "groups[0].layer_names",
             (["layers.0", "layers.1"], ["layers.0"]),
         ),
-        (make_identity(), make_identity(schema_version=2), "schema_version", (1, 2)),
+        (make_identity(), make_identity(schema_version=3), "schema_version", (2, 3)),
         (make_identity(), make_identity(kv_dtype="float16"), "kv_dtype", ("bfloat16", "float16")),
     ],
 )
@@ -300,3 +300,17 @@ def test_losing_creator_checks_the_winners_manifest(
     names = os.listdir(tmp_path / identity.namespace)
     assert names == [MANIFEST_NAME]
     assert not any(name.endswith(TEMP_SUFFIX) for name in names)
+
+
+def test_a_chunk_format_bump_opens_a_new_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/on-disk-format.md: old chunks read as misses after a format bump; the tier
+    must not stop with NamespaceMismatchError on the old namespace."""
+    from tests.test_filemapper import base_config
+
+    old = open_namespace(tmp_path, NamespaceIdentity.from_config(base_config()))
+    monkeypatch.setattr(chunkformat, "FORMAT_VERSION", chunkformat.FORMAT_VERSION + 1)
+    new = open_namespace(tmp_path, NamespaceIdentity.from_config(base_config()))
+    assert new != old
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([old.name, new.name])

@@ -313,7 +313,10 @@ def test_identity_is_translated_from_vllm(tmp_path: Path) -> None:
     assert (identity.engine, identity.model_name, identity.model_revision) == (
         "vllm", "org/model", "abc123"
     )
-    assert (identity.kv_dtype, identity.kv_layout, identity.salt) == ("bfloat16", "NHD", "blue")
+    # vLLM reported no resolved layout: the identity says so rather than guess one.
+    assert (identity.kv_dtype, identity.kv_layout, identity.salt) == (
+        "bfloat16", "unresolved", "blue"
+    )
     assert identity.hash_algorithm == "vllm:sha256"
     assert [(g.tokens_per_block, g.bytes_per_block, g.layer_names) for g in identity.groups] == [
         (16, 512, ("l0.a", "l0.b")), (32, 512, ("l2.a", "l2.b"))

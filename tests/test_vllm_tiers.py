@@ -212,8 +212,9 @@ def test_chunks_are_named_apart_from_the_spec_route(tmp_path: Path, spec: _Spec)
                   "root": str(tmp_path)}, primary, spec)
     identity: NamespaceIdentity = tier.tier.manager.mapper.identity
     tier.shutdown()
-    # KVTiersOffloadingSpec records the engine's layout, "NHD": the byte layouts differ.
-    assert identity.kv_layout == "NHD+vllm-cpu-chunk"
+    # KVTiersOffloadingSpec records the engine's layout as vLLM reports it (here none, so
+    # "unresolved"); this route marks its own chunk byte layout on top.
+    assert identity.kv_layout == "unresolved+vllm-cpu-chunk"
     assert [g.bytes_per_block for g in identity.groups] == [WORKER_BYTES_PER_BLOCK] * 2
     assert (identity.engine, identity.hash_algorithm) == ("vllm", "vllm:sha256")
 

@@ -4,7 +4,10 @@ The demo, the tests and the CLI tools read it to build an
 :class:`~kvtiers.core.config.OffloadingConfig`. A group lists its layers either by count
 (``num_layers: 4``, named ``g<group>.layer<j>``) or by name (``layer_names: [...]``), and
 gives ``page_bytes``, the bytes of one layer's page for one block; a group's
-``bytes_per_block`` is its layer count times ``page_bytes``.
+``bytes_per_block`` is its layer count times ``page_bytes``. The optional identity keys
+(``fingerprint``, ``compute_dtype``, ``quantization``, ``kv_scales``, ``overrides``,
+``draft_model``, ``canonical_format``, a group's ``attention``) mean what
+``docs/on-disk-format.md`` says of the identity fields of the same names.
 
 The core configuration classes check their own values; their errors are re-raised here
 with the YAML path of the field that caused them (``model.groups[0].tokens_per_block``).
@@ -12,10 +15,11 @@ with the YAML path of the field that caused them (``model.groups[0].tokens_per_b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import json
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from kvtiers.config.paths import item_path, join_path
 from kvtiers.config.schema import Range, Section, example
@@ -52,6 +56,8 @@ class GroupSection(Section):
     page_bytes: Size = field(metadata=example("page_bytes: 16KiB"))
     num_layers: Annotated[int, Range(1)] | None = None
     layer_names: tuple[str, ...] | None = None
+    # How far back the group attends: "full", or e.g. "sliding_window:4096".
+    attention: str = "full"
 
     def _check(self) -> None:
         if (self.num_layers is None) == (self.layer_names is None):
@@ -96,6 +102,14 @@ class ModelSection(Section):
     # The algorithms kvtiers' own hashing implements (the demo and tools hash tokens here).
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
     salt: str = ""
+    # The rest of the identity (docs/on-disk-format.md); empty when it does not apply.
+    fingerprint: str = ""
+    compute_dtype: str = ""
+    quantization: str = ""
+    kv_scales: str = ""
+    overrides: Mapping[str, Any] | None = None
+    draft_model: str = ""
+    canonical_format: str = ""
     groups: tuple[GroupSection, ...] = field(
         metadata=example("groups: [{tokens_per_block: 16, num_layers: 4, page_bytes: 16KiB}]")
     )
@@ -120,6 +134,7 @@ class ModelSection(Section):
                         tokens_per_block=group.tokens_per_block,
                         layer_names=names,
                         bytes_per_block=len(names) * group.page_bytes,
+                        attention=group.attention,
                     )
                 )
         with _located(MODEL_PATH):
@@ -128,6 +143,15 @@ class ModelSection(Section):
                 revision=self.revision,
                 dtype=self.dtype,
                 kv_layout=self.kv_layout,
+                fingerprint=self.fingerprint,
+                compute_dtype=self.compute_dtype,
+                quantization=self.quantization,
+                kv_scales=self.kv_scales,
+                overrides=""
+                if not self.overrides
+                else json.dumps(dict(self.overrides), sort_keys=True, separators=(",", ":")),
+                draft_model=self.draft_model,
+                canonical_format=self.canonical_format,
             )
             cache = OffloadingCacheConfig(
                 tokens_per_hash=self.tokens_per_hash,

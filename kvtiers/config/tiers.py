@@ -25,6 +25,10 @@ from kvtiers.config.sizes import Size, format_size
 from kvtiers.core.bounded import nesting_problem
 from kvtiers.errors import ConfigError
 
+#: Default ``op_deadline_s`` of object tiers, seconds (kept equal to
+#: :data:`kvtiers.tiers.object.retry.DEFAULT_OP_DEADLINE_S`; config never imports tiers).
+DEFAULT_OP_DEADLINE_S = 30.0
+
 BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
@@ -263,7 +267,10 @@ class S3TierConfig(TierConfig):
     """An S3-compatible bucket. ``endpoint_url: embedded`` starts a local test server.
 
     A request is tried ``max_attempts`` times in all, sleeping between attempts with
-    exponential backoff from ``backoff_base_s`` up to ``backoff_max_s``.
+    exponential backoff from ``backoff_base_s`` up to ``backoff_max_s``, and every socket
+    wait is capped at ``timeout_s``. ``op_deadline_s`` bounds one operation (a chunk's
+    get or put, a probe, a delete) as a whole: attempts, back-off and socket waits
+    together end by then and the key fails (docs/architecture.md, "Liveness").
     """
 
     what: ClassVar[str] = "an s3 tier"
@@ -280,6 +287,7 @@ class S3TierConfig(TierConfig):
     backoff_base_s: Seconds = 0.05
     backoff_max_s: Seconds = 2.0
     timeout_s: Seconds = 30.0
+    op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
     delete_corrupt: bool = True
 
     def _check(self) -> None:
@@ -304,7 +312,12 @@ class S3TierConfig(TierConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class FsspecTierConfig(TierConfig):
-    """Any fsspec URL (``gcs://``, ``az://``, ``memory://`` …) as an object tier."""
+    """Any fsspec URL (``gcs://``, ``az://``, ``memory://`` …) as an object tier.
+
+    ``op_deadline_s`` bounds one operation (attempts and back-off together; on
+    asynchronous filesystems the request itself too), see docs/architecture.md,
+    "Liveness".
+    """
 
     what: ClassVar[str] = "an fsspec tier"
 
@@ -315,6 +328,7 @@ class FsspecTierConfig(TierConfig):
     threads: Threads = 16
     capacity: Size | None = None
     shared: bool = False
+    op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def _check(self) -> None:

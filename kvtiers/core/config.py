@@ -35,15 +35,24 @@ class OffloadingGroupConfig:
 
     ``bytes_per_block`` is summed over every layer tensor of the group (what one worker
     stores per block).
+
+    ``attention`` says how far back the group's attention reaches, which decides what its
+    stored blocks hold: ``full``, or the engine's description of a bounded window
+    (``sliding_window:4096``, ``chunked_local:8192``, ``mamba``).
     """
 
     tokens_per_block: int
     layer_names: tuple[str, ...]
     bytes_per_block: int
+    attention: str = "full"
 
     def __post_init__(self) -> None:
         _positive(self.tokens_per_block, "tokens_per_block")
         _positive(self.bytes_per_block, "bytes_per_block")
+        if not isinstance(self.attention, str) or not self.attention:
+            raise ConfigError(
+                f"expected a non-empty string, got {self.attention!r}", path="attention"
+            )
         if not self.layer_names:
             raise ConfigError("a group needs at least one layer", path="layer_names")
         if len(set(self.layer_names)) != len(self.layer_names):
@@ -52,18 +61,43 @@ class OffloadingGroupConfig:
 
 @dataclass(frozen=True)
 class OffloadingModelConfig:
-    """Model-level identity: name, revision, KV dtype and KV layout."""
+    """Model-level identity: everything about the model that changes the bytes of K or V.
+
+    ``name``, ``dtype`` (the KV cache dtype) and ``kv_layout`` are required. ``revision``
+    is the revision asked for (empty when none was pinned); ``fingerprint`` stands in for an
+    immutable revision when there is none (see :mod:`kvtiers.filemapper.fingerprint`).
+    The rest are empty when they do not apply: ``compute_dtype`` (the dtype the model
+    computes K and V in), ``quantization`` (weight quantization method), ``kv_scales``
+    (where the scales of a quantized KV cache come from), ``overrides`` (canonical JSON of
+    the settings that change K, e.g. RoPE), ``draft_model`` (a speculative-decoding draft
+    whose KV shares the cache) and ``canonical_format`` (the engine's canonical chunk byte
+    format when it stores that instead of its direct layout).
+    """
 
     name: str
     revision: str = "main"
     dtype: str = "bfloat16"
     kv_layout: str = "NHD"
+    fingerprint: str = ""
+    compute_dtype: str = ""
+    quantization: str = ""
+    kv_scales: str = ""
+    overrides: str = ""
+    draft_model: str = ""
+    canonical_format: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("name", "revision", "dtype", "kv_layout"):
+        for name in ("name", "dtype", "kv_layout"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"expected a non-empty string, got {value!r}", path=name)
+        for name in (
+            "revision", "fingerprint", "compute_dtype", "quantization", "kv_scales",
+            "overrides", "draft_model", "canonical_format",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ConfigError(f"expected a string, got {value!r}", path=name)
 
 
 @dataclass(frozen=True)
@@ -102,8 +136,9 @@ class OffloadingParallelConfig:
     pp_size: int = 1
     pcp_size: int = 1
     dcp_size: int = 1
-    # True when a block's bytes are the same under any parallel layout, so the parallel
-    # sizes are left out of the cache identity and differently-sharded engines share it.
+    # True when a block's bytes are the same under any parallel layout AND the operator
+    # opted in to sharing: the parallel sizes are then left out of the cache identity and
+    # differently-sharded engines share it.
     is_parallelism_agnostic: bool = False
 
     def __post_init__(self) -> None:

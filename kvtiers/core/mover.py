@@ -13,11 +13,17 @@ or corrupt read lands in ``failed_keys``. A partly failed job keeps what arrived
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.specs import LoadStoreSpec
+
+#: How long a mover's ``shutdown`` waits for I/O in flight before abandoning it, seconds.
+#: Above the object tiers' default operation deadline (30 s), so a stalled request
+#: normally ends, and is reported, before shutdown gives up on it.
+SHUTDOWN_TIMEOUT_S = 35.0
 
 
 class HostRegion(Protocol):
@@ -31,6 +37,16 @@ class HostRegion(Protocol):
 
     def view(self, slot_id: int) -> memoryview:
         """A writable, zero-copy view of one slot (``slot_bytes`` long)."""
+        ...
+
+
+class ChunkReporter(Protocol):
+    """Where a mover reports chunks it found bad: its own tier's manager."""
+
+    def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
+        """Thread-safe: the chunks of ``keys`` are gone from the medium — ``corrupt``:
+        they failed verification (quarantined or deleted); otherwise they vanished. The
+        manager drops them from its index on its next scheduler-thread call."""
         ...
 
 
@@ -67,5 +83,10 @@ class Mover(ABC):
         """Block until no submitted job touches primary memory; never aborts a copy."""
 
     def shutdown(self) -> None:
-        """Drain, then release threads and clients. Idempotent."""
+        """Drain, then release threads and clients. Idempotent.
+
+        Bounded: an implementation that runs I/O on threads waits for it at most
+        :data:`SHUTDOWN_TIMEOUT_S` (or its own configured bound), then abandons threads
+        still stuck in I/O with a warning instead of blocking for ever (docs/architecture.md,
+        "Liveness")."""
         self.drain()

@@ -228,7 +228,8 @@ def publish_bytes(
 def cleanup_stale_temps(root: Path, *, older_than_s: float = 0.0) -> int:
     """Remove temp files left by interrupted publishes under ``root`` (recursively);
     returns how many. On a shared directory pass ``older_than_s`` so another live
-    writer's temp files are left alone."""
+    writer's temp files are left alone. Temp files that cannot be removed (a read-only
+    filesystem) stay where they are."""
     cutoff = time.time() - older_than_s
     removed = 0
     stack = [root]
@@ -245,6 +246,8 @@ def cleanup_stale_temps(root: Path, *, older_than_s: float = 0.0) -> int:
                     if older_than_s <= 0 or entry.stat(follow_symlinks=False).st_mtime < cutoff:
                         os.unlink(entry.path)
                         removed += 1
-                except FileNotFoundError:
+                except OSError:
+                    # Gone already, or a read-only filesystem: a temp name is never read
+                    # as data, so leaving it is safe.
                     continue
     return removed

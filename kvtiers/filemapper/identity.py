@@ -1,11 +1,14 @@
 """The cache identity a namespace is named after, and its digest.
 
 :class:`NamespaceIdentity` holds every setting that changes what the bytes of a stored
-chunk mean: engine (whose hashing made the keys), model name and revision, KV dtype and
-layout, hash and chunk granularity, per group the block size, layers and bytes per block,
-the parallel sizes (left out when the configuration is parallelism-agnostic), the
-block-hash algorithm, an optional user salt and the schema version of this identity.
-The rank is never part of it: every rank of one engine shares one namespace.
+chunk mean: engine (whose hashing made the keys), model name, revision and fingerprint,
+the model's compute dtype, weight quantization, KV-scale source, K-changing overrides
+(RoPE) and draft model, KV dtype, layout and canonical format, hash and chunk granularity,
+per group the block size, layers, bytes per block and attention reach, the parallel sizes
+(left out only when the configuration is parallelism-agnostic and the operator opted in),
+the block-hash algorithm, the chunk blob format version, an optional user salt and the
+schema version of this identity. The rank is never part of it: every rank of one engine
+shares one namespace. ``docs/on-disk-format.md`` documents each field.
 
 Invariants:
 
@@ -14,6 +17,8 @@ Invariants:
   changes it;
 - every field is always written, whatever its value (no field is added "only when set"),
   and any change to the set of fields bumps :data:`SCHEMA_VERSION`;
+- a chunk format bump (:data:`kvtiers.core.chunkformat.FORMAT_VERSION`) changes the
+  digest, so it opens a new namespace (a cold miss) instead of failing on the old one;
 - the namespace name is a safe single path component of at most 145 characters: a
   sanitised model name (its first 128 characters) followed by the first 16 hex digits of
   the digest.
@@ -29,10 +34,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from kvtiers.core import chunkformat
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.errors import ConfigError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 NAMESPACE_DIGEST_HEX_CHARS = 16
 #: The model name part of a namespace name keeps at most this many characters.
 NAMESPACE_MODEL_CHARS = 128
@@ -47,6 +53,7 @@ class GroupIdentity:
     tokens_per_block: int
     layer_names: tuple[str, ...]
     bytes_per_block: int
+    attention: str = "full"
 
 
 @dataclass(frozen=True)
@@ -64,8 +71,8 @@ class ParallelIdentity:
 class NamespaceIdentity:
     """Everything that decides whether a stored chunk may be served to this engine.
 
-    ``parallel`` is ``None`` when the configuration is parallelism-agnostic, so engines
-    sharded differently share one namespace.
+    ``parallel`` is ``None`` when the configuration is parallelism-agnostic (and the
+    operator opted in), so engines sharded differently share one namespace.
     """
 
     engine: str
@@ -79,6 +86,14 @@ class NamespaceIdentity:
     parallel: ParallelIdentity | None
     hash_algorithm: str
     salt: str = ""
+    model_fingerprint: str = ""
+    compute_dtype: str = ""
+    quantization: str = ""
+    kv_scales: str = ""
+    model_overrides: str = ""
+    draft_model: str = ""
+    canonical_format: str = ""
+    chunk_format_version: int = chunkformat.FORMAT_VERSION
     schema_version: int = SCHEMA_VERSION
 
     @classmethod
@@ -107,12 +122,22 @@ class NamespaceIdentity:
                     tokens_per_block=g.tokens_per_block,
                     layer_names=tuple(g.layer_names),
                     bytes_per_block=g.bytes_per_block,
+                    attention=g.attention,
                 )
                 for g in config.groups
             ),
             parallel=parallel,
             hash_algorithm=config.cache.hash_algorithm,
             salt=config.salt,
+            model_fingerprint=config.model.fingerprint,
+            compute_dtype=config.model.compute_dtype,
+            quantization=config.model.quantization,
+            kv_scales=config.model.kv_scales,
+            model_overrides=config.model.overrides,
+            draft_model=config.model.draft_model,
+            canonical_format=config.model.canonical_format,
+            # Read at call time: the version this build writes, not the one imported first.
+            chunk_format_version=chunkformat.FORMAT_VERSION,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -122,8 +147,16 @@ class NamespaceIdentity:
             "engine": self.engine,
             "model_name": self.model_name,
             "model_revision": self.model_revision,
+            "model_fingerprint": self.model_fingerprint,
+            "compute_dtype": self.compute_dtype,
+            "quantization": self.quantization,
+            "kv_scales": self.kv_scales,
+            "model_overrides": self.model_overrides,
+            "draft_model": self.draft_model,
             "kv_dtype": self.kv_dtype,
             "kv_layout": self.kv_layout,
+            "canonical_format": self.canonical_format,
+            "chunk_format_version": self.chunk_format_version,
             "tokens_per_hash": self.tokens_per_hash,
             "blocks_per_chunk": self.blocks_per_chunk,
             "groups": [
@@ -131,6 +164,7 @@ class NamespaceIdentity:
                     "tokens_per_block": g.tokens_per_block,
                     "layer_names": list(g.layer_names),
                     "bytes_per_block": g.bytes_per_block,
+                    "attention": g.attention,
                 }
                 for g in self.groups
             ],
@@ -168,7 +202,9 @@ class NamespaceIdentity:
             for pos, name in enumerate(names):
                 _expect(str, name, f"{where}.layer_names[{pos}]")
             groups.append(
-                GroupIdentity(g["tokens_per_block"], tuple(names), g["bytes_per_block"])
+                GroupIdentity(
+                    g["tokens_per_block"], tuple(names), g["bytes_per_block"], g["attention"]
+                )
             )
         parallel = None
         if top["parallel"] is not None:
@@ -186,6 +222,14 @@ class NamespaceIdentity:
             parallel=parallel,
             hash_algorithm=top["hash_algorithm"],
             salt=top["salt"],
+            model_fingerprint=top["model_fingerprint"],
+            compute_dtype=top["compute_dtype"],
+            quantization=top["quantization"],
+            kv_scales=top["kv_scales"],
+            model_overrides=top["model_overrides"],
+            draft_model=top["draft_model"],
+            canonical_format=top["canonical_format"],
+            chunk_format_version=top["chunk_format_version"],
             schema_version=top["schema_version"],
         )
 
@@ -223,8 +267,16 @@ _TOP_FIELDS: dict[str, type] = {
     "engine": str,
     "model_name": str,
     "model_revision": str,
+    "model_fingerprint": str,
+    "compute_dtype": str,
+    "quantization": str,
+    "kv_scales": str,
+    "model_overrides": str,
+    "draft_model": str,
     "kv_dtype": str,
     "kv_layout": str,
+    "canonical_format": str,
+    "chunk_format_version": int,
     "tokens_per_hash": int,
     "blocks_per_chunk": int,
     "groups": object,
@@ -236,6 +288,7 @@ _GROUP_FIELDS: dict[str, type] = {
     "tokens_per_block": int,
     "layer_names": object,
     "bytes_per_block": int,
+    "attention": str,
 }
 _PARALLEL_FIELDS: dict[str, type] = {
     "world_size": int,

@@ -6,14 +6,22 @@ and without clobbering, so of several processes creating one namespace exactly o
 manifest wins and every process then checks that one.
 
 Opening a namespace always re-reads its manifest and compares it field by field with the
-identity of the opener. Any difference, or a manifest that cannot be parsed, raises
-:class:`~kvtiers.errors.NamespaceMismatchError`: kvtiers fails closed rather than serve KV
-computed under another identity.
+identity of the opener. Any difference, or a manifest that cannot be parsed or read (a
+FIFO, a directory or a symlink loop in its place: refused at once, never waited on),
+raises :class:`~kvtiers.errors.NamespaceMismatchError`: kvtiers fails closed rather than
+serve KV computed under another identity.
+
+Creating a namespace on a filesystem that refuses the manifest (full, read-only, no
+permission) raises a one-line :class:`~kvtiers.errors.ConfigError` and leaves no empty
+namespace directory behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
+import os
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -22,7 +30,8 @@ from typing import Any
 from kvtiers.core import chunkformat
 from kvtiers.core.bounded import load_json
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
-from kvtiers.errors import NamespaceMismatchError, SymlinkEscapeError
+from kvtiers.core.regular import read_regular
+from kvtiers.errors import ConfigError, NamespaceMismatchError, SymlinkEscapeError
 from kvtiers.filemapper.identity import NamespaceIdentity
 
 MANIFEST_NAME = "manifest.json"
@@ -95,7 +104,9 @@ def open_namespace(
     :class:`~kvtiers.errors.SymlinkEscapeError`. An existing manifest must match (see
     :func:`check_manifest`). A missing one is
     published when ``create`` is true, racing safely with other processes doing the same;
-    otherwise :class:`FileNotFoundError` is raised.
+    otherwise :class:`FileNotFoundError` is raised. A manifest that cannot be written
+    raises :class:`~kvtiers.errors.ConfigError` (path ``root``), and a namespace
+    directory this call created is removed again.
     """
     namespace_dir = Path(root) / identity.namespace
     path = namespace_dir / MANIFEST_NAME
@@ -113,14 +124,7 @@ def open_namespace(
                 "open it with create=True to start one"
             ) from None
         try:
-            publish_bytes(
-                path,
-                [manifest_bytes(identity)],
-                file_mode=file_mode,
-                dir_mode=dir_mode,
-                replace=False,
-                root=Path(root),
-            )
+            _create(namespace_dir, identity, file_mode=file_mode, dir_mode=dir_mode)
             return namespace_dir
         except FileExistsError:
             data = _read_manifest(path)
@@ -128,9 +132,62 @@ def open_namespace(
     return namespace_dir
 
 
+def differences(stored: object, expected: object) -> dict[str, tuple[object, object]]:
+    """Every leaf where two identities (``to_dict`` forms, or manifests) differ, by dotted
+    name, with the two values; a field only one side has is paired with ``"<absent>"``."""
+    out: dict[str, tuple[object, object]] = {}
+    _diff(stored, expected, "", out)
+    return out
+
+
+def _create(namespace_dir: Path, identity: NamespaceIdentity, *, file_mode: int,
+            dir_mode: int) -> None:
+    """Publish the manifest of a new namespace (no clobbering); on failure remove the
+    namespace directory if this call made it and it is still empty."""
+    existed = namespace_dir.is_dir()
+    try:
+        publish_bytes(
+            namespace_dir / MANIFEST_NAME,
+            [manifest_bytes(identity)],
+            file_mode=file_mode,
+            dir_mode=dir_mode,
+            replace=False,
+            root=namespace_dir.parent,
+        )
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if not existed:
+            # Fails (and is ignored) when another process has put something there since.
+            with contextlib.suppress(OSError):
+                os.rmdir(namespace_dir)
+        hint = {
+            errno.ENOSPC: "free space on that filesystem or point root at another one",
+            errno.EDQUOT: "raise the quota or point root at another filesystem",
+            errno.EROFS: "the filesystem is read-only; mount it read-write or point root "
+            "at a writable directory",
+        }.get(exc.errno or 0, "check the directory's permissions and filesystem")
+        raise ConfigError(
+            f"cannot create the namespace {namespace_dir.name} under {namespace_dir.parent}: "
+            f"{exc.strerror or exc}; {hint}",
+            path="root",
+        ) from None
+
+
 def _read_manifest(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(MAX_MANIFEST_BYTES + 1)
+    """The manifest's bytes (at most one over the limit). A missing manifest raises
+    :class:`FileNotFoundError`; anything else that cannot be read, including something
+    other than a regular file in its place, raises
+    :class:`~kvtiers.errors.NamespaceMismatchError` at once."""
+    try:
+        return read_regular(path, MAX_MANIFEST_BYTES + 1, follow_symlinks=True)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise NamespaceMismatchError(
+            str(path),
+            {"manifest": (f"unreadable ({exc.strerror or exc})", _EXPECTED_MANIFEST)},
+        ) from None
 
 
 def _diff(

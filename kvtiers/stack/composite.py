@@ -14,7 +14,9 @@ so the scheduler sees one manager.
   *cascaded* to every lower tier whose admission accepts it; the primary slot stays pinned
   while the mover reads it.
 * Every tier-to-tier copy uses the tiers' own ``prepare_* / get_spec / complete_*`` and
-  their movers. Mover completions are collected in ``on_schedule_end``.
+  their movers, through one :class:`~kvtiers.tiers.jobs.JobDriver` per lower tier, which
+  takes and gives back each job's reservations and pins. Mover completions are collected
+  in ``on_schedule_end``.
 
 Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact; a
 cascaded chunk's primary slot is never evicted or freed while a mover reads it;
@@ -24,12 +26,12 @@ scheduler thread; movers touch only memory the composite pinned or reserved for 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import (
@@ -41,10 +43,11 @@ from kvtiers.core.manager import (
     ScheduleEndContext,
     TierCapabilities,
 )
-from kvtiers.core.mover import Mover, MoverResult
+from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
-from kvtiers.errors import ConfigError, UnknownKeyError
+from kvtiers.errors import ConfigError
 from kvtiers.tiers.base import BuiltTier
+from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
 
@@ -65,26 +68,19 @@ _COUNTERS = (
 )
 
 
-# Per job kind: the composite's counters for chunks done, chunks failed, bytes and seconds,
-# and the per-tier counter's name.
+# Per direction (a promotion is a load from the lower tier, a cascade a store into it): the
+# composite's counters for chunks done, chunks failed, bytes and seconds, and the per-tier
+# counter's name.
 _JOB_STATS = {
-    "promote": ("promotions", "promotion_failures", "promoted_bytes", "promote_s", "promoted"),
-    "cascade": ("cascades", "cascade_failures", "cascaded_bytes", "cascade_s", "cascaded"),
+    True: ("promotions", "promotion_failures", "promoted_bytes", "promote_s", "promoted"),
+    False: ("cascades", "cascade_failures", "cascaded_bytes", "cascade_s", "cascaded"),
 }
-
-
-@dataclass
-class _Job:
-    kind: Literal["promote", "cascade"]
-    keys: list[OffloadKey]
 
 
 @dataclass
 class _Lower:
     tier: BuiltTier
-    mover: Mover
-    jobs: dict[int, _Job] = field(default_factory=dict)
-    pending_promotions: list[OffloadKey] = field(default_factory=list)
+    jobs: JobDriver[None]
 
     @property
     def manager(self) -> OffloadingManager:
@@ -103,7 +99,11 @@ class TieredManager(OffloadingManager):
         for index, tier in enumerate(tiers[1:], start=1):
             if tier.mover is None:
                 raise ConfigError(f"tier {tier.name!r} has no mover", path=f"tiers[{index}]")
-            self._lower.append(_Lower(tier, tier.mover))
+            jobs: JobDriver[None] = JobDriver(
+                tier.manager, tier.mover, functools.partial(self._finished, tier.name),
+                primary=self._primary, ctx=_INTERNAL,
+            )
+            self._lower.append(_Lower(tier, jobs))
         if self._lower and tiers[0].region is None:
             raise ConfigError(
                 f"primary tier {tiers[0].name!r} has no host memory for lower tiers to copy "
@@ -160,25 +160,17 @@ class TieredManager(OffloadingManager):
         return LookupResult.RETRY if retry else LookupResult.MISS
 
     def _start_promotion(self, lower: _Lower, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        accepted = self._primary.prepare_store([key], ctx)
-        if accepted is None:
+        hold = lower.jobs.hold_for_load(key, ctx)
+        if hold is LoadHold.REFUSED:
             self._stats["promotions_refused"] += 1
             return LookupResult.MISS
-        try:
-            lower.manager.prepare_load([key], ctx)
-        except UnknownKeyError:
-            # The chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
-            self._primary.complete_store([key], ctx, success=False)
-            return LookupResult.MISS
-        lower.pending_promotions.append(key)
-        return LookupResult.HIT_PENDING
+        # GONE: the chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
+        return LookupResult.HIT_PENDING if hold is LoadHold.HELD else LookupResult.MISS
 
     def _flush_promotions(self) -> None:
         for lower in self._lower:
-            keys, lower.pending_promotions = lower.pending_promotions, []
-            if keys:
-                self._submit(lower, "promote", keys, lower.manager.get_spec(keys),
-                             self._primary.get_spec(keys))
+            if lower.jobs.held_for_load:
+                lower.jobs.load_held(next(self._job_ids), None)
 
     # -- store and cascade ----------------------------------------------------------
     def prepare_store(
@@ -199,60 +191,24 @@ class TieredManager(OffloadingManager):
         for lower in self._lower:
             if lower.tier.admission == "never":
                 continue
-            accepted = lower.manager.prepare_store(keys, ctx)
-            if accepted is None:
+            if lower.jobs.store(next(self._job_ids), keys, ctx, None) is None:
                 self._stats["cascades_refused"] += len(keys)
-                continue
-            if accepted:
-                self._primary.prepare_load(accepted, ctx)
-                self._submit(lower, "cascade", accepted, self._primary.get_spec(accepted),
-                             lower.manager.get_spec(accepted))
-
-    def _submit(
-        self,
-        lower: _Lower,
-        kind: Literal["promote", "cascade"],
-        keys: list[OffloadKey],
-        src: LoadStoreSpec,
-        dst: LoadStoreSpec,
-    ) -> None:
-        job_id = next(self._job_ids)
-        lower.jobs[job_id] = _Job(kind, keys)
-        try:
-            accepted = lower.mover.submit(job_id, src, dst)
-        except Exception:
-            self._finish(lower, MoverResult(job_id, succeeded_keys=(), failed_keys=tuple(keys)))
-            raise
-        if not accepted:
-            self._finish(lower, MoverResult(job_id, succeeded_keys=(), failed_keys=tuple(keys)))
 
     # -- completions ----------------------------------------------------------------
     def _poll(self) -> None:
         for lower in self._lower:
-            for result in lower.mover.get_finished():
-                self._finish(lower, result)
+            lower.jobs.poll()
 
-    def _finish(self, lower: _Lower, result: MoverResult) -> None:
-        job = lower.jobs.pop(result.job_id)
-        succeeded = list(result.succeeded_keys)
-        arrived = set(succeeded)
-        failed = [k for k in job.keys if k not in arrived]
+    def _finished(self, tier_name: str, job: FinishedJob[None]) -> None:
+        """Count a finished promotion or cascade (the driver released what it held)."""
+        result = job.result
         self._stats["corrupt_chunks"] += len(result.corrupt_keys)
-        # A promotion copies lower → primary, a cascade primary → lower: the receiver's
-        # reservation completes, the sender's pin is released.
-        if job.kind == "promote":
-            receiver, sender = self._primary, lower.manager
-        else:
-            receiver, sender = lower.manager, self._primary
-        receiver.complete_store(succeeded, _INTERNAL, success=True)
-        receiver.complete_store(failed, _INTERNAL, success=False)
-        sender.complete_load(job.keys, _INTERNAL)
-        done, failures, moved, seconds, per_tier = _JOB_STATS[job.kind]
-        self._stats[done] += len(succeeded)
-        self._stats[failures] += len(failed)
+        done, failures, moved, seconds, per_tier = _JOB_STATS[job.load]
+        self._stats[done] += len(job.succeeded)
+        self._stats[failures] += len(job.failed)
         self._stats[moved] += result.transfer_bytes
         self._stats[seconds] += result.transfer_s
-        self._add(f"{lower.tier.name}.{per_tier}", len(succeeded), result)
+        self._add(f"{tier_name}.{per_tier}", len(job.succeeded), result)
 
     def _add(self, prefix: str, chunks: int, result: MoverResult) -> None:
         """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` (chunks),
@@ -266,11 +222,8 @@ class TieredManager(OffloadingManager):
 
         For tests, the demo and shutdown: the scheduler itself never blocks."""
         self._flush_promotions()
-        while any(lower.jobs for lower in self._lower):
-            for lower in self._lower:
-                if lower.jobs:
-                    lower.mover.drain()
-            self._poll()
+        for lower in self._lower:
+            lower.jobs.drain()
 
     # -- the rest of the contract ---------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
@@ -321,7 +274,7 @@ class TieredManager(OffloadingManager):
         self._snapshot_at = time.monotonic() if now is None else now
 
     def has_pending_work(self) -> bool:
-        return any(lower.jobs or lower.pending_promotions for lower in self._lower) or any(
+        return any(lower.jobs.busy for lower in self._lower) or any(
             tier.manager.has_pending_work() for tier in self.tiers
         )
 

@@ -317,6 +317,37 @@ class TierConformanceTests:
         assert after["hits"] == before["hits"] + 1
         assert after["misses"] == before["misses"] + 1
 
+    # -- rules every tier shares (docs/architecture.md) ------------------------------
+    def test_releasing_more_pins_than_held_raises_and_changes_nothing(self) -> None:
+        manager = self.new_manager()
+        self.store(manager, [0, 1])
+        key, other = conformance_key(0), conformance_key(1)
+        manager.prepare_load([other, key], self.ctx)
+        with pytest.raises(UnknownKeyError):
+            manager.complete_load([other, key, key], self.ctx)
+        # Both pins are still held: each key has a spec and releases once more.
+        assert len(manager.get_spec([key, other])) == 2
+        manager.complete_load([other, key], self.ctx)
+        with pytest.raises(UnknownKeyError):
+            manager.get_spec([key])
+
+    def test_a_key_named_twice_in_complete_store_counts_once(self) -> None:
+        manager = self.new_manager()
+        self.require(manager, events=True)
+        key, failed = conformance_key(0), conformance_key(1)
+        assert manager.prepare_store([key, failed], self.ctx) == [key, failed]
+        spec = manager.get_spec([key, failed])
+        self.write_chunk(manager, spec, 0, conformance_payload(0, self.chunk_size))
+        before = dict(manager.get_stats())
+        manager.complete_store([key, key], self.ctx)
+        manager.complete_store([failed, failed], self.ctx, success=False)
+        self.settle(manager)
+        if "stores" in before:  # a tier that counts stores (a composite does not)
+            assert manager.get_stats()["stores"] == before["stores"] + 1
+        assert self.settled_states(manager, [0, 1]) == [HIT, MISS]
+        stored = [k for e in self.events(manager) if not e.removed for k in e.keys]
+        assert stored == [key]
+
     # -- lifecycle ------------------------------------------------------------------
     def test_new_request_gets_a_context(self) -> None:
         manager = self.new_manager()

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,9 +20,10 @@ import xxhash
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import Locality, LookupResult, Medium, ReqContext, TierCapabilities
-from kvtiers.core.mover import Mover, MoverResult
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec, ObjectLoadStoreSpec
+from kvtiers.errors import CorruptChunkError
 from kvtiers.testing.reference import InMemoryTier
+from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
 
 
 class BytearrayRegion:
@@ -88,27 +88,25 @@ class MemoryObjectTier(InMemoryTier):
             existing = list(store.objects) if persistent else []
             if not persistent:
                 store.objects.clear()
-        for key in existing:
-            self._insert_ready(key)
+        self._insert_ready(existing)
 
-    def forget(self, keys: Collection[OffloadKey]) -> None:
+    def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
         for key in keys:
             self._forgotten.put(key)
 
     def _drain_forgotten(self) -> None:
+        reported = []
         while not self._forgotten.empty():
-            key = self._forgotten.get()
-            entry = self._entries.get(key)
-            if entry is not None and entry.ready and not entry.pins:
-                self._drop(key)
-            elif entry is not None:
-                self._forgotten.put(key)
-                return
+            reported.append(self._forgotten.get())
+        if reported:
+            self._release(self.index.discard(reported))
 
-    def _drop(self, key: OffloadKey) -> None:
-        super()._drop(key)
+    def _release(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
+        super()._release(keys)
         with self.store.lock:
-            self.store.objects.pop(key, None)
+            for key in keys:
+                self.store.objects.pop(key, None)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._drain_forgotten()
@@ -127,11 +125,16 @@ class MemoryObjectTier(InMemoryTier):
         return ObjectLoadStoreSpec("memory", [k.hex() for k in keys], list(keys))
 
 
-class MemoryMover(Mover):
-    """Copies chunks between primary slots and a :class:`MemoryObjectStore`.
+class InjectedFailure(Exception):
+    """The failure a :class:`MemoryMover` gives a key in its ``fail_keys``."""
+
+
+class MemoryMover(FanOutMover[FanOutJob]):
+    """Copies chunks between primary slots and a :class:`MemoryObjectStore`, one pool task
+    per chunk (see :class:`~kvtiers.tiers.fanout.FanOutMover`).
 
     Fault injection: keys in ``fail_keys`` fail (nothing written or read); while ``gate``
-    is cleared, jobs wait before touching memory, so tests can act with I/O in flight.
+    is cleared, copies wait before touching memory, so tests can act with I/O in flight.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class MemoryMover(Mover):
         tier: MemoryObjectTier,
         threads: int = 2,
     ) -> None:
+        super().__init__("memory tier")
         self.region = region
         self.geometry = geometry
         self.tier = tier
@@ -148,73 +152,46 @@ class MemoryMover(Mover):
         self.gate = threading.Event()
         self.gate.set()
         self._pool = ThreadPoolExecutor(max_workers=threads)
-        self._done: list[MoverResult] = []
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._idle = threading.Condition(self._lock)
-        self._closed = False
 
-    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> bool:
-        if self._closed:
-            return False
-        with self._lock:
-            self._in_flight += 1
-        self._pool.submit(self._run, job_id, src, dst)
-        return True
+    def _plan(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> FanOutJob:
+        if isinstance(src, CPULoadStoreSpec) and isinstance(dst, ObjectLoadStoreSpec):
+            return FanOutJob(job_id, True, plan_chunks(src.slot_ids, dst.keys, dst.object_keys))
+        if isinstance(src, ObjectLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec):
+            return FanOutJob(job_id, False, plan_chunks(dst.slot_ids, src.keys, src.object_keys))
+        raise TypeError(f"a memory mover copies between CPU slots and objects, got "
+                        f"{type(src).__name__} -> {type(dst).__name__}")
 
-    def _run(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+    def _start_task(self, task: Callable[[], None]) -> None:
+        self._pool.submit(task)
+
+    def _copy(self, job: FanOutJob, chunk: ChunkCopy) -> int:
         self.gate.wait()
-        start = time.perf_counter()
-        ok: list[OffloadKey] = []
-        bad: list[OffloadKey] = []
-        corrupt: list[OffloadKey] = []
-        moved = 0
-        if isinstance(src, CPULoadStoreSpec):
-            assert isinstance(dst, ObjectLoadStoreSpec)
-            for slot, key in zip(src.slot_ids, dst.keys, strict=True):
-                if key in self.fail_keys:
-                    bad.append(key)
-                    continue
-                size = self.geometry.key_chunk_bytes(key)
-                self.tier.store.put(key, bytes(self.region.view(int(slot))[:size]))
-                ok.append(key)
-                moved += size
-        else:
-            assert isinstance(src, ObjectLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec)
-            for key, slot in zip(src.keys, dst.slot_ids, strict=True):
-                with self.tier.store.lock:
-                    data, digest = self.tier.store.objects[key]
-                if key in self.fail_keys:
-                    bad.append(key)
-                elif xxhash.xxh3_128_digest(data) != digest:
-                    bad.append(key)
-                    corrupt.append(key)
-                else:
-                    self.region.view(int(slot))[: len(data)] = data
-                    ok.append(key)
-                    moved += len(data)
-        if corrupt:
-            self.tier.forget(corrupt)
-        result = MoverResult(job_id, tuple(ok), tuple(bad), moved,
-                             time.perf_counter() - start, tuple(corrupt))
-        with self._lock:
-            self._done.append(result)
-            self._in_flight -= 1
-            self._idle.notify_all()
+        if chunk.key in self.fail_keys:
+            raise InjectedFailure(f"chunk {chunk.address} is in fail_keys")
+        view = self.region.view(chunk.slot)
+        if job.store:
+            size = self.geometry.key_chunk_bytes(chunk.key)
+            self.tier.store.put(chunk.key, bytes(view[:size]))
+            return size
+        with self.tier.store.lock:
+            data, digest = self.tier.store.objects[chunk.key]
+        if xxhash.xxh3_128_digest(data) != digest:
+            raise CorruptChunkError("checksum", f"chunk {chunk.address} in memory")
+        view[: len(data)] = data
+        return len(data)
 
-    def get_finished(self) -> list[MoverResult]:
-        with self._lock:
-            done, self._done = self._done, []
-        return done
+    def _chunk_corrupt(self, job: FanOutJob, chunk: ChunkCopy, error: CorruptChunkError) -> None:
+        self.tier.forget([chunk.key], corrupt=True)
 
-    def drain(self) -> None:
-        with self._idle:
-            self._idle.wait_for(lambda: self._in_flight == 0)
+    def _chunk_failed(self, job: FanOutJob, chunk: ChunkCopy, error: Exception) -> None:
+        """Injected failures are the test's own doing: not logged."""
+        if not isinstance(error, InjectedFailure):
+            super()._chunk_failed(job, chunk, error)
 
     def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        """Open the gate (so held copies run), then shut down as every mover does."""
         self.gate.set()
-        self.drain()
-        self._pool.shutdown(wait=True)
+        super().shutdown()
+
+    def _release(self, idle: bool) -> None:
+        self._pool.shutdown(wait=idle, cancel_futures=not idle)

@@ -105,12 +105,16 @@ class _Census:
     chunks: list[Entry] = field(default_factory=list)
     temps: list[Entry] = field(default_factory=list)
     other: list[Entry] = field(default_factory=list)
+    # Not regular files (FIFOs, directories, symlinks) under a chunk's name: never read.
+    irregular: list[Entry] = field(default_factory=list)
 
     @classmethod
     def of(cls, entries: Iterable[Entry]) -> _Census:
         census = cls()
         for entry in entries:
-            if is_temp(entry):
+            if entry.irregular is not None and key_from_chunk_name(entry.base) is not None:
+                census.irregular.append(entry)
+            elif is_temp(entry):
                 census.temps.append(entry)
             elif key_from_chunk_name(entry.base) is not None:
                 census.chunks.append(entry)
@@ -142,7 +146,9 @@ def inspect(location: Location, out: TextIO) -> int:
         ages = (f", newest {_age(max(e.mtime for e in chunks), now)} old, oldest "
                 f"{_age(min(e.mtime for e in chunks), now)} old") if chunks else ""
         print(f"  chunks {len(chunks):,} ({format_size(total)}){ages}; temp files "
-              f"{len(census.temps)}; other files {len(census.other)}", file=out)
+              f"{len(census.temps)}; other files {len(census.other)}"
+              + (f"; not regular files {len(census.irregular)}" if census.irregular else ""),
+              file=out)
     return 0
 
 
@@ -157,7 +163,11 @@ def _progress(entries: list[Entry], show: bool) -> Iterator[Entry]:
 
 def verify(location: Location, out: TextIO, *, fix: bool = False,
            progress: bool = False) -> int:
-    """Check every chunk; 0 when all are good (or were quarantined with ``fix``), else 1."""
+    """Check every chunk; 0 when all are good (or were quarantined with ``fix``), else 1.
+
+    Entries under a chunk's name that are not regular files (FIFOs, directories,
+    symlinks) and chunks that cannot be read are reported as unreadable, never opened in
+    a way that could block, and make the answer 1 (``fix`` leaves them to the operator)."""
     bad_total = 0
     for namespace in location.namespaces():
         census = _Census.of(location.entries(namespace))
@@ -170,6 +180,7 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             continue
         digest = bytes.fromhex(digest_hex)
         bad: list[tuple[Entry, str]] = []
+        unreadable: list[tuple[Entry, str]] = []
         for entry in _progress(census.chunks, progress):
             key = key_from_chunk_name(entry.base)
             assert key is not None
@@ -180,14 +191,20 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             except (FileNotFoundError, ObjectMissing):
                 continue  # evicted by a running engine since the listing
             except OSError as exc:
-                bad.append((entry, f"read ({exc.strerror or exc})"))
-        print(f"{namespace}: {len(census.chunks) - len(bad):,} chunks ok, {len(bad)} corrupt",
+                unreadable.append((entry, exc.strerror or str(exc)))
+        ok = len(census.chunks) - len(bad) - len(unreadable)
+        unreadable += [(e, f"{e.irregular}, not a regular file") for e in census.irregular]
+        print(f"{namespace}: {ok:,} chunks ok, {len(bad)} corrupt, {len(unreadable)} unreadable",
               file=out)
         for entry, check in bad:
             if fix:
                 location.quarantine(namespace, entry.name)
             print(f"  corrupt: {entry.name}: {check} check failed"
                   + (" (quarantined)" if fix else ""), file=out)
+        for entry, why in unreadable:
+            print(f"  unreadable: {entry.name}: {why} (not a chunk any tier loads; remove it)",
+                  file=out)
+        bad_total += len(unreadable)
         if not fix:
             bad_total += len(bad)
     return 1 if bad_total else 0

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtiers.core.publish import ensure_dir, is_temp_name
+from kvtiers.core.regular import describe_mode, open_regular
 from kvtiers.errors import ConfigError, SymlinkEscapeError
 from kvtiers.filemapper import MANIFEST_NAME
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
@@ -44,6 +45,9 @@ class Entry:
     name: str
     size: int
     mtime: float
+    #: What the entry is when it is not a regular file (``a FIFO``, ``a symbolic link``):
+    #: such an entry is never read, only reported. ``None`` for regular files and objects.
+    irregular: str | None = None
 
     @property
     def base(self) -> str:
@@ -121,23 +125,22 @@ class FileLocation(Location):
                 name = Path(entry.path).relative_to(self.root).as_posix()
                 if name == f"{namespace}/{MANIFEST_NAME}":
                     continue
-                stat = entry.stat(follow_symlinks=False)
-                yield Entry(name, stat.st_size, stat.st_mtime)
+                st = entry.stat(follow_symlinks=False)
+                irregular = None if stat.S_ISREG(st.st_mode) else describe_mode(st.st_mode)
+                yield Entry(name, st.st_size, st.st_mtime, irregular)
 
     def _open(self, name: str) -> int:
         """A read descriptor of the regular file ``name``, never through a link at its
         name (directories above it are never links: :meth:`entries` does not follow them)."""
         path = self.root / name
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            return open_regular(path)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise SymlinkEscapeError(f"{path} is a symbolic link; not followed") from None
+                raise SymlinkEscapeError(
+                    errno.ELOOP, "a symbolic link, not followed", str(path)
+                ) from None
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(errno.EINVAL, f"{path} is not a regular file", str(path))
-        return fd
 
     def read(self, name: str, limit: int) -> bytes:
         fd = self._open(name)

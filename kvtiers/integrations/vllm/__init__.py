@@ -1,4 +1,4 @@
-"""kvtiers inside vLLM 0.33.0 (imports vLLM; load it only where vLLM is installed).
+"""kvtiers inside vLLM 0.32 and 0.33 (imports vLLM; load it only where vLLM is installed).
 
 * :class:`KVTiersOffloadingSpec` — a whole kvtiers stack as vLLM's offloading spec
   (``spec_name: KVTiersOffloadingSpec``, ``spec_module_path: kvtiers.integrations.vllm``).
@@ -6,16 +6,28 @@
   secondary tiers of vLLM's ``TieringOffloadingSpec`` (``module_path:
   kvtiers.integrations.vllm``).
 
-See ``docs/vllm.md``.
+Loading this package checks the installed vLLM first
+(:func:`~kvtiers.integrations.vllm.version.check_vllm_version`): outside the supported
+releases it raises a one-line :class:`~kvtiers.errors.UnsupportedVersionError`, for both
+routes, since vLLM imports this package for either. See ``docs/vllm.md``.
 """
 
-from kvtiers.integrations.vllm.spec import (
+from kvtiers.integrations.vllm.version import check_vllm_version
+
+check_vllm_version()
+
+# The check runs before anything imports vLLM's offloading modules.
+from kvtiers.integrations.vllm.spec import (  # noqa: E402
     KVTiersLoadStoreSpec,
     KVTiersManager,
     KVTiersOffloadingSpec,
     KVTiersWorker,
 )
-from kvtiers.integrations.vllm.tiers import KVTiersFileTier, KVTiersS3Tier, MemoryviewRegion
+from kvtiers.integrations.vllm.tiers import (  # noqa: E402
+    KVTiersFileTier,
+    KVTiersS3Tier,
+    MemoryviewRegion,
+)
 
 __all__ = [
     "KVTiersFileTier",

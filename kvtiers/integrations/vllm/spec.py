@@ -47,6 +47,7 @@ from kvtiers.core.manager import ReqContext, ScheduleEndContext
 from kvtiers.core.specs import GPULoadStoreSpec, GroupTransfer, LoadStoreSpec
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker
 from kvtiers.errors import ConfigError
+from kvtiers.integrations.vllm.engine import find_engine_configs
 from kvtiers.integrations.vllm.translate import (
     EXTRA_CONFIG,
     KeyMap,
@@ -318,9 +319,11 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
 
     ``kv_connector_extra_config`` keys: ``kvtiers_config`` (a stack YAML path) or
     ``kvtiers`` (the stack inline); optional ``model_revision``, ``kvtiers_salt``,
-    ``prefix_caching_hash_algo`` (when the engine's config cannot be read) and
-    ``kvtiers_group_bytes_per_block`` (see
-    :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`).
+    ``kvtiers_parallel_agnostic``, ``prefix_caching_hash_algo`` (when the engine's config
+    cannot be read; it must agree when it can) and ``kvtiers_group_bytes_per_block`` (see
+    :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`). Every other identity
+    input is read from the configs of the vLLM connector building the spec (see
+    :mod:`kvtiers.integrations.vllm.engine`).
     """
 
     def __init__(self, config: VllmOffloadingConfig) -> None:
@@ -337,11 +340,16 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
                 "canonical_layout is not supported by kvtiers' vLLM spec; remove it",
                 path=f"{EXTRA_CONFIG}.canonical_layout",
             )
-        self.hash_algorithm = block_hash_algorithm(self.extra_config)
+        # Read here, while vLLM's connector is building this spec (never stored: the spec
+        # is pickled to workers).
+        engine = find_engine_configs()
+        self.hash_algorithm = block_hash_algorithm(self.extra_config, engine)
         self.offloading: OffloadingConfig = translate_config(
             config,
+            engine=engine,
             group_bytes_per_block=derived_group_bytes(config),
             hash_algorithm=self.hash_algorithm,
+            layout_agnostic=config.parallel.is_parallelism_agnostic,
         )
         self.stack_config = _share_primary(_read_stack(self.extra_config), config.engine_id)
         if any(tier.kind in _PERSISTENT_KINDS for tier in self.stack_config.tiers):

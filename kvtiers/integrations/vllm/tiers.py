@@ -10,20 +10,22 @@ What a chunk holds: vLLM's CPU chunk, i.e. every rank's bytes of the chunk side 
 (``worker_kv_bytes_per_block x copies x blocks_per_chunk``, the row's trailing alignment
 padding left out), whatever its group. The identity records that layout (``kv_layout``
 ``<layout>+vllm-cpu-chunk``) so these chunks never share a namespace with chunks written
-by :class:`~kvtiers.integrations.vllm.KVTiersOffloadingSpec`.
+by :class:`~kvtiers.integrations.vllm.KVTiersOffloadingSpec`, and vLLM's canonical format
+id when vLLM stores canonical pages (``canonical_layout``), so a canonical-layout engine
+and a direct-layout engine never read each other's chunks.
 
 Jobs: ``submit_store`` reserves the keys the tier does not hold yet (a tier that cannot
 make room fails the job; keys already held succeed at once) and copies the rest from
 their primary rows; ``submit_load`` pins the keys still held and copies them into the
 rows vLLM allocated, a job with missing or corrupt chunks reporting the keys that did
-arrive. Results are collected in ``get_finished_jobs``; ``drain_jobs`` blocks until no
-copy touches the primary memory.
+arrive. A :class:`~kvtiers.tiers.jobs.JobDriver` (without a primary manager: the rows are
+vLLM's) runs the copies and releases every reservation and pin. Results are collected in
+``get_finished_jobs``; ``drain_jobs`` blocks until no copy touches the primary memory.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm.v1.kv_offload import base as vbase
@@ -35,8 +37,8 @@ from kvtiers.config.tiers import TierConfig
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.mover import MoverResult
-from kvtiers.core.specs import CPULoadStoreSpec
-from kvtiers.errors import ConfigError, UnknownKeyError
+from kvtiers.errors import ConfigError
+from kvtiers.integrations.vllm.engine import find_engine_configs
 from kvtiers.integrations.vllm.translate import (
     KeyMap,
     block_hash_algorithm,
@@ -46,8 +48,27 @@ from kvtiers.integrations.vllm.translate import (
     vllm_request_context,
     warn_unstable_hashes,
 )
+from kvtiers.tiers.jobs import FinishedJob, JobDriver
 
 CHUNK_LAYOUT_SUFFIX = "+vllm-cpu-chunk"
+
+
+def canonical_format(config: Any) -> str:
+    """vLLM's id of the canonical chunk byte format when ``canonical_layout`` is on (it
+    couples the format version with the KV layout family), else ``""``."""
+    if not config.canonical_layout:
+        return ""
+    if config.kv_cache_layout is None:
+        raise ConfigError(
+            "canonical_layout is on but vLLM reported no KV cache layout to name the "
+            "canonical format after",
+            path="kv_connector_extra_config.canonical_layout",
+        )
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import (
+        canonical_format_id,
+    )
+
+    return str(canonical_format_id(config.kv_cache_layout))
 
 
 class MemoryviewRegion:
@@ -79,13 +100,8 @@ class MemoryviewRegion:
         return self._flat[start : start + self._slot_bytes]
 
 
-@dataclass
-class _Job:
-    is_load: bool
-    # vLLM's keys paired with kvtiers' keys, in job order.
-    keys: list[tuple[Any, OffloadKey]]
-    # kvtiers keys this tier reserved (store) or pinned (load).
-    held: list[OffloadKey]
+# vLLM's keys paired with kvtiers' keys, in the order of vLLM's job.
+_KeyPairs = list[tuple[Any, OffloadKey]]
 
 
 class _KVTiersSecondaryTier(SecondaryTierManager):
@@ -128,13 +144,18 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
                 path=f"{where}.primary_kv_view",
             )
         tier_config = parse_section(self.config_type, options, where, defaults={"name": tier_type})
-        algorithm = block_hash_algorithm(config.extra_config)
+        # Read while vLLM's connector is building its scheduler (see engine.py).
+        engine = find_engine_configs()
+        algorithm = block_hash_algorithm(config.extra_config, engine)
         warn_unstable_hashes(algorithm)
         offloading = translate_config(
             config,
+            engine=engine,
             group_bytes_per_block=[bytes_per_block] * len(config.groups),
             hash_algorithm=algorithm,
+            layout_agnostic=config.parallel.is_parallelism_agnostic or config.replicated_layout,
             kv_layout_suffix=CHUNK_LAYOUT_SUFFIX,
+            canonical_format=canonical_format(config),
         )
         factory = resolve_factory(tier_config.kind, path=f"{where}.type")
         self.tier = factory(tier_config, offloading, primary_region=region, name=tier_config.name)
@@ -143,7 +164,9 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         self._mover = self.tier.mover
         self._keys = KeyMap([group.group_id for group in config.groups])
         self._events_enabled = enable_kv_events
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: JobDriver[_KeyPairs] = JobDriver(
+            self.manager, self._mover, self._finished, ctx=ReqContext(req_id="kvtiers-vllm-tier")
+        )
         self._results: list[JobResult] = []
 
     # -- lookups and requests ---------------------------------------------------------
@@ -171,89 +194,42 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         ctx = kvtiers_context(job_metadata.req_context)
         pairs = [(key, self._keys.to_kvtiers(key)) for key in job_metadata.keys]
         ours = [k for _, k in pairs]
-        accepted = self.manager.prepare_store(ours, ctx)
+        slot_of = dict(zip(ours, (int(c) for c in job_metadata.chunk_ids), strict=True))
+        accepted = self._jobs.store(job_id, ours, ctx, pairs, slots=slot_of)
         if accepted is None:
             self._results.append(JobResult(job_id=job_id, success=False))
-            return
-        if not accepted:
+        elif not accepted:
             self._results.append(JobResult(job_id=job_id, success=True))
-            return
-        slot_of = dict(zip(ours, (int(c) for c in job_metadata.chunk_ids), strict=True))
-        src = CPULoadStoreSpec([slot_of[k] for k in accepted])
-        self._submit(job_id, _Job(False, pairs, accepted), src, self.manager.get_spec(accepted))
 
     def submit_load(self, job_metadata: Any) -> None:
         job_id = job_metadata.job_id
         ctx = kvtiers_context(job_metadata.req_context)
         pairs = [(key, self._keys.to_kvtiers(key)) for key in job_metadata.keys]
-        # One pin and one copy per occurrence: a key listed twice fills both of its rows,
-        # and complete_load(held) drops exactly the pins taken here.
-        held: list[OffloadKey] = []
-        rows: list[int] = []
+        # One pin and one copy per occurrence: a key listed twice fills both of its rows.
+        # A key evicted since vLLM's lookup (a store in the same step can evict it) is
+        # skipped and reported missing.
         for (_, key), chunk in zip(pairs, job_metadata.chunk_ids, strict=True):
-            try:
-                # Evicted since vLLM's lookup (a store in the same step can evict it).
-                self.manager.prepare_load([key], ctx)
-            except UnknownKeyError:
-                continue
-            held.append(key)
-            rows.append(int(chunk))
-        job = _Job(True, pairs, held)
-        if not held:
-            self._finish(job_id, job, MoverResult(job_id, succeeded_keys=()))
-            return
-        dst = CPULoadStoreSpec(rows)
-        self._submit(job_id, job, self.manager.get_spec(held), dst)
+            self._jobs.hold_for_load(key, ctx, slot=int(chunk))
+        if not self._jobs.load_held(job_id, pairs):
+            self._results.append(_load_result(job_id, pairs, MoverResult(job_id, ())))
 
-    def _submit(self, job_id: int, job: _Job, src: Any, dst: Any) -> None:
-        """Hand the copy to the mover. A job the mover refuses, or whose submission
-        raises, fails at once: its reservations and pins are released and its failed
-        ``JobResult`` is queued; the exception, if any, then propagates."""
-        self._jobs[job_id] = job
-        accepted = False
-        try:
-            accepted = self._mover.submit(job_id, src, dst)
-        finally:
-            if not accepted:
-                del self._jobs[job_id]
-                self._finish(job_id, job, MoverResult(job_id, (), failed_keys=tuple(job.held)))
-
-    def _finish(self, job_id: int, job: _Job, result: MoverResult) -> None:
-        arrived = set(result.succeeded_keys)
-        ctx = ReqContext(req_id="kvtiers-vllm-tier")
-        if job.is_load:
-            self.manager.complete_load(job.held, ctx)
-            arrived_keys = [vkey for vkey, key in job.keys if key in arrived]
-            success = len(arrived_keys) == len(job.keys)
-            self._results.append(
-                JobResult(
-                    job_id=job_id,
-                    success=success,
-                    successful_keys=None if success else arrived_keys,
-                    transfer_time=result.transfer_s,
-                    transfer_bytes=result.transfer_bytes,
-                )
-            )
+    def _finished(self, job: FinishedJob[_KeyPairs]) -> None:
+        """A job ended (the driver released its reservations and pins): queue its result."""
+        result = job.result
+        if job.load:
+            self._results.append(_load_result(job.job_id, job.tag, result))
             return
-        stored = [key for key in job.held if key in arrived]
-        failed = [key for key in job.held if key not in arrived]
-        self.manager.complete_store(stored, ctx, success=True)
-        self.manager.complete_store(failed, ctx, success=False)
         self._results.append(
             JobResult(
-                job_id=job_id,
-                success=not failed,
+                job_id=job.job_id,
+                success=not job.failed,
                 transfer_time=result.transfer_s,
                 transfer_bytes=result.transfer_bytes,
             )
         )
 
-    def _poll(self) -> None:
-        for result in self._mover.get_finished():
-            self._finish(result.job_id, self._jobs.pop(result.job_id), result)
-
     def get_finished_jobs(self) -> Iterable[JobResult]:
-        self._poll()
+        self._jobs.poll()
         results, self._results = self._results, []
         return results
 
@@ -261,7 +237,7 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         self._mover.drain()
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or self.manager.has_pending_work()
+        return self._jobs.busy or self.manager.has_pending_work()
 
     # -- the rest ---------------------------------------------------------------------
     def take_events(self) -> Iterable[Any]:
@@ -283,6 +259,21 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
 
     def shutdown(self) -> None:
         self.tier.shutdown()
+
+
+def _load_result(job_id: int, pairs: _KeyPairs, result: MoverResult) -> JobResult:
+    """vLLM's result of a load job: a success when every listed key arrived, else the
+    vLLM keys that did."""
+    arrived = set(result.succeeded_keys)
+    arrived_keys = [vkey for vkey, key in pairs if key in arrived]
+    success = len(arrived_keys) == len(pairs)
+    return JobResult(
+        job_id=job_id,
+        success=success,
+        successful_keys=None if success else arrived_keys,
+        transfer_time=result.transfer_s,
+        transfer_bytes=result.transfer_bytes,
+    )
 
 
 class KVTiersFileTier(_KVTiersSecondaryTier):

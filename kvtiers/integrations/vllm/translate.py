@@ -14,6 +14,10 @@ Block hashes: vLLM chains block hashes from a seed (``NONE_HASH``). With ``sha25
 process; with ``xxhash`` / ``xxhash_cbor`` and no ``PYTHONHASHSEED`` the seed is random per
 process and a persistent tier can never hit after a restart. :func:`warn_unstable_hashes`
 says so once per process. The identity records vLLM's algorithm as ``vllm:<name>``.
+
+Identity inputs come from vLLM's offloading config and the engine's own configs found by
+:func:`~kvtiers.integrations.vllm.engine.find_engine_configs`, never from vLLM's
+process-global current config (unset while vLLM builds its scheduler).
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ from kvtiers.core.manager import (
     TierMatcher,
 )
 from kvtiers.errors import ConfigError
+from kvtiers.filemapper.fingerprint import is_immutable_revision, resolve_model
+from kvtiers.filemapper.identity import NamespaceIdentity
+from kvtiers.integrations.vllm.engine import EngineConfigs, group_attention, model_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -60,34 +67,24 @@ DEFAULT_HASH_ALGORITHM = "sha256"
 _SEEDED_AT_RANDOM = frozenset({"xxhash", "xxhash_cbor"})
 
 _warned_unstable = False
+_warned: set[str] = set()
 
 
-def live_vllm_config() -> Any | None:
-    """vLLM's current ``VllmConfig`` when the engine set one, else ``None``.
-
-    ``vllm.config`` needs vLLM's full dependency set; with the light install that only
-    imports ``vllm.v1.kv_offload`` there is no live config to read.
-    """
-    try:
-        from vllm.config import get_current_vllm_config_or_none
-    except ImportError:
-        return None
-    return get_current_vllm_config_or_none()
-
-
-def block_hash_algorithm(extra_config: Mapping[str, Any]) -> str:
-    """vLLM's ``prefix_caching_hash_algo``: from the engine's live config when there is
-    one, else ``extra_config["prefix_caching_hash_algo"]``, else vLLM's default."""
-    live = live_vllm_config()
-    live_name = None if live is None else str(live.cache_config.prefix_caching_hash_algo)
+def block_hash_algorithm(extra_config: Mapping[str, Any], engine: EngineConfigs | None) -> str:
+    """vLLM's ``prefix_caching_hash_algo``: from the engine's cache config when the
+    connector's configs were found, else ``extra_config["prefix_caching_hash_algo"]``, else
+    vLLM's default. The two must agree when both are given."""
+    engine_name = (
+        None if engine is None else str(engine.vllm.cache_config.prefix_caching_hash_algo)
+    )
     given = extra_config.get("prefix_caching_hash_algo")
-    if given is not None and live_name is not None and given != live_name:
+    if given is not None and engine_name is not None and given != engine_name:
         raise ConfigError(
             f"prefix_caching_hash_algo {given!r} disagrees with the engine's "
-            f"--prefix-caching-hash-algo {live_name!r}; drop it or make them equal",
+            f"--prefix-caching-hash-algo {engine_name!r}; drop it or make them equal",
             path=f"{EXTRA_CONFIG}.prefix_caching_hash_algo",
         )
-    name = live_name or given or DEFAULT_HASH_ALGORITHM
+    name = engine_name or given or DEFAULT_HASH_ALGORITHM
     if name not in HASH_ALGORITHMS:
         raise ConfigError(
             f"unknown block-hash algorithm {name!r}; vLLM 0.33 has "
@@ -118,19 +115,46 @@ def warn_unstable_hashes(algorithm: str) -> bool:
     return True
 
 
-def model_revision(extra_config: Mapping[str, Any]) -> str:
-    """``extra_config["model_revision"]``, else the engine's ``--revision``, else ``main``."""
+def model_revision(extra_config: Mapping[str, Any], engine_revision: str | None) -> str | None:
+    """``extra_config["model_revision"]``, else the engine's ``--revision`` (``None`` when
+    neither pins one). The two must agree when both are given."""
     given = extra_config.get("model_revision")
-    if given is not None:
-        if not isinstance(given, str) or not given:
-            raise ConfigError(
-                f"expected a non-empty string, got {given!r}",
-                path=f"{EXTRA_CONFIG}.model_revision",
-            )
-        return given
-    live = live_vllm_config()
-    revision = None if live is None else live.model_config.revision
-    return str(revision) if revision else "main"
+    if given is None:
+        return engine_revision
+    if not isinstance(given, str) or not given:
+        raise ConfigError(
+            f"expected a non-empty string, got {given!r}", path=f"{EXTRA_CONFIG}.model_revision"
+        )
+    if engine_revision is not None and given != engine_revision:
+        raise ConfigError(
+            f"model_revision {given!r} disagrees with the engine's --revision "
+            f"{engine_revision!r}; drop it or make them equal",
+            path=f"{EXTRA_CONFIG}.model_revision",
+        )
+    return given
+
+
+def parallel_agnostic(extra_config: Mapping[str, Any], layout_agnostic: bool) -> bool:
+    """Whether the parallel sizes leave the identity: only when vLLM reports a layout whose
+    bytes do not depend on them AND ``extra_config["kvtiers_parallel_agnostic"]`` opts in."""
+    opt_in = extra_config.get("kvtiers_parallel_agnostic", False)
+    if not isinstance(opt_in, bool):
+        raise ConfigError(
+            f"expected true or false, got {opt_in!r}",
+            path=f"{EXTRA_CONFIG}.kvtiers_parallel_agnostic",
+        )
+    if opt_in and not layout_agnostic:
+        _warn_once(
+            "kvtiers_parallel_agnostic is set but vLLM reports this KV layout depends on the "
+            "parallel sizes; they stay in the cache identity"
+        )
+    return opt_in and layout_agnostic
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        logger.warning("%s", message)
 
 
 def derived_group_bytes(config: VllmOffloadingConfig) -> tuple[int, ...]:
@@ -180,14 +204,21 @@ def derived_group_bytes(config: VllmOffloadingConfig) -> tuple[int, ...]:
 def translate_config(
     config: VllmOffloadingConfig,
     *,
+    engine: EngineConfigs | None,
     group_bytes_per_block: Sequence[int],
     hash_algorithm: str,
+    layout_agnostic: bool,
     kv_layout_suffix: str = "",
+    canonical_format: str = "",
 ) -> OffloadingConfig:
-    """kvtiers' identity of a cache vLLM describes with ``config``.
+    """kvtiers' identity of a cache vLLM describes with ``config`` and, when found, the
+    engine's own configs ``engine`` (see :mod:`kvtiers.integrations.vllm.engine`).
 
     ``kv_layout_suffix`` marks a chunk byte layout other than kvtiers' own (the secondary
-    tiers store vLLM's CPU chunk layout), so the two never share a namespace.
+    tiers store vLLM's CPU chunk layout), so the two never share a namespace;
+    ``canonical_format`` is vLLM's canonical format id when it stores canonical pages;
+    ``layout_agnostic`` is whether vLLM reports those bytes independent of the parallel
+    sizes (they leave the identity only with the operator's opt-in as well).
     """
     extra = config.extra_config
     user_salt = extra.get("kvtiers_salt", "")
@@ -195,22 +226,54 @@ def translate_config(
         raise ConfigError(
             f"expected a string, got {user_salt!r}", path=f"{EXTRA_CONFIG}.kvtiers_salt"
         )
+    inputs = None if engine is None else model_inputs(engine, config.model.dtype)
+    if inputs is None:
+        _warn_once(
+            "kvtiers could not find the VllmConfig of the connector building it (built "
+            "outside vLLM's OffloadingConnector?): the cache identity holds only what vLLM's "
+            "offloading config carries, without the revision, quantization, compute dtype, "
+            "RoPE overrides or draft model"
+        )
+    revision = model_revision(extra, None if inputs is None else inputs.revision)
+    try:
+        model = resolve_model(config.model.name if inputs is None else inputs.model, revision)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot fingerprint the model for the cache identity: {exc}", path="model"
+        ) from None
+    if not model.fingerprint and not is_immutable_revision(model.revision):
+        _warn_once(
+            f"model {model.name!r} has no pinned commit and no local files kvtiers can "
+            "fingerprint: the cache identity cannot tell its revisions apart; pin --revision "
+            "to a commit hash"
+        )
+    layout = config.kv_cache_layout or (None if inputs is None else inputs.kv_layout)
     par = config.parallel
     try:
-        return OffloadingConfig(
+        translated = OffloadingConfig(
             groups=tuple(
                 OffloadingGroupConfig(
                     tokens_per_block=group.tokens_per_block,
                     layer_names=tuple(group.layer_names),
                     bytes_per_block=nbytes,
+                    attention=group_attention(
+                        engine, group, group.tokens_per_block * config.cache.blocks_per_chunk
+                    ),
                 )
                 for group, nbytes in zip(config.groups, group_bytes_per_block, strict=True)
             ),
             model=OffloadingModelConfig(
-                name=config.model.name,
-                revision=model_revision(extra),
+                name=model.name,
+                revision=model.revision,
+                fingerprint=model.fingerprint,
                 dtype=config.model.dtype,
-                kv_layout=(config.kv_cache_layout or "NHD") + kv_layout_suffix,
+                kv_layout=(layout or "unresolved") + kv_layout_suffix,
+                compute_dtype="" if inputs is None else inputs.compute_dtype,
+                quantization="" if inputs is None else inputs.quantization,
+                kv_scales="" if inputs is None else inputs.kv_scales,
+                overrides="" if inputs is None else inputs.overrides,
+                draft_model="" if inputs is None else inputs.draft_model,
+                canonical_format=canonical_format,
             ),
             cache=OffloadingCacheConfig(
                 tokens_per_hash=config.cache.tokens_per_hash,
@@ -224,7 +287,7 @@ def translate_config(
                 pp_size=par.pp_size,
                 pcp_size=par.pcp_size,
                 dcp_size=par.dcp_size,
-                is_parallelism_agnostic=par.is_parallelism_agnostic,
+                is_parallelism_agnostic=parallel_agnostic(extra, layout_agnostic),
             ),
             engine=ENGINE,
             salt=user_salt,
@@ -233,6 +296,13 @@ def translate_config(
         raise ConfigError(
             f"vLLM's offloading config does not fit kvtiers: {exc.message}", path=exc.path
         ) from None
+    # Named in the log so an operator can `kvtiers diff` it against an earlier namespace.
+    logger.info(
+        "kvtiers cache identity for %s: namespace %s",
+        model.name,
+        NamespaceIdentity.from_config(translated).namespace,
+    )
+    return translated
 
 
 class KeyMap:

@@ -64,7 +64,14 @@ class CpuTierManager(OffloadingManager):
 
     ``policy`` is a fresh :class:`~kvtiers.policies.base.EvictionPolicy` sized for
     ``num_slots``. ``region``, when given, is closed by :meth:`shutdown`. Keys passed to
-    ``complete_store`` that are not being written are ignored.
+    ``complete_store`` that are not being written are ignored, and a key named twice
+    counts once.
+
+    The rules are those of :class:`~kvtiers.tiers.index.ChunkIndex`, which the other
+    tiers use (this tier keeps its own arrays for its pluggable policies; see
+    docs/architecture.md): releasing more pins than held raises, changing nothing;
+    ``touch`` of a key being written is ignored (the policy tracks ready keys only);
+    ``prepare_store`` either reserves every key it returns or changes nothing.
     """
 
     medium = Medium.CPU
@@ -156,21 +163,29 @@ class CpuTierManager(OffloadingManager):
     ) -> None:
         slots = self._slots
         state = self._state
-        done = [key for key in keys if (slot := slots.get(key)) is not None
-                and state[slot] == _WRITING]
+        # One pass that changes each slot's state as it goes, so a key named twice is
+        # no longer WRITING (or no longer present) the second time: it counts once.
+        done = []
         if success:
             insert = self.policy.insert
-            for key in done:
-                state[slots[key]] = _READY
-                insert(key)
+            for key in keys:
+                slot = slots.get(key)
+                if slot is not None and state[slot] == _WRITING:
+                    state[slot] = _READY
+                    insert(key)
+                    done.append(key)
             self._stores += len(done)
             if done:
                 self._events.append(self._event(done, removed=False))
         else:
-            for key in done:
-                slot = slots.pop(key)
-                state[slot] = _FREE
-                self._free.append(slot)
+            free = self._free
+            for key in keys:
+                slot = slots.get(key)
+                if slot is not None and state[slot] == _WRITING:
+                    del slots[key]
+                    state[slot] = _FREE
+                    free.append(slot)
+                    done.append(key)
             self._store_failures += len(done)
 
     # -- load -----------------------------------------------------------------------

@@ -7,7 +7,10 @@ GPU blocks straight to and from chunk files, and the manager needs no mover beca
 worker writes the files between ``prepare_store`` and ``complete_store``.
 
 The namespace is opened (manifest checked or created) before anything else, and the I/O
-backend is chosen and probed inside it, once.
+backend is chosen and probed inside it, once. A root on a read-only filesystem opens
+read-only: admission ``never``, one warning, loads served. One
+:class:`~kvtiers.tiers.file.space.SpaceLatch` shared by the manager and the mover stops
+stores while the disk is full.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
 from kvtiers.tiers.base import BuiltTier
+from kvtiers.tiers.file import space as space_module
 from kvtiers.tiers.file.io import PublishSettings, select_backend
 from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.mover import BadChunkHandler, FileMover
+from kvtiers.tiers.file.space import SpaceLatch
 
 
 def build_tier(
@@ -46,6 +51,11 @@ def build_tier(
     namespace_dir = open_namespace(
         mapper.root, identity, file_mode=config.file_mode, dir_mode=config.dir_mode
     )
+    space = SpaceLatch(str(namespace_dir))
+    admission = config.admission
+    if space_module.filesystem_read_only(namespace_dir):
+        space.mark_read_only()
+        admission = "never"
     backend = select_backend(config.io, o_direct=config.o_direct, directory=namespace_dir)
     manager = FileTierManager(
         mapper,
@@ -56,12 +66,13 @@ def build_tier(
         dir_mode=config.dir_mode,
         io_backend=backend.code,
         io_backend_name=backend.name,
+        space=space,
     )
     settings = PublishSettings(
         file_mode=config.file_mode, dir_mode=config.dir_mode, root=mapper.root
     )
     bad_chunks = BadChunkHandler(
-        manager.forget, manager.quarantine_dir if config.quarantine else None, config.dir_mode
+        manager, manager.quarantine_dir if config.quarantine else None, config.dir_mode
     )
     if primary_region is not None:
         mover = FileMover(
@@ -72,8 +83,9 @@ def build_tier(
             threads=config.threads,
             settings=settings,
             bad_chunks=bad_chunks,
+            space=space,
         )
-        return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)
+        return BuiltTier(name=name, manager=manager, mover=mover, admission=admission)
 
     def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
         from kvtiers.tiers.file.gds_worker import FileWorker
@@ -82,6 +94,4 @@ def build_tier(
             kv, geometry, identity.digest, backend, settings=settings, bad_chunks=bad_chunks
         )
 
-    return BuiltTier(
-        name=name, manager=manager, make_worker=make_worker, admission=config.admission
-    )
+    return BuiltTier(name=name, manager=manager, make_worker=make_worker, admission=admission)

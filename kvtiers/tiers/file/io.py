@@ -36,6 +36,7 @@ from typing import Any
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.geometry import ALIGNMENT
 from kvtiers.core.publish import DEFAULT_OPS, FileOps, publish, write_all
+from kvtiers.core.regular import open_regular
 from kvtiers.errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,10 @@ class IOBackend(ABC):
     @abstractmethod
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
         """Fill ``header`` (4096 bytes) and ``payload`` from ``path``; returns
-        ``(bytes read, file size)``. A short file reads short; the caller verifies."""
+        ``(bytes read, file size)``. A short file reads short; the caller verifies.
+        Anything at ``path`` that is not a regular file (a FIFO, a directory, a symlink)
+        raises ``OSError`` at once (:func:`~kvtiers.core.regular.open_regular`): a read
+        never blocks on one."""
 
 
 def _address(view: memoryview) -> int:
@@ -137,11 +141,9 @@ class PosixBackend(IOBackend):
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
         view = memoryview(payload).cast("B")
-        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-        if self._direct(view) and _aligned(header):
-            flags |= _O_DIRECT
+        flags = _O_DIRECT if self._direct(view) and _aligned(header) else 0
         buffers = [header, view]
-        fd = os.open(path, flags)
+        fd = open_regular(path, flags)
         try:
             size = os.fstat(fd).st_size
             total = _read_all(fd, buffers)
@@ -291,7 +293,12 @@ class KvikioBackend(IOBackend):
         )
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
-        size = os.stat(path).st_size
+        # CuFile opens by name and would block on a FIFO: check what is there first.
+        fd = open_regular(path)
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         with self._kvikio.CuFile(str(path), "r") as f:
             want = min(_nbytes(payload), max(0, size - HEADER_BYTES))
             first = f.pread(_host_array(header), file_offset=0)

@@ -6,7 +6,9 @@ interrupted publishes (what :func:`~kvtiers.core.publish.cleanup_stale_temps` do
 a second walk) and rebuilds the index — names parsed by :meth:`FileMapper.key_from_name`,
 sizes and mtimes from ``stat`` (never opening a file), recency seeded from mtimes.
 
-Index entries hold a size, a ready flag and a pin count, in LRU order. Invariants:
+The index is a :class:`~kvtiers.tiers.index.ChunkIndex` (size, state, pins in LRU order)
+and shared-directory probes are booked in a :class:`~kvtiers.tiers.probe.ProbeBook`.
+Invariants:
 
 - ``usage`` is the sum of the entries' sizes: reserved keys count at the largest blob
   (``HEADER_BYTES + geometry.max_chunk_bytes``; managers never decode a key's group),
@@ -15,10 +17,11 @@ Index entries hold a size, a ready flag and a pin count, in LRU order. Invariant
   is within capacity;
 - ``prepare_store`` evicts least recently used ready, unpinned chunks to make room, or
   returns ``None`` and changes nothing;
-- the scheduler thread never does file I/O: evicted files are unlinked by a deleter
-  thread (dropped from the index at once), shared-directory existence probes run on a
-  probe thread, and movers report corrupt or vanished chunks through :meth:`forget`, a
-  thread-safe queue drained on the next scheduler-thread call.
+- the scheduler thread never does file I/O: evicted files are unlinked on a one-thread
+  deleter executor (dropped from the index at once), shared-directory existence probes
+  run as batches on a one-thread probe executor, and movers report corrupt or vanished
+  chunks through :meth:`forget`, a thread-safe queue drained on the next
+  scheduler-thread call.
 
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
@@ -31,11 +34,11 @@ import logging
 import os
 import queue
 import re
+import stat
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from kvtiers.core.chunkformat import HEADER_BYTES
@@ -54,34 +57,23 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, is_temp_name
 from kvtiers.core.specs import FileLoadStoreSpec
-from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import FileMapper, open_namespace
 from kvtiers.tiers.file.io import IO_POSIX
+from kvtiers.tiers.file.space import SpaceLatch
+from kvtiers.tiers.index import ChunkIndex
+from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
 logger = logging.getLogger(__name__)
 
 #: On a shared directory, temp files younger than this may belong to a live writer.
 SHARED_TEMP_AGE_S = 3600.0
-#: How long a shared-directory probe's "not there" answer is trusted.
-NEGATIVE_PROBE_TTL_S = 1.0
 QUARANTINE_DIR = "quarantine"
 
 _FANOUT = re.compile(r"[0-9a-f]{2}")
-_HIT = LookupResult.HIT
-_MISS = LookupResult.MISS
-_PENDING = LookupResult.HIT_PENDING
-_RETRY = LookupResult.RETRY
-
-
-@dataclass(slots=True)
-class _Entry:
-    size: int
-    ready: bool
-    pins: int = 0
 
 
 class _Deleter:
-    """A thread that unlinks evicted chunk files, off the scheduler thread.
+    """Unlinks evicted chunk files on a one-thread executor, off the scheduler thread.
 
     Its lock guards bookkeeping only and is never held across an unlink: the scheduler
     thread takes it, and an unlink on a slow filesystem (NFS) may take long. A queued
@@ -94,135 +86,112 @@ class _Deleter:
         self.gate = threading.Event()
         self.gate.set()
         self._unlink = unlink
-        self._cond = threading.Condition()
-        self._queue: list[Path] = []
+        self._lock = threading.Lock()
+        # Queued unlinks per path; a cancelled path's count is dropped, so they skip it.
         self._pending: dict[Path, int] = {}
         self._running: Path | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtiers-file-deleter", daemon=True)
-        self._thread.start()
+        self._futures: list[Future[None]] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter")
 
     def delete(self, paths: Iterable[Path]) -> None:
-        with self._cond:
+        paths = list(paths)
+        with self._lock:
             for path in paths:
-                self._queue.append(path)
                 self._pending[path] = self._pending.get(path, 0) + 1
-            self._cond.notify_all()
+        self._futures = [f for f in self._futures if not f.done()]
+        self._futures.extend(self._pool.submit(self._unlink_one, path) for path in paths)
 
-    def cancel(self, paths: Collection[Path]) -> bool:
+    def cancel(self, paths: Collection[Path]) -> list[Path] | None:
         """Keep ``paths``: their queued unlinks are skipped (the names are about to be
-        reused). False, changing nothing, while one of them is being unlinked: a file
-        published under that name now could be removed by it."""
-        with self._cond:
+        reused); returns the paths that had some, to :meth:`delete` again if the names
+        are not reused after all. ``None``, changing nothing, while one of them is being
+        unlinked: a file published under that name now could be removed by it."""
+        with self._lock:
             if self._running is not None and self._running in paths:
-                return False
-            for path in paths:
-                self._pending.pop(path, None)
-            return True
+                return None
+            return [path for path in paths if self._pending.pop(path, None)]
 
     def wait(self) -> None:
         """Block until every queued unlink has run."""
-        with self._cond:
-            self._cond.wait_for(lambda: not self._queue and self._running is None)
+        wait(list(self._futures))
 
     def close(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self.gate.set()
-            self._cond.notify_all()
-        self._thread.join()
+        """Run the queued unlinks and stop the executor. Idempotent."""
+        self.gate.set()
+        self._pool.shutdown(wait=True)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._queue or self._closed)
-                if not self._queue:
-                    return
-            self.gate.wait()
-            with self._cond:
-                path = self._queue.pop(0)
-                count = self._pending.get(path, 0)
-                if not count:
-                    self._cond.notify_all()
-                    continue
-                if count == 1:
-                    del self._pending[path]
-                else:
-                    self._pending[path] = count - 1
-                # Taken with the queue entry, so cancel() either skipped it or sees it.
-                self._running = path
-            try:
-                self._unlink(path)
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("file tier: could not remove evicted chunk %s: %s", path, exc)
-            with self._cond:
+    def _unlink_one(self, path: Path) -> None:
+        self.gate.wait()
+        with self._lock:
+            count = self._pending.get(path, 0)
+            if not count:
+                return
+            if count == 1:
+                del self._pending[path]
+            else:
+                self._pending[path] = count - 1
+            # Taken with the pending count, so cancel() either skipped it or sees it.
+            self._running = path
+        try:
+            self._unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            logger.warning("file tier: could not remove evicted chunk %s: %s", path, exc)
+        finally:
+            with self._lock:
                 self._running = None
-                self._cond.notify_all()
 
 
 class _Prober:
-    """Batched existence checks (``os.stat``) for a shared directory, off-thread."""
+    """Batched existence checks (``os.stat``) for a shared directory, one batch at a time
+    on a one-thread executor."""
 
     def __init__(self, mapper: FileMapper) -> None:
         self._mapper = mapper
-        self._cond = threading.Condition()
-        self._batch: list[OffloadKey] | None = None
-        self._results: list[tuple[OffloadKey, int | None]] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-prober")
+        self._batches: list[Future[list[tuple[OffloadKey, int | None]]]] = []
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kvtiers-file-prober", daemon=True)
-        self._thread.start()
 
     @property
     def busy(self) -> bool:
-        with self._cond:
-            return self._batch is not None
+        return bool(self._batches) and not self._batches[-1].done()
 
     def submit(self, keys: list[OffloadKey]) -> bool:
         """Start probing ``keys``; False while the previous batch still runs."""
-        with self._cond:
-            if self._batch is not None or self._closed:
-                return False
-            self._batch = keys
-            self._cond.notify_all()
-            return True
+        if self.busy or self._closed:
+            return False
+        self._batches.append(self._pool.submit(self._probe, keys))
+        return True
 
     def take_results(self) -> list[tuple[OffloadKey, int | None]]:
-        """``(key, file size or None)`` for every probed key since the last call."""
-        with self._cond:
-            results, self._results = self._results, []
+        """``(key, file size or None)`` for every key of the batches done since the last
+        call."""
+        results: list[tuple[OffloadKey, int | None]] = []
+        running = []
+        for batch in self._batches:
+            if batch.done():
+                results.extend(batch.result())
+            else:
+                running.append(batch)
+        self._batches = running
         return results
 
     def wait(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._batch is None)
+        wait(list(self._batches))
 
     def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._thread.join()
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._batch is not None or self._closed)
-                if self._batch is None:
-                    return
-                batch = self._batch
-            found: list[tuple[OffloadKey, int | None]] = []
-            for key in batch:
-                try:
-                    found.append((key, os.stat(self._mapper.path(key)).st_size))
-                except OSError:
-                    found.append((key, None))
-            with self._cond:
-                self._results.extend(found)
-                self._batch = None
-                self._cond.notify_all()
+    def _probe(self, keys: list[OffloadKey]) -> list[tuple[OffloadKey, int | None]]:
+        found: list[tuple[OffloadKey, int | None]] = []
+        for key in keys:
+            try:
+                found.append((key, os.stat(self._mapper.path(key)).st_size))
+            except OSError:
+                found.append((key, None))
+        return found
 
 
 class FileTierManager(OffloadingManager):
@@ -230,8 +199,11 @@ class FileTierManager(OffloadingManager):
 
     ``capacity_bytes`` ``None`` means bounded only by the filesystem. ``shared``: other
     engines write into the same namespace, so an index miss is checked on disk by a
-    background probe (``RETRY`` until it answers). ``io_backend`` is the numeric code of
-    the I/O path in use (reported in stats). ``clock`` is injectable for tests.
+    background probe (``RETRY`` until it answers; a "not there" answer is trusted for
+    ``negative_ttl_s``). ``io_backend`` is the numeric code of the I/O path in use
+    (reported in stats). ``clock`` is injectable for tests.
+    ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
+    (read-only root, full disk) ``prepare_store`` answers ``None``.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
@@ -255,7 +227,9 @@ class FileTierManager(OffloadingManager):
         dir_mode: int = DEFAULT_DIR_MODE,
         io_backend: int = IO_POSIX,
         io_backend_name: str = "posix",
+        negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        space: SpaceLatch | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -266,49 +240,52 @@ class FileTierManager(OffloadingManager):
         self.io_backend = io_backend
         self.io_backend_name = io_backend_name
         self.reserve_bytes = HEADER_BYTES + geometry.max_chunk_bytes
-        self._clock = clock
+        self._space = space
         self.namespace_dir = open_namespace(
             mapper.root, mapper.identity, file_mode=file_mode, dir_mode=dir_mode
         )
         self.quarantine_dir = self.namespace_dir / QUARANTINE_DIR
-        self._entries: OrderedDict[OffloadKey, _Entry] = OrderedDict()
-        self.usage_bytes = 0
-        self._events: list[OffloadingEvent] = []
+        self.index = ChunkIndex(
+            capacity_bytes, tier=f"the file tier at {self.namespace_dir}", medium=self.medium,
+            locality=self.locality,
+        )
         self._forgotten: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
-        self._held_back: list[OffloadKey] = []
         self._reported_lock = threading.Lock()
         self._reported = {"corrupt_chunks": 0, "vanished_chunks": 0}
-        self._stats: dict[str, int] = dict.fromkeys(
-            ("hits", "misses", "stores", "store_failures", "evictions", "loads", "probes",
-             "probe_hits"),
-            0,
-        )
+        self._probe_hits = 0
         self._deleter = _Deleter()
         self._prober = _Prober(mapper) if shared else None
-        self._probe_queue: dict[OffloadKey, None] = {}
-        self._probing: set[OffloadKey] = set()
-        self._negative: dict[OffloadKey, float] = {}
+        self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
         self._closed = False
         start = time.perf_counter()
         removed = self._rebuild(SHARED_TEMP_AGE_S if shared else 0.0)
         self.rebuild_s = time.perf_counter() - start
         if removed:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
+        if self.unindexed_entries:
+            logger.warning(
+                "file tier %s: %d entries named like chunks are not regular files and were "
+                "not indexed; `kvtiers verify` lists them", self.namespace_dir,
+                self.unindexed_entries,
+            )
         logger.info(
             "file tier %s: %d chunks (%d bytes) indexed in %.3f s",
-            self.namespace_dir, len(self._entries), self.usage_bytes, self.rebuild_s,
+            self.namespace_dir, len(self.index), self.index.usage, self.rebuild_s,
         )
-        if capacity_bytes is not None and self.usage_bytes > capacity_bytes:
-            victims = self._pick_victims(self.usage_bytes - capacity_bytes, set())
-            assert victims is not None, "nothing is pinned or reserved at start"
-            self._evict(victims)
+
+    @property
+    def usage_bytes(self) -> int:
+        """Bytes the indexed chunks take or have reserved."""
+        return self.index.usage
 
     # -- start-up -------------------------------------------------------------------
     def _rebuild(self, temp_age_s: float) -> int:
         """Index every chunk file and remove stale temp files, in one pass over the tree;
         returns how many temp files were removed. Temp files younger than
-        ``temp_age_s`` are left alone (another live writer may own them)."""
+        ``temp_age_s`` are left alone (another live writer may own them). Beyond
+        capacity, the oldest chunks are evicted."""
         found: list[tuple[float, OffloadKey, int]] = []
+        self.unindexed_entries = 0
         key_from_name = self.mapper.key_from_name
         cutoff = time.time() - temp_age_s
         removed = 0
@@ -335,12 +312,14 @@ class FileTierManager(OffloadingManager):
                     st = entry.stat(follow_symlinks=False)
                 except FileNotFoundError:
                     continue
+                if not stat.S_ISREG(st.st_mode):
+                    # A FIFO, directory or symlink under a chunk's name is never a chunk:
+                    # indexed, every load of it would fail. `kvtiers verify` lists them.
+                    self.unindexed_entries += 1
+                    continue
                 found.append((st.st_mtime, key, st.st_size))
         found.sort(key=lambda item: item[0])
-        entries_map = self._entries
-        for _mtime, key, size in found:
-            entries_map[key] = _Entry(size, True)
-            self.usage_bytes += size
+        self._delete(self.index.add_ready((key, size) for _mtime, key, size in found).victims)
         return removed
 
     # -- the mover's side channel ---------------------------------------------------
@@ -354,89 +333,46 @@ class FileTierManager(OffloadingManager):
             self._forgotten.put(key)
 
     def _drain_forgotten(self) -> None:
-        if self._forgotten.empty() and not self._held_back:
+        if self._forgotten.empty():
             return
-        pending, self._held_back = self._held_back, []
+        reported = []
         while not self._forgotten.empty():
-            pending.append(self._forgotten.get())
-        dropped = []
-        for key in dict.fromkeys(pending):
-            entry = self._entries.get(key)
-            if entry is None or not entry.ready:
-                continue
-            if entry.pins:
-                # Still pinned by the load that found it bad; dropped once unpinned.
-                self._held_back.append(key)
-                continue
-            del self._entries[key]
-            self.usage_bytes -= entry.size
-            dropped.append(key)
-        if dropped:
-            self._events.append(self._event(dropped, removed=True))
+            reported.append(self._forgotten.get())
+        self.index.discard(reported)
 
     # -- lookup ---------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._drain_forgotten()
-        entry = self._entries.get(key)
-        if entry is None and self._prober is not None:
-            return self._probe_lookup(key)
-        if entry is None:
-            self._stats["misses"] += 1
-            return _MISS
-        if entry.ready:
-            self._stats["hits"] += 1
-            return _HIT
-        return _PENDING
-
-    def _probe_lookup(self, key: OffloadKey) -> LookupResult:
-        self._take_probe_results()
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._stats["hits"] += 1
-            return _HIT
-        expiry = self._negative.get(key)
-        if expiry is not None:
-            if self._clock() < expiry:
-                self._stats["misses"] += 1
-                return _MISS
-            del self._negative[key]
-        if key not in self._probing:
-            self._probe_queue[key] = None
-        return _RETRY
+        probes = self._probes
+        if probes is not None and key not in self.index:
+            self._take_probe_results()
+            if key not in self.index:
+                if probes.known_absent(key):
+                    self.index.count_miss()
+                    return LookupResult.MISS
+                return LookupResult.RETRY
+        return self.index.lookup(key)
 
     def _take_probe_results(self) -> None:
-        assert self._prober is not None
+        assert self._prober is not None and self._probes is not None
         results = self._prober.take_results()
         if not results:
             return
-        expiry = self._clock() + NEGATIVE_PROBE_TTL_S
-        for key, size in results:
-            self._probing.discard(key)
-            if key in self._entries:
-                continue
-            if size is None:
-                self._negative[key] = expiry
-            else:
-                self._entries[key] = _Entry(size, True)
-                self.usage_bytes += size
-                self._stats["probe_hits"] += 1
-        capacity = self.capacity_bytes
-        if capacity is not None and self.usage_bytes > capacity:
-            victims = self._pick_victims(self.usage_bytes - capacity, set())
-            assert victims is not None, "the probe hits are ready and unpinned themselves"
-            self._evict(victims)
-        if len(self._negative) > 4 * len(results) + 1024:
-            now = self._clock()
-            self._negative = {k: t for k, t in self._negative.items() if t > now}
+        found = self._probes.answered(results)
+        change = self.index.add_ready(found)
+        self._probe_hits += len(change.keys)
+        self._delete(change.victims)
 
     def _flush_probes(self) -> None:
-        if self._prober is None:
+        if self._prober is None or self._probes is None:
             return
         self._take_probe_results()
-        if self._probe_queue and self._prober.submit(list(self._probe_queue)):
-            self._probing.update(self._probe_queue)
-            self._stats["probes"] += len(self._probe_queue)
-            self._probe_queue = {}
+        if self._prober.busy:
+            return
+        batch = self._probes.take_batch()
+        if batch:
+            started = self._prober.submit(batch)
+            assert started, "the prober is idle and open"
 
     def wait_probes(self) -> None:
         """Block until the probe batch in flight (if any) has answered. For tests and
@@ -458,141 +394,85 @@ class FileTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._drain_forgotten()
-        entries = self._entries
-        accepted = list(dict.fromkeys(key for key in keys if key not in entries))
-        need = len(accepted) * self.reserve_bytes
-        capacity = self.capacity_bytes
-        victims = None
-        if capacity is not None and self.usage_bytes + need > capacity:
-            if need > capacity:
-                return None
-            present = {key for key in keys if key in entries}
-            victims = self._pick_victims(self.usage_bytes + need - capacity, present)
-            if victims is None:
-                return None
+        if self._space is not None and not self._space.admits():
+            return None  # read-only, or full until the latch lets one store try again
+        index = self.index
         path = self.mapper.path
-        if not self._deleter.cancel({path(key) for key in accepted}):
+        cancelled = self._deleter.cancel({path(key) for key in keys if key not in index})
+        if cancelled is None:
             # The evicted file of one of these keys is being unlinked right now; waiting
             # for it would stall the scheduler on I/O, so the store is refused for now.
             return None
+        change = index.reserve(keys, self.reserve_bytes)
+        if change is None:
+            # The names are not reused after all: their old files still go.
+            self._deleter.delete(cancelled)
+            return None
+        self._delete(change.victims)
+        if self._probes is not None:
+            for key in change.keys:
+                self._probes.stored(key)
+        return change.keys
+
+    def _delete(self, victims: list[OffloadKey]) -> None:
         if victims:
-            self._evict(victims)
-        for key in accepted:
-            entries[key] = _Entry(self.reserve_bytes, False)
-            self._negative.pop(key, None)
-        self.usage_bytes += need
-        return accepted
-
-    def _pick_victims(self, shortfall: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
-        """Least recently used ready, unpinned keys freeing ``shortfall`` bytes, or None."""
-        victims = []
-        freed = 0
-        for key, entry in self._entries.items():
-            if entry.ready and not entry.pins and key not in protected:
-                victims.append(key)
-                freed += entry.size
-                if freed >= shortfall:
-                    return victims
-        return None
-
-    def _evict(self, victims: list[OffloadKey]) -> None:
-        for key in victims:
-            self.usage_bytes -= self._entries.pop(key).size
-        self._deleter.delete(self.mapper.path(key) for key in victims)
-        self._stats["evictions"] += len(victims)
-        self._events.append(self._event(victims, removed=True))
+            self._deleter.delete(self.mapper.path(key) for key in victims)
 
     def complete_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
-        entries = self._entries
-        done = [key for key in keys if (e := entries.get(key)) is not None and not e.ready]
-        if success:
-            for key in done:
-                entries[key].ready = True
-                entries.move_to_end(key)
-            self._stats["stores"] += len(done)
-            if done:
-                self._events.append(self._event(done, removed=False))
-        else:
-            for key in done:
-                self.usage_bytes -= entries.pop(key).size
-            self._stats["store_failures"] += len(done)
+        self.index.finish(keys, success)
 
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        entries = self._entries
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None or not entry.ready:
-                raise UnknownKeyError(
-                    f"prepare_load: key {key.hex()} is not stored in the file tier at "
-                    f"{self.namespace_dir} (look it up first; only HIT keys can be loaded)"
-                )
-        for key in keys:
-            entries[key].pins += 1
-            entries.move_to_end(key)
-        self._stats["loads"] += len(keys)
+        self.index.pin(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        for key in keys:
-            entry = self._entries.get(key)
-            if entry is not None and entry.pins:
-                entry.pins -= 1
         self._drain_forgotten()
+        self.index.unpin(keys)
 
     def get_spec(self, keys: Collection[OffloadKey]) -> FileLoadStoreSpec:
-        entries = self._entries
-        for key in keys:
-            entry = entries.get(key)
-            if entry is None or (entry.ready and not entry.pins):
-                raise UnknownKeyError(
-                    f"get_spec: key {key.hex()} is neither reserved by prepare_store nor "
-                    f"pinned by prepare_load in the file tier at {self.namespace_dir}"
-                )
+        self.index.require_addressable(keys)
         path = self.mapper.path
         return FileLoadStoreSpec([str(path(key)) for key in keys], list(keys))
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        entries = self._entries
-        for key in keys:
-            if key in entries:
-                entries.move_to_end(key)
+        self.index.touch(keys)
 
     # -- the rest of the contract ---------------------------------------------------
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        events, self._events = self._events, []
-        return events
+        return self.index.take_events()
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain_forgotten()
         self._flush_probes()
 
     def has_pending_work(self) -> bool:
-        if self._prober is None:
+        if self._prober is None or self._probes is None:
             return False
-        return bool(self._probe_queue or self._probing) or self._prober.busy
+        return self._probes.pending or self._prober.busy
 
     def reset_cache(self) -> None:
-        """Persistent: stored chunks stay. Only remembered probe misses are dropped."""
-        self._negative.clear()
+        """Persistent: stored chunks stay. Only queued probes and remembered probe
+        misses are dropped."""
+        if self._probes is not None:
+            self._probes.reset()
 
     def get_stats(self) -> Mapping[str, float]:
         self._drain_forgotten()
-        ready = sum(1 for e in self._entries.values() if e.ready)
+        stats: dict[str, float] = dict(self.index.stats())
+        del stats["discarded"]
         with self._reported_lock:
-            reported = dict(self._reported)
-        return {
-            **self._stats,
-            **reported,
-            "chunks": ready,
-            "usage_bytes": self.usage_bytes,
-            "capacity_bytes": self.capacity_bytes or 0,
-            "io_backend": self.io_backend,
-        }
+            stats.update(self._reported)
+        stats["probes"] = 0 if self._probes is None else self._probes.probes
+        stats["probe_hits"] = self._probe_hits
+        stats["usage_bytes"] = self.index.usage
+        stats["capacity_bytes"] = self.capacity_bytes or 0
+        stats["io_backend"] = self.io_backend
+        return stats
 
     def shutdown(self) -> None:
         if self._closed:
@@ -602,16 +482,14 @@ class FileTierManager(OffloadingManager):
             self._prober.close()
         self._deleter.close()
 
-    def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
-        return OffloadingEvent(list(keys), self.medium, removed=removed, locality=self.locality)
-
 
 def _remove_temp(entry: os.DirEntry[str], cutoff: float | None) -> int:
-    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed."""
+    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed. One that
+    cannot be removed (a read-only filesystem) stays: it is never read as a chunk."""
     try:
         if cutoff is not None and entry.stat(follow_symlinks=False).st_mtime >= cutoff:
             return 0
         os.unlink(entry.path)
-    except FileNotFoundError:
+    except OSError:
         return 0
     return 1

@@ -1,7 +1,8 @@
 """The file tier's mover: chunks between CPU-tier slots and chunk files.
 
-A bounded thread pool runs one task per chunk; a job's result is reported when its last
-chunk is done. Stores (``CPULoadStoreSpec`` → ``FileLoadStoreSpec``) encode the 4096-byte
+A bounded thread pool runs one task per chunk (the fan-out of
+:class:`~kvtiers.tiers.fanout.FanOutMover`); a job's result is reported when its last chunk
+is done. Stores (``CPULoadStoreSpec`` → ``FileLoadStoreSpec``) encode the 4096-byte
 header over the slot's payload and publish header + payload atomically through the I/O
 backend. Loads (``FileLoadStoreSpec`` → ``CPULoadStoreSpec``) read the header and the
 payload straight into the slot and verify both before the chunk counts as arrived.
@@ -17,6 +18,12 @@ failure puts it in ``failed_keys``. A chunk that fails verification is also in
 manager is told to forget the key, so it becomes a miss, never wrong bytes. A chunk whose
 file has vanished is forgotten the same way without counting as corrupt. A failed store
 leaves no file behind (publish removes its temp file) and the final name untouched.
+
+``shutdown`` is bounded: it waits for jobs in flight at most ``shutdown_timeout_s``
+(default :data:`~kvtiers.core.mover.SHUTDOWN_TIMEOUT_S`), then abandons threads stuck in
+I/O with one warning. Chunk reads never block on a FIFO or device put in a chunk's place
+(the I/O backend refuses non-regular files), and a read that fails with any error fails
+its key.
 """
 
 from __future__ import annotations
@@ -26,20 +33,21 @@ import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import HostRegion, Mover, MoverResult
+from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, ChunkReporter, HostRegion
 from kvtiers.core.publish import FileOps, ensure_dir
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
+from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
 from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
+from kvtiers.tiers.file.space import SpaceLatch, is_no_space
+from kvtiers.tiers.iopool import IOPool
 
 logger = logging.getLogger(__name__)
 
@@ -47,16 +55,16 @@ class BadChunkHandler:
     """What happens to a chunk file that failed verification or vanished.
 
     ``quarantine_dir`` ``None`` removes corrupt files; otherwise they are moved there
-    under a unique name for inspection. ``forget`` tells the manager (thread-safe).
+    under a unique name for inspection. ``reporter`` (the manager) is told, thread-safe.
     """
 
     def __init__(
         self,
-        forget: Callable[..., None] | None,
+        reporter: ChunkReporter | None,
         quarantine_dir: Path | None,
         dir_mode: int = 0o700,
     ) -> None:
-        self._forget = forget
+        self._reporter = reporter
         self.quarantine_dir = quarantine_dir
         self._dir_mode = dir_mode
 
@@ -77,19 +85,19 @@ class BadChunkHandler:
             logger.warning("file tier: could not move corrupt chunk %s aside: %s", path, exc)
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if self._forget is not None:
-            self._forget([key], corrupt=True)
+        if self._reporter is not None:
+            self._reporter.forget([key], corrupt=True)
 
     def vanished(self, key: OffloadKey) -> None:
-        if self._forget is not None:
-            self._forget([key], corrupt=False)
+        if self._reporter is not None:
+            self._reporter.forget([key], corrupt=False)
 
 
 class _DeferredDirSync(FileOps):
     """``base``'s system calls, except that directory fsyncs are recorded for the job to
     run once at its end (see :class:`FileMover`)."""
 
-    def __init__(self, base: FileOps, job: _JobState) -> None:
+    def __init__(self, base: FileOps, job: _FileJob) -> None:
         self.base = base
         self.job = job
 
@@ -117,26 +125,21 @@ class _DeferredDirSync(FileOps):
 
 
 @dataclass
-class _JobState:
-    job_id: int
-    remaining: int
-    start: float
-    ok: list[OffloadKey] = field(default_factory=list)
-    failed: list[OffloadKey] = field(default_factory=list)
-    corrupt: list[OffloadKey] = field(default_factory=list)
-    moved: int = 0
-    # Store jobs: directories to fsync before the result is reported, and the keys
-    # published into each.
-    dirs: dict[Path, list[tuple[OffloadKey, Path]]] = field(default_factory=dict)
+class _FileJob(FanOutJob):
+    # Store jobs: directories to fsync before the result is reported, and the chunks (by
+    # index in the job) published into each.
+    dirs: dict[Path, list[int]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     settings: PublishSettings | None = None
 
 
-class FileMover(Mover):
+class FileMover(FanOutMover[_FileJob]):
     """Copies chunks between ``region``'s slots and chunk files; see the module docstring.
 
     ``digest`` is the namespace identity digest every header carries. ``threads`` bounds
-    the I/O concurrency.
+    the I/O concurrency. ``space``, when given, is told of stores that fail for want of
+    space (one aggregated warning there instead of one per chunk) and of stores that
+    succeed.
     """
 
     def __init__(
@@ -149,27 +152,27 @@ class FileMover(Mover):
         threads: int = 8,
         settings: PublishSettings | None = None,
         bad_chunks: BadChunkHandler | None = None,
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
+        space: SpaceLatch | None = None,
     ) -> None:
         if region.slot_bytes < geometry.max_chunk_bytes:
             raise ValueError(
                 f"slots of {region.slot_bytes} bytes cannot hold a chunk of "
                 f"{geometry.max_chunk_bytes} bytes"
             )
+        super().__init__("file tier", shutdown_timeout_s)
         self.region = region
         self.geometry = geometry
         self.digest = digest
         self.backend = backend
         self.settings = settings or PublishSettings()
         self.bad_chunks = bad_chunks or BadChunkHandler(None, None)
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtiers-file")
-        self._cond = threading.Condition()
-        self._in_flight = 0
-        self._done: list[MoverResult] = []
-        self._closed = False
+        self.space = space
+        self._pool = IOPool(threads, "kvtiers-file")
         self._headers = AlignedHeaders()
 
-    # -- submission -----------------------------------------------------------------
-    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> bool:
+    # -- the fan-out mover's hooks --------------------------------------------------
+    def _plan(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> _FileJob:
         if isinstance(src, CPULoadStoreSpec) and isinstance(dst, FileLoadStoreSpec):
             slots, files, store = src.slot_ids, dst, True
         elif isinstance(src, FileLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec):
@@ -180,75 +183,31 @@ class FileMover(Mover):
             )
         if len(slots) != len(files):
             raise ValueError(f"{len(slots)} slots for {len(files)} chunk files")
-        with self._cond:
-            if self._closed:
-                return False
-            self._in_flight += 1
-        job = _JobState(job_id, len(files), time.perf_counter())
+        job = _FileJob(job_id, store, plan_chunks(slots.tolist(), files.keys, files.paths))
         if store:
             job.settings = replace(self.settings, ops=_DeferredDirSync(self.settings.ops, job))
-        if not len(files):
-            self._finish(job)
-            return True
-        task = self._store_one if store else self._load_one
-        for slot, path, key in zip(slots.tolist(), files.paths, files.keys, strict=True):
-            self._pool.submit(self._run_one, task, job, int(slot), Path(path), key)
-        return True
+        return job
 
-    def _run_one(
-        self,
-        task: Callable[[_JobState, int, Path, OffloadKey], int],
-        job: _JobState,
-        slot: int,
-        path: Path,
-        key: OffloadKey,
-    ) -> None:
-        corrupt = False
-        moved = 0
-        try:
-            moved = task(job, slot, path, key)
-            ok = True
-        except CorruptChunkError as exc:
-            self.bad_chunks.corrupt(path, key, exc)
-            ok, corrupt = False, True
-        except FileNotFoundError as exc:
-            if task == self._load_one:
-                self.bad_chunks.vanished(key)
-            else:
-                logger.warning("file tier: storing chunk %s failed: %s", path, exc)
-            ok = False
-        except Exception as exc:
-            logger.warning("file tier: chunk %s failed: %s", path, exc)
-            ok = False
-        with self._cond:
-            if ok:
-                job.ok.append(key)
-                job.moved += moved
-            else:
-                job.failed.append(key)
-                if corrupt:
-                    job.corrupt.append(key)
-            job.remaining -= 1
-            last = job.remaining == 0
-        if last:
-            self._finish(job)
+    def _start_task(self, task: Callable[[], None]) -> None:
+        self._pool.submit(task)
 
-    def _finish(self, job: _JobState) -> None:
-        self._sync_dirs(job)
-        result = MoverResult(
-            job.job_id,
-            tuple(job.ok),
-            tuple(job.failed),
-            job.moved,
-            time.perf_counter() - job.start,
-            tuple(job.corrupt),
-        )
-        with self._cond:
-            self._done.append(result)
-            self._in_flight -= 1
-            self._cond.notify_all()
+    def _copy(self, job: _FileJob, chunk: ChunkCopy) -> int:
+        return self._store_one(job, chunk) if job.store else self._load_one(chunk)
 
-    def _sync_dirs(self, job: _JobState) -> None:
+    def _chunk_corrupt(self, job: _FileJob, chunk: ChunkCopy, error: CorruptChunkError) -> None:
+        self.bad_chunks.corrupt(Path(chunk.address), chunk.key, error)
+
+    def _chunk_failed(self, job: _FileJob, chunk: ChunkCopy, error: Exception) -> None:
+        if job.store and self.space is not None and is_no_space(error):
+            self.space.mark_full(error)
+        elif not isinstance(error, FileNotFoundError):
+            super()._chunk_failed(job, chunk, error)
+        elif job.store:
+            logger.warning("file tier: storing chunk %s failed: %s", chunk.address, error)
+        else:
+            self.bad_chunks.vanished(chunk.key)
+
+    def _before_result(self, job: _FileJob) -> None:
         """Make the job's new names durable: one fsync per directory it touched. On a
         journaling filesystem the first commits every rename of the job, so the rest are
         nearly free. A chunk published into a directory whose fsync fails fails too, and
@@ -259,53 +218,39 @@ class FileMover(Mover):
                 base.fsync_dir(directory)
             except OSError as exc:
                 logger.warning("file tier: fsync of %s failed: %s", directory, exc)
-                lost = {key for key, _path in published}
-                job.ok = [k for k in job.ok if k not in lost]
-                job.failed.extend(lost)
-                job.moved -= sum(self.geometry.key_chunk_bytes(k) for k in lost)
-                for _key, path in published:
+                for index in published:
+                    chunk = job.chunks[index]
+                    job.revoke(index, self.geometry.key_chunk_bytes(chunk.key))
                     with contextlib.suppress(OSError):
-                        os.unlink(path)
+                        os.unlink(chunk.address)
+
+    def _release(self, idle: bool) -> None:
+        self._pool.shutdown(None if idle else 0.0, cancel_queued=not idle)
 
     # -- one chunk ------------------------------------------------------------------
-    def _store_one(self, job: _JobState, slot: int, path: Path, key: OffloadKey) -> int:
-        size = self.geometry.key_chunk_bytes(key)
-        payload = self.region.view(slot)[:size]
-        header = encode_header(self.digest, key, payload)
+    def _store_one(self, job: _FileJob, chunk: ChunkCopy) -> int:
+        size = self.geometry.key_chunk_bytes(chunk.key)
+        payload = self.region.view(chunk.slot)[:size]
+        header = encode_header(self.digest, chunk.key, payload)
+        path = Path(chunk.address)
         assert job.settings is not None
         self.backend.write(path, header, payload, job.settings)
+        if self.space is not None:
+            self.space.mark_ok()
         with job.lock:
-            job.dirs.setdefault(path.parent, []).append((key, path))
+            job.dirs.setdefault(path.parent, []).append(chunk.index)
         return size
 
-    def _load_one(self, job: _JobState, slot: int, path: Path, key: OffloadKey) -> int:
-        size = self.geometry.key_chunk_bytes(key)
-        payload = self.region.view(slot)[:size]
+    def _load_one(self, chunk: ChunkCopy) -> int:
+        size = self.geometry.key_chunk_bytes(chunk.key)
+        payload = self.region.view(chunk.slot)[:size]
         header_buf = self._headers.view
-        got, file_size = self.backend.read(path, header_buf, payload)
+        got, file_size = self.backend.read(Path(chunk.address), header_buf, payload)
         if got < HEADER_BYTES + size or file_size != HEADER_BYTES + size:
             raise CorruptChunkError(
                 "length", f"file holds {file_size} bytes, a chunk of this key is "
                 f"{HEADER_BYTES + size}"
             )
-        header = decode_header(header_buf, namespace_digest=self.digest, key=key)
+        header = decode_header(header_buf, namespace_digest=self.digest, key=chunk.key)
         verify_payload(header, payload)
         return size
-
-    # -- completion -----------------------------------------------------------------
-    def get_finished(self) -> list[MoverResult]:
-        with self._cond:
-            done, self._done = self._done, []
-        return done
-
-    def drain(self) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self._in_flight == 0)
-
-    def shutdown(self) -> None:
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-        self.drain()
-        self._pool.shutdown(wait=True)

@@ -1,5 +1,6 @@
 """Builds the ``fsspec`` tier from its YAML config: store, namespace backend, manager,
-mover. Retries use the defaults of :class:`~kvtiers.tiers.object.retry.Retrier`."""
+mover. Retries use the defaults of :class:`~kvtiers.tiers.object.retry.Retrier`, under the
+tier's ``op_deadline_s``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.fsspec.store import FsspecStore
-from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager
+from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager, Retrier
 
 
 def build_tier(
@@ -30,7 +31,10 @@ def build_tier(
         )
     store = FsspecStore(config.url, config.storage_options)
     backend = ObjectBackend(
-        store, NamespaceIdentity.from_config(offloading), threads=config.threads
+        store,
+        NamespaceIdentity.from_config(offloading),
+        threads=config.threads,
+        retrier=Retrier(store.is_transient, deadline_s=config.op_deadline_s),
     )
     geometry = ChunkGeometry.from_config(offloading)
     try:
@@ -43,5 +47,5 @@ def build_tier(
     except BaseException:
         backend.close()
         raise
-    mover = ObjectMover(backend, primary_region, geometry, forget=manager.forget)
+    mover = ObjectMover(backend, primary_region, geometry, reporter=manager)
     return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)

@@ -4,6 +4,13 @@ Objects are files under the URL's path, which must name a directory below the ro
 names are ``/``-separated paths below it.
 Listing uses ``fs.find(detail=True)`` (one recursive listing, sizes and times included).
 
+Time: on an asynchronous filesystem (``gcs://``, ``az://``, ``s3://`` through s3fs ...)
+every call made inside :meth:`Retrier.call <kvtiers.tiers.object.retry.Retrier.call>` is
+given the time left to that call's deadline as fsspec's ``timeout`` (the coroutine is
+cancelled when it runs out), so a stalled request fails the operation within its
+deadline. Synchronous filesystems (``file://``, ``memory://``) cannot be interrupted; the
+movers' bounded shutdown covers an I/O call stuck in one of them.
+
 Put-if-absent, and the atomicity each backend gives:
 
 - ``file://`` (local or a mounted shared filesystem): the project's publish helper —
@@ -23,15 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtiers.core.publish import cleanup_stale_temps, publish_bytes
+from kvtiers.core.regular import open_regular
 from kvtiers.errors import ConfigError
+from kvtiers.tiers.object.retry import remaining_s
 from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
 
 STALE_TEMP_AGE_S = 3600.0
+#: The shortest timeout a call is given, even with its deadline all but spent.
+_MIN_WAIT_S = 0.001
 _TIME_FIELDS = ("mtime", "LastModified", "updated", "last_modified", "created")
 
 
@@ -79,10 +91,23 @@ class FsspecStore(ObjectStore):
                 path="url",
             )
         self._local = isinstance(fs, LocalFileSystem)
+        # fsspec's generated sync wrappers of an async filesystem take ``timeout``.
+        self._async = bool(getattr(fs, "async_impl", False)) and bool(
+            getattr(fs, "mirror_sync_methods", False)
+        )
         if self._local:
             # Temp files of publishes a crash interrupted; younger ones may belong to a
             # live writer on a shared directory and are left to it.
             cleanup_stale_temps(Path(self.root), older_than_s=STALE_TEMP_AGE_S)
+
+    def _bounded(self) -> dict[str, float]:
+        """fsspec's ``timeout`` for the next call: the time left to the calling operation's
+        deadline, on asynchronous filesystems only (synchronous ones take no such
+        argument)."""
+        left = remaining_s()
+        if left is None or not self._async:
+            return {}
+        return {"timeout": max(_MIN_WAIT_S, left)}
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
@@ -92,10 +117,10 @@ class FsspecStore(ObjectStore):
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         base = self._path(prefix.rstrip("/"))
-        if not self.fs.exists(base):
+        if not self.fs.exists(base, **self._bounded()):
             return
         skip = len(self.root) + 1
-        found = self.fs.find(base, detail=True)
+        found = self.fs.find(base, detail=True, **self._bounded())
         for path, info in sorted(found.items()):
             if info.get("type", "file") != "file":
                 continue
@@ -104,7 +129,7 @@ class FsspecStore(ObjectStore):
 
     def head(self, name: str) -> int | None:
         try:
-            info = self.fs.info(self._path(name))
+            info = self.fs.info(self._path(name), **self._bounded())
         except FileNotFoundError:
             return None
         return int(info.get("size") or 0)
@@ -113,7 +138,8 @@ class FsspecStore(ObjectStore):
         path = self._path(name)
         try:
             if self._local:
-                with open(path, "rb") as f:
+                # Never blocks on a FIFO or device put where a chunk should be.
+                with os.fdopen(open_regular(path), "rb") as f:
                     size = f.seek(0, 2)
                     f.seek(0)
                     if size == sum(len(b) for b in buffers):
@@ -121,7 +147,7 @@ class FsspecStore(ObjectStore):
                             if f.readinto(buffer) != len(buffer):
                                 raise OSError(f"{path}: short read")
                     return size
-            data = self.fs.cat_file(path)
+            data = self.fs.cat_file(path, **self._bounded())
         except FileNotFoundError:
             raise ObjectMissing(name) from None
         if len(data) == sum(len(b) for b in buffers):
@@ -137,14 +163,14 @@ class FsspecStore(ObjectStore):
             if self._local:
                 publish_bytes(Path(path), parts, replace=False)
             else:
-                self.fs.pipe_file(path, b"".join(parts), mode="create")
+                self.fs.pipe_file(path, b"".join(parts), mode="create", **self._bounded())
         except FileExistsError:
             return False
         return True
 
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._path(name))
+            self.fs.rm_file(self._path(name), **self._bounded())
 
     def is_transient(self, exc: BaseException) -> bool:
         # Timeouts and dropped connections; a missing or existing file is an answer.

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TypeVar
 
 from kvtiers.core.keys import OffloadKey
+from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S
 from kvtiers.filemapper import MANIFEST_NAME, FileMapper, check_manifest, manifest_bytes
 from kvtiers.filemapper.identity import NamespaceIdentity
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
+from kvtiers.tiers.iopool import IOPool
 from kvtiers.tiers.object.retry import Retrier
 from kvtiers.tiers.object.store import ObjectMissing, ObjectStore
 
@@ -40,6 +43,7 @@ class ObjectBackend:
         prefix: str = "",
         threads: int = 8,
         retrier: Retrier | None = None,
+        shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
     ) -> None:
         self.store = store
         self.identity = identity
@@ -51,11 +55,13 @@ class ObjectBackend:
         self.manifest_name = f"{self.namespace_prefix}/{MANIFEST_NAME}"
         self.retrier = retrier or Retrier(store.is_transient)
         self.threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtiers-object")
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._pool = IOPool(threads, "kvtiers-object")
         self._lock = threading.Lock()
         self._corrupt_chunks = 0
         self._closed = False
         self._store_closed = False
+        self._shutdown_by: float | None = None
 
     # -- names ----------------------------------------------------------------------
     def object_key(self, key: OffloadKey) -> str:
@@ -118,11 +124,29 @@ class ObjectBackend:
             return False
         return True
 
+    def shutdown_deadline(self) -> float:
+        """The ``time.monotonic()`` by which shutdown gives up on running requests: set
+        by the first call (the mover's shutdown, or the pool's own), so the mover's wait
+        and the pool's together never exceed ``shutdown_timeout_s``."""
+        with self._lock:
+            if self._shutdown_by is None:
+                self._shutdown_by = time.monotonic() + self.shutdown_timeout_s
+            return self._shutdown_by
+
     def stop_threads(self) -> None:
         """Finish queued work and stop the pool, leaving the store open (for callers
-        that share one store between backends). Idempotent."""
+        that share one store between backends); all within ``shutdown_timeout_s`` of the
+        shutdown's start, after which work not started is dropped and threads still in a
+        request are abandoned with a warning. Idempotent."""
+        if self._closed:
+            return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        wait_s = max(0.0, self.shutdown_deadline() - time.monotonic())
+        if not self._pool.shutdown(wait_s):
+            log.warning(
+                "%s: requests still running %g s after shutdown began; their threads are "
+                "abandoned", self.store.describe(), self.shutdown_timeout_s,
+            )
 
     def close(self) -> None:
         """Finish queued work, stop the pool and close the store. Idempotent."""

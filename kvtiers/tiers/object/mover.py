@@ -2,8 +2,8 @@
 
 Each object is one chunk blob (4 KiB header + payload, xxh3_128-checked; see
 :mod:`kvtiers.core.chunkformat`). A job fans out into one task per chunk on the tier's
-bounded I/O pool; the job's :class:`~kvtiers.core.mover.MoverResult` is published when its
-last chunk is done.
+bounded I/O pool (:class:`~kvtiers.tiers.fanout.FanOutMover`); the job's
+:class:`~kvtiers.core.mover.MoverResult` is published when its last chunk is done.
 
 - Store: header + the slot's payload, written with a put that never overwrites; finding
   the object already there (a racing writer) counts as success.
@@ -12,47 +12,36 @@ last chunk is done.
   size, or with a bad header, namespace, key or checksum is corrupt: it fails its key, is
   counted, is deleted when ``delete_corrupt`` is set, and the manager is told to forget
   it. A key is reported as succeeded only after its bytes verified.
-- Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`;
-  when attempts run out the key fails and the job carries on with the others.
+- Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`
+  within the tier's operation deadline; when attempts or the deadline run out the key
+  fails and the job carries on with the others. ``shutdown`` waits for jobs in flight at
+  most the backend's ``shutdown_timeout_s``.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.mover import HostRegion, Mover, MoverResult
+from kvtiers.core.mover import ChunkReporter, HostRegion
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec, ObjectLoadStoreSpec
 from kvtiers.errors import CorruptChunkError
+from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.store import ObjectMissing
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Job:
-    job_id: int
-    keys: tuple[OffloadKey, ...]
-    remaining: int
-    start: float
-    succeeded: set[OffloadKey] = field(default_factory=set)
-    corrupt: list[OffloadKey] = field(default_factory=list)
-    moved: int = 0
-
-
-class ObjectMover(Mover):
+class ObjectMover(FanOutMover[FanOutJob]):
     """Copies chunks between a :class:`HostRegion` and an :class:`ObjectBackend`.
 
-    ``forget`` (usually the manager's :meth:`ObjectTierManager.forget`) is called from I/O
-    threads with keys whose objects turned out corrupt or missing.
+    ``reporter`` (usually the tier's :class:`ObjectTierManager`) is told from I/O threads
+    of keys whose objects turned out corrupt or missing.
     """
 
     def __init__(
@@ -62,91 +51,53 @@ class ObjectMover(Mover):
         geometry: ChunkGeometry,
         *,
         delete_corrupt: bool = True,
-        forget: Callable[[Iterable[OffloadKey]], None] | None = None,
+        reporter: ChunkReporter | None = None,
     ) -> None:
+        super().__init__("object tier")
         self.backend = backend
         self.region = region
         self.geometry = geometry
         self.delete_corrupt = delete_corrupt
-        self.forget = forget
+        self.reporter = reporter
         self._digest = backend.identity.digest
-        self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._jobs: dict[int, _Job] = {}
-        self._done: list[MoverResult] = []
-        self._closed = False
 
-    # -- submission -----------------------------------------------------------------
-    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> bool:
-        if self._closed or self.backend.closed:
-            return False
+    # -- the fan-out mover's hooks --------------------------------------------------
+    def _plan(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> FanOutJob:
         if isinstance(src, CPULoadStoreSpec) and isinstance(dst, ObjectLoadStoreSpec):
-            tasks = [
-                (self._store, int(slot), key, name)
-                for slot, key, name in zip(src.slot_ids, dst.keys, dst.object_keys, strict=True)
-            ]
-            keys = dst.keys
-        elif isinstance(src, ObjectLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec):
-            tasks = [
-                (self._load, int(slot), key, name)
-                for slot, key, name in zip(dst.slot_ids, src.keys, src.object_keys, strict=True)
-            ]
-            keys = src.keys
-        else:
-            raise TypeError(
-                f"an object mover copies between CPU slots and objects, got "
-                f"{type(src).__name__} -> {type(dst).__name__}"
-            )
-        job = _Job(job_id, tuple(keys), len(tasks), time.perf_counter())
-        with self._lock:
-            self._jobs[job_id] = job
-            if not tasks:
-                self._finish(job)
-                return True
-        for run, slot, key, name in tasks:
-            self.backend.submit(functools.partial(self._task, job, run, slot, key, name))
-        return True
+            return FanOutJob(job_id, True, plan_chunks(src.slot_ids, dst.keys, dst.object_keys))
+        if isinstance(src, ObjectLoadStoreSpec) and isinstance(dst, CPULoadStoreSpec):
+            return FanOutJob(job_id, False, plan_chunks(dst.slot_ids, src.keys, src.object_keys))
+        raise TypeError(
+            f"an object mover copies between CPU slots and objects, got "
+            f"{type(src).__name__} -> {type(dst).__name__}"
+        )
 
-    def _task(
-        self,
-        job: _Job,
-        run: Callable[[int, OffloadKey, str], int],
-        slot: int,
-        key: OffloadKey,
-        name: str,
-    ) -> None:
-        moved = 0
-        ok = corrupt = False
-        try:
-            moved = run(slot, key, name)
-            ok = True
-        except CorruptChunkError as exc:
-            corrupt = True
-            self._on_corrupt(key, name, exc)
-        except ObjectMissing:
-            if self.forget is not None:
-                self.forget([key])
-        except Exception as exc:  # any other failure fails this key, never the job
-            log.warning("object tier: %s failed: %s: %s",
-                        self.backend.store.describe(name), type(exc).__name__, exc)
-        with self._lock:
-            if corrupt:
-                job.corrupt.append(key)
-            elif ok:
-                job.succeeded.add(key)
-                job.moved += moved
-            job.remaining -= 1
-            if job.remaining == 0:
-                self._finish(job)
+    def _shutdown_wait_s(self) -> float:
+        # The backend's deadline is shared with its own pool's shutdown, so the two waits
+        # together stay within its shutdown_timeout_s.
+        return max(0.0, self.backend.shutdown_deadline() - time.monotonic())
 
-    def _finish(self, job: _Job) -> None:
-        """Publish a finished job's result (``self._lock`` held)."""
-        del self._jobs[job.job_id]
-        ok = tuple(k for k in job.keys if k in job.succeeded)
-        failed = tuple(k for k in job.keys if k not in job.succeeded)
-        self._done.append(MoverResult(job.job_id, ok, failed, job.moved,
-                                      time.perf_counter() - job.start, tuple(job.corrupt)))
-        self._idle.notify_all()
+    def _accepting(self) -> bool:
+        return not self.backend.closed
+
+    def _start_task(self, task: Callable[[], None]) -> None:
+        self.backend.submit(task)
+
+    def _copy(self, job: FanOutJob, chunk: ChunkCopy) -> int:
+        if job.store:
+            return self._store(chunk.slot, chunk.key, chunk.address)
+        return self._load(chunk.slot, chunk.key, chunk.address)
+
+    def _chunk_corrupt(self, job: FanOutJob, chunk: ChunkCopy, error: CorruptChunkError) -> None:
+        self._on_corrupt(chunk.key, chunk.address, error)
+
+    def _chunk_failed(self, job: FanOutJob, chunk: ChunkCopy, error: Exception) -> None:
+        if isinstance(error, ObjectMissing):
+            if self.reporter is not None:
+                self.reporter.forget([chunk.key], corrupt=False)
+            return
+        log.warning("object tier: %s failed: %s: %s",
+                    self.backend.store.describe(chunk.address), type(error).__name__, error)
 
     # -- one chunk each way ---------------------------------------------------------
     def _store(self, slot: int, key: OffloadKey, name: str) -> int:
@@ -180,21 +131,5 @@ class ObjectMover(Mover):
         self.backend.count_corrupt()
         if self.delete_corrupt:
             self.backend.delete_quietly(name)
-        if self.forget is not None:
-            self.forget([key])
-
-    # -- completion -----------------------------------------------------------------
-    def get_finished(self) -> list[MoverResult]:
-        with self._lock:
-            done, self._done = self._done, []
-        return done
-
-    def drain(self) -> None:
-        with self._idle:
-            self._idle.wait_for(lambda: not self._jobs)
-
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.drain()
+        if self.reporter is not None:
+            self.reporter.forget([key], corrupt=True)

@@ -71,6 +71,7 @@ def build_tier(
         max_attempts=config.max_attempts,
         base_s=config.backoff_base_s,
         max_s=config.backoff_max_s,
+        deadline_s=config.op_deadline_s,
     )
     backend = ObjectBackend(
         store,
@@ -100,6 +101,6 @@ def build_tier(
         raise
     mover = ObjectMover(
         backend, primary_region, geometry,
-        delete_corrupt=config.delete_corrupt, forget=manager.forget,
+        delete_corrupt=config.delete_corrupt, reporter=manager,
     )
     return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)

@@ -7,6 +7,13 @@ attempt): the tier's :class:`~kvtiers.tiers.object.retry.Retrier` is the only re
 so ``max_attempts`` means what it says. Checksums of request and response bodies are left
 to the chunk format (xxh3_128 in every header) rather than computed again per request.
 
+Time: a request made inside :meth:`Retrier.call <kvtiers.tiers.object.retry.Retrier.call>`
+waits on its socket at most the time left to that call's deadline
+(:func:`~kvtiers.tiers.object.retry.remaining_s`, passed to botocore as the request's
+``read_timeout``), and a body read stops once it has passed; so a server that accepts a
+request and never answers, or answers too slowly, fails the operation within its deadline.
+``timeout_s`` caps every socket wait (connecting included) on its own.
+
 Credentials come from the standard AWS chain (environment, profile, instance role) unless
 given explicitly (the embedded test server's dummy keys); they are never logged.
 """
@@ -23,6 +30,7 @@ import botocore.config
 import botocore.exceptions
 
 from kvtiers.errors import ConfigError
+from kvtiers.tiers.object.retry import remaining_s
 from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
@@ -44,6 +52,9 @@ _TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     ConnectionError,
     http.client.HTTPException,
 )
+
+#: The shortest socket wait a request is given, even with its deadline all but spent.
+_MIN_WAIT_S = 0.001
 
 #: ``(event name, handler)`` pairs registered on every client this store makes.
 EventHook = tuple[str, Callable[..., Any]]
@@ -83,6 +94,7 @@ class S3Store(ObjectStore):
     ) -> None:
         self.bucket = bucket
         self.endpoint_url = endpoint_url
+        self.timeout_s = timeout_s
         key_id, secret = credentials if credentials is not None else (None, None)
         self._session = boto3.session.Session(
             aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=region
@@ -107,10 +119,19 @@ class S3Store(ObjectStore):
                 client = self._session.client(
                     "s3", endpoint_url=self.endpoint_url, config=self._config
                 )
+            client.meta.events.register("before-send.s3", self._cap_read_timeout)
             for event, handler in self._event_hooks:
                 client.meta.events.register(event, handler)
             self._local.client = client
         return client
+
+    def _cap_read_timeout(self, request: Any, **_: Any) -> None:
+        """botocore ``before-send`` hook: this request's socket waits end by the calling
+        operation's deadline."""
+        left = remaining_s()
+        context = getattr(request, "context", None)
+        if left is not None and left < self.timeout_s and isinstance(context, dict):
+            context["read_timeout"] = max(_MIN_WAIT_S, left)
 
     def describe(self, name: str = "") -> str:
         return f"s3://{self.bucket}/{name}"
@@ -208,6 +229,9 @@ class S3Store(ObjectStore):
             for buffer in buffers:
                 filled = 0
                 while filled < len(buffer):
+                    if remaining_s() == 0.0:
+                        raise TimeoutError(f"{self.describe(name)}: the operation deadline "
+                                           "passed while the body was being read")
                     n = readinto(buffer[filled:])
                     if not n:
                         raise botocore.exceptions.IncompleteReadError(

@@ -1,0 +1,185 @@
+"""The engine's own configuration, as the cache identity reads it.
+
+vLLM 0.33 hands an offloading spec only its offloading ``OffloadingConfig`` (model name, KV
+dtype, groups, parallel sizes) and a secondary tier only that spec. Everything else that
+changes the bytes of K or V — the revision, weight quantization, compute dtype, RoPE
+overrides, sliding windows, a draft model, the block-hash algorithm — lives in the
+``VllmConfig`` and ``KVCacheConfig`` the connector was built with. vLLM builds the scheduler
+without setting its process-global "current config", so that global cannot be trusted.
+
+:func:`find_engine_configs` therefore takes the two objects from the call that is building
+this spec or tier: the nearest enclosing vLLM frame (``OffloadingConnector.__init__``
+for a spec, ``OffloadingConnectorScheduler.__init__`` for a secondary tier) whose local
+``vllm_config`` is a ``VllmConfig``. Those are the very objects that connector was handed,
+in every process and role. :func:`model_inputs` then reads each identity input from them.
+
+Invariant: nothing here reads a process-global vLLM config; every value comes from the
+objects found, and when none are found (a spec built outside a connector) the caller says
+so and falls back to what the offloading config carries.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+#: How many frames above the caller to search; vLLM's chain is 3 to 6 deep.
+MAX_FRAMES = 32
+#: KV cache dtypes whose values need scales.
+_QUANTIZED_KV = ("fp8", "int8", "int4", "nvfp4", "mxfp4")
+
+
+@dataclass(frozen=True)
+class EngineConfigs:
+    """The ``VllmConfig`` (and ``KVCacheConfig``, when known) a connector was built with."""
+
+    vllm: Any
+    kv_cache: Any | None
+
+
+def find_engine_configs() -> EngineConfigs | None:
+    """The configs of the vLLM connector building the caller, or ``None`` (see the module
+    docstring). Frames of modules outside the ``vllm`` package are never read."""
+    try:
+        from vllm.config import VllmConfig
+        from vllm.v1.kv_cache_interface import KVCacheConfig
+    except ImportError:
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            break
+        if str(frame.f_globals.get("__name__", "")).startswith("vllm."):
+            found = frame.f_locals.get("vllm_config")
+            if isinstance(found, VllmConfig):
+                kv_cache = frame.f_locals.get("kv_cache_config")
+                return EngineConfigs(
+                    vllm=found,
+                    kv_cache=kv_cache if isinstance(kv_cache, KVCacheConfig) else None,
+                )
+        frame = frame.f_back
+    return None
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The identity inputs read from the engine's model, cache and speculative configs."""
+
+    model: str
+    revision: str | None
+    compute_dtype: str
+    quantization: str
+    kv_scales: str
+    overrides: str
+    draft_model: str
+    hash_algorithm: str
+    kv_layout: str | None
+
+
+def _canonical(value: Mapping[str, Any]) -> str:
+    """Compact sorted JSON; values JSON cannot hold are named by their type, never by
+    their ``repr`` (which may hold a memory address and differ between processes)."""
+    return json.dumps(
+        value, sort_keys=True, separators=(",", ":"), default=lambda o: type(o).__qualname__
+    )
+
+
+def _overrides(model_config: Any, cache_config: Any) -> str:
+    """The settings that change K (stored after RoPE) or a layer's KV bytes."""
+    text = getattr(model_config, "hf_text_config", None) or model_config.hf_config
+    found: dict[str, Any] = {}
+    for name in ("rope_parameters", "rope_scaling", "rope_theta", "max_position_embeddings",
+                 "partial_rotary_factor"):
+        value = getattr(text, name, None)
+        if value is not None:
+            found[name] = value
+    hf_overrides = getattr(model_config, "hf_overrides", None)
+    if callable(hf_overrides):
+        found["hf_overrides"] = f"callable:{getattr(hf_overrides, '__qualname__', '?')}"
+    elif hf_overrides:
+        found["hf_overrides"] = dict(hf_overrides)
+    skipped = list(getattr(cache_config, "kv_cache_dtype_skip_layers", None) or ())
+    if skipped:
+        found["kv_cache_dtype_skip_layers"] = skipped
+    return _canonical(found) if found else ""
+
+
+def _kv_scales(model_config: Any, kv_dtype: str) -> str:
+    """Where a quantized KV cache's scales come from: the checkpoint's KV scheme, or the
+    default scales; empty for an unquantized KV cache."""
+    if not kv_dtype.startswith(_QUANTIZED_KV):
+        return ""
+    quant = getattr(model_config.hf_config, "quantization_config", None)
+    scheme = quant.get("kv_cache_scheme") if isinstance(quant, Mapping) else None
+    if scheme:
+        return "checkpoint:" + _canonical(scheme if isinstance(scheme, Mapping) else {"": scheme})
+    return "checkpoint" if model_config.quantization else "default"
+
+
+def _draft_model(speculative_config: Any) -> str:
+    if speculative_config is None:
+        return ""
+    return _canonical(
+        {
+            "method": speculative_config.method,
+            "model": speculative_config.model,
+            "revision": speculative_config.revision,
+            "quantization": speculative_config.quantization,
+            "num_speculative_tokens": speculative_config.num_speculative_tokens,
+        }
+    )
+
+
+def model_inputs(engine: EngineConfigs, kv_dtype: str) -> ModelInputs:
+    """Every identity input the engine's configs hold; ``kv_dtype`` is the resolved KV
+    cache dtype vLLM put in the offloading config."""
+    vllm = engine.vllm
+    model_config, cache_config = vllm.model_config, vllm.cache_config
+    layout = getattr(cache_config, "kv_cache_layout", None)
+    if layout is None and engine.kv_cache is not None:
+        layout = getattr(engine.kv_cache, "kv_cache_layout", None)
+    return ModelInputs(
+        model=str(model_config.model),
+        revision=model_config.revision,
+        compute_dtype=str(model_config.dtype).removeprefix("torch."),
+        quantization=str(model_config.quantization or ""),
+        kv_scales=_kv_scales(model_config, kv_dtype),
+        overrides=_overrides(model_config, cache_config),
+        draft_model=_draft_model(vllm.speculative_config),
+        hash_algorithm=str(cache_config.prefix_caching_hash_algo),
+        kv_layout=None if layout is None else str(layout),
+    )
+
+
+def group_attention(engine: EngineConfigs | None, group: Any, tokens_per_chunk: int) -> str:
+    """How far back offloaded group ``group`` attends: from its KV-cache spec when the
+    engine's ``KVCacheConfig`` is known, else from the offloading config's window in chunks.
+    """
+    if engine is not None and engine.kv_cache is not None:
+        from vllm.v1.kv_cache_interface import (
+            ChunkedLocalAttentionSpec,
+            FullAttentionSpec,
+            MambaSpec,
+            SlidingWindowSpec,
+            iter_layer_specs,
+        )
+
+        spec = next(iter(iter_layer_specs(engine.kv_cache.kv_cache_groups[group.group_id]
+                                          .kv_cache_spec)))
+        if isinstance(spec, SlidingWindowSpec):
+            return f"sliding_window:{spec.sliding_window}"
+        if isinstance(spec, ChunkedLocalAttentionSpec):
+            return f"chunked_local:{spec.attention_chunk_size}"
+        if isinstance(spec, MambaSpec):
+            return "mamba"
+        if isinstance(spec, FullAttentionSpec):
+            return "full"
+        return type(spec).__name__
+    window = group.sliding_window_size_in_chunks
+    if window is None:
+        return "full"
+    return f"window:{window * tokens_per_chunk}"

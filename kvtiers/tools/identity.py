@@ -1,0 +1,89 @@
+"""``kvtiers identity`` and ``kvtiers diff``: the answer to "my cache missed; why?".
+
+``identity`` prints, field by field, the cache identity (and so the namespace) that a stack
+file's ``model:`` section gives; ``diff`` reads the manifests of two namespaces under a
+file root or an S3 prefix and names every identity field that differs between them. Field
+names are dotted the way ``docs/on-disk-format.md`` and ``NamespaceMismatchError`` spell
+them (``groups[0].tokens_per_block``, ``parallel.tp_size``, ``len(groups)``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from kvtiers.core.bounded import load_json
+from kvtiers.errors import ConfigError, KVTiersError
+from kvtiers.filemapper.identity import NamespaceIdentity
+from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES, differences
+from kvtiers.tiers.object.store import ObjectMissing
+from kvtiers.tools.locations import Location
+
+
+def _leaves(value: object, path: str) -> Iterator[tuple[str, object]]:
+    if isinstance(value, dict):
+        for name in sorted(value):
+            yield from _leaves(value[name], f"{path}.{name}" if path else str(name))
+    elif isinstance(value, list) and any(isinstance(item, dict) for item in value):
+        for idx, item in enumerate(value):
+            yield from _leaves(item, f"{path}[{idx}]")
+    else:
+        yield path, value
+
+
+def identity_fields(identity: NamespaceIdentity) -> list[tuple[str, object]]:
+    """Every field of ``identity`` as (dotted name, value), groups and parallel expanded."""
+    return list(_leaves(identity.to_dict(), ""))
+
+
+def _show(value: object) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def print_identity(identity: NamespaceIdentity, out: TextIO) -> None:
+    """The namespace, digest and every identity field, one per line."""
+    fields = identity_fields(identity)
+    width = max(len(name) for name, _ in fields)
+    print(f"namespace  {identity.namespace}", file=out)
+    print(f"digest     {identity.hexdigest}", file=out)
+    for name, value in fields:
+        print(f"  {name:<{width}}  {_show(value)}", file=out)
+
+
+def stored_identity(location: Location, namespace: str) -> dict[str, Any]:
+    """The identity recorded in ``namespace``'s manifest, as stored (not re-validated: an
+    older schema's identity is compared as it is).
+
+    A namespace that is not there is a usage error (:class:`ConfigError`); a manifest that
+    cannot be read is a :class:`KVTiersError`.
+    """
+    if namespace not in location.namespaces():
+        raise ConfigError(
+            f"no namespace {namespace!r} under {location.describe()} "
+            "(kvtiers inspect lists them)",
+            path=namespace,
+        )
+    try:
+        document = load_json(location.manifest(namespace), max_bytes=MAX_MANIFEST_BYTES)
+    except (OSError, ValueError, KeyError, ObjectMissing) as exc:
+        raise KVTiersError(f"{namespace}: manifest unreadable ({exc})") from None
+    identity = document.get("identity") if isinstance(document, dict) else None
+    if not isinstance(identity, dict):
+        raise KVTiersError(f"{namespace}: manifest holds no identity")
+    return identity
+
+
+def diff(location: Location, first: str, second: str, out: TextIO) -> int:
+    """Name every identity field that differs between two namespaces; always 0."""
+    a, b = stored_identity(location, first), stored_identity(location, second)
+    found = differences(a, b)
+    print(f"A: {first}\nB: {second}", file=out)
+    if not found:
+        print("the identities are identical", file=out)
+        return 0
+    print(f"{len(found)} field{'s' if len(found) != 1 else ''} differ:", file=out)
+    for name in sorted(found):
+        value_a, value_b = found[name]
+        print(f"  {name}: {_show(value_a)} -> {_show(value_b)}", file=out)
+    return 0

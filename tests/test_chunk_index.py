@@ -1,0 +1,312 @@
+"""ChunkIndex alone, against a plain model: a dict of entries and a list for LRU order.
+
+The state machine drives every operation with arbitrary keys (present or not, repeated)
+and checks each answer, each raised error and, after every step, every entry, the LRU
+order, usage, counters and events against the model. A handful of unit tests pin down the
+rules the issue table names.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from kvtiers.core.keys import OffloadKey, make_offload_key
+from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
+from kvtiers.errors import UnknownKeyError
+from kvtiers.tiers.index import ChunkIndex, ChunkState, IndexChange
+
+KEYS = [make_offload_key(bytes([i]) * 16, 0) for i in range(6)]
+key_st = st.sampled_from(KEYS)
+keys_st = st.lists(key_st, max_size=5)
+size_st = st.integers(min_value=1, max_value=3)
+
+WRITING, READY = ChunkState.WRITING, ChunkState.READY
+
+
+@dataclass
+class ModelEntry:
+    size: int
+    state: ChunkState
+    pins: int = 0
+
+
+class ChunkIndexMachine(RuleBasedStateMachine):
+    """The index and the model receive the same calls and must agree on everything."""
+
+    @initialize(capacity=st.one_of(st.none(), st.integers(min_value=1, max_value=8)))
+    def start(self, capacity: int | None) -> None:
+        self.index = ChunkIndex(capacity, tier="the test tier", medium=Medium.CPU,
+                                locality=Locality.LOCAL)
+        self.capacity = capacity
+        self.entries: dict[OffloadKey, ModelEntry] = {}
+        self.order: list[OffloadKey] = []  # least recently used first
+        self.doomed: set[OffloadKey] = set()
+        self.events: list[tuple[list[OffloadKey], bool]] = []
+        self.counters = Counter[str]()
+
+    # -- the model's own steps ---------------------------------------------------------
+    def _to_end(self, key: OffloadKey) -> None:
+        self.order.remove(key)
+        self.order.append(key)
+
+    def _remove(self, key: OffloadKey) -> None:
+        del self.entries[key]
+        self.order.remove(key)
+        self.doomed.discard(key)
+
+    def _usage(self) -> int:
+        return sum(e.size for e in self.entries.values())
+
+    def _evictable(self, protected: set[OffloadKey]) -> list[OffloadKey]:
+        return [k for k in self.order if self.entries[k].state is READY
+                and not self.entries[k].pins and k not in protected]
+
+    def _pick(self, shortfall: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        victims, freed = [], 0
+        for key in self._evictable(protected):
+            victims.append(key)
+            freed += self.entries[key].size
+            if freed >= shortfall:
+                return victims
+        return None
+
+    def _evict(self, victims: list[OffloadKey]) -> None:
+        for key in victims:
+            self._remove(key)
+        if victims:
+            self.counters["evictions"] += len(victims)
+            self.events.append((victims, True))
+
+    # -- rules -----------------------------------------------------------------------
+    @rule(keys=keys_st, size=size_st)
+    def reserve(self, keys: list[OffloadKey], size: int) -> None:
+        accepted = list(dict.fromkeys(k for k in keys if k not in self.entries))
+        need = len(accepted) * size
+        victims: list[OffloadKey] = []
+        refused = False
+        if need and self.capacity is not None and self._usage() + need > self.capacity:
+            picked = None if need > self.capacity else self._pick(
+                self._usage() + need - self.capacity, set(keys))
+            refused = picked is None
+            victims = picked or []
+        answer = self.index.reserve(keys, size)
+        if refused:
+            assert answer is None
+            return
+        assert answer == IndexChange(accepted, victims)
+        self._evict(victims)
+        for key in accepted:
+            self.entries[key] = ModelEntry(size, WRITING)
+            self.order.append(key)
+
+    @rule(keys=keys_st, success=st.booleans())
+    def finish(self, keys: list[OffloadKey], success: bool) -> None:
+        done = [k for k in dict.fromkeys(keys)
+                if k in self.entries and self.entries[k].state is WRITING]
+        assert self.index.finish(keys, success) == done
+        if success:
+            for key in done:
+                self.entries[key].state = READY
+                self._to_end(key)
+            self.counters["stores"] += len(done)
+            if done:
+                self.events.append((done, False))
+        else:
+            for key in done:
+                self._remove(key)
+            self.counters["store_failures"] += len(done)
+
+    @rule(keys=keys_st)
+    def pin(self, keys: list[OffloadKey]) -> None:
+        if any(k not in self.entries or self.entries[k].state is not READY for k in keys):
+            with pytest.raises(UnknownKeyError, match="prepare_load"):
+                self.index.pin(keys)
+            return
+        self.index.pin(keys)
+        for key in keys:
+            self.entries[key].pins += 1
+            self._to_end(key)
+        self.counters["loads"] += len(keys)
+
+    @rule(keys=keys_st)
+    def unpin(self, keys: list[OffloadKey]) -> None:
+        drops = Counter(keys)
+        if any(k not in self.entries or self.entries[k].pins < n for k, n in drops.items()):
+            with pytest.raises(UnknownKeyError, match="released"):
+                self.index.unpin(keys)
+            return
+        for key, n in drops.items():
+            self.entries[key].pins -= n
+        freed = [k for k in drops if k in self.doomed and not self.entries[k].pins]
+        assert self.index.unpin(keys) == freed
+        self._discarded(freed)
+
+    def _discarded(self, keys: list[OffloadKey]) -> None:
+        for key in keys:
+            self._remove(key)
+        if keys:
+            self.counters["discarded"] += len(keys)
+            self.events.append((keys, True))
+
+    @rule(keys=keys_st)
+    def touch(self, keys: list[OffloadKey]) -> None:
+        self.index.touch(keys)
+        for key in keys:
+            if key in self.entries and self.entries[key].state is READY:
+                self._to_end(key)
+
+    @rule(found=st.lists(st.tuples(key_st, size_st), max_size=4))
+    def add_ready(self, found: list[tuple[OffloadKey, int]]) -> None:
+        added = []
+        for key, size in found:
+            if key not in self.entries:
+                self.entries[key] = ModelEntry(size, READY)
+                self.order.append(key)
+                added.append(key)
+        victims: list[OffloadKey] = []
+        if self.capacity is not None and self._usage() > self.capacity:
+            victims = self._pick(self._usage() - self.capacity, set()) or self._evictable(set())
+        assert self.index.add_ready(found) == IndexChange(added, victims)
+        self._evict(victims)
+
+    @rule(keys=keys_st)
+    def discard(self, keys: list[OffloadKey]) -> None:
+        now = []
+        for key in dict.fromkeys(keys):
+            entry = self.entries.get(key)
+            if entry is None or entry.state is not READY:
+                continue
+            if entry.pins:
+                self.doomed.add(key)
+            else:
+                now.append(key)
+        assert self.index.discard(keys) == now
+        self._discarded(now)
+
+    @rule()
+    def clear_ready(self) -> None:
+        dropped = self._evictable(set())
+        assert self.index.clear_ready() == dropped
+        for key in dropped:
+            self._remove(key)
+        if dropped:
+            self.events.append((dropped, True))
+
+    @rule(key=key_st)
+    def lookup(self, key: OffloadKey) -> None:
+        entry = self.entries.get(key)
+        if entry is None:
+            expected = LookupResult.MISS
+            self.counters["misses"] += 1
+        elif entry.state is READY:
+            expected = LookupResult.HIT
+            self.counters["hits"] += 1
+        else:
+            expected = LookupResult.HIT_PENDING
+        assert self.index.lookup(key) is expected
+
+    @rule(keys=keys_st)
+    def require_addressable(self, keys: list[OffloadKey]) -> None:
+        if any(k not in self.entries or (self.entries[k].state is READY
+                                         and not self.entries[k].pins) for k in keys):
+            with pytest.raises(UnknownKeyError, match="get_spec"):
+                self.index.require_addressable(keys)
+        else:
+            self.index.require_addressable(keys)
+
+    @rule()
+    def take_events(self) -> None:
+        expected = [
+            OffloadingEvent(keys, Medium.CPU, removed=removed, locality=Locality.LOCAL)
+            for keys, removed in self.events
+        ]
+        assert self.index.take_events() == expected
+        self.events = []
+
+    # -- the index agrees with the model after every step ---------------------------------
+    @invariant()
+    def same_entries_in_same_order(self) -> None:
+        got = [(k, e.size, e.state, e.pins) for k, e in self.index.items()]
+        assert got == [(k, self.entries[k].size, self.entries[k].state, self.entries[k].pins)
+                       for k in self.order]
+        assert len(self.index) == len(self.entries)
+
+    @invariant()
+    def counts_kept_in_step(self) -> None:
+        assert self.index.usage == self._usage()
+        ready = sum(1 for e in self.entries.values() if e.state is READY)
+        assert self.index.ready_count == ready
+        names = ("hits", "misses", "stores", "store_failures", "evictions", "loads",
+                 "discarded")
+        assert dict(self.index.stats()) == {
+            **{name: self.counters[name] for name in names}, "chunks": ready
+        }
+
+
+TestChunkIndexMachine = ChunkIndexMachine.TestCase
+TestChunkIndexMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
+
+
+def _index(capacity: int | None = 4) -> ChunkIndex:
+    return ChunkIndex(capacity, tier="the test tier", medium=Medium.CPU)
+
+
+def _stored(index: ChunkIndex, keys: list[OffloadKey], size: int = 1) -> None:
+    assert index.reserve(keys, size) is not None
+    index.finish(keys, True)
+
+
+def test_over_release_raises_and_changes_nothing() -> None:
+    index = _index()
+    _stored(index, KEYS[:2])
+    index.pin([KEYS[0], KEYS[1]])
+    with pytest.raises(UnknownKeyError, match=r"pinned 1 times .* released 2 times"):
+        index.unpin([KEYS[1], KEYS[0], KEYS[0]])
+    assert [e.pins for _, e in index.items()] == [1, 1]
+
+
+def test_touch_of_a_writing_key_is_ignored() -> None:
+    index = _index()
+    assert index.reserve([KEYS[0]], 1) is not None
+    _stored(index, [KEYS[1]])
+    index.touch([KEYS[0]])
+    assert [k for k, _ in index.items()] == [KEYS[0], KEYS[1]]
+
+
+def test_reserve_refusing_changes_nothing() -> None:
+    index = _index(capacity=3)
+    _stored(index, KEYS[:3])
+    index.pin([KEYS[0], KEYS[1]])
+    before = [(k, e.size, e.state, e.pins) for k, e in index.items()]
+    assert index.reserve([KEYS[3], KEYS[4]], 1) is None
+    assert [(k, e.size, e.state, e.pins) for k, e in index.items()] == before
+    assert index.usage == 3 and index.stats()["evictions"] == 0
+
+
+def test_victims_spare_the_batch_and_pinned_keys() -> None:
+    index = _index(capacity=3)
+    _stored(index, KEYS[:3])
+    index.pin([KEYS[1]])
+    change = index.reserve([KEYS[0], KEYS[3]], 1)
+    assert change == IndexChange([KEYS[3]], [KEYS[2]])
+
+
+def test_discard_of_a_pinned_key_waits_for_its_last_unpin() -> None:
+    index = _index()
+    _stored(index, [KEYS[0]])
+    index.pin([KEYS[0], KEYS[0]])
+    assert index.discard([KEYS[0]]) == []
+    assert index.unpin([KEYS[0]]) == []
+    assert index.unpin([KEYS[0]]) == [KEYS[0]]
+    assert KEYS[0] not in index and index.stats()["discarded"] == 1
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="the test tier: capacity must be positive"):
+        _index(capacity=0)

@@ -1,0 +1,451 @@
+"""The cache identity through both vLLM routes, built the way vLLM's engine core builds its
+scheduler.
+
+Each case makes vLLM 0.33.0's real config objects (``VllmConfig``, ``ModelConfig``,
+``CacheConfig``, ``ParallelConfig``, ``KVTransferConfig``, ``KVCacheConfig`` and its specs)
+and constructs vLLM's own ``OffloadingConnector`` in the scheduler role, with no
+"current vLLM config" set, exactly as ``EngineCore`` does: route 1 loads
+``KVTiersOffloadingSpec``, route 2 loads vLLM's ``TieringOffloadingSpec`` with a
+``KVTiersFileTier`` below it. The test reads the namespace the kvtiers file tier opened.
+
+``ModelConfig`` and ``VllmConfig`` are allocated without their validation (which imports
+the model's implementation, beyond the no-deps test install) and given the fields vLLM's
+validation would set; every other config object is built through its constructor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from vllm.config import (
+    AttentionConfig,
+    CacheConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+    SlidingWindowSpec,
+)
+from vllm.v1.kv_offload import base as vbase
+
+from kvtiers.core import chunkformat
+from kvtiers.filemapper import FileMapper, NamespaceIdentity
+
+ROUTES = ("spec", "tiering")
+BLOCK_SIZE = 16
+NUM_BLOCKS = 16
+TOTAL_KV_HEADS = 2
+HEAD_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+    """One engine's settings; every field maps to a vLLM config value."""
+
+    model: str
+    revision: str | None = None
+    dtype: torch.dtype = torch.bfloat16
+    cache_dtype: str = "auto"
+    quantization: str | None = None
+    kv_cache_scheme: dict[str, Any] | None = None
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    hf_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)
+    hash_algo: str = "sha256"
+    kv_cache_layout: str = "LBNHC"
+    sliding_window: int | None = None
+    draft_model: str | None = None
+    tp_size: int = 1
+    rank: int = 0
+    canonical_layout: bool = False
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tier: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def model_config(engine: Engine) -> Any:
+    hf = LlamaConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=TOTAL_KV_HEADS,
+        num_hidden_layers=2, vocab_size=256, rope_theta=engine.rope_theta,
+        max_position_embeddings=engine.max_position_embeddings,
+    )
+    if engine.kv_cache_scheme is not None:
+        hf.quantization_config = {"quant_method": "compressed-tensors",
+                                  "kv_cache_scheme": engine.kv_cache_scheme}
+    for name, value in engine.hf_overrides.items():
+        setattr(hf, name, value)  # vLLM applies hf_overrides to the HF config it loads
+    config = ModelConfig.__new__(ModelConfig)
+    fields = {
+        "model": engine.model, "revision": engine.revision, "dtype": engine.dtype,
+        "quantization": engine.quantization, "hf_config": hf, "hf_text_config": hf,
+        "hf_overrides": dict(engine.hf_overrides), "max_model_len": 1024,
+        "model_impl": "auto",
+    }
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    config.__dict__["_model_info"] = SimpleNamespace(architecture="LlamaForCausalLM")
+    config.__dict__["_supports_multimodal_for_mm_prefix"] = lambda: False
+    object.__setattr__(config, "model_arch_config", config.get_model_arch_config())
+    return config
+
+
+def speculative_config(engine: Engine) -> Any:
+    if engine.draft_model is None:
+        return None
+    config = SpeculativeConfig.__new__(SpeculativeConfig)
+    fields = {
+        "method": "draft_model", "model": engine.draft_model, "revision": None,
+        "quantization": None, "num_speculative_tokens": 3, "disable_eagle_block_drop": True,
+    }
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    return config
+
+
+def kv_cache_config(engine: Engine) -> Any:
+    heads = TOTAL_KV_HEADS // engine.tp_size
+    full = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16
+    )
+    if engine.sliding_window is None:
+        groups = [KVCacheGroupSpec(["l0", "l1"], full)]
+    else:
+        window = SlidingWindowSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE,
+            dtype=torch.float16, sliding_window=engine.sliding_window,
+        )
+        groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)]
+    page = full.page_size_bytes
+    tensor = KVCacheTensor(
+        size=page * 2 * NUM_BLOCKS, layers=["l0", "l1"], layer_stride=page * NUM_BLOCKS,
+        block_stride=page,
+    )
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[tensor], kv_cache_groups=groups)
+
+
+def vllm_config(engine: Engine, route: str, root: Path) -> Any:
+    tier = {"root": str(root), "io": "posix", "threads": 1, **engine.tier}
+    if route == "spec":
+        extra: dict[str, Any] = {
+            "spec_name": "KVTiersOffloadingSpec", "spec_module_path": "kvtiers.integrations.vllm",
+            "kvtiers": {"tiers": [{"kind": "cpu", "capacity": "64KiB"},
+                                  {"kind": "file", **tier}]},
+        }
+    else:
+        extra = {
+            "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
+            "secondary_tiers": [{"type": "KVTiersFileTier",
+                                 "module_path": "kvtiers.integrations.vllm", **tier}],
+        }
+    if engine.canonical_layout:
+        extra["canonical_layout"] = True
+    extra.update(engine.extra)
+    cache = CacheConfig(
+        block_size=BLOCK_SIZE, cache_dtype=engine.cache_dtype,
+        prefix_caching_hash_algo=engine.hash_algo,
+    )
+    cache.kv_cache_layout = engine.kv_cache_layout  # resolved by the engine core first
+    parallel = ParallelConfig(tensor_parallel_size=engine.tp_size)
+    parallel.rank = engine.rank
+    transfer = KVTransferConfig(
+        kv_connector="OffloadingConnector", kv_role="kv_both",
+        engine_id=f"identity-{uuid.uuid4().hex}", kv_connector_extra_config=extra,
+    )
+    config = VllmConfig.__new__(VllmConfig)
+    fields = {
+        "model_config": model_config(engine), "cache_config": cache,
+        "parallel_config": parallel, "kv_transfer_config": transfer, "kv_events_config": None,
+        "speculative_config": speculative_config(engine), "attention_config": AttentionConfig(),
+    }
+    for name, value in fields.items():
+        object.__setattr__(config, name, value)
+    return config
+
+
+def file_tier(connector: Any, route: str) -> Any:
+    manager = connector.scheduler.manager
+    if route == "spec":
+        return manager.stack.tiers[1]
+    return manager.secondary_tiers[0].tier
+
+
+@pytest.fixture(autouse=True)
+def v1_model_runner(monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's connector asks which model runner is in use; the V2 check needs a platform.
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    """A local model directory: a config and (tiny, fake) weight files."""
+    path = tmp_path / "models" / "tiny"
+    path.mkdir(parents=True)
+    LlamaConfig(hidden_size=64, num_hidden_layers=2).to_json_file(str(path / "config.json"))
+    (path / "model-00001-of-00002.safetensors").write_bytes(b"a" * 100)
+    (path / "model-00002-of-00002.safetensors").write_bytes(b"b" * 50)
+    (path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    return path
+
+
+def no_current_config() -> None:
+    from vllm.config import get_current_vllm_config_or_none
+
+    assert get_current_vllm_config_or_none() is None
+
+
+def identity_of(engine: Engine, route: str, root: Path) -> NamespaceIdentity:
+    """The identity the file tier opens when vLLM's scheduler is built for ``engine``."""
+    no_current_config()
+    connector = OffloadingConnector(
+        vllm_config(engine, route, root), KVConnectorRole.SCHEDULER, kv_cache_config(engine)
+    )
+    try:
+        identity: NamespaceIdentity = file_tier(connector, route).manager.mapper.identity
+        return identity
+    finally:
+        connector.shutdown()
+
+
+FP8 = {"cache_dtype": "fp8"}
+# identity input -> (engine settings before, after): only that input differs
+CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "revision": ({}, {"revision": "r3"}),
+    "hash algorithm": ({}, {"hash_algo": "sha256_cbor"}),
+    "KV dtype": ({}, FP8),
+    "compute dtype under fp8 KV": (FP8, {**FP8, "dtype": torch.float16}),
+    "weight quantization": ({}, {"quantization": "awq"}),
+    "KV scale source": (FP8, {**FP8, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}),
+    "rope_theta": ({}, {"rope_theta": 500000.0}),
+    "max_position_embeddings": ({}, {"max_position_embeddings": 4096}),
+    "hf_overrides": ({}, {"hf_overrides": {"partial_rotary_factor": 0.5}}),
+    "sliding window": ({"sliding_window": 128}, {"sliding_window": 256}),
+    "KV layout": ({}, {"kv_cache_layout": "LBHNC"}),
+    "draft model": ({}, {"draft_model": "org/draft"}),
+    "salt": ({}, {"extra": {"kvtiers_salt": "tenant-a"}}),
+}
+
+
+def base_engine(model_dir: Path, **changes: Any) -> Engine:
+    return dataclasses.replace(Engine(model=str(model_dir), revision="r2"), **changes)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_each_identity_input_moves_the_namespace(
+    route: str, change: str, model_dir: Path, tmp_path: Path
+) -> None:
+    before_settings, after_settings = CHANGES[change]
+    before = identity_of(base_engine(model_dir, **before_settings), route, tmp_path / "kv")
+    after = identity_of(base_engine(model_dir, **after_settings), route, tmp_path / "kv")
+    assert after.namespace != before.namespace, change
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_sliding_window_size_moves_the_namespace(
+    route: str, model_dir: Path, tmp_path: Path
+) -> None:
+    small = identity_of(base_engine(model_dir, sliding_window=128), route, tmp_path / "kv")
+    large = identity_of(base_engine(model_dir, sliding_window=256), route, tmp_path / "kv")
+    assert [g.attention for g in small.groups] == ["full", "sliding_window:128"]
+    assert [g.attention for g in large.groups] == ["full", "sliding_window:256"]
+    assert small.namespace != large.namespace
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_identity_fields_are_read_from_the_engine_configs(
+    route: str, model_dir: Path, tmp_path: Path
+) -> None:
+    engine = dataclasses.replace(
+        base_engine(model_dir), cache_dtype="fp8", quantization="awq",
+        kv_cache_scheme={"num_bits": 8}, draft_model="org/draft", hash_algo="sha256_cbor",
+    )
+    identity = identity_of(engine, route, tmp_path / "kv")
+    assert identity.model_name == str(model_dir.resolve())
+    assert identity.model_revision == "r2"
+    assert identity.model_fingerprint.startswith("sha256:")
+    assert (identity.compute_dtype, identity.kv_dtype) == ("bfloat16", "fp8")
+    assert identity.quantization == "awq"
+    assert identity.kv_scales == 'checkpoint:{"num_bits":8}'
+    assert '"rope_theta":10000.0' in identity.model_overrides
+    assert '"model":"org/draft"' in identity.draft_model
+    assert identity.hash_algorithm == "vllm:sha256_cbor"
+    layout = "LBNHC" if route == "spec" else "LBNHC+vllm-cpu-chunk"
+    assert identity.kv_layout == layout
+    assert identity.chunk_format_version == chunkformat.FORMAT_VERSION
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_chunk_format_bump_moves_the_namespace(
+    route: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    monkeypatch.setattr(chunkformat, "FORMAT_VERSION", chunkformat.FORMAT_VERSION + 1)
+    after = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    assert after.namespace != before.namespace
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_respelled_model_path_keeps_the_namespace(
+    route: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    absolute = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    link = tmp_path / "link"
+    link.symlink_to(model_dir)
+    linked = identity_of(base_engine(link), route, tmp_path / "kv")
+    monkeypatch.chdir(model_dir.parent)
+    relative = identity_of(base_engine(Path("tiny")), route, tmp_path / "kv")
+    dotted = identity_of(base_engine(Path("../models/tiny/")), route, tmp_path / "kv")
+    assert absolute.namespace == linked.namespace == relative.namespace == dotted.namespace
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_tier_settings_keep_the_namespace(route: str, model_dir: Path, tmp_path: Path) -> None:
+    base = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    other = identity_of(
+        base_engine(model_dir, tier={"threads": 3, "capacity": "1MiB"}), route, tmp_path / "kv"
+    )
+    assert other.namespace == base.namespace
+
+
+def test_rank_keeps_the_namespace(model_dir: Path, tmp_path: Path) -> None:
+    ranks = [
+        identity_of(base_engine(model_dir, tp_size=2, rank=rank), "tiering", tmp_path / "kv")
+        for rank in (0, 1)
+    ]
+    assert ranks[0].namespace == ranks[1].namespace
+
+
+def test_parallel_sizes_leave_the_identity_only_by_opt_in(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    def namespace(tp_size: int, **extra: Any) -> NamespaceIdentity:
+        engine = base_engine(model_dir, tp_size=tp_size, extra=extra)
+        return identity_of(engine, "tiering", tmp_path / "kv")
+
+    # vLLM reports this layout parallelism-agnostic; without the opt-in the sizes stay.
+    assert namespace(1).parallel is not None
+    assert namespace(1).namespace != namespace(2).namespace
+    opted = [namespace(tp, kvtiers_parallel_agnostic=True) for tp in (1, 2)]
+    assert opted[0].parallel is None
+    assert opted[0].namespace == opted[1].namespace
+
+
+def test_route_1_honours_the_parallel_opt_in(model_dir: Path, tmp_path: Path) -> None:
+    plain = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
+    opted = identity_of(
+        base_engine(model_dir, extra={"kvtiers_parallel_agnostic": True}), "spec", tmp_path / "kv"
+    )
+    assert plain.parallel is not None
+    assert opted.parallel is None
+
+
+def test_canonical_layout_has_its_own_namespace(model_dir: Path, tmp_path: Path) -> None:
+    direct = identity_of(base_engine(model_dir), "tiering", tmp_path / "kv")
+    canonical = identity_of(base_engine(model_dir, canonical_layout=True), "tiering",
+                            tmp_path / "kv")
+    assert direct.canonical_format == ""
+    assert canonical.canonical_format.startswith("v")
+    assert canonical.namespace != direct.namespace
+
+
+# --- cold misses through the scheduler-construction path ---------------------------------
+
+KEY = vbase.make_offload_key(bytes(range(16)), 0)
+
+
+def plant_chunk(identity: NamespaceIdentity, root: Path, payload_bytes: int) -> None:
+    """One valid chunk of ``identity``'s namespace, as an earlier engine would leave it."""
+    path = FileMapper(root, identity).path(KEY)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(chunkformat.encode(identity.digest, KEY, os.urandom(payload_bytes)))
+
+
+def lookup_after_restart(engine: Engine, route: str, root: Path) -> Any:
+    connector = OffloadingConnector(
+        vllm_config(engine, route, root), KVConnectorRole.SCHEDULER, kv_cache_config(engine)
+    )
+    try:
+        tier = file_tier(connector, route)
+        return tier.manager.lookup(KEY, None)
+    finally:
+        connector.shutdown()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda e: dataclasses.replace(e, revision="r3"), id="revision"),
+        pytest.param(lambda e: dataclasses.replace(e, hash_algo="sha256_cbor"), id="hash"),
+    ],
+)
+def test_revision_and_hash_algorithm_changes_are_cold_misses(
+    route: str, change: Callable[[Engine], Engine], tmp_path: Path
+) -> None:
+    """An engine started with another ``--revision`` or ``--prefix-caching-hash-algo``
+    must not find the chunks of the previous one; the same engine again must."""
+    from kvtiers.core.manager import LookupResult
+
+    root = tmp_path / "kv"
+    first = Engine(model="org/model", revision="r2")
+    identity = identity_of(first, route, root)
+    chunk_bytes = identity.groups[0].bytes_per_block * identity.blocks_per_chunk
+    plant_chunk(identity, root, chunk_bytes)
+    assert lookup_after_restart(first, route, root) is LookupResult.HIT
+    assert lookup_after_restart(change(first), route, root) is LookupResult.MISS
+
+
+def test_engine_configs_are_found_without_a_current_config(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The identity differs from one built with no engine configs at all: they were read."""
+    identity = identity_of(base_engine(model_dir, quantization="awq"), "spec", tmp_path / "kv")
+    assert identity.quantization == "awq"
+    assert identity.model_revision == "r2"
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_shared_memory() -> Iterator[None]:
+    before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    yield
+    after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    assert not {name for name in after - before if name.startswith("kvtiers-identity-")}
+
+
+def test_fake_weights_are_never_read(model_dir: Path, tmp_path: Path) -> None:
+    """The fingerprint uses weight sizes, not contents: same sizes, same identity."""
+    before = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
+    (model_dir / "model-00001-of-00002.safetensors").write_bytes(b"z" * 100)
+    same = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
+    (model_dir / "model-00001-of-00002.safetensors").write_bytes(b"z" * 101)
+    grown = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
+    assert same.namespace == before.namespace
+    assert grown.namespace != before.namespace
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_namespace_is_logged_at_start(
+    route: str, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="kvtiers.integrations.vllm.translate"):
+        identity = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    assert f"namespace {identity.namespace}" in caplog.text

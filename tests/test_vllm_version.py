@@ -1,0 +1,56 @@
+"""The vLLM version check: the integration loads only under a supported vLLM.
+
+Runs in both test environments (vLLM 0.33.0 in ``.venv``, 0.32.0 in ``.venv-engine``): the
+installed release passes; an out-of-range ``vllm.__version__`` makes loading
+``kvtiers.integrations.vllm`` (what vLLM does for either route) fail with one line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import vllm
+
+import kvtiers.integrations
+from kvtiers.errors import UnsupportedVersionError
+from kvtiers.integrations.vllm.version import SUPPORTED_SPECIFIER, check_vllm_version, release
+
+
+def test_the_installed_vllm_is_supported() -> None:
+    assert check_vllm_version() == vllm.__version__
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.0", "0.33.1.dev7+gabc123", "0.33"])
+def test_supported_releases_pass(version: str) -> None:
+    assert check_vllm_version(version) == version
+
+
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.2", "0.34.0", "1.0.0", "unknown", ""])
+def test_other_versions_get_one_line_naming_version_and_range(version: str) -> None:
+    with pytest.raises(UnsupportedVersionError) as info:
+        check_vllm_version(version)
+    message = str(info.value)
+    assert "\n" not in message
+    assert f"vLLM {version}:" in message
+    assert SUPPORTED_SPECIFIER in message
+    assert "docs/vllm.md" in message
+
+
+def test_release_reads_the_leading_numbers() -> None:
+    assert release("0.33.1.dev7+gabc123") == (0, 33, 1)
+    assert release("0.32") == (0, 32, 0)
+    assert release("v0.32.0") is None
+
+
+def test_loading_the_integration_under_an_unsupported_vllm_fails_at_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(vllm, "__version__", "0.30.0")
+    # A fresh import of the package, as vLLM's factories do; monkeypatch puts the loaded
+    # module back afterwards.
+    monkeypatch.delitem(sys.modules, "kvtiers.integrations.vllm")
+    monkeypatch.delattr(kvtiers.integrations, "vllm")
+    with pytest.raises(UnsupportedVersionError, match=r"this environment has vLLM 0\.30\.0"):
+        importlib.import_module("kvtiers.integrations.vllm")
