@@ -22,12 +22,13 @@ from kvtiers.config import (
     resolve_factory,
 )
 from kvtiers.config import kinds as kinds_module
+from kvtiers.config.examples import EXAMPLES_DIR
 from kvtiers.config.kinds import TierKind
 from kvtiers.config.model import GroupSection
 from kvtiers.config.schema import OctalMode
 from kvtiers.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = EXAMPLES_DIR
 MARK = "# <-"
 
 

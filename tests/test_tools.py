@@ -152,6 +152,6 @@ def test_a_refused_allocation_is_one_line_not_a_traceback(tmp_path: Path) -> Non
         "tiers:\n  - kind: cpu\n    capacity: 4000000TiB\n"
         "model:\n  name: m\n  groups: [{tokens_per_block: 16, num_layers: 1, page_bytes: 4KiB}]\n"
     )
-    result = _cli("demo", "--config", str(stack), "--no-progress")
+    result = _cli("demo", "--config", str(stack), "--out", str(tmp_path / "out"), "--no-plot")
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, ClassVar
 
@@ -31,7 +31,6 @@ from kvtiers.config.schema import (
     Matches,
     Range,
     Section,
-    example,
     parse_section,
     shown,
     suggestion,
@@ -44,16 +43,24 @@ TOP_LEVEL_KEYS = ("tiers", "model", "metrics")
 _TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
 
 
+# The exporter's default port: outside 9100-9999 (the range Prometheus' exporter registry
+# has allocated; 9400 is DCGM-exporter's) and clear of vLLM's own 8000.
+DEFAULT_METRICS_PORT = 8471
+
+
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig(Section):
-    """Where to serve Prometheus metrics; port 0 picks a free port."""
+    """Where to serve Prometheus metrics (``metrics: {}`` takes every default)."""
 
     what: ClassVar[str] = "the metrics section"
 
-    port: Annotated[int, Range(0, 65535)] = field(metadata=example("port: 9400"))
+    port: Annotated[int, Range(0, 65535)] = DEFAULT_METRICS_PORT
+    """TCP port of ``http://addr:port/metrics``; 0 picks a free port."""
     addr: Annotated[str, Matches(r"\S+", "a listen address such as 127.0.0.1")] = "127.0.0.1"
-    # How often the scheduler refreshes the numbers a scrape reads (0: every step).
+    """Listen address: 127.0.0.1 serves this host only; 0.0.0.0 (all interfaces) lets a
+    scraper on another host or pod reach it, as in Kubernetes."""
     refresh_s: Annotated[float, Range(0)] = 1.0
+    """How often the scheduler refreshes the numbers a scrape reads (0: every step)."""
 
 
 @dataclass(frozen=True)

@@ -86,8 +86,13 @@ class TierConfig(Section):
     """Fields every tier has. ``kind`` is fixed by each subclass."""
 
     kind: str
+    """The tier kind: cpu, file, s3 or fsspec."""
     name: Annotated[str, SIMPLE_NAME]
+    """Unique within the stack; names the tier in stats, metrics and messages. Default:
+    the kind, or ``<kind><index>`` when the kind repeats."""
     admission: Literal["always", "never"] = "always"
+    """Whether chunks stored in the primary are cascaded (written through) to this tier;
+    ``never`` makes a lower tier read-only (it still serves promotions)."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -107,8 +112,14 @@ class CPUTierConfig(TierConfig):
 
     kind: Literal["cpu"] = "cpu"
     capacity: Size = field(metadata=example("capacity: 8GiB"))
+    """Host memory reserved for chunks, allocated at start-up in slots of the largest
+    group's chunk."""
     policy: Annotated[str, Check(_policy_problem)] = "lru"
+    """Eviction policy: lru, arc, s3fifo, or a class named as ``package.module:Class``."""
     shared_memory_name: Annotated[str, SHM_NAME] | None = None
+    """Place the region in ``/dev/shm/<name>`` so engine processes on this host share it;
+    unset: private anonymous memory. The file is made 0600 by the tier itself; a file
+    another user or program left at the name is refused."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -137,16 +148,32 @@ class FileTierConfig(TierConfig):
     root: Annotated[str, Matches(r"[^\x00]+", "a directory path")] = field(
         metadata=example("root: /mnt/nvme/kvtiers")
     )
+    """Directory holding one namespace per cache identity; relative paths resolve against
+    the current directory, ``~`` is expanded."""
     capacity: Size | None = None
+    """Bytes of chunk files kept; least recently used chunks are evicted beyond it. Unset:
+    bounded only by the filesystem."""
     io: Literal["auto", "posix", "kvikio"] = "auto"
+    """I/O path: posix (pread/pwrite), kvikio (GPUDirect Storage), or auto (kvikio only
+    when a CUDA driver loads and a probe succeeds)."""
     threads: Threads = 8
+    """I/O threads of the tier's mover."""
     gds: bool = False
+    """Make this tier the primary, read and written by the GPU directly through kvikio
+    (first tier only, no lower tiers)."""
     shared: bool = False
+    """Other engines write this directory too: an index miss starts a batched background
+    existence probe (the lookup answers RETRY until it resolves) instead of a miss."""
     o_direct: bool = False
+    """Bypass the page cache (O_DIRECT, aligned buffers) on the posix path."""
     file_mode: OctalMode = _OWNER_READ_WRITE
+    """Permission bits of chunk files; must include 0600. Use 0640 or 0660 to share with a
+    group."""
     dir_mode: OctalMode = _OWNER_ALL
-    # Corrupt chunk files are moved aside for inspection rather than deleted.
+    """Permission bits of directories the tier creates; must include 0700."""
     quarantine: bool = True
+    """Move corrupt chunk files to ``<namespace>/quarantine/`` for inspection instead of
+    deleting them."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -277,18 +304,35 @@ class S3TierConfig(TierConfig):
 
     kind: Literal["s3"] = "s3"
     bucket: Annotated[str, Check(_bucket_problem)] = field(metadata=example("bucket: kv-cache"))
+    """The bucket; it must exist (except on the embedded server)."""
     prefix: Annotated[str, Check(_prefix_problem)] = ""
+    """Object key prefix under which namespaces live (no leading '/')."""
     region: Annotated[str, Matches(r"[a-z0-9-]+", "a region such as us-east-1")] | None = None
+    """The bucket's region; unset: boto3's default (``AWS_REGION``, config files)."""
     endpoint_url: Annotated[str, Check(_endpoint_problem)] | None = None
+    """An S3-compatible endpoint (MinIO, SeaweedFS, Ceph): ``http(s)://host:port``; unset:
+    AWS; ``embedded``: a local moto server in this process (demos and tests)."""
     threads: Threads = 16
+    """Concurrent requests of the tier's mover."""
     capacity: Size | None = None
+    """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
+    unbounded (use a bucket lifecycle rule instead)."""
     shared: bool = False
+    """Other engines write this prefix too: an index miss starts a batched background
+    existence probe (RETRY until it resolves) instead of a miss."""
     max_attempts: Annotated[int, Range(1)] = 5
+    """Tries per request in all, on throttling, 5xx answers and timeouts."""
     backoff_base_s: Seconds = 0.05
+    """Bound of the first backoff: each retry sleeps a random time below
+    ``min(backoff_max_s, backoff_base_s * 2**attempt)`` (full jitter)."""
     backoff_max_s: Seconds = 2.0
+    """Cap of the backoff bound; at least backoff_base_s."""
     timeout_s: Seconds = 30.0
+    """Connect and read timeout of one request."""
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
+    """Overall bound of one operation: every attempt and backoff together end by it."""
     delete_corrupt: bool = True
+    """Delete an object that fails verification (it is a miss either way)."""
 
     def _check(self) -> None:
         if self.backoff_max_s < self.backoff_base_s:
@@ -325,11 +369,19 @@ class FsspecTierConfig(TierConfig):
     url: Annotated[str, Matches(r"[A-Za-z][A-Za-z0-9+.-]*://.*", "a URL like gcs://bucket/kv")] = (
         field(metadata=example("url: gcs://bucket/kv"))
     )
+    """Where namespaces live: any fsspec URL (``gcs://bucket/kv``, ``az://container/kv``,
+    ``memory://kv``); the protocol's fsspec package must be installed."""
     threads: Threads = 16
+    """Concurrent requests of the tier's mover."""
     capacity: Size | None = None
+    """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
+    unbounded."""
     shared: bool = False
+    """Other engines write this location too: index misses are probed in the background."""
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
+    """Overall bound of one operation: every attempt and backoff together end by it."""
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Keyword arguments for the fsspec filesystem (credentials, project, ...)."""
 
     def _check(self) -> None:
         missing = _fsspec_protocol_problem(self.url)

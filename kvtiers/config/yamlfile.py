@@ -70,8 +70,10 @@ def read_yaml(path: str | Path) -> YamlDocument:
             )
         text = raw.decode("utf-8")
     except FileNotFoundError:
+        from kvtiers.config.examples import EXAMPLES_DIR
+
         raise ConfigError(
-            "no such file; pass the path of a YAML stack file such as configs/cpu.yaml",
+            f"no such file; pass the path of a YAML stack file (examples: {EXAMPLES_DIR})",
             source=source,
         ) from None
     except IsADirectoryError:
