@@ -18,6 +18,7 @@ file, whose ``source`` is ``<file>:<line>`` so the one-line message reads
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,8 +99,9 @@ class StackConfig:
             if place and place in first_place:
                 raise ConfigError(
                     f"tiers[{first_place[place]}] already stores chunks at "
-                    f"{' '.join(place[1:])}; two tiers over one place evict each other's "
-                    "chunks: give this tier its own location",
+                    f"{' '.join(place[1:])} (after resolving '..', '//' and links); two "
+                    "tiers over one place evict each other's chunks: give this tier its "
+                    "own location",
                     path=key_path(where, field_name),
                 )
             if place:
@@ -167,13 +169,25 @@ class StackConfig:
 def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:
     """Where a persistent tier keeps its chunks, and the key that says so (or nothing)."""
     if isinstance(tier, FileTierConfig):
-        return ("file", str(tier.root_path)), "root"
+        return ("file", _same_directory(str(tier.root_path))), "root"
     if isinstance(tier, S3TierConfig):
         location = f"s3://{tier.bucket}/{tier.prefix.strip('/')}"
         return ("s3", location, f"(endpoint {tier.endpoint_url or 'AWS'})"), "bucket"
     if isinstance(tier, FsspecTierConfig):
+        protocol, _, rest = tier.url.partition("://")
+        if protocol.lower() in _LOCAL_PROTOCOLS:
+            return ("file", _same_directory(rest)), "url"
         return ("fsspec", tier.url.rstrip("/")), "url"
     return (), ""
+
+
+# fsspec protocols that are the local filesystem: such a tier shares places with file tiers.
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def _same_directory(path: str) -> str:
+    """One spelling per local directory: ``..``, repeated slashes and links resolved."""
+    return os.path.realpath(os.path.expanduser(path) or ".")
 
 
 def load_stack_config(source: str | Path | Mapping[str, object]) -> StackConfig:

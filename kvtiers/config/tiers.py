@@ -9,6 +9,8 @@ bytes; ``*_s`` fields are seconds.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -20,6 +22,7 @@ from urllib.parse import urlsplit
 
 from kvtiers.config.schema import Check, Matches, OctalMode, Range, Section, example
 from kvtiers.config.sizes import Size, format_size
+from kvtiers.core.bounded import nesting_problem
 from kvtiers.errors import ConfigError
 
 #: Default ``op_deadline_s`` of object tiers, seconds (kept equal to
@@ -29,12 +32,44 @@ DEFAULT_OP_DEADLINE_S = 30.0
 BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
+# A /dev/shm file name: no leading dot (the region's temp names start with one), short.
+SHM_NAME = Matches(
+    r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}",
+    "a simple name of at most 200 letters, digits, '.', '_' and '-', not starting with '.'",
+)
+# fsspec storage options are a handful of settings, sometimes one nested client mapping.
+STORAGE_OPTIONS_MAX_DEPTH = 6
+STORAGE_OPTIONS_MAX_VALUES = 1000
 Threads = Annotated[int, Range(1, 256)]
 Seconds = Annotated[float, Range(0, above=True)]
 _OWNER_READ_WRITE = OctalMode(0o600)
 _OWNER_ALL = OctalMode(0o700)
 
 _DOTTED_CLASS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def _policy_import_problem(policy: str) -> str | None:
+    """Why the policy class ``package.module:ClassName`` cannot be loaded, or ``None``.
+
+    Imports the module, as building the tier would (builtin names need nothing); the
+    build then checks that the class is an eviction policy."""
+    if policy in BUILTIN_POLICIES:
+        return None
+    module_name, _, class_name = policy.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a user's module may raise anything while it is imported
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return (
+            f"cannot import module {module_name!r} for eviction policy {policy!r} "
+            f"({detail}); install it or fix the path"
+        )
+    if not isinstance(getattr(module, class_name, None), type):
+        return (
+            f"module {module_name!r} has no class {class_name!r}; name a policy class as "
+            "'package.module:ClassName'"
+        )
+    return None
 
 
 def _policy_problem(policy: str) -> str | None:
@@ -81,13 +116,19 @@ class CPUTierConfig(TierConfig):
     group's chunk."""
     policy: Annotated[str, Check(_policy_problem)] = "lru"
     """Eviction policy: lru, arc, s3fifo, or a class named as ``package.module:Class``."""
-    shared_memory_name: Annotated[str, SIMPLE_NAME] | None = None
+    shared_memory_name: Annotated[str, SHM_NAME] | None = None
     """Place the region in ``/dev/shm/<name>`` so engine processes on this host share it;
-    unset: private anonymous memory."""
+    unset: private anonymous memory. The file is made 0600 by the tier itself; a file
+    another user or program left at the name is refused."""
 
     @property
     def can_be_primary(self) -> bool:
         return True
+
+    def _check(self) -> None:
+        problem = _policy_import_problem(self.policy)
+        if problem is not None:
+            raise ConfigError(problem, path="policy")
 
     def describe(self) -> str:
         return f"cpu {format_size(self.capacity)}, {self.policy}"
@@ -159,6 +200,13 @@ class FileTierConfig(TierConfig):
                 "gds: true needs the kvikio I/O backend; set io: auto or io: kvikio",
                 path="io",
             )
+        blocker = _non_directory_on(self.root_path)
+        if blocker is not None:
+            raise ConfigError(
+                f"{blocker} exists and is not a directory, so the root {self.root} cannot be "
+                "one; point root at a directory (it is created if missing)",
+                path="root",
+            )
 
     def describe(self) -> str:
         parts = [f"file {self.root}"]
@@ -167,6 +215,40 @@ class FileTierConfig(TierConfig):
         parts.append(f"io={self.io}")
         parts.extend(flag for flag in ("gds", "shared", "o_direct") if getattr(self, flag))
         return ", ".join(parts)
+
+
+def _non_directory_on(path: Path) -> Path | None:
+    """The nearest existing ``path`` or ancestor of it, if that is not a directory."""
+    for candidate in (path, *path.parents):
+        try:
+            if candidate.exists():
+                return None if candidate.is_dir() else candidate
+        except OSError:
+            return None  # unreadable here: the build reports what it finds
+    return None
+
+
+def _fsspec_protocol_problem(url: str) -> str | None:
+    """Why fsspec cannot open ``url`` on this machine (fsspec or the protocol's package
+    is missing, or the protocol is unknown), or ``None``; nothing is contacted."""
+    if importlib.util.find_spec("fsspec") is None:
+        return "fsspec is not installed; install kvtiers[fsspec]"
+    from fsspec.registry import known_implementations, registry
+
+    protocol = url.split("://", 1)[0].lower()
+    if protocol in registry:
+        return None
+    implementation = known_implementations.get(protocol)
+    if implementation is None:
+        return (
+            f"fsspec knows no protocol {protocol!r}; use one it lists "
+            "(fsspec.available_protocols()) such as gcs, az, memory, file"
+        )
+    package = implementation["class"].split(".", 1)[0]
+    if importlib.util.find_spec(package) is None:
+        hint = implementation.get("err") or f"install the {package!r} package"
+        return f"the {protocol!r} protocol needs the {package!r} package: {hint}"
+    return None
 
 
 def _bucket_problem(bucket: str) -> str | None:
@@ -300,6 +382,22 @@ class FsspecTierConfig(TierConfig):
     """Overall bound of one operation: every attempt and backoff together end by it."""
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Keyword arguments for the fsspec filesystem (credentials, project, ...)."""
+
+    def _check(self) -> None:
+        missing = _fsspec_protocol_problem(self.url)
+        if missing is not None:
+            raise ConfigError(missing, path="url")
+        problem = nesting_problem(
+            self.storage_options,
+            max_depth=STORAGE_OPTIONS_MAX_DEPTH,
+            max_values=STORAGE_OPTIONS_MAX_VALUES,
+        )
+        if problem is not None:
+            raise ConfigError(
+                f"{problem}; fsspec options are a few flat settings (credentials, "
+                "endpoint), so write them out plainly",
+                path="storage_options",
+            )
 
     def describe(self) -> str:
         parts = [f"fsspec {self.url}"]
