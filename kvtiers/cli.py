@@ -5,13 +5,15 @@ arguments to its parser and a function that runs it and returns the exit status.
 command imports what it needs inside its ``run`` so ``kvtiers --help`` stays fast.
 
 Exit statuses: 0 success; 2 a configuration or usage error (bad arguments included); 1 any
-other failure kvtiers reports (:class:`~kvtiers.errors.KVTiersError`). Errors are printed
-as one line on stderr, never as a traceback.
+other failure kvtiers reports (:class:`~kvtiers.errors.KVTiersError`: e.g. a location with
+no kvtiers store in it). Reports go to stdout, problems to stderr as one line, never as a
+traceback; a reader that closes the pipe early (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from kvtiers.errors import ConfigError, KVTiersError
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+#: A closed output pipe, as a shell reports a process ended by SIGPIPE (128 + 13).
+EXIT_PIPE = 141
 
 
 @dataclass(frozen=True)
@@ -126,8 +130,14 @@ def _add_location(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region", metavar="NAME", help="S3 region")
 
 
-def _configure_verify(parser: argparse.ArgumentParser) -> None:
+def _configure_inspect(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of text")
+
+
+def _configure_verify(parser: argparse.ArgumentParser) -> None:
+    _configure_inspect(parser)
     parser.add_argument("--fix", action="store_true",
                         help="move corrupt chunks to <namespace>/quarantine/")
 
@@ -158,7 +168,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
     location = _open(args)
     try:
-        return inspect(location, sys.stdout)
+        return inspect(location, sys.stdout, as_json=args.json)
     finally:
         location.close()
 
@@ -168,7 +178,8 @@ def _run_verify(args: argparse.Namespace) -> int:
 
     location = _open(args)
     try:
-        return verify(location, sys.stdout, fix=args.fix, progress=sys.stderr.isatty())
+        return verify(location, sys.stdout, fix=args.fix, as_json=args.json,
+                      progress=not args.json and sys.stderr.isatty())
     finally:
         location.close()
 
@@ -245,7 +256,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         name="inspect",
         help="list namespaces with their manifest fields, chunk counts, bytes and age",
-        configure=_add_location,
+        configure=_configure_inspect,
         run=_run_inspect,
     ),
     Command(
@@ -313,6 +324,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVTiersError as exc:
         print(f"kvtiers: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
+    except BrokenPipeError:  # before OSError, of which it is one
+        _quiet_closed_pipe()
+        return EXIT_PIPE
     except (OSError, MemoryError, OverflowError) as exc:
         # The system refused (permissions, a full disk, memory a stack asked for): say
         # what, in one line, rather than a traceback.
@@ -327,7 +341,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kvtiers: interrupted", file=sys.stderr)
         return 130
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_closed_pipe()
+        return EXIT_PIPE
     return status
+
+
+def _quiet_closed_pipe() -> None:
+    """The reader of stdout went away (``kvtiers inspect | head``): point stdout at
+    /dev/null so the interpreter's final flush does not report the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

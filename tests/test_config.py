@@ -243,13 +243,13 @@ def test_configs_are_frozen() -> None:
 
 def test_construction_in_code_is_checked_too() -> None:
     with pytest.raises(ConfigError) as info:
-        CPUTierConfig(name="cpu0", capacity=Size(1024), policy="nope")
+        CPUTierConfig(name="cpu0", capacity=Size(1 << 20), policy="nope")
     assert info.value.path == "policy"
     with pytest.raises(ConfigError, match="cpu tier can only be the first"):
         StackConfig(
             tiers=(
-                CPUTierConfig(name="a", capacity=Size(1024)),
-                CPUTierConfig(name="b", capacity=Size(1024)),
+                CPUTierConfig(name="a", capacity=Size(1 << 20)),
+                CPUTierConfig(name="b", capacity=Size(1 << 20)),
             )
         )
 

@@ -104,6 +104,24 @@ class TierConfig(Section):
         return self.kind
 
 
+#: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
+#: written without its unit (``capacity: 8`` is 8 bytes).
+MIN_CAPACITY_BYTES = 4096
+
+
+def _capacity_problem(size: int) -> str | None:
+    if size < MIN_CAPACITY_BYTES:
+        return (
+            f"{size} bytes cannot hold a single chunk (a chunk takes at least 4 KiB); a bare "
+            f"number means bytes: write the unit, e.g. {size}GiB"
+        )
+    return None
+
+
+Capacity = Annotated[Size, Check(_capacity_problem)]
+"""A tier's capacity: a :data:`~kvtiers.config.sizes.Size` of at least one 4 KiB page."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CPUTierConfig(TierConfig):
     """Host memory: the usual primary. ``shared_memory_name`` places it in ``/dev/shm``."""
@@ -111,7 +129,7 @@ class CPUTierConfig(TierConfig):
     what: ClassVar[str] = "a cpu tier"
 
     kind: Literal["cpu"] = "cpu"
-    capacity: Size = field(metadata=example("capacity: 8GiB"))
+    capacity: Capacity = field(metadata=example("capacity: 8GiB"))
     """Host memory reserved for chunks, allocated at start-up in slots of the largest
     group's chunk."""
     policy: Annotated[str, Check(_policy_problem)] = "lru"
@@ -150,7 +168,7 @@ class FileTierConfig(TierConfig):
     )
     """Directory holding one namespace per cache identity; relative paths resolve against
     the current directory, ``~`` is expanded."""
-    capacity: Size | None = None
+    capacity: Capacity | None = None
     """Bytes of chunk files kept; least recently used chunks are evicted beyond it. Unset:
     bounded only by the filesystem."""
     io: Literal["auto", "posix", "kvikio"] = "auto"
@@ -314,7 +332,7 @@ class S3TierConfig(TierConfig):
     AWS; ``embedded``: a local moto server in this process (demos and tests)."""
     threads: Threads = 16
     """Concurrent requests of the tier's mover."""
-    capacity: Size | None = None
+    capacity: Capacity | None = None
     """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
     unbounded (use a bucket lifecycle rule instead)."""
     shared: bool = False
@@ -373,7 +391,7 @@ class FsspecTierConfig(TierConfig):
     ``memory://kv``); the protocol's fsspec package must be installed."""
     threads: Threads = 16
     """Concurrent requests of the tier's mover."""
-    capacity: Size | None = None
+    capacity: Capacity | None = None
     """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
     unbounded."""
     shared: bool = False
