@@ -97,3 +97,7 @@ class UnsupportedVersionError(KVTiersError, ImportError):
 class InvalidKeyError(KVTiersError, ValueError):
     """A key handed to the public API is not one of this cache's keys (not ``bytes``, the
     wrong length, or a KV-cache group out of range); the call changed nothing."""
+
+
+class ClosedError(KVTiersError, RuntimeError):
+    """A manager was used after ``shutdown()``; the call changed nothing."""

@@ -85,6 +85,7 @@ class KeyFormat:
                 limit is not None and key[-GROUP_INDEX_BYTES:] >= limit
             ):
                 self._reject(key, where)
+                size = self.key_bytes
 
     def _reject(self, key: object, where: str) -> None:
         if type(key) is not bytes:
@@ -100,14 +101,14 @@ class KeyFormat:
                     "hash + 4-byte group index"
                 )
             self.key_bytes = len(key)
-            self.check(key, where)
-            return
         if len(key) != self.key_bytes:
             raise InvalidKeyError(
                 f"{where}: key {key[:48].hex()}{'...' if len(key) > 48 else ''} is "
                 f"{len(key)} bytes; this cache's keys are {self.key_bytes} (a "
                 f"{(self.key_bytes or 0) - GROUP_INDEX_BYTES}-byte block hash + 4-byte group)"
             )
+        if self._group_limit is None or key[-GROUP_INDEX_BYTES:] < self._group_limit:
+            return  # one of ours: the first key, which set the length
         raise InvalidKeyError(
             f"{where}: key {key.hex()} names KV-cache group {get_offload_group_idx(key)}; "
             f"this cache has groups 0..{self.num_groups - 1}"
