@@ -2,6 +2,8 @@
 
 Keys are bytes rather than tuples so millions of them stay cheap to hash and hold. Managers
 treat them as opaque; only workers and movers decode the group to size a chunk.
+:class:`KeyFormat` is the door the public API checks keys at (type, length, group range),
+so a bad key is refused with its name before any tier's state changes.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class KeyFormat:
     it does only a type test, a length test and one 4-byte comparison per key.
     """
 
-    __slots__ = ("num_groups", "key_bytes", "_group_limit")
+    __slots__ = ("_group_limit", "key_bytes", "num_groups")
 
     def __init__(self, num_groups: int, hash_bytes: int | None = None) -> None:
         if not 0 < num_groups <= 2**32:
@@ -66,10 +68,12 @@ class KeyFormat:
         return cls(num_groups, DIGEST_BYTES.get(algorithm))
 
     def check(self, key: object, where: str) -> None:
-        """Raise :class:`~kvtiers.errors.InvalidKeyError` naming ``key`` and ``where`` unless ``key`` is one of ours."""
-        if type(key) is bytes and len(key) == self.key_bytes:
-            if self._group_limit is None or key[-GROUP_INDEX_BYTES:] < self._group_limit:
-                return
+        """Raise :class:`~kvtiers.errors.InvalidKeyError` naming ``key`` and ``where``
+        unless ``key`` is one of this cache's keys."""
+        if type(key) is bytes and len(key) == self.key_bytes and (
+            self._group_limit is None or key[-GROUP_INDEX_BYTES:] < self._group_limit
+        ):
+            return
         self._reject(key, where)
 
     def check_all(self, keys: object, where: str) -> None:
@@ -80,7 +84,7 @@ class KeyFormat:
             )
         size = self.key_bytes
         limit = self._group_limit
-        for key in keys:  # type: ignore[attr-defined]
+        for key in keys:
             if type(key) is not bytes or len(key) != size or (
                 limit is not None and key[-GROUP_INDEX_BYTES:] >= limit
             ):
@@ -109,7 +113,8 @@ class KeyFormat:
             )
         if self._group_limit is None or key[-GROUP_INDEX_BYTES:] < self._group_limit:
             return  # one of ours: the first key, which set the length
+        group = get_offload_group_idx(OffloadKey(key))
         raise InvalidKeyError(
-            f"{where}: key {key.hex()} names KV-cache group {get_offload_group_idx(key)}; "
+            f"{where}: key {key.hex()} names KV-cache group {group}; "
             f"this cache has groups 0..{self.num_groups - 1}"
         )

@@ -367,11 +367,10 @@ class CpuTierManager(OffloadingManager):
         slots = self._fenced.get(key)
         if not slots:
             return
-        for index, slot in enumerate(slots):
-            if self._state[slot] == kind:
-                break
-        else:
+        index = next((i for i, slot in enumerate(slots) if self._state[slot] == kind), None)
+        if index is None:
             return
+        slot = slots[index]
         holds = self._fence_holds[slot] - 1
         if holds:
             self._fence_holds[slot] = holds
