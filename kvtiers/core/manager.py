@@ -178,8 +178,11 @@ class OffloadingManager(ABC):
         """Reserve space for the keys that need storing and return them, in input order.
 
         Keys already present (stored, or reserved by an earlier store) are not returned.
-        May evict unpinned ready chunks to make room. Returns ``None`` when the keys cannot
-        be stored now, and then changes nothing at all.
+        May evict unpinned ready chunks to make room, never a key named in the batch nor one
+        in ``ctx.keep``. When not all keys fit, a tier may reserve the leading ones that do
+        and return just those (the CPU tier does: a prompt longer than the tier still
+        stores its head). Returns ``None`` when the keys cannot be stored now, and then
+        changes nothing at all.
         """
 
     @abstractmethod
