@@ -47,7 +47,7 @@ class KeyFormat:
     it does only a type test, a length test and one 4-byte comparison per key.
     """
 
-    __slots__ = ("_group_limit", "key_bytes", "num_groups")
+    __slots__ = ("group_limit", "key_bytes", "num_groups")
 
     def __init__(self, num_groups: int, hash_bytes: int | None = None) -> None:
         if not 0 < num_groups <= 2**32:
@@ -56,8 +56,9 @@ class KeyFormat:
             raise ValueError(f"hash_bytes must be positive, got {hash_bytes}")
         self.num_groups = num_groups
         self.key_bytes = None if hash_bytes is None else hash_bytes + GROUP_INDEX_BYTES
-        # Big-endian, so comparing the 4-byte group suffix as bytes compares the numbers.
-        self._group_limit = (
+        #: The first 4-byte group suffix out of range (``None``: any group is), big-endian,
+        #: so comparing a key's suffix with it as bytes compares the numbers.
+        self.group_limit = (
             None if num_groups == 2**32 else num_groups.to_bytes(GROUP_INDEX_BYTES, "big")
         )
 
@@ -71,7 +72,7 @@ class KeyFormat:
         """Raise :class:`~kvtiers.errors.InvalidKeyError` naming ``key`` and ``where``
         unless ``key`` is one of this cache's keys."""
         if type(key) is bytes and len(key) == self.key_bytes and (
-            self._group_limit is None or key[-GROUP_INDEX_BYTES:] < self._group_limit
+            self.group_limit is None or key[-GROUP_INDEX_BYTES:] < self.group_limit
         ):
             return
         self._reject(key, where)
@@ -83,7 +84,7 @@ class KeyFormat:
                 f"{where}: expected a collection of keys, got {type(keys).__name__}"
             )
         size = self.key_bytes
-        limit = self._group_limit
+        limit = self.group_limit
         for key in keys:
             if type(key) is not bytes or len(key) != size or (
                 limit is not None and key[-GROUP_INDEX_BYTES:] >= limit
@@ -111,7 +112,7 @@ class KeyFormat:
                 f"{len(key)} bytes; this cache's keys are {self.key_bytes} (a "
                 f"{(self.key_bytes or 0) - GROUP_INDEX_BYTES}-byte block hash + 4-byte group)"
             )
-        if self._group_limit is None or key[-GROUP_INDEX_BYTES:] < self._group_limit:
+        if self.group_limit is None or key[-GROUP_INDEX_BYTES:] < self.group_limit:
             return  # one of ours: the first key, which set the length
         group = get_offload_group_idx(OffloadKey(key))
         raise InvalidKeyError(

@@ -47,7 +47,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtiers.core.keys import KeyFormat, OffloadKey
+from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
 from kvtiers.core.manager import (
     LookupResult,
     OffloadingEvent,
@@ -133,6 +133,9 @@ class TieredManager(OffloadingManager):
         self._stats: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
         self._keys = keys if keys is not None else KeyFormat(2**32)
+        # The door's numbers, read on every lookup.
+        self._group_limit = self._keys.group_limit
+        self._key_bytes = self._keys.key_bytes
         # Between reset_cache and on_reset_flushed a completion may name a key whose
         # fenced slot it releases: only keys the primary then holds are cascaded.
         self._fence = False
@@ -165,11 +168,17 @@ class TieredManager(OffloadingManager):
         self._keys.check_all(keys, where)
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        if self._closed:
-            raise ClosedError("lookup: this stack was shut down; build a new one")
-        if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
-            raise TypeError(f"lookup: expected a ReqContext, got {type(ctx).__name__}")
-        self._keys.check(key, "lookup")
+        # The door, inlined: this is called once per chunk of every waiting request.
+        limit = self._group_limit
+        if (
+            self._closed or type(ctx) is not ReqContext or type(key) is not bytes
+            or len(key) != self._key_bytes
+            or (limit is not None and key[-GROUP_INDEX_BYTES:] >= limit)
+        ):
+            # The slow path: raises with the reason, or learns the key length (first key)
+            # or accepts a ReqContext subclass.
+            self._door((key,), ctx, "lookup")
+            self._key_bytes = self._keys.key_bytes
         result = self._lookup(key, ctx)
         if result is LookupResult.HIT:
             self._stats["hits"] += 1

@@ -261,14 +261,16 @@ class CpuTierManager(OffloadingManager):
                     f"tier but released {count} times (complete each prepare_load once)"
                 )
         for key, count in drops.items():
-            left = pins.get(key, 0) - count
-            if left > 0:
-                pins[key] = left
-                continue
-            pins.pop(key, None)
-            # Pins beyond the live ones are those of loads from before a reset.
-            for _ in range(-left):
-                self._release_fenced(key, _READY)
+            held = pins.get(key, 0)
+            if held > count:
+                pins[key] = held - count
+            elif held == count:
+                del pins[key]
+            else:
+                # Pins beyond the live ones are those of loads from before a reset.
+                pins.pop(key, None)
+                for _ in range(count - held):
+                    self._release_fenced(key, _READY)
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         # Earliest keys last, so a prompt's first chunks (shared by the most requests)
