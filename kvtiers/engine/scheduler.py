@@ -13,8 +13,12 @@ from token ids), and turns the manager's group-unaware answers into per-group tr
   ``prepare_store`` and describe, per group, which GPU blocks fill the accepted chunks.
 * :meth:`OffloadScheduler.complete` — route a worker's job result back to
   ``complete_load`` / ``complete_store``.
+* :meth:`OffloadScheduler.reset_cache` — vLLM's reset fence: the manager drops every chunk,
+  completions of jobs from before the reset are dropped here, and the manager hears
+  ``on_reset_flushed`` once the last of those jobs has finished.
 
-Invariant: every key pinned or reserved here is released exactly once, by ``complete``.
+Invariant: every key pinned or reserved here is released exactly once, by ``complete``, or
+by the manager's reset (for jobs in flight at a reset).
 """
 
 from __future__ import annotations
@@ -84,6 +88,8 @@ class OffloadScheduler:
         self._jobs: dict[int, TransferPlan] = {}
         self._job_ids = itertools.count()
         self._block_lcm = math.lcm(*(g.tokens_per_block for g in config.groups))
+        # Jobs in flight at the last reset_cache: their completions are dropped.
+        self._fenced_jobs: set[int] = set()
 
     # -- requests -------------------------------------------------------------------
     def add_request(
@@ -225,6 +231,9 @@ class OffloadScheduler:
             request.stored_chunks[group_idx] = max(request.stored_chunks[group_idx], full)
         if not wanted:
             return None
+        # In token order across groups: a manager that can take only the leading keys (a
+        # prompt longer than the primary) then keeps a prefix every group can load.
+        wanted.sort(key=lambda w: ((w[1] + 1) * self.config.tokens_per_chunk(w[0]), w[0]))
         accepted = self.manager.prepare_store([key for _, _, key in wanted], request.ctx)
         if not accepted:
             return None
@@ -263,6 +272,12 @@ class OffloadScheduler:
             plan = self._jobs.pop(job_id)
         except KeyError:
             raise UnknownKeyError(f"job {job_id} is not in flight") from None
+        if job_id in self._fenced_jobs:
+            # From before a reset: the manager forgot its keys (their slots are fenced).
+            self._fenced_jobs.discard(job_id)
+            if not self._fenced_jobs:
+                self.manager.on_reset_flushed()
+            return plan
         ctx = self._ctx_of(plan.req_id)
         if plan.kind == "load":
             self.manager.complete_load(plan.keys, ctx)
@@ -273,6 +288,19 @@ class OffloadScheduler:
     def _ctx_of(self, req_id: str) -> ReqContext:
         request = self._requests.get(req_id)
         return request.ctx if request is not None else ReqContext(req_id=req_id)
+
+    def reset_cache(self) -> None:
+        """Drop every chunk the manager can drop, as vLLM's connector does: jobs in flight
+        still finish on the workers, but their completions are dropped here (the manager
+        has forgotten their keys and fenced their slots) and the manager hears
+        ``on_reset_flushed`` when the last one finished (at once when none is in flight).
+        Active requests store again from their first chunk."""
+        self.manager.reset_cache()
+        self._fenced_jobs.update(self._jobs)
+        for request in self._requests.values():
+            request.stored_chunks = [0] * len(request.stored_chunks)
+        if not self._fenced_jobs:
+            self.manager.on_reset_flushed()
 
     @property
     def jobs_in_flight(self) -> int:

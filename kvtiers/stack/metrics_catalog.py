@@ -110,6 +110,8 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
                      "Seconds of cascade jobs into this tier, summed."),
     "chunks": _g("kvtiers_tier_chunks", "Chunks held now."),
     "pinned_chunks": _g("kvtiers_tier_pinned_chunks", "Chunks pinned now by loads or cascades."),
+    "fenced_slots": _g("kvtiers_tier_fenced_slots",
+                       "Slots held for jobs from before a reset until the engine's flush."),
     "usage_bytes": _g("kvtiers_tier_usage_bytes", "Bytes held now."),
     "capacity_bytes": _g("kvtiers_tier_capacity_bytes",
                          "Configured capacity in bytes (0: bounded only by the medium)."),

@@ -14,6 +14,13 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   ``reset_cache`` or ``take_events`` wait for the next output), none of them among its
   keys to store; each removal is reported once. Every event is kept for ``take_events``
   when vLLM publishes KV events, else dropped.
+* Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
+  ``reset_cache`` (0.32 and 0.33), so the stack forgets those keys at once (``MISS``, a new
+  store accepted) and fences their primary slots. vLLM 0.33 calls ``on_reset_flushed``
+  once its workers finished those jobs: the slots come back then. vLLM 0.32 has no such
+  call but flushes the jobs to its workers in the next step: the slots come back at the
+  end of the second step after the reset (:data:`RESET_GRACE_STEPS`), when even an
+  asynchronously scheduled step has run that flush.
 * The worker adapter splits each packed ``GPULoadStoreSpec(block_ids, group_sizes,
   block_indices)`` into one :class:`~kvtiers.core.specs.GroupTransfer` per group, the
   group's offloaded spec carrying ``block_indices[g]`` as its ``gpu_block_offset``, and
@@ -63,6 +70,12 @@ from kvtiers.integrations.vllm.translate import (
 from kvtiers.stack.builder import Stack, load_stack
 
 _PERSISTENT_KINDS = frozenset({"file", "s3", "fsspec"})
+#: Steps after a reset at whose end the fenced slots come back when vLLM (0.32) never calls
+#: ``on_reset_flushed``: step 1 carries the flush to the workers, and with asynchronous
+#: scheduling step 2 is planned while step 1 runs.
+RESET_GRACE_STEPS = 2
+#: Whether this vLLM tells its manager when a reset's jobs have finished (0.33 does).
+_FLUSH_SIGNAL = hasattr(vbase.OffloadingManager, "on_reset_flushed")
 
 
 class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
@@ -92,6 +105,8 @@ class KVTiersManager(vbase.OffloadingManager):
         # vLLM keys the primary removed since the last PrepareStoreOutput, in order.
         self._evicted: dict[Any, None] = {}
         self._contexts: dict[str, ReqContext] = {}
+        # Steps left before a reset's fenced slots come back (vLLM without a flush signal).
+        self._fence_steps: int | None = None
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._contexts.get(ctx.req_id)
@@ -169,14 +184,28 @@ class KVTiersManager(vbase.OffloadingManager):
                 new_req_ids=context.new_req_ids, preempted_req_ids=context.preempted_req_ids
             )
         )
+        if self._fence_steps is not None:
+            self._fence_steps -= 1
+            if self._fence_steps <= 0:
+                self._fence_steps = None
+                self._tiered.on_reset_flushed()
         self._drain_events()
 
     def has_pending_work(self) -> bool:
         return self._tiered.has_pending_work()
 
     def reset_cache(self) -> None:
+        """vLLM drops the completions of jobs in flight now: their keys are forgotten and
+        their slots fenced (see the module docstring)."""
         self._tiered.reset_cache()
+        if not _FLUSH_SIGNAL:
+            self._fence_steps = RESET_GRACE_STEPS
         self._drain_events()
+
+    def on_reset_flushed(self) -> None:
+        """vLLM's workers finished every job from before the last reset."""
+        self._fence_steps = None
+        self._tiered.on_reset_flushed()
 
     def get_stats(self) -> None:
         """``None``: vLLM's stats type needs its full install; kvtiers' counters are served
