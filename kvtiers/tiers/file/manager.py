@@ -21,7 +21,11 @@ Invariants:
   deleter executor (dropped from the index at once), shared-directory existence probes
   run as batches on a one-thread probe executor, and movers report corrupt or vanished
   chunks through :meth:`forget`, a thread-safe queue drained on the next
-  scheduler-thread call.
+  scheduler-thread call;
+- a key whose load failed otherwise is a ``MISS`` while its
+  :class:`~kvtiers.tiers.backoff.LoadBackoff` says so, and is forgotten (counted in
+  ``unreadable_chunks``) after lasting failures, so no lookup answers ``HIT`` for a chunk
+  that fails every time.
 
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
@@ -58,6 +62,7 @@ from kvtiers.core.manager import (
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, is_temp_name
 from kvtiers.core.specs import FileLoadStoreSpec
 from kvtiers.filemapper import FileMapper, open_namespace
+from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S, LoadBackoff
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.index import ChunkIndex
@@ -203,11 +208,15 @@ class FileTierManager(OffloadingManager):
     ``negative_ttl_s``). ``io_backend`` is the numeric code of the I/O path in use
     (reported in stats). ``clock`` is injectable for tests.
     ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
-    (read-only root, full disk) ``prepare_store`` answers ``None``.
+    (read-only root, full disk) ``prepare_store`` answers ``None``. ``load_backoff_s`` and
+    ``load_backoff_max_s``: how long a key whose load failed is a miss (see
+    :mod:`kvtiers.tiers.backoff`).
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
-    ``corrupt_chunks`` and ``vanished_chunks`` (reported by movers), ``probes`` and
+    ``corrupt_chunks`` and ``vanished_chunks`` (reported by movers), ``load_failures``
+    (failed loads reported by movers), ``unreadable_chunks`` (keys forgotten after lasting
+    load failures), ``backing_off`` (keys with a failure record), ``probes`` and
     ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
     codes; the name is in :attr:`io_backend_name`).
     """
@@ -230,6 +239,8 @@ class FileTierManager(OffloadingManager):
         negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         space: SpaceLatch | None = None,
+        load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
+        load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -250,6 +261,13 @@ class FileTierManager(OffloadingManager):
             locality=self.locality,
         )
         self._forgotten: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
+        self._load_failed: queue.SimpleQueue[tuple[OffloadKey, str, BaseException, bool]] = (
+            queue.SimpleQueue()
+        )
+        self.backoff = LoadBackoff(
+            tier=f"file tier at {self.namespace_dir}", base_s=load_backoff_s,
+            max_s=load_backoff_max_s, clock=clock,
+        )
         self._reported_lock = threading.Lock()
         self._reported = {"corrupt_chunks": 0, "vanished_chunks": 0}
         self._probe_hits = 0
@@ -332,17 +350,35 @@ class FileTierManager(OffloadingManager):
         for key in keys:
             self._forgotten.put(key)
 
+    def load_failed(
+        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
+    ) -> None:
+        """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
+        taken in on the next scheduler-thread call."""
+        self._load_failed.put((key, where, error, lasting))
+
     def _drain_forgotten(self) -> None:
-        if self._forgotten.empty():
+        if self._forgotten.empty() and self._load_failed.empty():
             return
         reported = []
         while not self._forgotten.empty():
             reported.append(self._forgotten.get())
-        self.index.discard(reported)
+        backoff = self.backoff
+        for key in reported:
+            backoff.clear(key)
+        while not self._load_failed.empty():
+            key, where, error, lasting = self._load_failed.get()
+            if backoff.failed(key, where, error, lasting=lasting):
+                reported.append(key)
+        if reported:
+            self.index.discard(reported)
 
     # -- lookup ---------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._drain_forgotten()
+        if self.backoff.blocked(key):
+            self.index.count_miss()
+            return LookupResult.MISS
         probes = self._probes
         if probes is not None and key not in self.index:
             self._take_probe_results()
@@ -409,8 +445,9 @@ class FileTierManager(OffloadingManager):
             self._deleter.delete(cancelled)
             return None
         self._delete(change.victims)
-        if self._probes is not None:
-            for key in change.keys:
+        for key in change.keys:
+            self.backoff.clear(key)
+            if self._probes is not None:
                 self._probes.stored(key)
         return change.keys
 
@@ -467,6 +504,9 @@ class FileTierManager(OffloadingManager):
         del stats["discarded"]
         with self._reported_lock:
             stats.update(self._reported)
+        stats["load_failures"] = self.backoff.failures
+        stats["unreadable_chunks"] = self.backoff.forgotten
+        stats["backing_off"] = len(self.backoff)
         stats["probes"] = 0 if self._probes is None else self._probes.probes
         stats["probe_hits"] = self._probe_hits
         stats["usage_bytes"] = self.index.usage
