@@ -26,6 +26,11 @@ from kvtiers.errors import ConfigError
 #: :data:`kvtiers.tiers.object.retry.DEFAULT_OP_DEADLINE_S`; config never imports tiers).
 DEFAULT_OP_DEADLINE_S = 30.0
 
+#: Default ``load_backoff_s`` / ``load_backoff_max_s`` of lower tiers, seconds (kept equal to
+#: :mod:`kvtiers.tiers.backoff`'s defaults).
+DEFAULT_LOAD_BACKOFF_S = 1.0
+DEFAULT_LOAD_BACKOFF_MAX_S = 60.0
+
 BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
@@ -35,6 +40,17 @@ _OWNER_READ_WRITE = OctalMode(0o600)
 _OWNER_ALL = OctalMode(0o700)
 
 _DOTTED_CLASS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def _check_load_backoff(base_s: float, max_s: float) -> None:
+    """A lower tier's load back-off: a key whose load failed is a miss for ``base_s``,
+    doubled per further failure up to ``max_s`` (docs/architecture.md, "Liveness")."""
+    if max_s < base_s:
+        raise ConfigError(
+            f"load_backoff_max_s {max_s:g} is below load_backoff_s {base_s:g}; raise "
+            "load_backoff_max_s or lower load_backoff_s",
+            path="load_backoff_max_s",
+        )
 
 
 def _policy_problem(policy: str) -> str | None:
@@ -107,6 +123,8 @@ class FileTierConfig(TierConfig):
     dir_mode: OctalMode = _OWNER_ALL
     # Corrupt chunk files are moved aside for inspection rather than deleted.
     quarantine: bool = True
+    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
+    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
 
     @property
     def can_be_primary(self) -> bool:
@@ -118,6 +136,7 @@ class FileTierConfig(TierConfig):
         return Path(self.root).expanduser().absolute()
 
     def _check(self) -> None:
+        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
         if self.file_mode & 0o600 != 0o600:
             raise ConfigError(
                 f"file_mode {self.file_mode:#o} must let the owner read and write (include 0o600)",
@@ -208,8 +227,11 @@ class S3TierConfig(TierConfig):
     timeout_s: Seconds = 30.0
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
     delete_corrupt: bool = True
+    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
+    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
 
     def _check(self) -> None:
+        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError(
                 f"backoff_max_s {self.backoff_max_s:g} is below backoff_base_s "
@@ -249,6 +271,11 @@ class FsspecTierConfig(TierConfig):
     shared: bool = False
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
+    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
+
+    def _check(self) -> None:
+        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
 
     def describe(self) -> str:
         parts = [f"fsspec {self.url}"]

@@ -18,8 +18,9 @@ Rules (see docs/architecture.md, "Liveness"):
   ``max_s`` (a shared tier's probe would otherwise find it again at once). Other failures (``EIO``,
   ``ESTALE``, timeouts, a server that is down) only back off: when the fault ends, the
   chunk is served again;
-- a record is dropped when its key is stored anew or reported gone, and once it has been
-  quiet for ``max_s`` after its back-off ended; records are pruned of those whenever more
+- a record is dropped when its chunk is reported gone (vanished or corrupt), and once it
+  has been quiet for ``max_s`` after its back-off ended; a new store of the key does not
+  end its back-off (an object store keeps an existing object, so the same bytes may stay); records are pruned of those whenever more
   than ``prune_at`` are held;
 - warnings are aggregated: the first failure of an episode is logged with its error, the
   rest are counted and summarised at most once per ``summary_s``.
@@ -100,7 +101,8 @@ class LoadBackoff:
         self.prune_at = prune_at
         self.failures = 0
         self.forgotten = 0
-        self._clock = clock
+        #: The clock every back-off is read on; tests may replace it.
+        self.clock = clock
         self._records: dict[OffloadKey, _Record] = {}
         self._summary_at: float | None = None
         self._unlogged = 0
@@ -112,12 +114,12 @@ class LoadBackoff:
     def blocked(self, key: OffloadKey) -> bool:
         """Whether ``key`` is backing off now (answer ``MISS``). O(1)."""
         record = self._records.get(key)
-        return record is not None and self._clock() < record.retry_at
+        return record is not None and self.clock() < record.retry_at
 
     def failed(self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool) -> bool:
         """Record a failed load of ``key`` (its chunk at ``where``); True when the key is
         to be forgotten now (it then stays blocked for ``max_s``)."""
-        now = self._clock()
+        now = self.clock()
         self.failures += 1
         record = self._records.get(key)
         if record is None:
@@ -137,7 +139,7 @@ class LoadBackoff:
         return forget
 
     def clear(self, key: OffloadKey) -> None:
-        """``key`` is stored anew or gone from the index: forget its failures."""
+        """``key``'s chunk is gone from the medium: forget its failures."""
         self._records.pop(key, None)
 
     def _prune(self, now: float) -> None:

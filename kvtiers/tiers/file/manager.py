@@ -445,9 +445,8 @@ class FileTierManager(OffloadingManager):
             self._deleter.delete(cancelled)
             return None
         self._delete(change.victims)
-        for key in change.keys:
-            self.backoff.clear(key)
-            if self._probes is not None:
+        if self._probes is not None:
+            for key in change.keys:
                 self._probes.stored(key)
         return change.keys
 

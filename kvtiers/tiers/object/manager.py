@@ -202,9 +202,8 @@ class ObjectTierManager(OffloadingManager):
         if change is None:
             return None
         self._delete(change.victims)
-        for key in change.keys:
-            self.backoff.clear(key)
-            if self._probes is not None:
+        if self._probes is not None:
+            for key in change.keys:
                 self._probes.stored(key)
         return change.keys
 
