@@ -1,4 +1,4 @@
-"""The fault matrix of docs/architecture.md, "Liveness": each fault a lower tier meets ×
+"""The fault matrix of docs/architecture.md, "Liveness": each fault a lower tier meets, on
 the file, S3 (moto) and fsspec tiers, through the composite and the scheduler glue (the
 simulated engine). Each case asserts that the request's match resolves within the bound,
 that no wrong byte is loaded, that a failed load is not retried every step, and that
@@ -300,3 +300,52 @@ def test_a_lasting_failure_is_forgotten_after_repeated_tries(
     assert lower.lookup(keys[BAD], CTX) is LookupResult.MISS
     if bench.kind == "file":
         assert stats["chunks"] == CHUNKS - 1  # the store over the directory failed
+
+
+# -- shared roots and buckets: another engine's prefix ---------------------------------
+LONG_CHUNKS = 192
+LONG_PROMPT = list(range(5000, 5000 + LONG_CHUNKS * TOKENS_PER_CHUNK + 1))
+#: Steps for a published prefix to become loadable: probe, promote, then it is ready.
+VISIBLE_STEPS = 3
+
+
+def _wait_for_background(stack: Stack) -> None:
+    """Let the step's probes and promotions finish (an engine's time between steps)."""
+    lower: Any = stack.tiers[1].manager
+    if hasattr(lower, "wait_probes"):
+        lower.wait_probes()
+    else:
+        lower.wait_background()
+    stack.manager.wait_idle()
+
+
+@pytest.mark.parametrize("bench", ["file", "s3", "fsspec"], indirect=True)
+def test_a_prefix_another_engine_published_is_loadable_within_three_steps(
+    bench: Bench,
+) -> None:
+    follower = bench.stack(shared=True)
+    publisher = bench.stack()
+    engine = SimulatedEngine(publisher, num_gpu_blocks=256)
+    engine.run_request("publish", LONG_PROMPT)
+    engine.shutdown()
+    publisher.manager.wait_idle()
+    assert publisher.tiers[1].manager.get_stats()["chunks"] == LONG_CHUNKS
+
+    glue = OffloadScheduler(follower.manager, follower.offloading)
+    glue.add_request("follow", LONG_PROMPT)
+    steps = 0
+    match = glue.match_prefix("follow", max_tokens=len(LONG_PROMPT) - 1)
+    while match.pending and steps <= LONG_CHUNKS:
+        steps += 1
+        glue.end_step()
+        _wait_for_background(follower)
+        match = glue.match_prefix("follow", max_tokens=len(LONG_PROMPT) - 1)
+    glue.finish_request("follow")
+    assert steps <= VISIBLE_STEPS
+    assert match.tokens == LONG_CHUNKS * TOKENS_PER_CHUNK
+    # The promoted prefix holds exactly the publisher's bytes.
+    reader = SimulatedEngine(follower, num_gpu_blocks=256)
+    report = reader.run_request("verify", LONG_PROMPT)
+    reader.shutdown()
+    assert report.reused_tokens == LONG_CHUNKS * TOKENS_PER_CHUNK
+    assert report.verification_failures == 0

@@ -20,8 +20,8 @@ Rules (see docs/architecture.md, "Liveness"):
   chunk is served again;
 - a record is dropped when its chunk is reported gone (vanished or corrupt), and once it
   has been quiet for ``max_s`` after its back-off ended; a new store of the key does not
-  end its back-off (an object store keeps an existing object, so the same bytes may stay); records are pruned of those whenever more
-  than ``prune_at`` are held;
+  end its back-off (an object store keeps an existing object, so the same bytes may
+  stay); quiet records are pruned whenever more than ``prune_at`` are held;
 - warnings are aggregated: the first failure of an episode is logged with its error, the
   rest are counted and summarised at most once per ``summary_s``.
 

@@ -27,6 +27,12 @@ Invariants:
   ``unreadable_chunks``) after lasting failures, so no lookup answers ``HIT`` for a chunk
   that fails every time.
 
+A cascade that finds the disk full (the :class:`~kvtiers.tiers.file.space.SpaceLatch` begins
+an episode) makes room once per episode: :data:`ROOM_CHUNKS` least recently used chunks
+(or more, as many as the episode refused) are evicted, stores are refused until their files
+are unlinked, then one store tries at once; if it fails too, the latch keeps the tier full
+as before.
+
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
 deleter can never remove a freshly published file and the scheduler never waits on it.
@@ -73,6 +79,8 @@ logger = logging.getLogger(__name__)
 #: On a shared directory, temp files younger than this may belong to a live writer.
 SHARED_TEMP_AGE_S = 3600.0
 QUARANTINE_DIR = "quarantine"
+#: Chunks evicted to make room when a cascade finds the disk full (at least).
+ROOM_CHUNKS = 16
 
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 
@@ -98,13 +106,16 @@ class _Deleter:
         self._futures: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter")
 
-    def delete(self, paths: Iterable[Path]) -> None:
+    def delete(self, paths: Iterable[Path]) -> list[Future[None]]:
+        """Queue unlinks of ``paths``; their futures (done once each unlink ran)."""
         paths = list(paths)
         with self._lock:
             for path in paths:
                 self._pending[path] = self._pending.get(path, 0) + 1
         self._futures = [f for f in self._futures if not f.done()]
-        self._futures.extend(self._pool.submit(self._unlink_one, path) for path in paths)
+        batch = [self._pool.submit(self._unlink_one, path) for path in paths]
+        self._futures.extend(batch)
+        return batch
 
     def cancel(self, paths: Collection[Path]) -> list[Path] | None:
         """Keep ``paths``: their queued unlinks are skipped (the names are about to be
@@ -275,6 +286,10 @@ class FileTierManager(OffloadingManager):
         self._prober = _Prober(mapper) if shared else None
         self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
         self._closed = False
+        # The latch's episode this manager last made room for, and the unlinks of the
+        # chunks it evicted then (stores wait for them before one tries again).
+        self._room_for = 0
+        self._room_unlinks: list[Future[None]] = []
         start = time.perf_counter()
         removed = self._rebuild(SHARED_TEMP_AGE_S if shared else 0.0)
         self.rebuild_s = time.perf_counter() - start
@@ -430,7 +445,7 @@ class FileTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._drain_forgotten()
-        if self._space is not None and not self._space.admits():
+        if self._space is not None and not self._space_admits(self._space):
             return None  # read-only, or full until the latch lets one store try again
         index = self.index
         path = self.mapper.path
@@ -449,6 +464,27 @@ class FileTierManager(OffloadingManager):
             for key in change.keys:
                 self._probes.stored(key)
         return change.keys
+
+    def _space_admits(self, space: SpaceLatch) -> bool:
+        """The latch's answer, after making room once per full-disk episode."""
+        if space.full and space.episodes != self._room_for:
+            self._room_for = space.episodes
+            need = max(ROOM_CHUNKS, space.refused_chunks) * self.reserve_bytes
+            victims = self.index.evict_lru(need)
+            if victims:
+                logger.info(
+                    "file tier %s: the disk is full; evicted %d least recently used chunks "
+                    "to make room", self.namespace_dir, len(victims),
+                )
+                self._room_unlinks = self._deleter.delete(
+                    self.mapper.path(key) for key in victims
+                )
+        if self._room_unlinks:
+            if not all(f.done() for f in self._room_unlinks):
+                return False
+            self._room_unlinks = []
+            space.retry_now()
+        return space.admits()
 
     def _delete(self, victims: list[OffloadKey]) -> None:
         if victims:
