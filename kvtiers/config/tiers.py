@@ -105,6 +105,8 @@ class FileTierConfig(TierConfig):
 
     ``root`` may be relative (to the current directory when the tier is built) and may
     start with ``~``. ``capacity`` ``None`` means bounded only by the filesystem.
+    ``capacity_scope: root`` makes ``capacity`` one budget for every namespace under the
+    root (other identities' chunks go first, least recently used namespace first).
     """
 
     what: ClassVar[str] = "a file tier"
@@ -114,6 +116,7 @@ class FileTierConfig(TierConfig):
         metadata=example("root: /mnt/nvme/kvtiers")
     )
     capacity: Size | None = None
+    capacity_scope: Literal["namespace", "root"] = "namespace"
     io: Literal["auto", "posix", "kvikio"] = "auto"
     threads: Threads = 8
     gds: bool = False
@@ -137,6 +140,12 @@ class FileTierConfig(TierConfig):
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        if self.capacity_scope == "root" and self.capacity is None:
+            raise ConfigError(
+                "capacity_scope: root shares the tier's capacity among the root's "
+                "namespaces; set a capacity (for example capacity: 100GiB)",
+                path="capacity_scope",
+            )
         if self.file_mode & 0o600 != 0o600:
             raise ConfigError(
                 f"file_mode {self.file_mode:#o} must let the owner read and write (include 0o600)",

@@ -69,6 +69,7 @@ def build_tier(
         space=space,
         load_backoff_s=config.load_backoff_s,
         load_backoff_max_s=config.load_backoff_max_s,
+        capacity_scope=config.capacity_scope,
     )
     settings = PublishSettings(file_mode=config.file_mode, dir_mode=config.dir_mode)
     bad_chunks = BadChunkHandler(

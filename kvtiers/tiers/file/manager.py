@@ -33,6 +33,15 @@ an episode) makes room once per episode: :data:`ROOM_CHUNKS` least recently used
 are unlinked, then one store tries at once; if it fails too, the latch keeps the tier full
 as before.
 
+With ``capacity_scope="root"`` the capacity is one budget for every namespace under the
+root (other identities, old configurations): at start the other namespaces' chunk files
+are measured (one walk, ``stat`` only) and held as *foreign* chunks, least recently used
+namespace first (by its newest chunk), oldest chunk first within one. Foreign bytes count
+against the budget and go before this namespace's own chunks whenever room is needed:
+at start if the root is over budget, then by each ``prepare_store`` that needs room. The
+budget is settled by the namespaces that open; ones that keep writing meanwhile are
+trimmed when the next namespace opens.
+
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
 deleter can never remove a freshly published file and the scheduler never waits on it.
@@ -50,6 +59,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Literal
 
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.geometry import ChunkGeometry
@@ -68,6 +78,8 @@ from kvtiers.core.manager import (
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, is_temp_name
 from kvtiers.core.specs import FileLoadStoreSpec
 from kvtiers.filemapper import FileMapper, open_namespace
+from kvtiers.filemapper.manifest import MANIFEST_NAME
+from kvtiers.filemapper.mapper import key_from_chunk_name
 from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S, LoadBackoff
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.space import SpaceLatch
@@ -210,6 +222,70 @@ class _Prober:
         return found
 
 
+class _Foreign:
+    """Other namespaces' chunk files under the root, in the order they are given up:
+    least recently used namespace first, oldest chunk first within one."""
+
+    def __init__(self, root: Path, own: str) -> None:
+        self.usage = 0
+        self._chunks: list[tuple[Path, int]] = []
+        namespaces = []
+        try:
+            with os.scandir(root) as it:
+                candidates = [e for e in it if e.name != own and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            candidates = []
+        for entry in candidates:
+            if not os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+                continue
+            files = _chunk_files(entry.path)
+            newest = max((mtime for mtime, _, _ in files), default=0.0)
+            namespaces.append((newest, entry.name, sorted(files)))
+        for _, _, files in sorted(namespaces):
+            for _, path, size in files:
+                self._chunks.append((Path(path), size))
+                self.usage += size
+        self._next = 0
+
+    def take(self, nbytes: int) -> tuple[list[Path], int]:
+        """The next chunks to give up, freeing at least ``nbytes`` (or all that are
+        left), and the bytes they free."""
+        paths = []
+        freed = 0
+        chunks = self._chunks
+        while freed < nbytes and self._next < len(chunks):
+            path, size = chunks[self._next]
+            self._next += 1
+            paths.append(path)
+            freed += size
+        self.usage -= freed
+        return paths, freed
+
+
+def _chunk_files(namespace_dir: str) -> list[tuple[float, str, int]]:
+    """``(mtime, path, size)`` of the regular chunk files of one namespace directory."""
+    found = []
+    stack = [(namespace_dir, 0)]
+    while stack:
+        directory, level = stack.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for entry in entries:
+            if level < 2 and _FANOUT.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                stack.append((entry.path, level + 1))
+            elif level == 2 and key_from_chunk_name(entry.name) is not None:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime, entry.path, st.st_size))
+    return found
+
+
 class FileTierManager(OffloadingManager):
     """Bookkeeping of the chunk files of one namespace; see the module docstring.
 
@@ -221,7 +297,9 @@ class FileTierManager(OffloadingManager):
     ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
     (read-only root, full disk) ``prepare_store`` answers ``None``. ``load_backoff_s`` and
     ``load_backoff_max_s``: how long a key whose load failed is a miss (see
-    :mod:`kvtiers.tiers.backoff`).
+    :mod:`kvtiers.tiers.backoff`). ``capacity_scope``: ``"namespace"`` (the capacity is this
+    namespace's) or ``"root"`` (one budget for every namespace under the root; see the
+    module docstring), which needs a ``capacity_bytes``.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
@@ -252,9 +330,16 @@ class FileTierManager(OffloadingManager):
         space: SpaceLatch | None = None,
         load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
         load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
+        capacity_scope: Literal["namespace", "root"] = "namespace",
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if capacity_scope not in ("namespace", "root"):
+            raise ValueError(
+                f"capacity_scope must be 'namespace' or 'root', got {capacity_scope!r}"
+            )
+        if capacity_scope == "root" and capacity_bytes is None:
+            raise ValueError("capacity_scope 'root' shares a capacity; give capacity_bytes")
         self.mapper = mapper
         self.geometry = geometry
         self.capacity_bytes = capacity_bytes
@@ -292,6 +377,10 @@ class FileTierManager(OffloadingManager):
         self._room_unlinks: list[Future[None]] = []
         start = time.perf_counter()
         removed = self._rebuild(SHARED_TEMP_AGE_S if shared else 0.0)
+        self._foreign = (
+            self._share_root(capacity_bytes)
+            if capacity_scope == "root" and capacity_bytes is not None else None
+        )
         self.rebuild_s = time.perf_counter() - start
         if removed:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
@@ -354,6 +443,35 @@ class FileTierManager(OffloadingManager):
         found.sort(key=lambda item: item[0])
         self._delete(self.index.add_ready((key, size) for _mtime, key, size in found).victims)
         return removed
+
+    def _share_root(self, capacity: int) -> _Foreign:
+        """Measure the other namespaces under the root, trim them to the shared budget
+        and give this namespace's index what is left."""
+        foreign = _Foreign(self.mapper.root, self.namespace_dir.name)
+        over = self.index.usage + foreign.usage - capacity
+        if over > 0:
+            paths, _ = foreign.take(over)
+            self._deleter.delete(paths)
+            logger.info(
+                "file tier %s: the root is over its shared capacity; removed %d chunks of "
+                "other namespaces, least recently used first", self.namespace_dir, len(paths),
+            )
+        self.index.capacity = capacity - foreign.usage
+        return foreign
+
+    def _room_from_foreign(self, keys: Collection[OffloadKey]) -> None:
+        """Give up other namespaces' chunks before this namespace's own for a store."""
+        foreign = self._foreign
+        if foreign is None or not foreign.usage:
+            return
+        index = self.index
+        assert index.capacity is not None
+        need = len({key for key in keys if key not in index}) * self.reserve_bytes
+        short = index.usage + need - index.capacity
+        if short > 0:
+            paths, freed = foreign.take(short)
+            self._deleter.delete(paths)
+            index.capacity += freed
 
     # -- the mover's side channel ---------------------------------------------------
     def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
@@ -454,6 +572,7 @@ class FileTierManager(OffloadingManager):
             # The evicted file of one of these keys is being unlinked right now; waiting
             # for it would stall the scheduler on I/O, so the store is refused for now.
             return None
+        self._room_from_foreign(keys)
         change = index.reserve(keys, self.reserve_bytes)
         if change is None:
             # The names are not reused after all: their old files still go.
