@@ -17,7 +17,7 @@ from typing import Any
 from kvtiers.stack.composite import TieredManager
 
 GAUGES = frozenset({"chunks", "usage_bytes", "capacity_bytes", "capacity_chunks",
-                    "pinned_chunks", "io_backend"})
+                    "pinned_chunks", "io_backend", "backing_off"})
 
 
 class _StatsCollector:
