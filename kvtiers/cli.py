@@ -61,16 +61,39 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
-    from kvtiers.engine.demo import DEFAULT_CONFIG
+    from kvtiers.config.examples import DEMO_EXAMPLE, EXAMPLES_DIR, example_names
+    from kvtiers.engine.demo import DEFAULT_OUT, MARKER
 
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), metavar="FILE",
-                        help="stack file with a model: section (default: configs/demo.yaml)")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw hit sources and throughput")
-    parser.add_argument("--conversations", type=int, default=16, metavar="N")
-    parser.add_argument("--turns", type=int, default=3, metavar="N")
+    parser.description = (
+        "Run a simulated engine over a tier stack twice: cold, then after a restart with "
+        "the persistent tiers' indexes rebuilt. Every loaded byte is verified; the last "
+        "line is the verdict (exit 1 if any byte was wrong). The demo writes only under "
+        f"--out and the file tiers' roots, marks each directory it creates with {MARKER}, "
+        "and refuses a non-empty directory it did not create."
+    )
+    parser.add_argument(
+        "--config", default=DEMO_EXAMPLE, metavar="NAME|FILE",
+        help=f"a shipped example by name ({', '.join(example_names())}; run at demo scale, "
+             f"in {EXAMPLES_DIR}) or a stack file; without a model: section the demo's "
+             f"model is used (default: {DEMO_EXAMPLE})")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
+                        help="output directory: the plot, and the file tiers of a named "
+                             f"example (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="where to draw recomputed vs loaded tokens per tier over time "
+                             "(default: DIR/demo.png)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="draw no plot (matplotlib is then not needed)")
+    parser.add_argument("--conversations", type=int, default=16, metavar="N",
+                        help="conversations in the workload (default: 16)")
+    parser.add_argument("--turns", type=int, default=3, metavar="N",
+                        help="turns per conversation; each turn's prompt extends the last "
+                             "(default: 3)")
     parser.add_argument("--keep", action="store_true",
-                        help="keep what earlier runs left in the file tiers' roots")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                        help="keep the namespaces earlier runs left in the demo's roots, so "
+                             "phase 1 is warm too")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (one is drawn only when stderr is a terminal)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -82,10 +105,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.conversations < 1 or args.turns < 1:
         raise ConfigError("--conversations and --turns must be at least 1")
+    out_dir = Path(args.out)
+    plot = None if args.no_plot else Path(args.plot) if args.plot else out_dir / "demo.png"
     run_demo(
         args.config,
+        out_dir=out_dir,
         workload=WorkloadSpec(conversations=args.conversations, turns=args.turns),
-        plot=Path(args.plot) if args.plot else None,
+        plot=plot,
         fresh=not args.keep,
         show_progress=not args.no_progress,
     )
@@ -179,14 +205,15 @@ def _configure_identity(parser: argparse.ArgumentParser) -> None:
 def _run_identity(args: argparse.Namespace) -> int:
     """Print the identity (fields, digest, namespace) a stack file's model gives."""
     from kvtiers.config import load_stack_config
+    from kvtiers.config.examples import example_path
     from kvtiers.filemapper import NamespaceIdentity
     from kvtiers.tools.identity import print_identity
 
-    stack = load_stack_config(args.config)
+    stack = load_stack_config(example_path(str(args.config)) or args.config)
     if stack.model is None:
         raise ConfigError(
             f"{args.config}: no model: section, so no cache identity to show; add one "
-            "(see configs/demo.yaml)"
+            "(see kvtiers/configs/demo.yaml, or run `kvtiers identity demo`)"
         )
     print_identity(NamespaceIdentity.from_config(stack.model.to_offloading_config()), sys.stdout)
     return EXIT_OK
@@ -290,6 +317,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The system refused (permissions, a full disk, memory a stack asked for): say
         # what, in one line, rather than a traceback.
         print(f"kvtiers: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
+    except ModuleNotFoundError as exc:
+        # An optional package a command needs is missing: name the extra that has it.
+        from kvtiers.optional import hint_for
+
+        print(f"kvtiers: {hint_for(exc.name or str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
     except KeyboardInterrupt:
         print("kvtiers: interrupted", file=sys.stderr)

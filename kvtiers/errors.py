@@ -86,6 +86,11 @@ class TransferError(KVTiersError):
     """A transfer between two media failed; the job is reported as failed."""
 
 
+class SymlinkEscapeError(KVTiersError, OSError):
+    """A symbolic link inside a store's root, where kvtiers would have to follow it to
+    read, write or delete; it may lead out of the root, so kvtiers refuses."""
+
+
 class UnsupportedVersionError(KVTiersError, ImportError):
     """An installed package kvtiers integrates with is outside the supported versions.
 

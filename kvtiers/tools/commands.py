@@ -1,7 +1,9 @@
 """``kvtiers inspect | verify | gc``: offline tools over a file root or an S3 prefix.
 
 They read manifests and chunk headers directly (no tier, no identity needed) and print
-plain text. ``verify`` checks every chunk exactly as a load would (header, namespace,
+plain text. Reads are bounded (a manifest up to its size limit, a chunk's payload streamed
+in :data:`VERIFY_BLOCK_BYTES` blocks), and a malformed manifest or chunk is one line of
+output, never a traceback. ``verify`` checks every chunk exactly as a load would (header, namespace,
 key, length, xxh3_128) and with ``--fix`` quarantines what fails; ``gc`` removes whole
 namespaces (named, or stale), old chunks, chunks beyond a size, and interrupted temp
 files — and nothing else.
@@ -9,21 +11,28 @@ files — and nothing else.
 
 from __future__ import annotations
 
-import json
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
+import xxhash
+
 from kvtiers.config.sizes import format_size
-from kvtiers.core.chunkformat import decode
+from kvtiers.core.bounded import load_json
+from kvtiers.core.chunkformat import HEADER_BYTES, ChunkHeader, decode_header
 from kvtiers.errors import CorruptChunkError
 from kvtiers.filemapper import key_from_chunk_name
+from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
 
 DAY_S = 86400.0
+#: ``verify`` reads a chunk's payload in blocks of this size.
+VERIFY_BLOCK_BYTES = 4 << 20
+_DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def _age(mtime: float, now: float) -> str:
@@ -35,11 +44,60 @@ def _age(mtime: float, now: float) -> str:
 
 
 def _manifest(location: Location, namespace: str) -> dict[str, Any] | None:
+    """The manifest as a mapping, or ``None`` when it cannot be read or parsed (bounded:
+    see :func:`~kvtiers.core.bounded.load_json`)."""
     try:
-        document = json.loads(location.manifest(namespace))
+        document = load_json(location.manifest(namespace), max_bytes=MAX_MANIFEST_BYTES)
     except (OSError, ValueError, KeyError, ObjectMissing):
         return None
     return document if isinstance(document, dict) else None
+
+
+def _manifest_lines(manifest: dict[str, Any]) -> list[str]:
+    """What :func:`inspect` prints of a manifest; :class:`_Malformed` names the first
+    field that is not what kvtiers writes."""
+    ident = _typed(manifest, "identity", dict)
+    groups = []
+    for index, group in enumerate(_typed(ident, "groups", list)):
+        if not isinstance(group, dict):
+            raise _Malformed(f"identity.groups[{index}] is not a mapping")
+        size = _typed(group, "bytes_per_block", int, f"identity.groups[{index}]")
+        layers = _typed(group, "layer_names", list, f"identity.groups[{index}]")
+        groups.append(f"{group.get('tokens_per_block')} tok/block x {len(layers)} "
+                      f"layers ({format_size(size)}/block)")
+    parallel = ident.get("parallel")
+    layout = "parallelism-agnostic"
+    if isinstance(parallel, dict):
+        layout = " ".join(f"{str(k).removesuffix('_size')}={v}"
+                          for k, v in sorted(parallel.items()))
+    elif parallel is not None:
+        raise _Malformed("identity.parallel is not a mapping")
+    return [
+        f"  model {ident.get('model_name')}@{ident.get('model_revision')}, engine "
+        f"{ident.get('engine')}, kv {ident.get('kv_dtype')} {ident.get('kv_layout')}, "
+        f"hash {ident.get('hash_algorithm')}",
+        f"  tokens_per_hash {ident.get('tokens_per_hash')}, blocks_per_chunk "
+        f"{ident.get('blocks_per_chunk')}, groups: {', '.join(groups)}",
+        f"  parallel: {layout}; created {manifest.get('created_at')}; "
+        f"format {manifest.get('format_version')}/{manifest.get('chunk_format_version')}",
+    ]
+
+
+class _Malformed(Exception):
+    """A manifest field is not of the kind kvtiers writes."""
+
+
+def _typed(mapping: dict[str, Any], name: str, kind: type, where: str = "") -> Any:
+    value = mapping.get(name)
+    # bool is an int to Python, never a size or a count here.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        dotted = f"{where}.{name}" if where else name
+        raise _Malformed(f"{dotted} is {_shorten(repr(value))}, not a {kind.__name__}")
+    return value
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -77,25 +135,12 @@ def inspect(location: Location, out: TextIO) -> int:
         if manifest is None:
             print("  manifest: unreadable (every chunk here reads as a miss)", file=out)
         else:
-            ident = manifest.get("identity", {})
-            groups = ", ".join(
-                f"{g.get('tokens_per_block')} tok/block x {len(g.get('layer_names', []))} "
-                f"layers ({format_size(int(g.get('bytes_per_block', 0)))}/block)"
-                for g in ident.get("groups", [])
-            )
-            parallel = ident.get("parallel")
-            layout = "parallelism-agnostic"
-            if parallel is not None:
-                layout = " ".join(f"{k.removesuffix('_size')}={v}"
-                                  for k, v in sorted(parallel.items()))
-            print(f"  model {ident.get('model_name')}@{ident.get('model_revision')}, engine "
-                  f"{ident.get('engine')}, kv {ident.get('kv_dtype')} {ident.get('kv_layout')}, "
-                  f"hash {ident.get('hash_algorithm')}", file=out)
-            print(f"  tokens_per_hash {ident.get('tokens_per_hash')}, blocks_per_chunk "
-                  f"{ident.get('blocks_per_chunk')}, groups: {groups}", file=out)
-            print(f"  parallel: {layout}; created {manifest.get('created_at')}; "
-                  f"format {manifest.get('format_version')}/"
-                  f"{manifest.get('chunk_format_version')}", file=out)
+            try:
+                lines = _manifest_lines(manifest)
+            except _Malformed as exc:
+                lines = [f"  manifest: malformed ({exc}; every chunk here reads as a miss)"]
+            for line in lines:
+                print(line, file=out)
         chunks = census.chunks
         total = sum(e.size for e in chunks)
         ages = (f", newest {_age(max(e.mtime for e in chunks), now)} old, oldest "
@@ -128,7 +173,7 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
         census = _Census.of(location.entries(namespace))
         manifest = _manifest(location, namespace)
         digest_hex = manifest.get("digest") if manifest else None
-        if not isinstance(digest_hex, str):
+        if not isinstance(digest_hex, str) or not _DIGEST_HEX.fullmatch(digest_hex):
             print(f"{namespace}: manifest unreadable; its {len(census.chunks)} chunks cannot "
                   "be verified (remove the namespace with kvtiers gc --namespace)", file=out)
             bad_total += 1
@@ -140,7 +185,7 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             key = key_from_chunk_name(entry.base)
             assert key is not None
             try:
-                decode(location.read(entry.name), namespace_digest=digest, key=key)
+                _verify_chunk(location, entry.name, digest, key)
             except CorruptChunkError as exc:
                 bad.append((entry, exc.check))
             except (FileNotFoundError, ObjectMissing):
@@ -163,6 +208,36 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
         if not fix:
             bad_total += len(bad)
     return 1 if bad_total else 0
+
+
+def _verify_chunk(location: Location, name: str, digest: bytes, key: bytes) -> None:
+    """Check one chunk as a load would, in one pass, holding at most about one
+    :data:`VERIFY_BLOCK_BYTES` block of it at a time."""
+    head = bytearray()
+    header: ChunkHeader | None = None
+    hasher = xxhash.xxh3_128()
+    size = 0
+    for block in location.stream(name, 0, VERIFY_BLOCK_BYTES):
+        if header is None:
+            head += block
+            if len(head) < HEADER_BYTES:
+                continue
+            header = decode_header(head, namespace_digest=digest, key=key)
+            block = bytes(head[HEADER_BYTES:])
+        size += len(block)
+        if size > header.payload_bytes:
+            break
+        hasher.update(block)
+    if header is None:
+        header = decode_header(head, namespace_digest=digest, key=key)  # raises: too short
+    if size != header.payload_bytes:
+        raise CorruptChunkError(
+            "payload length",
+            f"{'more than ' if size > header.payload_bytes else ''}{size} bytes, "
+            f"header says {header.payload_bytes}",
+        )
+    if hasher.digest() != header.checksum:
+        raise CorruptChunkError("payload checksum")
 
 
 @dataclass(frozen=True)

@@ -71,7 +71,9 @@ def build_tier(
         load_backoff_max_s=config.load_backoff_max_s,
         capacity_scope=config.capacity_scope,
     )
-    settings = PublishSettings(file_mode=config.file_mode, dir_mode=config.dir_mode)
+    settings = PublishSettings(
+        file_mode=config.file_mode, dir_mode=config.dir_mode, root=mapper.root
+    )
     bad_chunks = BadChunkHandler(
         manager, manager.quarantine_dir if config.quarantine else None, config.dir_mode
     )
