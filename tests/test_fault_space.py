@@ -72,3 +72,21 @@ def test_a_disk_still_full_after_eviction_stays_full_without_evicting_again(
         assert manager.get_stats()["evictions"] == 4
     finally:
         tier.close()
+
+
+def test_a_read_only_filesystem_evicts_nothing(tmp_path: Path) -> None:
+    latch = SpaceLatch(str(tmp_path), retry_s=5.0, clock=Clock())
+    ops = SwitchableOps(errno.EROFS)
+    ops.failing = False
+    tier = open_tier(tmp_path, slots=8, settings=PublishSettings(ops=ops), space=latch)
+    tier.mover.space = latch
+    try:
+        assert len(tier.store(range(4))) == 4
+        ops.failing = True
+        assert tier.store([4]) == []
+        assert latch.full and not latch.wants_room
+        assert tier.manager.prepare_store([conformance_key(5)], CTX) is None
+        stats = tier.manager.get_stats()
+        assert stats["evictions"] == 0 and stats["chunks"] == 4
+    finally:
+        tier.close()

@@ -586,7 +586,7 @@ class FileTierManager(OffloadingManager):
 
     def _space_admits(self, space: SpaceLatch) -> bool:
         """The latch's answer, after making room once per full-disk episode."""
-        if space.full and space.episodes != self._room_for:
+        if space.full and space.wants_room and space.episodes != self._room_for:
             self._room_for = space.episodes
             need = max(ROOM_CHUNKS, space.refused_chunks) * self.reserve_bytes
             victims = self.index.evict_lru(need)

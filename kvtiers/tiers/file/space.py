@@ -68,6 +68,9 @@ class SpaceLatch:
         self._episode = 0
         #: Full-disk episodes begun over the tier's life.
         self.episodes = 0
+        #: Whether the current episode began for want of room (``ENOSPC``, ``EDQUOT``;
+        #: not ``EROFS``), so that evicting chunks may help.
+        self.wants_room = False
         #: Chunks whose store failed for want of space, over the tier's life.
         self.refused_chunks = 0
 
@@ -100,6 +103,7 @@ class SpaceLatch:
             self._full = True
             self._episode = 1
             self.episodes += 1
+            self.wants_room = exc.errno != errno.EROFS
         logger.warning(
             "file tier at %s: %s; no chunks are stored until space returns (tried again "
             "every %g s; further failures are counted, not logged)",
