@@ -7,6 +7,9 @@ from token ids), and turns the manager's group-unaware answers into per-group tr
   prefix is the minimum across groups, floored to a whole number of every group's blocks.
   Lookups continue through ``HIT_PENDING`` chunks so all promotions of a prefix start in
   the same step; any pending chunk inside the usable prefix means "ask again next step".
+  A ``RETRY`` (a shared tier probing) ends a group's prefix for the step but not its
+  lookups, so all of a prefix's missing keys are probed in one batch and a prefix another
+  engine published is usable within three steps (probe, promote, load).
 * :meth:`OffloadScheduler.plan_load` — pin the prefix's chunks once (``prepare_load``),
   then one ``get_spec`` per group, each carrying the group's ``gpu_block_offset``.
 * :meth:`OffloadScheduler.plan_store` — reserve newly full chunks of every group in one
@@ -149,15 +152,22 @@ class OffloadScheduler:
             retry = False
             for key in keys[: -(-limit // tokens_per_chunk)]:
                 result = self.manager.lookup(key, request.ctx)
-                if result is LookupResult.HIT:
-                    count += 1
-                elif result is LookupResult.HIT_PENDING:
-                    ready = count if ready is None else ready
+                if result is LookupResult.MISS:
+                    break
+                if result is LookupResult.HIT_PENDING:
                     promoted += 1
+                if result is LookupResult.RETRY:
+                    # The group's prefix ends here for this step, but the lookups go on:
+                    # every key a shared tier must probe is queued now, in one batch,
+                    # instead of one key per step.
+                    retry = True
+                elif retry:
+                    continue
+                elif result is LookupResult.HIT:
                     count += 1
                 else:
-                    retry = result is LookupResult.RETRY
-                    break
+                    ready = count if ready is None else ready
+                    count += 1
             ready_tokens.append((count if ready is None else ready) * tokens_per_chunk)
             reach_tokens.append(count * tokens_per_chunk)
             retried.append(retry)
