@@ -158,6 +158,15 @@ def _bucket_problem(bucket: str) -> str | None:
     return f"invalid bucket name {bucket!r}: it must not look like an IP address"
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``***@``, for messages and logs."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"***@{host}").geturl()
+
+
 def _endpoint_problem(url: str) -> str | None:
     if url == "embedded":
         return None
@@ -171,7 +180,7 @@ def _endpoint_problem(url: str) -> str | None:
             return None
     return (
         f"expected an http:// or https:// URL (such as http://127.0.0.1:9000) or the word "
-        f"'embedded', got {url!r}"
+        f"'embedded', got {redact_url(url)!r}"
     )
 
 
@@ -185,11 +194,21 @@ def _prefix_problem(prefix: str) -> str | None:
 class S3TierConfig(TierConfig):
     """An S3-compatible bucket. ``endpoint_url: embedded`` starts a local test server.
 
-    A request is tried ``max_attempts`` times in all, sleeping between attempts with
-    exponential backoff from ``backoff_base_s`` up to ``backoff_max_s``, and every socket
-    wait is capped at ``timeout_s``. ``op_deadline_s`` bounds one operation (a chunk's
-    get or put, a probe, a delete) as a whole: attempts, back-off and socket waits
-    together end by then and the key fails (docs/architecture.md, "Liveness").
+    Requests go through botocore's ``retry_mode`` (``standard``, or ``adaptive`` which
+    also limits the client's request rate when throttled), ``max_attempts`` attempts in
+    all; botocore's back-off is capped at ``backoff_max_s``. A GET body cut in transit
+    (which botocore never retries) is read again up to ``max_attempts`` times with back-off
+    from ``backoff_base_s``. Every socket wait is capped at ``timeout_s``.
+    ``op_deadline_s`` bounds one operation (a chunk's get or put, a probe, a delete) as a
+    whole: attempts, back-off and socket waits together end by then and the key fails
+    (docs/architecture.md, "Liveness").
+
+    ``region`` unset: boto3's own resolution (``AWS_REGION``, ``AWS_DEFAULT_REGION``, the
+    profile's region); ``profile`` names a profile of the AWS config files. At start-up
+    the endpoint must refuse a second put-if-absent of a probe object;
+    ``conditional_writes: false`` accepts an endpoint that ignores ``If-None-Match``: racing
+    writers of one chunk then overwrite each other (last writer wins; both wrote the same
+    key's chunk and every read is checked against its checksum, so reads stay safe).
     """
 
     what: ClassVar[str] = "an s3 tier"
@@ -198,16 +217,19 @@ class S3TierConfig(TierConfig):
     bucket: Annotated[str, Check(_bucket_problem)] = field(metadata=example("bucket: kv-cache"))
     prefix: Annotated[str, Check(_prefix_problem)] = ""
     region: Annotated[str, Matches(r"[a-z0-9-]+", "a region such as us-east-1")] | None = None
+    profile: Annotated[str, SIMPLE_NAME] | None = None
     endpoint_url: Annotated[str, Check(_endpoint_problem)] | None = None
     threads: Threads = 16
     capacity: Size | None = None
     shared: bool = False
+    retry_mode: Literal["standard", "adaptive"] = "standard"
     max_attempts: Annotated[int, Range(1)] = 5
     backoff_base_s: Seconds = 0.05
-    backoff_max_s: Seconds = 2.0
+    backoff_max_s: Seconds = 20.0
     timeout_s: Seconds = 30.0
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
     delete_corrupt: bool = True
+    conditional_writes: bool = True
 
     def _check(self) -> None:
         if self.backoff_max_s < self.backoff_base_s:
@@ -221,7 +243,7 @@ class S3TierConfig(TierConfig):
         location = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         parts = [f"s3 {location}"]
         if self.endpoint_url is not None:
-            parts.append(f"endpoint={self.endpoint_url}")
+            parts.append(f"endpoint={redact_url(self.endpoint_url)}")
         if self.capacity is not None:
             parts.append(format_size(self.capacity))
         if self.shared:
