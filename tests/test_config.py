@@ -207,7 +207,8 @@ def test_every_field_can_be_set() -> None:
         1.0,
     )
     assert isinstance(tier.backoff_base_s, float)
-    assert (tier.profile, tier.retry_mode, tier.conditional_writes) == ("kv-prod", "adaptive", False)
+    assert (tier.profile, tier.retry_mode, tier.conditional_writes) == (
+        "kv-prod", "adaptive", False)
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,6 @@ from kvtiers.config.tiers import S3TierConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.manager import LookupResult, ReqContext
 from kvtiers.errors import ConfigError
-from kvtiers.filemapper import MANIFEST_NAME
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.tiers.base import BuiltTier
