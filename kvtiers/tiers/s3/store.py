@@ -161,6 +161,7 @@ class S3Store(ObjectStore):
         max_attempts: int = 5,
         backoff_max_s: float = 20.0,
         conditional_writes: bool = True,
+        list_page_size: int = 1000,
         credentials: tuple[str, str] | None = None,
         event_hooks: Sequence[EventHook] = (),
     ) -> None:
@@ -172,6 +173,7 @@ class S3Store(ObjectStore):
         self.max_attempts = max_attempts
         self.backoff_max_s = backoff_max_s
         self.conditional_writes = conditional_writes
+        self.list_page_size = list_page_size
         key_id, secret = credentials if credentials is not None else (None, None)
         try:
             # region None: boto3's own resolution (AWS_REGION, AWS_DEFAULT_REGION, the
@@ -350,7 +352,10 @@ class S3Store(ObjectStore):
         paginator = self.client().get_paginator("list_objects_v2")
         pages = 0
         try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            pagination = {"PageSize": self.list_page_size}
+            for page in paginator.paginate(
+                Bucket=self.bucket, Prefix=prefix, PaginationConfig=pagination
+            ):
                 pages += 1
                 for item in page.get("Contents", ()):
                     yield ObjectInfo(
