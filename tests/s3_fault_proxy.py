@@ -112,6 +112,10 @@ class FaultProxy:
             name, _, value = header.decode("latin-1").partition(":")
             headers.append((name.strip(), value.strip()))
         length = next((int(v) for k, v in headers if k.lower() == "content-length"), 0)
+        if any(k.lower() == "expect" and v.lower() == "100-continue" for k, v in headers):
+            # The client holds the body back until told to go on (for up to a second).
+            client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            headers = [(k, v) for k, v in headers if k.lower() != "expect"]
         body = reader.read(length) if length else b""  # type: ignore[attr-defined]
         fault = self._take(method, path)
         if fault == "reset":
