@@ -203,8 +203,8 @@ class S3TierConfig(TierConfig):
     whole: attempts, back-off and socket waits together end by then and the key fails
     (docs/architecture.md, "Liveness").
 
-    ``region`` unset: boto3's own resolution (``AWS_REGION``, ``AWS_DEFAULT_REGION``, the
-    profile's region); ``profile`` names a profile of the AWS config files. At start-up
+    ``region`` unset: ``AWS_REGION``, else boto3's own resolution (``AWS_DEFAULT_REGION``,
+    the profile's region); ``profile`` names a profile of the AWS config files. At start-up
     the endpoint must refuse a second put-if-absent of a probe object;
     ``conditional_writes: false`` accepts an endpoint that ignores ``If-None-Match``: racing
     writers of one chunk then overwrite each other (last writer wins; both wrote the same

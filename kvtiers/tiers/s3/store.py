@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import os
 import threading
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -175,9 +176,10 @@ class S3Store(ObjectStore):
         self.conditional_writes = conditional_writes
         self.list_page_size = list_page_size
         key_id, secret = credentials if credentials is not None else (None, None)
+        # AWS_REGION is what the other AWS SDKs and runtimes set; botocore reads only
+        # AWS_DEFAULT_REGION and the profile's region, then falls back to its S3 default.
+        region = region or os.environ.get("AWS_REGION") or None
         try:
-            # region None: boto3's own resolution (AWS_REGION, AWS_DEFAULT_REGION, the
-            # profile's region), falling back to botocore's default for S3.
             self._session = boto3.session.Session(
                 aws_access_key_id=key_id, aws_secret_access_key=secret, region_name=region,
                 profile_name=profile,
