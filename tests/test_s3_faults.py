@@ -102,6 +102,29 @@ def test_a_load_is_retried_then_fails_without_wrong_bytes(
     assert result.success and data == {**chunk(0), **chunk(1)}
 
 
+def test_adaptive_mode_retries_throttling_and_counts_it(
+    s3_endpoint: MotoServer, faults: FaultInjector
+) -> None:
+    offloading = offloading_config()
+    geometry = ChunkGeometry.from_config(offloading)
+    region = BytearrayRegion(2, geometry.slot_bytes)
+    config = S3TierConfig(name="s3", bucket=BUCKET, endpoint_url=s3_endpoint.endpoint_url,
+                          threads=1, retry_mode="adaptive", max_attempts=ATTEMPTS,
+                          backoff_base_s=0.001, backoff_max_s=0.002)
+    built = build_tier(config, offloading, primary_region=region, name="s3",
+                       event_hooks=faults.hooks())
+    try:
+        driver = TierDriver(built, region, geometry)
+        # One throttle only: after it the client limits its own request rate (seconds
+        # per request against a server this idle), which is adaptive mode's point.
+        arm(faults, "throttle", 1, "PUT")
+        assert driver.store(chunk(0)).success
+        assert faults.injected == 1
+        assert driver.manager.get_stats()["retries"] == 1
+    finally:
+        built.shutdown()
+
+
 def test_slow_responses_still_succeed(tier: TierDriver, faults: FaultInjector) -> None:
     faults.slow(2, 0.05)
     assert tier.store(chunk(0)).success

@@ -5,6 +5,7 @@ deadline."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -94,3 +95,19 @@ def test_botocore_never_backs_off_past_the_operation_deadline() -> None:
 
     with pytest.raises(OperationDeadlineError, match="ConnectionResetError"):
         retrier.call(request)
+
+
+def test_a_request_held_back_past_its_deadline_is_not_sent() -> None:
+    now = [100.0]
+    retrier = Retrier(lambda e: False, deadline_s=1.0, clock=lambda: now[0])
+    store = S3Store(BUCKET, endpoint_url="http://127.0.0.1:9")
+    request = SimpleNamespace(context={})
+
+    def held_back() -> None:
+        store._cap_read_timeout(request)
+        assert request.context["read_timeout"] == 1.0
+        now[0] += 1.5  # the rate limiter held it back this long
+        store._cap_read_timeout(request)
+
+    with pytest.raises(OperationDeadlineError, match="before the request could be sent"):
+        retrier.call(held_back)

@@ -22,8 +22,10 @@ waits on its socket at most the time left to that call's deadline
 retry whose back-off would end past the deadline is not made (the request raises
 :class:`~kvtiers.tiers.object.retry.OperationDeadlineError`); a body read stops once the
 deadline has passed. So a server that accepts a request and never answers, or answers too
-slowly, fails the operation within its deadline. ``timeout_s`` caps every socket wait
-(connecting included) on its own.
+slowly, fails the operation within its deadline. In ``adaptive`` mode a request may wait
+in botocore's client-side rate limiter before it is sent; that wait counts against the
+deadline, and a request whose deadline passed while it waited fails without being sent.
+``timeout_s`` caps every socket wait (connecting included) on its own.
 
 Checksums of request and response bodies are left to the chunk format (xxh3_128 in every
 header) rather than computed again per request. Credentials come from the standard AWS
@@ -232,16 +234,23 @@ class S3Store(ObjectStore):
                 _DeadlineBoundRetries(handler, self.backoff_max_s, self._count_retry),
                 unique_id=_RETRY_HANDLER_ID,
             )
-            events.register("before-send.s3", self._cap_read_timeout)
             for event, handler in self._event_hooks:
                 events.register(event, handler)
+            # Last of all before sending: after adaptive mode's rate limiter has waited.
+            events.register_last("before-send", self._cap_read_timeout)
             self._local.client = client
         return client
 
     def _cap_read_timeout(self, request: Any, **_: Any) -> None:
         """botocore ``before-send`` hook: this request's socket waits end by the calling
-        operation's deadline."""
+        operation's deadline; a request whose deadline passed before it could be sent
+        (adaptive mode's rate limiter holds requests back) is not sent."""
         left = remaining_s()
+        if left == 0.0:
+            raise OperationDeadlineError(
+                "the operation deadline (op_deadline_s) passed before the request could "
+                "be sent (adaptive retry mode limits the request rate while throttled)"
+            )
         context = getattr(request, "context", None)
         if left is not None and left < self.timeout_s and isinstance(context, dict):
             context["read_timeout"] = max(_MIN_WAIT_S, left)
