@@ -4,8 +4,9 @@
 (a) Put and get throughput of 256 KiB, 4 MiB and 16 MiB chunks with 1, 4 and 16 threads
     through the tier's mover (CPU slots → objects and back, chunk header + xxh3_128
     included), each as a ratio to raw boto3 ``put_object`` / ``get_object`` of the same
-    bytes (header + payload) with the same concurrency, the same client settings and the
-    same server, interleaved in the same run (target >= 0.9x).
+    bytes (header + payload) to object names of the same shape, with the same
+    concurrency, the same client settings and the same server, interleaved in the same
+    run (target >= 0.9x).
 (b) Index rebuild: a manager opening a namespace of 100,000 chunk objects (created
     directly in moto's backend, so only the listing and the index build are timed), as a
     ratio to a raw paginated ``list_objects_v2`` of the same prefix.
@@ -164,13 +165,24 @@ def bench_transfer(
     best = {"raw_put": float("inf"), "tier_put": float("inf"),
             "raw_get": float("inf"), "tier_get": float("inf")}
 
-    def raw_put(run: int) -> None:
-        list(pool.map(lambda i: clients[i % threads].put_object(
-            Bucket=BUCKET, Key=f"raw/{run}/{i}", Body=raw_blob), range(count)))
+    # The raw side writes the tier's own object names under another prefix: a filer-backed
+    # server (SeaweedFS) pays per directory level, and that cost belongs to both sides.
+    identity = NamespaceIdentity.from_config(config)
 
-    def raw_get(run: int) -> None:
+    def raw_names(run: int) -> list[str]:
+        names = ObjectBackend(store, identity, prefix=f"raw/{run}", threads=1)
+        try:
+            return [names.object_key(k) for k in keys]
+        finally:
+            names.stop_threads()
+
+    def raw_put(names: list[str]) -> None:
+        list(pool.map(lambda i: clients[i % threads].put_object(
+            Bucket=BUCKET, Key=names[i], Body=raw_blob), range(count)))
+
+    def raw_get(names: list[str]) -> None:
         list(pool.map(lambda i: clients[i % threads].get_object(
-            Bucket=BUCKET, Key=f"raw/{run}/{i}")["Body"].read(), range(count)))
+            Bucket=BUCKET, Key=names[i])["Body"].read(), range(count)))
 
     for run in range(repeats):
         # A fresh prefix per run: every put creates a new object, on both sides.
@@ -181,10 +193,11 @@ def bench_transfer(
         warm_up(backend, store, threads)
         spec = ObjectLoadStoreSpec(BUCKET, [backend.object_key(k) for k in keys], keys)
         slots = CPULoadStoreSpec(range(count))
-        best["raw_put"] = min(best["raw_put"], timed(functools.partial(raw_put, run)))
+        names = raw_names(run)
+        best["raw_put"] = min(best["raw_put"], timed(functools.partial(raw_put, names)))
         best["tier_put"] = min(best["tier_put"], timed(functools.partial(
             through_mover, mover, run, slots, spec)))
-        best["raw_get"] = min(best["raw_get"], timed(functools.partial(raw_get, run)))
+        best["raw_get"] = min(best["raw_get"], timed(functools.partial(raw_get, names)))
         best["tier_get"] = min(best["tier_get"], timed(functools.partial(
             through_mover, mover, run, spec, slots)))
         mover.shutdown()
