@@ -332,9 +332,18 @@ class S3Store(ObjectStore):
                     path=where,
                 ) from None
             raise ConfigError(
-                f"cannot write to bucket {self.bucket!r} at {self.where}: "
-                f"{_describe_error(exc)}; check the credentials and the bucket policy",
+                f"cannot write a probe object to bucket {self.bucket!r} at {self.where}: "
+                f"{_describe_error(exc)} after {self.max_attempts} attempt(s); check the "
+                "credentials, the bucket policy (put and delete are needed) and the "
+                "endpoint's health",
                 path="bucket",
+            ) from None
+        except botocore.exceptions.BotoCoreError as exc:
+            raise ConfigError(
+                f"cannot write a probe object to bucket {self.bucket!r} at {self.where} "
+                f"after {self.max_attempts} attempt(s) ({type(exc).__name__}); check the "
+                "endpoint and the network",
+                path="endpoint_url",
             ) from None
         finally:
             with contextlib.suppress(Exception):  # a leftover sentinel is harmless
