@@ -309,7 +309,7 @@ NOTES_SEAWEEDFS = [
     "apart). Most rows below 0.9x are that noise. The exception is 256 KiB puts, below "
     "the target in every run (0.51-0.84x, with 1 and 4 threads): the time is inside the "
     "store's requests, yet the same request measured apart is as fast as raw; the cause "
-    "is not found yet (see the report of issue 15).",
+    "is not found yet.",
     "- Index rebuild: the 100,000 objects are put through the S3 API first (not timed). "
     "The tier's start-up is the manifest check plus the same paginated listing as the raw "
     "side plus the index build; the listing dominates (SeaweedFS lists from its filer at "
