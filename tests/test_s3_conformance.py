@@ -1,4 +1,5 @@
-"""The shared manager conformance suite, run against the s3 tier on a moto server."""
+"""The shared manager conformance suite, run against the s3 tier on moto and on SeaweedFS
+(one process, and a cluster of separate processes)."""
 
 from __future__ import annotations
 
@@ -6,13 +7,13 @@ import pytest
 
 from kvtiers.testing.conformance import TierConformanceTests
 from kvtiers.tiers.s3.store import S3Store
-from tests.conftest import BUCKET, MotoServer, ObjectTierConformance
+from tests.conftest import BUCKET, ObjectTierConformance, S3Server
 
 
 class TestS3TierConformance(ObjectTierConformance, TierConformanceTests):
     @pytest.fixture(autouse=True)
-    def _endpoint(self, s3_endpoint: MotoServer) -> None:
-        self.endpoint = s3_endpoint
+    def _endpoint(self, any_s3: S3Server) -> None:
+        self.endpoint = any_s3
 
     def make_store(self) -> S3Store:
         return S3Store(BUCKET, region="us-east-1", endpoint_url=self.endpoint.endpoint_url)

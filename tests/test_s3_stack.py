@@ -1,5 +1,5 @@
 """An s3 tier under a cpu primary, built from a stack description: cascades reach the
-bucket, and a restarted stack promotes them back byte-exact."""
+bucket, and a restarted stack promotes them back byte-exact (on moto and on SeaweedFS)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,14 @@ from kvtiers.core.manager import LookupResult, ReqContext
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.stack.builder import Stack, load_stack
 from kvtiers.testing.conformance import conformance_key, conformance_payload
-from tests.conftest import BUCKET, MotoServer, offloading_config
+from tests.conftest import BUCKET, S3Server, offloading_config
 
 CTX = ReqContext("stack")
 CHUNK = 8192
 
 
 @pytest.fixture
-def stacks(s3_endpoint: MotoServer) -> Iterator[list[Stack]]:
+def stacks(any_s3: S3Server) -> Iterator[list[Stack]]:
     made: list[Stack] = []
     yield made
     for stack in made:
@@ -36,8 +36,8 @@ def build(made: list[Stack], endpoint: str) -> Stack:
     return stack
 
 
-def test_cascade_then_promote_after_restart(stacks: list[Stack], s3_endpoint: MotoServer) -> None:
-    stack = build(stacks, s3_endpoint.endpoint_url)
+def test_cascade_then_promote_after_restart(stacks: list[Stack], any_s3: S3Server) -> None:
+    stack = build(stacks, any_s3.endpoint_url)
     manager, region = stack.manager, stack.tiers[0].region
     assert region is not None
     keys = [conformance_key(i) for i in range(3)]
@@ -53,7 +53,7 @@ def test_cascade_then_promote_after_restart(stacks: list[Stack], s3_endpoint: Mo
     assert [s3.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 3
     stack.shutdown()
 
-    restarted = build(stacks, s3_endpoint.endpoint_url)
+    restarted = build(stacks, any_s3.endpoint_url)
     manager, region = restarted.manager, restarted.tiers[0].region
     assert region is not None
     assert [manager.lookup(k, CTX) for k in keys] == [LookupResult.HIT_PENDING] * 3

@@ -35,7 +35,13 @@ from kvtiers.config.schema import (
     shown,
     suggestion,
 )
-from kvtiers.config.tiers import FileTierConfig, FsspecTierConfig, S3TierConfig, TierConfig
+from kvtiers.config.tiers import (
+    FileTierConfig,
+    FsspecTierConfig,
+    S3TierConfig,
+    TierConfig,
+    redact_url,
+)
 from kvtiers.config.yamlfile import read_yaml
 from kvtiers.errors import ConfigError
 
@@ -172,7 +178,8 @@ def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:
         return ("file", _same_directory(str(tier.root_path))), "root"
     if isinstance(tier, S3TierConfig):
         location = f"s3://{tier.bucket}/{tier.prefix.strip('/')}"
-        return ("s3", location, f"(endpoint {tier.endpoint_url or 'AWS'})"), "bucket"
+        endpoint = redact_url(tier.endpoint_url) if tier.endpoint_url else "AWS"
+        return ("s3", location, f"(endpoint {endpoint})"), "bucket"
     if isinstance(tier, FsspecTierConfig):
         protocol, _, rest = tier.url.partition("://")
         if protocol.lower() in _LOCAL_PROTOCOLS:

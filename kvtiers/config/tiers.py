@@ -316,6 +316,15 @@ def _bucket_problem(bucket: str) -> str | None:
     return f"invalid bucket name {bucket!r}: it must not look like an IP address"
 
 
+def redact_url(url: str) -> str:
+    """``url`` with any ``user:password@`` replaced by ``***@``, for messages and logs."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=f"***@{host}").geturl()
+
+
 def _endpoint_problem(url: str) -> str | None:
     if url == "embedded":
         return None
@@ -329,7 +338,7 @@ def _endpoint_problem(url: str) -> str | None:
             return None
     return (
         f"expected an http:// or https:// URL (such as http://127.0.0.1:9000) or the word "
-        f"'embedded', got {url!r}"
+        f"'embedded', got {redact_url(url)!r}"
     )
 
 
@@ -343,11 +352,21 @@ def _prefix_problem(prefix: str) -> str | None:
 class S3TierConfig(TierConfig):
     """An S3-compatible bucket. ``endpoint_url: embedded`` starts a local test server.
 
-    A request is tried ``max_attempts`` times in all, sleeping between attempts with
-    exponential backoff from ``backoff_base_s`` up to ``backoff_max_s``, and every socket
-    wait is capped at ``timeout_s``. ``op_deadline_s`` bounds one operation (a chunk's
-    get or put, a probe, a delete) as a whole: attempts, back-off and socket waits
-    together end by then and the key fails (docs/architecture.md, "Liveness").
+    Requests go through botocore's ``retry_mode`` (``standard``, or ``adaptive`` which
+    also limits the client's request rate when throttled), ``max_attempts`` attempts in
+    all; botocore's back-off is capped at ``backoff_max_s``. A GET body cut in transit
+    (which botocore never retries) is read again up to ``max_attempts`` times with back-off
+    from ``backoff_base_s``. Every socket wait is capped at ``timeout_s``.
+    ``op_deadline_s`` bounds one operation (a chunk's get or put, a probe, a delete) as a
+    whole: attempts, back-off and socket waits together end by then and the key fails
+    (docs/architecture.md, "Liveness").
+
+    ``region`` unset: ``AWS_REGION``, else boto3's own resolution (``AWS_DEFAULT_REGION``,
+    the profile's region); ``profile`` names a profile of the AWS config files. At start-up
+    the endpoint must refuse a second put-if-absent of a probe object;
+    ``conditional_writes: false`` accepts an endpoint that ignores ``If-None-Match``: racing
+    writers of one chunk then overwrite each other (last writer wins; both wrote the same
+    key's chunk and every read is checked against its checksum, so reads stay safe).
     """
 
     what: ClassVar[str] = "an s3 tier"
@@ -358,7 +377,10 @@ class S3TierConfig(TierConfig):
     prefix: Annotated[str, Check(_prefix_problem)] = ""
     """Object key prefix under which namespaces live (no leading '/')."""
     region: Annotated[str, Matches(r"[a-z0-9-]+", "a region such as us-east-1")] | None = None
-    """The bucket's region; unset: boto3's default (``AWS_REGION``, config files)."""
+    """The bucket's region; unset: ``AWS_REGION``, then boto3's own resolution (profile,
+    config files)."""
+    profile: Annotated[str, SIMPLE_NAME] | None = None
+    """A named profile of the AWS config and credentials files; unset: boto3's default."""
     endpoint_url: Annotated[str, Check(_endpoint_problem)] | None = None
     """An S3-compatible endpoint (MinIO, SeaweedFS, Ceph): ``http(s)://host:port``; unset:
     AWS; ``embedded``: a local moto server in this process (demos and tests)."""
@@ -370,24 +392,31 @@ class S3TierConfig(TierConfig):
     shared: bool = False
     """Other engines write this prefix too: an index miss starts a batched background
     existence probe (RETRY until it resolves) instead of a miss."""
+    retry_mode: Literal["standard", "adaptive"] = "standard"
+    """botocore's retry mode: ``standard`` (back-off from 1 s on throttling, honours
+    Retry-After, a retry quota) or ``adaptive`` (adds client-side rate limiting)."""
     max_attempts: Annotated[int, Range(1)] = 5
     """Tries per request in all, on throttling, 5xx answers and timeouts."""
     backoff_base_s: Seconds = 0.05
     """Bound of the first backoff: each retry sleeps a random time below
     ``min(backoff_max_s, backoff_base_s * 2**attempt)`` (full jitter)."""
-    backoff_max_s: Seconds = 2.0
+    backoff_max_s: Seconds = 20.0
     """Cap of the backoff bound; at least backoff_base_s."""
     timeout_s: Seconds = 30.0
     """Connect and read timeout of one request."""
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
     """Overall bound of one operation: every attempt and backoff together end by it."""
     delete_corrupt: bool = True
-    """Delete an object that fails verification (it is a miss either way)."""
+    """Delete an object that fails verification twice (it is a miss either way)."""
     load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
     """Seconds an object whose load failed is a miss before it is tried again; doubled per
     further failure."""
     load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
     """Cap of that back-off; also how long an object forgotten as unreadable stays a miss."""
+    conditional_writes: bool = True
+    """Puts carry ``If-None-Match: *`` so racing writers never clobber; the start-up probe
+    refuses an endpoint that ignores it. ``false``: no condition, the last writer wins
+    (checksums still keep reads safe)."""
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
@@ -402,7 +431,7 @@ class S3TierConfig(TierConfig):
         location = f"s3://{self.bucket}/{self.prefix}".rstrip("/")
         parts = [f"s3 {location}"]
         if self.endpoint_url is not None:
-            parts.append(f"endpoint={self.endpoint_url}")
+            parts.append(f"endpoint={redact_url(self.endpoint_url)}")
         if self.capacity is not None:
             parts.append(format_size(self.capacity))
         if self.shared:

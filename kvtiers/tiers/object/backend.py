@@ -113,7 +113,8 @@ class ObjectBackend:
 
     @property
     def retries(self) -> int:
-        return self.retrier.retries
+        """Retries of this tier's requests: the retrier's and the store's own."""
+        return self.retrier.retries + self.store.retries
 
     def delete_quietly(self, name: str) -> bool:
         """Delete ``name`` with retries; a failure is logged, not raised. True if done."""

@@ -9,7 +9,8 @@ bounded I/O pool (:class:`~kvtiers.tiers.fanout.FanOutMover`); the job's
   the object already there (a racing writer) counts as success.
 - Load: the header is read into a 4 KiB buffer and the payload straight into the slot's
   view, then both are verified. A missing object fails its key; an object of the wrong
-  size, or with a bad header, namespace, key or checksum is corrupt: it fails its key, is
+  size, or with a bad header, namespace, key or checksum is read once more (damage in
+  transit is not damage in the store) and, bad again, is corrupt: it fails its key, is
   counted, is deleted when ``delete_corrupt`` is set, and the manager is told to forget
   it. A key is reported as succeeded only after its bytes verified.
 - Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`
@@ -122,14 +123,25 @@ class ObjectMover(FanOutMover[FanOutJob]):
         view = self.region.view(slot)
         if size > len(view):
             raise ValueError(f"a {size}-byte chunk does not fit a {len(view)}-byte slot")
-        payload = view[:size]
+        try:
+            return self._read_checked(key, name, view[:size])
+        except CorruptChunkError as exc:
+            # A bit damaged in transit looks the same as a damaged object; only an object
+            # that reads bad twice is corrupt (and, shared, deleted for every engine).
+            log.info("object tier: %s read bad (%s); reading it again",
+                     self.backend.store.describe(name), exc.check)
+            return self._read_checked(key, name, view[:size])
+
+    def _read_checked(self, key: OffloadKey, name: str, payload: memoryview) -> int:
+        """Read ``name`` into a header buffer and ``payload`` and verify both."""
         header = bytearray(HEADER_BYTES)
         buffers = [memoryview(header), payload]
         store = self.backend.store
         total = self.backend.retrier.call(lambda: store.get_into(name, buffers))
-        if total != HEADER_BYTES + size:
+        if total != HEADER_BYTES + len(payload):
             raise CorruptChunkError(
-                "length", f"object is {total} bytes, a chunk of this key is {HEADER_BYTES + size}"
+                "length",
+                f"object is {total} bytes, a chunk of this key is {HEADER_BYTES + len(payload)}",
             )
         verify_payload(decode_header(header, namespace_digest=self._digest, key=key), payload)
         return total

@@ -13,9 +13,11 @@ Contract for implementers:
 - :meth:`ObjectStore.put_if_absent` returns ``False`` (and writes nothing) when the
   object already exists — a racing writer has stored it, which for a chunk means the
   chunk is there;
-- :meth:`ObjectStore.is_transient` says which exceptions are worth retrying (throttling,
-  server errors other than 501 Not Implemented, dropped connections, timeouts); the
-  caller owns the retry loop.
+- :meth:`ObjectStore.is_transient` says which exceptions are worth retrying by the caller
+  (throttling, server errors other than 501 Not Implemented, dropped connections,
+  timeouts — or, for a store whose client retries its own requests, only what that
+  client cannot retry, such as a response body cut in transit); the caller owns that
+  retry loop, and :attr:`ObjectStore.retries` counts the store's own.
 """
 
 from __future__ import annotations
@@ -77,6 +79,12 @@ class ObjectStore(ABC):
     @abstractmethod
     def is_transient(self, exc: BaseException) -> bool:
         """Whether ``exc`` is a failure worth retrying."""
+
+    @property
+    def retries(self) -> int:
+        """Retries the store made inside its own requests (a client library's retry
+        mode); 0 for a store that leaves every retry to its caller."""
+        return 0
 
     def read(self, name: str, limit: int) -> bytes:
         """The whole of a small object (at most ``limit`` + 1 bytes are kept).

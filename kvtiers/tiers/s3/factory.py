@@ -1,10 +1,14 @@
 """Builds the ``s3`` tier from its YAML config: store, namespace backend, manager, mover.
 
-The bucket is checked at build time (HeadBucket), so a wrong bucket, missing credentials
-or an unreachable endpoint is a start-up :class:`~kvtiers.errors.ConfigError`, not a
-stream of failed stores; so is an endpoint without conditional writes, found when the
-namespace manifest is first published. ``endpoint_url: embedded`` starts (or reuses) the
-process's local moto server and creates the bucket there.
+The bucket is checked at build time (HeadBucket, retried like every request), so a wrong
+bucket, missing credentials or an unreachable endpoint is a start-up
+:class:`~kvtiers.errors.ConfigError`, not a stream of failed stores; so is an endpoint
+that does not honour conditional writes, found by a probe (two put-if-absent of one
+sentinel object; the second must be refused) unless ``conditional_writes: false`` accepts
+last writer wins. A namespace listing that still fails after botocore's per-page retries
+is one :class:`~kvtiers.errors.BackendUnavailableError` naming the endpoint.
+``endpoint_url: embedded`` starts (or reuses) the process's local moto server and creates
+the bucket there.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager, Retrier
-from kvtiers.tiers.s3.store import EventHook, S3Store, lacks_conditional_writes
+from kvtiers.tiers.s3.store import EventHook, S3Store
 
 
 def make_store(config: S3TierConfig, *, event_hooks: Sequence[EventHook] = ()) -> S3Store:
@@ -34,16 +38,23 @@ def make_store(config: S3TierConfig, *, event_hooks: Sequence[EventHook] = ()) -
         endpoint_url, credentials = server.endpoint_url, server.credentials
     store = S3Store(
         config.bucket,
-        region=config.region or "us-east-1",
+        region=config.region,
         endpoint_url=endpoint_url,
+        profile=config.profile,
         timeout_s=config.timeout_s,
         max_connections=config.threads,
+        retry_mode=config.retry_mode,
+        max_attempts=config.max_attempts,
+        backoff_max_s=config.backoff_max_s,
+        conditional_writes=config.conditional_writes,
         credentials=credentials,
         event_hooks=event_hooks,
     )
     if embedded:
         store.create_bucket()
     store.check_bucket()
+    if config.conditional_writes:
+        store.check_conditional_writes(config.prefix)
     return store
 
 
@@ -90,16 +101,8 @@ def build_tier(
             load_backoff_s=config.load_backoff_s,
             load_backoff_max_s=config.load_backoff_max_s,
         )
-    except BaseException as exc:
+    except BaseException:
         backend.close()
-        if lacks_conditional_writes(exc):  # the namespace manifest is the first put
-            raise ConfigError(
-                f"the S3 endpoint {config.endpoint_url or 'AWS S3'} does not support "
-                "conditional writes (PutObject with If-None-Match), which kvtiers needs so "
-                "that racing writers never overwrite each other; use a store that supports "
-                "them",
-                path="endpoint_url",
-            ) from None
         raise
     mover = ObjectMover(
         backend, primary_region, geometry,
