@@ -553,22 +553,37 @@ def child_kvikio_info(work: Path) -> dict[str, Any]:
     if reason is not None:
         info["unusable"] = reason
         return info
-    preferred = info.get("compat_mode_preferred")
-    info["io_path"] = (
-        "kvikio compatibility mode (POSIX through bounce buffers)" if preferred is not False
-        else "GPUDirect Storage (cuFile)"
-    )
+    info["io_path"] = io_path(info)
     return info
+
+
+def io_path(info: dict[str, Any]) -> str:
+    """Which path kvikio's ``CuFile`` takes, from its answers: compatibility mode when it
+    prefers it (``KVIKIO_COMPAT_MODE=ON``, or ``AUTO`` without libcufile), or when cuFile
+    loads but reports GDS unavailable (kvikio then falls back per file)."""
+    preferred, gds = info.get("compat_mode_preferred"), info.get("gds_available")
+    if preferred is True:
+        return "kvikio compatibility mode (POSIX through bounce buffers)"
+    if preferred is False and gds is True:
+        return "GPUDirect Storage (cuFile)"
+    if preferred is False and gds is False:
+        return ("kvikio compatibility mode (libcufile loads, but cuFile reports GDS "
+                "unavailable)")
+    return "undetermined (see the kvikio answers below)"
 
 
 def _kvikio_settings(kvikio: Any) -> dict[str, Any]:
     """What kvikio says about its I/O path; each question is optional across versions."""
     out: dict[str, Any] = {}
+
+    def module(name: str) -> Any:
+        return importlib.import_module(f"{kvikio.__name__}.{name}")
+
     questions: dict[str, Callable[[], Any]] = {
-        "compat_mode": lambda: str(kvikio.defaults.get("compat_mode")),
-        "compat_mode_preferred": lambda: bool(kvikio.defaults.is_compat_mode_preferred()),
-        "gds_available": lambda: bool(kvikio.cufile_driver.get("is_gds_available")),
-        "libcufile": lambda: ".".join(map(str, kvikio.cufile_driver.libcufile_version())),
+        "compat_mode": lambda: str(module("defaults").get("compat_mode")),
+        "compat_mode_preferred": lambda: bool(module("defaults").is_compat_mode_preferred()),
+        "gds_available": lambda: bool(module("cufile_driver").get("is_gds_available")),
+        "libcufile": lambda: ".".join(map(str, module("cufile_driver").libcufile_version())),
     }
     for key, ask in questions.items():
         try:

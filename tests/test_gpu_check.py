@@ -263,6 +263,20 @@ def test_missing_kvikio_is_a_skip_line_not_a_crash(tmp_path: Path) -> None:
     assert "kvikio" in result.summary or "libcuda" in result.summary
 
 
+@pytest.mark.parametrize(
+    ("answers", "path"),
+    [
+        ({"compat_mode_preferred": True, "gds_available": True}, "compatibility mode (POSIX"),
+        ({"compat_mode_preferred": False, "gds_available": True}, "GPUDirect Storage"),
+        ({"compat_mode_preferred": False, "gds_available": False}, "reports GDS unavailable"),
+        ({"compat_mode_preferred": False, "gds_available_error": "RuntimeError"},
+         "undetermined"),
+    ],
+)
+def test_the_kvikio_io_path_named_from_its_answers(answers: dict[str, Any], path: str) -> None:
+    assert path in gpu_check.io_path(answers)
+
+
 def test_a_child_that_dies_without_a_result_fails_its_step(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
