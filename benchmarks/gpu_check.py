@@ -732,18 +732,27 @@ def child_demo(work: Path, device: str = "cuda:0", quick: bool = False) -> dict[
     with the simulated engine's KV tensors on ``device``. The CLI has no device option, so
     the engine class the demo builds is swapped for one that puts them there."""
     from kvtiers.engine import demo, simulator
-    from kvtiers.engine.workload import WorkloadSpec
-    from kvtiers.tiers.file.io import kvikio_status
 
     devices: set[str] = set()
     base = simulator.SimulatedEngine
 
-    class CudaEngine(base):  # type: ignore[valid-type, misc]
+    class DeviceEngine(base):  # type: ignore[valid-type, misc]
         def __init__(self, stack: Any, **options: Any) -> None:
             super().__init__(stack, device=device, **options)
             devices.update(str(tensor.device) for tensor in self.tensors)
 
-    simulator.SimulatedEngine = CudaEngine  # type: ignore[misc]
+    simulator.SimulatedEngine = DeviceEngine  # type: ignore[misc]
+    try:
+        return {"runs": _demo_runs(demo, work, devices, device, quick)}
+    finally:
+        simulator.SimulatedEngine = base  # type: ignore[misc]
+
+
+def _demo_runs(demo: Any, work: Path, devices: set[str], device: str,
+               quick: bool) -> list[dict[str, Any]]:
+    from kvtiers.engine.workload import WorkloadSpec
+    from kvtiers.tiers.file.io import kvikio_status
+
     runs: list[dict[str, Any]] = []
     workload = WorkloadSpec(conversations=4, turns=2) if quick else WorkloadSpec()
     kvikio_reason = kvikio_status(work)
@@ -782,7 +791,7 @@ def child_demo(work: Path, device: str = "cuda:0", quick: bool = False) -> dict[
                        for phase in phases],
             "output": printed.getvalue()[-4000:],
         })
-    return {"runs": runs}
+    return runs
 
 
 def child_main(args: argparse.Namespace) -> int:

@@ -289,7 +289,11 @@ def test_a_child_that_dies_without_a_result_fails_its_step(
 def test_the_demo_child_runs_the_demo_on_the_engine_device_it_is_given(tmp_path: Path) -> None:
     """On CPU tensors here (cuda:0 on a GPU machine): the swapped engine class is the one
     run_demo builds, every byte verified; file-gds is a skip line without kvikio."""
+    from kvtiers.engine import simulator
+
+    engine = simulator.SimulatedEngine
     data = gpu_check.child_demo(tmp_path, device="cpu", quick=True)
+    assert simulator.SimulatedEngine is engine, "the demo's engine class is put back"
     runs = {run["config"]: run for run in data["runs"]}
     assert runs["cpu-file"]["status"] == "passed", runs["cpu-file"]
     assert runs["cpu-file"]["verdict"].startswith("verdict: ok")
