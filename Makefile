@@ -25,7 +25,7 @@ DEMO_VENV ?= .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.kvtiers-demo-installed
 QUIET_PIP := PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
 
-.PHONY: test e2e demo lint typecheck pytest clean
+.PHONY: test e2e demo lint typecheck pytest clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -78,3 +78,17 @@ demo: $(DEMO_STAMP)
 
 clean:
 	rm -rf $(VENV) $(DEMO_VENV) $(ENGINE_VENV) .e2e-tmp .pytest_cache .mypy_cache .ruff_cache
+
+# The GPU check (docs/gpu-check.md): the machine's own Python with its CUDA torch, kvtiers
+# from this checkout, kvikio from the wheels in .whl; no virtualenv, no index.
+GPU_PY ?= python3
+GPU_WHEELS := kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 rapids-logger==0.3.0
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# Run where the index is reachable: the wheels gpu-check installs (about 4 MiB), for
+# CPython 3.12 on x86-64, without their dependencies (the GPU machine has those).
+gpu-wheels:
+	$(GPU_PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)

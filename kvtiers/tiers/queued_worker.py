@@ -21,6 +21,9 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+import numpy.typing as npt
+
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.specs import GroupTransfer
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker, TransferResult
@@ -52,6 +55,16 @@ def dtype_for(element_bytes: int) -> torch.dtype:
         2: torch.int16,
         1: torch.uint8,
     }[element_bytes]
+
+
+def check_ids(group: int, ids: npt.NDArray[np.int64], limit: int, what: str) -> None:
+    """Raise ``IndexError`` unless every id lies in ``[0, limit)``. Copies check ids with
+    this before they move anything: the page-copy kernel copies whatever addresses it is
+    given, and an index out of range in a CUDA kernel is a device-side assert that leaves
+    the process's CUDA context unusable."""
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= limit:
+        raise IndexError(f"group {group}: {what} ids must lie in [0, {limit}), got {low}..{high}")
 
 
 def check_kv_geometry(kv: KVCacheTensors, geometry: ChunkGeometry) -> None:

@@ -45,6 +45,7 @@ from kvtiers.errors import ConfigError
 from kvtiers.tiers.queued_worker import (
     QueuedJob,
     QueuedWorker,
+    check_ids,
     check_kv_geometry,
     dtype_for,
     widest_element,
@@ -300,8 +301,8 @@ class CpuWorker(QueuedWorker):
             slots = spec.slot_ids[positions // per_chunk]
             subs = positions % per_chunk
             plans = self._plans[g]
-            self._check_ids(g, block_ids, min(plan.num_blocks for plan in plans), "GPU block")
-            self._check_ids(g, slots, self._num_slots, "slot")
+            check_ids(g, block_ids, min(plan.num_blocks for plan in plans), "GPU block")
+            check_ids(g, slots, self._num_slots, "slot")
             slot_addrs = self._region_addr + slots * self._slot_bytes
             for plan in plans:
                 gpu.append(plan.pages_addr + block_ids * plan.block_stride)
@@ -317,14 +318,6 @@ class CpuWorker(QueuedWorker):
             copier.copy(dst, src, np.concatenate(sizes), threads, streaming=streaming)
         return moved
 
-    @staticmethod
-    def _check_ids(group: int, ids: npt.NDArray[np.int64], limit: int, what: str) -> None:
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= limit:
-            raise IndexError(
-                f"group {group}: {what} ids must lie in [0, {limit}), got {low}..{high}"
-            )
-
     def _transfer_group(self, group: int, transfer: GroupTransfer, store: bool) -> None:
         import torch
 
@@ -339,6 +332,9 @@ class CpuWorker(QueuedWorker):
         subs = positions % per_chunk
         blocks = torch.from_numpy(block_ids)
         if self._cuda:
+            plans = self._plans[group]
+            check_ids(group, block_ids, min(plan.num_blocks for plan in plans), "GPU block")
+            check_ids(group, slots, self._num_slots, "slot")
             blocks = blocks.to(self._device)
         for plan in self._plans[group]:
             rows = (slots * plan.slot_elems + subs * plan.page_elems) // plan.row_step

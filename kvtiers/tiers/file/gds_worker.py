@@ -45,6 +45,7 @@ from kvtiers.tiers.file.mover import BadChunkHandler
 from kvtiers.tiers.queued_worker import (
     QueuedJob,
     QueuedWorker,
+    check_ids,
     check_kv_geometry,
     dtype_for,
     widest_element,
@@ -186,6 +187,9 @@ class FileWorker(QueuedWorker):
                 f"group {group}: a store must cover whole chunks of {per_chunk} blocks; got "
                 f"{n} blocks at offset {spec.gpu_block_offset}"
             )
+        if self._cuda:
+            limit = min(plan.pages.shape[0] for plan in self._plans[group])
+            check_ids(group, block_ids, limit, "GPU block")
         ids = torch.from_numpy(np.ascontiguousarray(block_ids)).to(self._device)
         moved = 0
         for c, (path, key) in enumerate(zip(spec.paths, spec.keys, strict=True)):
