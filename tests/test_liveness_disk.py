@@ -68,7 +68,9 @@ def test_a_full_disk_pauses_admission_with_one_warning_until_space_returns(
     clock = Clock()
     latch = SpaceLatch(str(tmp_path), retry_s=5.0, clock=clock)
     ops = SwitchableOps(error)
-    tier = open_tier(tmp_path, slots=8, settings=PublishSettings(ops=ops), space=latch)
+    tier = open_tier(
+        tmp_path, slots=8, settings=PublishSettings(ops=ops, durability="power"), space=latch
+    )
     tier.mover.space = latch
     manager = tier.manager
     try:

@@ -174,6 +174,11 @@ class FileTierConfig(TierConfig):
     quarantine: bool = True
     """Move corrupt chunk files to ``<namespace>/quarantine/`` for inspection instead of
     deleting them."""
+    durability: Literal["process", "power"] = "process"
+    """What a stored chunk survives. process: the crash of any process (atomic publish, no
+    fsync; a power cut may lose recent chunks, which then read as misses). power: a power
+    cut too (each chunk fsynced before its rename, directories fsynced once per store job);
+    slower, most for small chunks."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -214,6 +219,8 @@ class FileTierConfig(TierConfig):
             parts.append(format_size(self.capacity))
         parts.append(f"io={self.io}")
         parts.extend(flag for flag in ("gds", "shared", "o_direct") if getattr(self, flag))
+        if self.durability != "process":
+            parts.append(f"durability={self.durability}")
         return ", ".join(parts)
 
 

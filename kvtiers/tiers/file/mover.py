@@ -7,9 +7,12 @@ header over the slot's payload and publish header + payload atomically through t
 backend. Loads (``FileLoadStoreSpec`` → ``CPULoadStoreSpec``) read the header and the
 payload straight into the slot and verify both before the chunk counts as arrived.
 
-Directory fsyncs of a store job are deferred to its end and run once per directory
-before the result is reported: each chunk's bytes are still fsynced before its rename,
-so nothing torn can ever appear, and on journaling filesystems one commit then covers
+With ``durability: process`` (the default) a store publishes without any fsync: the
+chunk survives the crash of any process, and a power cut may lose it (it then reads as a
+miss: every load verifies). With ``durability: power`` each chunk's bytes are fsynced
+before its rename, so nothing torn can ever appear, and the directory fsyncs of a store
+job (new directories' parents included) are deferred to its end and run once per
+directory before the result is reported: on journaling filesystems one commit then covers
 every rename of the job instead of one commit per chunk.
 
 Invariants: a chunk is in ``succeeded_keys`` only when its bytes are exactly right; any
@@ -184,7 +187,8 @@ class FileMover(FanOutMover[_FileJob]):
         if len(slots) != len(files):
             raise ValueError(f"{len(slots)} slots for {len(files)} chunk files")
         job = _FileJob(job_id, store, plan_chunks(slots.tolist(), files.keys, files.paths))
-        if store:
+        job.settings = self.settings
+        if store and self.settings.sync:
             job.settings = replace(self.settings, ops=_DeferredDirSync(self.settings.ops, job))
         return job
 
@@ -237,8 +241,9 @@ class FileMover(FanOutMover[_FileJob]):
         self.backend.write(path, header, payload, job.settings)
         if self.space is not None:
             self.space.mark_ok()
-        with job.lock:
-            job.dirs.setdefault(path.parent, []).append(chunk.index)
+        if job.settings.sync:
+            with job.lock:
+                job.dirs.setdefault(path.parent, []).append(chunk.index)
         return size
 
     def _load_one(self, chunk: ChunkCopy) -> int:
