@@ -346,9 +346,20 @@ def test_shared_probe_hits_are_kept_within_capacity(tmp_path: Path) -> None:
 
 # -- full disk, read-only filesystem --------------------------------------------------
 class FailingOps(FileOps):
-    def __init__(self, error: int, step: str) -> None:
+    """Fails ``step`` with ``error``. ``syncfs=False`` hides syncfs, so that a power
+    mover takes the per-file fsync path it takes on other platforms."""
+
+    def __init__(self, error: int, step: str, *, syncfs: bool = True) -> None:
         self.error = error
         self.step = step
+        self.syncfs_available = syncfs
+
+    def has_syncfs(self) -> bool:
+        return self.syncfs_available and super().has_syncfs()
+
+    def syncfs(self, path: Path) -> None:
+        self._maybe_fail("syncfs")
+        super().syncfs(path)
 
     def _maybe_fail(self, step: str) -> None:
         if step == self.step:
@@ -378,6 +389,8 @@ class FailingOps(FileOps):
         (errno.ENOSPC, "replace"),
         (errno.EROFS, "open"),
         (errno.EIO, "fsync_dir"),
+        (errno.EIO, "syncfs"),
+        (errno.ENOSPC, "syncfs"),
     ],
 )
 def test_full_or_read_only_disk_fails_the_store_cleanly(
@@ -386,7 +399,10 @@ def test_full_or_read_only_disk_fails_the_store_cleanly(
     good = open_tier(tmp_path, capacity_chunks=4)
     good.store([0, 1])
     good.close()
-    settings = PublishSettings(ops=FailingOps(error, step), durability="power")
+    ops = FailingOps(error, step, syncfs=step not in ("fsync", "fsync_dir"))
+    if step == "syncfs" and not ops.has_syncfs():
+        pytest.skip("this platform has no syncfs")
+    settings = PublishSettings(ops=ops, durability="power")
     tier = open_tier(tmp_path, capacity_chunks=4, settings=settings)
     manager = tier.manager
     try:
@@ -553,11 +569,21 @@ def test_o_direct_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 
 class SyncRecordingOps(FileOps):
-    """Real system calls; records every fsync (``None``) and directory fsync (its path)."""
+    """Real system calls; records every fsync (``None``), directory fsync (its path) and
+    syncfs (``"syncfs"``). ``syncfs=False`` hides syncfs."""
 
-    def __init__(self) -> None:
-        self.calls: list[Path | None] = []
+    def __init__(self, *, syncfs: bool = True) -> None:
+        self.calls: list[Path | str | None] = []
         self.lock = threading.Lock()
+        self.syncfs_available = syncfs
+
+    def has_syncfs(self) -> bool:
+        return self.syncfs_available and super().has_syncfs()
+
+    def syncfs(self, path: Path) -> None:
+        with self.lock:
+            self.calls.append("syncfs")
+        super().syncfs(path)
 
     def fsync(self, fd: int) -> None:
         with self.lock:
@@ -582,8 +608,10 @@ def test_durability_process_stores_without_any_fsync(tmp_path: Path) -> None:
         tier.close()
 
 
-def test_durability_power_fsyncs_each_chunk_then_each_directory_once(tmp_path: Path) -> None:
-    ops = SyncRecordingOps()
+def test_durability_power_without_syncfs_fsyncs_each_chunk_then_each_directory_once(
+    tmp_path: Path,
+) -> None:
+    ops = SyncRecordingOps(syncfs=False)
     tier = open_tier(tmp_path, settings=PublishSettings(ops=ops, durability="power"))
     try:
         assert len(tier.store(range(6))) == 6
@@ -593,6 +621,21 @@ def test_durability_power_fsyncs_each_chunk_then_each_directory_once(tmp_path: P
         assert ops.calls[:data_syncs] == [None] * 6, "a directory fsync ran before a chunk's"
         assert None not in dirs and len(dirs) == len(set(dirs)), dirs
         assert {f.parent for f in files} | {f.parent.parent for f in files} <= set(dirs)
+    finally:
+        tier.close()
+
+
+def test_durability_power_flushes_each_store_job_with_one_syncfs(tmp_path: Path) -> None:
+    ops = SyncRecordingOps()
+    if not ops.has_syncfs():
+        pytest.skip("this platform has no syncfs")
+    tier = open_tier(tmp_path, settings=PublishSettings(ops=ops, durability="power"))
+    try:
+        assert len(tier.store(range(6))) == 6
+        assert len(tier.store(range(6, 9))) == 3
+        assert ops.calls == ["syncfs", "syncfs"]
+        for i in range(9):
+            assert tier.load(i)[1] == conformance_payload(i, CHUNK)
     finally:
         tier.close()
 

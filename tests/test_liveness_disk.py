@@ -49,16 +49,17 @@ class Clock:
 
 
 class SwitchableOps(FileOps):
-    """Fails the file fsync of every publish with ``error`` while ``failing``."""
+    """Fails the temp-file create of every publish with ``error`` while ``failing`` (a
+    step of every publish whatever the tier's durability)."""
 
     def __init__(self, error: int) -> None:
         self.error = error
         self.failing = True
 
-    def fsync(self, fd: int) -> None:
+    def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
         if self.failing:
             raise OSError(self.error, os.strerror(self.error))
-        super().fsync(fd)
+        return super().open_exclusive(path, mode, extra_flags)
 
 
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT])
@@ -68,9 +69,7 @@ def test_a_full_disk_pauses_admission_with_one_warning_until_space_returns(
     clock = Clock()
     latch = SpaceLatch(str(tmp_path), retry_s=5.0, clock=clock)
     ops = SwitchableOps(error)
-    tier = open_tier(
-        tmp_path, slots=8, settings=PublishSettings(ops=ops, durability="power"), space=latch
-    )
+    tier = open_tier(tmp_path, slots=8, settings=PublishSettings(ops=ops), space=latch)
     tier.mover.space = latch
     manager = tier.manager
     try:

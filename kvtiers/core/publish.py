@@ -31,7 +31,9 @@ System calls go through :class:`FileOps` so tests can inject a failure at every 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import os
 import secrets
 import stat
@@ -84,6 +86,41 @@ class FileOps:
 
     def unlink(self, path: Path) -> None:
         os.unlink(path)
+
+    def has_syncfs(self) -> bool:
+        """Whether :meth:`syncfs` works on this platform (Linux)."""
+        return _libc_syncfs() is not None
+
+    def syncfs(self, path: Path) -> None:
+        """Make everything written to the filesystem holding ``path`` durable (data,
+        names and directories: Linux ``syncfs``); raises ``OSError`` when the flush
+        fails. Only where :meth:`has_syncfs`."""
+        call = _libc_syncfs()
+        if call is None:
+            raise OSError(errno.ENOSYS, "this platform has no syncfs")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if call(fd) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, f"syncfs of {path}: {os.strerror(code)}", str(path))
+        finally:
+            os.close(fd)
+
+
+@functools.cache
+def _libc_syncfs() -> Callable[[int], int] | None:
+    """The C library's ``syncfs``, or ``None`` where there is none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    call = getattr(libc, "syncfs", None)
+    if call is None:
+        return None
+    call.argtypes = [ctypes.c_int]
+    call.restype = ctypes.c_int
+    result: Callable[[int], int] = call
+    return result
 
 
 DEFAULT_OPS = FileOps()
