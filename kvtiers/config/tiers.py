@@ -177,8 +177,8 @@ class FileTierConfig(TierConfig):
     durability: Literal["process", "power"] = "process"
     """What a stored chunk survives. process: the crash of any process (atomic publish, no
     fsync; a power cut may lose recent chunks, which then read as misses). power: a power
-    cut too (each chunk fsynced before its rename, directories fsynced once per store job);
-    slower, most for small chunks."""
+    cut too (a store job's chunks are flushed to disk before they count as stored: one
+    syncfs per job on Linux); slower, most for small chunks."""
 
     @property
     def can_be_primary(self) -> bool:
