@@ -388,7 +388,8 @@ def main() -> int:
         f"Machine: {note}; load average at the end "
         f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
         "",
-        f"Command: `.venv/bin/python benchmarks/bench_file.py` ({volume // MIB} MiB per case, "
+        f"Command: `{' '.join(['.venv/bin/python benchmarks/bench_file.py', *sys.argv[1:]])}` "
+        f"({volume // MIB} MiB per case, "
         f"median of {repeats} passes; checksums on; `sync` before every write pass; page "
         "cache dropped with `posix_fadvise(DONTNEED)` after an fsync before every read "
         "pass). Throughput is payload GB/s; ratios are tier / raw with the same threads and "
