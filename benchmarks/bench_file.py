@@ -1,16 +1,21 @@
-"""File tier benchmarks: mover throughput against the raw disk, and index rebuild time.
+"""File tier benchmarks: mover throughput against the raw disk, a fresh namespace's cost,
+and index rebuild time.
 
 (a) Store and load throughput of the file tier's mover (posix backend, checksums on:
     every store hashes its payload into the header, every load verifies it) for 256 KiB,
-    2 MiB and 16 MiB chunks with 1, 4 and 16 threads. Each is a ratio to the raw medium
-    measured in the same run with the same threads and the same bytes: one
-    ``open(O_CREAT) + pwrite + fsync + close`` of a new file per blob for stores, one
-    ``open + pread + close`` per blob for loads. The passes of each repeat run in rotating
-    order. Before every read pass every file is fsynced and dropped from the page
-    cache with ``posix_fadvise(DONTNEED)``. Target: >= 0.85x.
-    A third store pass publishes without the directory fsyncs (``NoDirFsyncOps``) to
-    show what they cost.
-(b) Index rebuild: the time a manager takes to open a namespace holding 100,000 chunk
+    2 MiB and 16 MiB chunks with 1, 4 and 16 threads, in both durabilities. Each is a
+    ratio to the raw medium measured in the same run with the same threads and the same
+    bytes, one new file per blob in one directory: ``open(O_CREAT) + pwrite + close``
+    for ``durability: process`` (target >= 0.9x), the same plus ``fsync`` for
+    ``durability: power`` (target >= 0.85x), ``open + pread + close`` for loads (target
+    >= 0.9x). The passes of each repeat run in rotating order; ``sync`` runs (untimed)
+    before every write pass so that none inherits another's dirty pages, and before every
+    read pass every file is fsynced and dropped from the page cache with
+    ``posix_fadvise(DONTNEED)``.
+(b) A fresh namespace: 256 KiB chunks, 4 threads, stored into a namespace with no fan-out
+    directories yet (nearly every chunk creates its directory), then the same keys again
+    once their files are removed (every directory exists and is cached), per durability.
+(c) Index rebuild: the time a manager takes to open a namespace holding 100,000 chunk
     files (empty files with chunk names; the scan stats, never opens). Target: <= 2 s.
 
 Run: ``.venv/bin/python benchmarks/bench_file.py [--quick] [--dir DIR]``. The full run
@@ -48,7 +53,7 @@ from kvtiers.core.config import (
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import ReqContext
-from kvtiers.core.publish import FileOps
+from kvtiers.core.publish import Durability
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.filemapper import FileMapper, NamespaceIdentity
 from kvtiers.tiers.file.io import PosixBackend, PublishSettings
@@ -58,7 +63,9 @@ from kvtiers.tiers.file.mover import FileMover
 RESULTS = Path(__file__).parent / "results"
 KIB, MIB = 1024, 1024 * 1024
 CTX = ReqContext(req_id="bench")
-TARGET_RATIO = 0.85
+TARGET_PROCESS = 0.9
+TARGET_POWER = 0.85
+TARGET_LOAD = 0.9
 TARGET_REBUILD_S = 2.0
 
 
@@ -92,15 +99,6 @@ def _keys(n: int, tag: str) -> list[OffloadKey]:
     return [make_offload_key(xxhash.xxh3_128_digest(f"{tag}:{i}".encode()), 0) for i in range(n)]
 
 
-class NoDirFsyncOps(FileOps):
-    """Publishing without the directory fsyncs, to measure what they cost: a chunk's
-    bytes are still fsynced before its rename, so a power cut could lose the newest
-    names (misses), never expose torn files."""
-
-    def fsync_dir(self, path: Path) -> None:
-        return None
-
-
 def drop_page_cache(paths: Sequence[Path]) -> None:
     """fsync every file, then ask the kernel to drop its cached pages."""
     for path in paths:
@@ -120,15 +118,17 @@ def _parallel(threads: int, fn: Callable[[int], object], n: int) -> float:
 
 
 def raw_write(paths: Sequence[Path], region: Region, header: bytes, size: int,
-              threads: int) -> float:
+              threads: int, fsync: bool) -> float:
     def one(i: int) -> None:
         fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.pwritev(fd, [header, region.view(i)[:size]], 0)
-            os.fsync(fd)
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
 
+    os.sync()
     return _parallel(threads, one, len(paths))
 
 
@@ -144,9 +144,14 @@ def raw_read(paths: Sequence[Path], region: Region, header: bytearray, size: int
     return _parallel(threads, one, len(paths))
 
 
+WRITES = ("raw_pwrite", "raw_fsync", "tier_process", "tier_power")
+READS = ("raw_read", "tier_read")
+TIER_DURABILITY: dict[str, Durability] = {"tier_process": "process", "tier_power": "power"}
+
+
 class Case:
-    """One chunk size and thread count: a tier (two movers: with and without directory
-    fsyncs) and raw files over the same region."""
+    """One chunk size and thread count: a tier (one mover per durability) and raw files
+    over the same region."""
 
     def __init__(self, base: Path, chunk_bytes: int, threads: int, volume: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -165,19 +170,13 @@ class Case:
         )
         self.manager = FileTierManager(FileMapper(self.root, identity), geometry)
         self.movers = {
-            "tier_write": FileMover(self.region, geometry, identity.digest, PosixBackend(),
-                                    threads=threads),
-            "tier_write_nodirsync": FileMover(
-                self.region, geometry, identity.digest, PosixBackend(), threads=threads,
-                settings=PublishSettings(ops=NoDirFsyncOps()),
-            ),
+            name: FileMover(self.region, geometry, identity.digest, PosixBackend(),
+                            threads=threads, settings=PublishSettings(durability=durability))
+            for name, durability in TIER_DURABILITY.items()
         }
         self.jobs = itertools.count()
         self.slots = CPULoadStoreSpec(range(n))
-        self.samples: dict[str, list[float]] = {
-            name: [] for name in ("raw_write", "tier_write", "tier_write_nodirsync",
-                                  "raw_read", "tier_read")
-        }
+        self.samples: dict[str, list[float]] = {name: [] for name in WRITES + READS}
         self.made: list[Path] = []
         self.tier_keys: list[OffloadKey] = []
 
@@ -197,53 +196,57 @@ class Case:
         return elapsed
 
     def write(self, name: str, rep: int) -> None:
-        if name == "raw_write":
+        if name.startswith("raw"):
             self.samples[name].append(
                 raw_write(self.raw_paths, self.region, self.header, self.chunk_bytes,
-                          self.threads)
+                          self.threads, fsync=name == "raw_fsync")
             )
-            self.made.extend(self.raw_paths)
+            self.clear(self.raw_paths)
             return
         keys = _keys(self.n, f"{self.chunk_bytes}-{self.threads}-{rep}-{name}")
         assert self.manager.prepare_store(keys, CTX) == keys
         spec = self.manager.get_spec(keys)
+        os.sync()
         self.samples[name].append(self._job(self.movers[name], self.slots, spec))
         self.manager.complete_store(keys, CTX)
         self.made.extend(Path(p) for p in spec.paths)
-        if name == "tier_write":
+        if name == "tier_process":
             self.tier_keys = keys
 
     def read(self, name: str) -> None:
         if name == "raw_read":
+            raw_write(self.raw_paths, self.region, self.header, self.chunk_bytes,
+                      self.threads, fsync=False)
             drop_page_cache(self.raw_paths)
             self.samples[name].append(
                 raw_read(self.raw_paths, self.region, bytearray(), self.chunk_bytes,
                          self.threads)
             )
+            self.clear(self.raw_paths)
             return
         self.manager.prepare_load(self.tier_keys, CTX)
         spec = self.manager.get_spec(self.tier_keys)
         drop_page_cache([Path(p) for p in spec.paths])
-        self.samples[name].append(self._job(self.movers["tier_write"], spec, self.slots))
+        self.samples[name].append(self._job(self.movers["tier_process"], spec, self.slots))
         self.manager.complete_load(self.tier_keys, CTX)
 
-    def clear(self) -> None:
+    def clear(self, paths: Sequence[Path] | None = None) -> None:
         """Every pass creates fresh files, as stores of new chunks do."""
-        for path in self.made:
+        for path in self.made if paths is None else paths:
             path.unlink()
-        self.made = []
+        if paths is None:
+            self.made = []
 
 
 def bench_case(base: Path, chunk_bytes: int, threads: int, volume: int,
                repeats: int) -> dict[str, float]:
     case = Case(base, chunk_bytes, threads, volume)
-    writes = ["raw_write", "tier_write", "tier_write_nodirsync"]
-    reads = ["raw_read", "tier_read"]
+    writes, reads = list(WRITES), list(READS)
     try:
         for rep in range(repeats):
             # Each variant takes each position in turn (the disk slows after a pass, as
             # it flushes and discards), so no variant always follows the others.
-            for name in writes[rep % 3 :] + writes[: rep % 3]:
+            for name in writes[rep % 4 :] + writes[: rep % 4]:
                 case.write(name, rep)
             for name in reads[rep % 2 :] + reads[: rep % 2]:
                 case.read(name)
@@ -252,11 +255,54 @@ def bench_case(base: Path, chunk_bytes: int, threads: int, volume: int,
         case.close()
     payload = case.n * chunk_bytes
     out = {name: payload / statistics.median(t) / 1e9 for name, t in case.samples.items()}
-    out["store_ratio"] = out["tier_write"] / out["raw_write"]
-    out["nodirsync_ratio"] = out["tier_write_nodirsync"] / out["raw_write"]
+    out["process_ratio"] = out["tier_process"] / out["raw_pwrite"]
+    out["power_ratio"] = out["tier_power"] / out["raw_fsync"]
     out["load_ratio"] = out["tier_read"] / out["raw_read"]
     out["chunks"] = case.n
     return out
+
+
+def bench_fresh(base: Path, volume: int, repeats: int) -> dict[str, float]:
+    """(b): GB/s of 256 KiB stores, 4 threads, into a fresh namespace and again into
+    the same (now existing) directories, per durability; medians over ``repeats``."""
+    chunk_bytes, threads = 256 * KIB, 4
+    n = volume // chunk_bytes
+    offloading = _config(chunk_bytes)
+    identity = NamespaceIdentity.from_config(offloading)
+    geometry = ChunkGeometry.from_config(offloading)
+    region = Region(n, geometry.slot_bytes)
+    jobs = itertools.count()
+    samples: dict[str, list[float]] = {}
+    for rep in range(repeats):
+        for name, durability in TIER_DURABILITY.items():
+            root = base / f"fresh-{rep}-{name}"
+            manager = FileTierManager(FileMapper(root, identity), geometry)
+            mover = FileMover(region, geometry, identity.digest, PosixBackend(),
+                              threads=threads, settings=PublishSettings(durability=durability))
+            keys = _keys(n, f"fresh-{rep}-{name}")
+            try:
+                for phase in ("fresh", "existing"):
+                    assert manager.prepare_store(keys, CTX) == keys
+                    spec = manager.get_spec(keys)
+                    os.sync()
+                    start = time.perf_counter()
+                    mover.submit(next(jobs), CPULoadStoreSpec(range(n)), spec)
+                    mover.drain()
+                    elapsed = time.perf_counter() - start
+                    (result,) = mover.get_finished()
+                    assert result.success, result
+                    manager.complete_store(keys, CTX)
+                    manager.forget(keys, corrupt=False)
+                    for path in spec.paths:
+                        os.unlink(path)
+                    samples.setdefault(f"{name}_{phase}", []).append(
+                        n * chunk_bytes / elapsed / 1e9
+                    )
+            finally:
+                mover.shutdown()
+                manager.shutdown()
+                shutil.rmtree(root)
+    return {name: statistics.median(v) for name, v in samples.items()}
 
 
 def bench_rebuild(base: Path, num_files: int) -> tuple[float, int]:
@@ -292,14 +338,23 @@ def machine_note(directory: Path) -> str:
     )
 
 
+NOTES = "## Reading the numbers"
+
+
+def _size(chunk_bytes: int) -> str:
+    return f"{chunk_bytes // MIB} MiB" if chunk_bytes >= MIB else f"{chunk_bytes // KIB} KiB"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 MiB per case, one pass")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default /tmp)")
     parser.add_argument("--no-write", action="store_true", help="do not write results/")
+    parser.add_argument("--volume-mib", type=int, default=None, help="MiB per case")
+    parser.add_argument("--repeats", type=int, default=None, help="passes per case")
     args = parser.parse_args()
-    volume = 64 * MIB if args.quick else 256 * MIB
-    repeats = 1 if args.quick else 6
+    volume = (args.volume_mib or (64 if args.quick else 256)) * MIB
+    repeats = args.repeats or (1 if args.quick else 6)
     files = 20_000 if args.quick else 100_000
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtiers-bench-") as tmp:
@@ -311,12 +366,17 @@ def main() -> int:
                 r = bench_case(base, chunk_bytes, threads, volume, repeats)
                 rows.append((chunk_bytes, threads, r))
                 print(
-                    f"{chunk_bytes // KIB:>6} KiB x{threads:>2}: store {r['tier_write']:.2f} "
-                    f"GB/s vs raw {r['raw_write']:.2f} ({r['store_ratio']:.2f}x); load "
-                    f"{r['tier_read']:.2f} vs raw {r['raw_read']:.2f} ({r['load_ratio']:.2f}x); "
-                    f"store without dir fsyncs {r['nodirsync_ratio']:.2f}x",
+                    f"{_size(chunk_bytes):>7} x{threads:>2}: process {r['tier_process']:.2f} "
+                    f"GB/s vs pwrite {r['raw_pwrite']:.2f} ({r['process_ratio']:.2f}x); power "
+                    f"{r['tier_power']:.2f} vs pwrite+fsync {r['raw_fsync']:.2f} "
+                    f"({r['power_ratio']:.2f}x); load {r['tier_read']:.2f} vs pread "
+                    f"{r['raw_read']:.2f} ({r['load_ratio']:.2f}x)",
                     flush=True,
                 )
+        fresh = bench_fresh(base, volume, repeats)
+        print("fresh namespace, 256 KiB x4 (GB/s): " + ", ".join(
+            f"{name} {value:.2f}" for name, value in fresh.items()
+        ))
         rebuild_s, chunks = bench_rebuild(base, files)
         print(f"index rebuild of {chunks} chunk files: {rebuild_s:.3f} s")
     if args.quick or args.no_write:
@@ -325,34 +385,47 @@ def main() -> int:
     lines = [
         "# File tier benchmarks",
         "",
-        f"Machine: {note}.",
+        f"Machine: {note}; load average at the end "
+        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
         "",
-        f"Command: `.venv/bin/python benchmarks/bench_file.py` ({volume // MIB} MiB per case, "
-        f"median of {repeats} passes; checksums on; page cache dropped with "
-        "`posix_fadvise(DONTNEED)` after an fsync before every read pass). Throughput is "
-        "payload GB/s; ratios are tier / raw with the same threads and bytes, measured in "
-        f"the same run. Target >= {TARGET_RATIO}x.",
+        f"Command: `{' '.join(['.venv/bin/python benchmarks/bench_file.py', *sys.argv[1:]])}` "
+        f"({volume // MIB} MiB per case, "
+        f"median of {repeats} passes; checksums on; `sync` before every write pass; page "
+        "cache dropped with `posix_fadvise(DONTNEED)` after an fsync before every read "
+        "pass). Throughput is payload GB/s; ratios are tier / raw with the same threads and "
+        "bytes, measured in the same run, raw files created new in one directory. Targets: "
+        f"process store >= {TARGET_PROCESS}x raw `pwrite`, power store >= {TARGET_POWER}x raw "
+        f"`pwrite+fsync`, load >= {TARGET_LOAD}x raw `pread`.",
         "",
-        "| chunk | threads | store GB/s | raw pwrite+fsync GB/s | store ratio | "
-        "store ratio, no dir fsync | load GB/s | raw pread GB/s | load ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| chunk | threads | process store | raw pwrite | ratio | power store | "
+        "raw pwrite+fsync | ratio | load | raw pread | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for chunk_bytes, threads, r in rows:
-        size = f"{chunk_bytes // MIB} MiB" if chunk_bytes >= MIB else f"{chunk_bytes // KIB} KiB"
         lines.append(
-            f"| {size} | {threads} | {r['tier_write']:.2f} | {r['raw_write']:.2f} | "
-            f"{r['store_ratio']:.2f} | {r['nodirsync_ratio']:.2f} | {r['tier_read']:.2f} | "
-            f"{r['raw_read']:.2f} | "
-            f"{r['load_ratio']:.2f} |"
+            f"| {_size(chunk_bytes)} | {threads} | {r['tier_process']:.2f} | "
+            f"{r['raw_pwrite']:.2f} | {r['process_ratio']:.2f} | {r['tier_power']:.2f} | "
+            f"{r['raw_fsync']:.2f} | {r['power_ratio']:.2f} | {r['tier_read']:.2f} | "
+            f"{r['raw_read']:.2f} | {r['load_ratio']:.2f} |"
         )
     lines += [
+        "",
+        "Fresh namespace, 256 KiB chunks, 4 threads (GB/s; first store creates the fan-out "
+        "directories, the second finds them): "
+        + ", ".join(f"{name.replace('_', ' ')} {value:.2f}" for name, value in fresh.items())
+        + ".",
         "",
         f"Index rebuild of {chunks} chunk files (warm dentry cache): {rebuild_s:.3f} s "
         f"(target <= {TARGET_REBUILD_S} s).",
         "",
     ]
-    (RESULTS / "file.md").write_text("\n".join(lines))
-    print(f"wrote {RESULTS / 'file.md'}")
+    out = RESULTS / "file.md"
+    # The hand-written reading of the numbers below the table survives a rerun.
+    previous = out.read_text() if out.exists() else ""
+    if NOTES in previous:
+        lines.append(previous[previous.index(NOTES):].rstrip("\n") + "\n")
+    out.write_text("\n".join(lines))
+    print(f"wrote {out}")
     return 0
 
 

@@ -6,7 +6,7 @@ engine and checks that no temp file remains and every indexed chunk loads byte-e
 (the harness of ``tests/test_file_crash.py``). Reports how many kills landed inside a
 publish (a temp file was left for the restart to clean). Run from the repository root::
 
-    .venv/bin/python benchmarks/stress_file.py --rounds 300
+    .venv/bin/python benchmarks/stress_file.py --rounds 300 [--durability power]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kvtiers.core.publish import DURABILITIES
 from tests.test_file_crash import BATCH, check_restart, crash_once
 from tests.test_file_support import temp_files
 
@@ -29,6 +30,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=300, help="writer kills (default 300)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--dir", type=Path, default=None, help="where to put the root")
+    parser.add_argument("--durability", choices=DURABILITIES, default="process")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     start = time.perf_counter()
@@ -38,7 +40,7 @@ def main() -> int:
         first = 0
         indexed = 0
         for round_no in range(1, args.rounds + 1):
-            crash_once(root, rng, first)
+            crash_once(root, rng, first, args.durability)
             torn += bool(temp_files(root))
             indexed = check_restart(root)
             first += 10 * BATCH

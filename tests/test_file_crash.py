@@ -1,4 +1,6 @@
-"""Crash safety: a writer process is SIGKILLed at random moments during a store stream.
+"""Crash safety: a writer process is SIGKILLed at random moments during a store stream,
+with ``durability: process`` (no fsync) and ``durability: power`` alike: a killed process
+loses nothing that reached the kernel, so both must leave a consistent tier.
 
 After every kill the tier is reopened as a restarted engine would: no temp file may
 remain and every chunk the rebuilt index holds must load byte-exact. The writer is a
@@ -17,7 +19,11 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
+
+from kvtiers.core.publish import DURABILITIES, Durability
 from kvtiers.testing.conformance import conformance_key, conformance_payload
+from kvtiers.tiers.file.io import PublishSettings
 from tests.test_file_support import CHUNK, open_tier, temp_files
 
 BATCH = 3
@@ -32,9 +38,9 @@ def key_index(key: bytes) -> int:
     return _INDEX[key]
 
 
-def _writer(root: Path, first: int, report_fd: int) -> None:
+def _writer(root: Path, first: int, report_fd: int, durability: Durability) -> None:
     """Child process: store batches forever, one byte on ``report_fd`` per batch."""
-    tier = open_tier(root, slots=BATCH)
+    tier = open_tier(root, slots=BATCH, settings=PublishSettings(durability=durability))
     i = first
     while True:
         tier.store(range(i, i + BATCH))
@@ -42,7 +48,9 @@ def _writer(root: Path, first: int, report_fd: int) -> None:
         i += BATCH
 
 
-def crash_once(root: Path, rng: random.Random, first: int) -> int:
+def crash_once(
+    root: Path, rng: random.Random, first: int, durability: Durability = "process"
+) -> int:
     """Fork a writer starting at chunk ``first``, kill it at a random moment; returns how
     many batches it reported finished."""
     read_fd, write_fd = os.pipe()
@@ -50,7 +58,7 @@ def crash_once(root: Path, rng: random.Random, first: int) -> int:
     if pid == 0:
         os.close(read_fd)
         try:
-            _writer(root, first, write_fd)
+            _writer(root, first, write_fd, durability)
         finally:
             os._exit(1)
     os.close(write_fd)
@@ -89,13 +97,16 @@ def check_restart(root: Path) -> int:
         tier.close()
 
 
-def test_writer_killed_at_random_moments_leaves_a_consistent_tier(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durability", DURABILITIES)
+def test_writer_killed_at_random_moments_leaves_a_consistent_tier(
+    tmp_path: Path, durability: Durability
+) -> None:
     rng = random.Random(20261130)
     first = 0
     finished = 0
     kills = 24
     for _ in range(kills):
-        finished += crash_once(tmp_path, rng, first)
+        finished += crash_once(tmp_path, rng, first, durability)
         indexed = check_restart(tmp_path)
         # Every batch reported finished was published; later ones may be in part.
         assert indexed >= finished * BATCH

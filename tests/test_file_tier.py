@@ -29,6 +29,7 @@ from kvtiers.tiers.file.io import (
     PublishSettings,
     select_backend,
 )
+from kvtiers.tiers.file.mover import FileMover
 from tests.test_file_support import (
     BLOB,
     CHUNK,
@@ -345,9 +346,20 @@ def test_shared_probe_hits_are_kept_within_capacity(tmp_path: Path) -> None:
 
 # -- full disk, read-only filesystem --------------------------------------------------
 class FailingOps(FileOps):
-    def __init__(self, error: int, step: str) -> None:
+    """Fails ``step`` with ``error``. ``syncfs=False`` hides syncfs, so that a power
+    mover takes the per-file fsync path it takes on other platforms."""
+
+    def __init__(self, error: int, step: str, *, syncfs: bool = True) -> None:
         self.error = error
         self.step = step
+        self.syncfs_available = syncfs
+
+    def has_syncfs(self) -> bool:
+        return self.syncfs_available and super().has_syncfs()
+
+    def syncfs(self, path: Path) -> None:
+        self._maybe_fail("syncfs")
+        super().syncfs(path)
 
     def _maybe_fail(self, step: str) -> None:
         if step == self.step:
@@ -377,6 +389,8 @@ class FailingOps(FileOps):
         (errno.ENOSPC, "replace"),
         (errno.EROFS, "open"),
         (errno.EIO, "fsync_dir"),
+        (errno.EIO, "syncfs"),
+        (errno.ENOSPC, "syncfs"),
     ],
 )
 def test_full_or_read_only_disk_fails_the_store_cleanly(
@@ -385,7 +399,10 @@ def test_full_or_read_only_disk_fails_the_store_cleanly(
     good = open_tier(tmp_path, capacity_chunks=4)
     good.store([0, 1])
     good.close()
-    settings = PublishSettings(ops=FailingOps(error, step))
+    ops = FailingOps(error, step, syncfs=step not in ("fsync", "fsync_dir"))
+    if step == "syncfs" and not ops.has_syncfs():
+        pytest.skip("this platform has no syncfs")
+    settings = PublishSettings(ops=ops, durability="power")
     tier = open_tier(tmp_path, capacity_chunks=4, settings=settings)
     manager = tier.manager
     try:
@@ -549,6 +566,113 @@ def test_o_direct_refused_falls_back(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(io, "probe_o_direct", lambda directory: "refused for the test")
     assert select_backend("posix", o_direct=True, directory=tmp_path).code == IO_POSIX
     assert PosixBackend(o_direct=False).name == "posix"
+
+
+class SyncRecordingOps(FileOps):
+    """Real system calls; records every fsync (``None``), directory fsync (its path) and
+    syncfs (``"syncfs"``). ``syncfs=False`` hides syncfs."""
+
+    def __init__(self, *, syncfs: bool = True) -> None:
+        self.calls: list[Path | str | None] = []
+        self.lock = threading.Lock()
+        self.syncfs_available = syncfs
+
+    def has_syncfs(self) -> bool:
+        return self.syncfs_available and super().has_syncfs()
+
+    def syncfs(self, path: Path) -> None:
+        with self.lock:
+            self.calls.append("syncfs")
+        super().syncfs(path)
+
+    def fsync(self, fd: int) -> None:
+        with self.lock:
+            self.calls.append(None)
+        super().fsync(fd)
+
+    def fsync_dir(self, path: Path) -> None:
+        with self.lock:
+            self.calls.append(path)
+        super().fsync_dir(path)
+
+
+def test_durability_process_stores_without_any_fsync(tmp_path: Path) -> None:
+    ops = SyncRecordingOps()
+    tier = open_tier(tmp_path, settings=PublishSettings(ops=ops, durability="process"))
+    try:
+        assert len(tier.store(range(6))) == 6
+        assert ops.calls == []
+        for i in range(6):
+            assert tier.load(i)[1] == conformance_payload(i, CHUNK)
+    finally:
+        tier.close()
+
+
+def test_durability_power_without_syncfs_fsyncs_each_chunk_then_each_directory_once(
+    tmp_path: Path,
+) -> None:
+    ops = SyncRecordingOps(syncfs=False)
+    tier = open_tier(tmp_path, settings=PublishSettings(ops=ops, durability="power"))
+    try:
+        assert len(tier.store(range(6))) == 6
+        files = chunk_files(tier.manager.namespace_dir)
+        data_syncs = ops.calls.count(None)
+        dirs = ops.calls[data_syncs:]
+        assert ops.calls[:data_syncs] == [None] * 6, "a directory fsync ran before a chunk's"
+        assert None not in dirs and len(dirs) == len(set(dirs)), dirs
+        assert {f.parent for f in files} | {f.parent.parent for f in files} <= set(dirs)
+    finally:
+        tier.close()
+
+
+def test_durability_power_flushes_each_store_job_with_one_syncfs(tmp_path: Path) -> None:
+    ops = SyncRecordingOps()
+    if not ops.has_syncfs():
+        pytest.skip("this platform has no syncfs")
+    tier = open_tier(tmp_path, settings=PublishSettings(ops=ops, durability="power"))
+    try:
+        assert len(tier.store(range(6))) == 6
+        assert len(tier.store(range(6, 9))) == 3
+        assert ops.calls == ["syncfs", "syncfs"]
+        for i in range(9):
+            assert tier.load(i)[1] == conformance_payload(i, CHUNK)
+    finally:
+        tier.close()
+
+
+def test_the_config_chooses_the_durability(tmp_path: Path) -> None:
+    from kvtiers.config.stack import load_stack_config
+    from kvtiers.config.tiers import CPUTierConfig, FileTierConfig
+    from kvtiers.errors import ConfigError
+    from kvtiers.tiers.cpu.factory import build_tier as build_cpu
+    from kvtiers.tiers.file.factory import build_tier as build_file
+
+    def file_tier(**extra: object) -> FileTierConfig:
+        stack = load_stack_config({"tiers": [
+            {"kind": "cpu", "capacity": "1MiB"}, {"kind": "file", "root": str(tmp_path), **extra},
+        ]})
+        tier = stack.tiers[1]
+        assert isinstance(tier, FileTierConfig)
+        return tier
+
+    assert file_tier().durability == "process"
+    assert file_tier(durability="power").durability == "power"
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.durability: expected one of process"):
+        file_tier(durability="disk")
+    offloading = offloading_config()
+    cpu = build_cpu(CPUTierConfig(name="cpu", capacity=4 * 8192), offloading,
+                    primary_region=None, name="cpu")
+    for durability in ("process", "power"):
+        config = FileTierConfig(name="disk", root=str(tmp_path), durability=durability)
+        disk = build_file(config, offloading, primary_region=cpu.region, name="disk")
+        try:
+            assert isinstance(disk.mover, FileMover)
+            assert disk.mover.settings.durability == durability
+        finally:
+            assert disk.mover is not None
+            disk.mover.shutdown()
+            disk.manager.shutdown()
+    cpu.manager.shutdown()
 
 
 # -- in a stack -----------------------------------------------------------------------

@@ -49,16 +49,17 @@ class Clock:
 
 
 class SwitchableOps(FileOps):
-    """Fails the file fsync of every publish with ``error`` while ``failing``."""
+    """Fails the temp-file create of every publish with ``error`` while ``failing`` (a
+    step of every publish whatever the tier's durability)."""
 
     def __init__(self, error: int) -> None:
         self.error = error
         self.failing = True
 
-    def fsync(self, fd: int) -> None:
+    def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
         if self.failing:
             raise OSError(self.error, os.strerror(self.error))
-        super().fsync(fd)
+        return super().open_exclusive(path, mode, extra_flags)
 
 
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import stat
 import time
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from kvtiers.core import publish as publish_module
 from kvtiers.core.publish import (
     TEMP_SUFFIX,
     FileOps,
+    KnownDirs,
     cleanup_stale_temps,
     is_temp_name,
     publish,
@@ -24,6 +26,7 @@ from kvtiers.core.publish import (
     temp_path_for,
     write_all,
 )
+from kvtiers.errors import SymlinkEscapeError
 
 OLD = b"old content " * 100
 NEW = b"NEW CONTENT " * 300
@@ -206,6 +209,66 @@ def test_publish_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
     assert final.read_bytes() == NEW
     assert temps_in(tmp_path) == []
     assert ops.calls == ["open", "fsync", "close", "replace", "fsync_dir"]
+
+
+def test_without_sync_nothing_is_fsynced_and_the_publish_is_still_atomic(
+    tmp_path: Path,
+) -> None:
+    final = tmp_path / "ab" / "cd" / "chunk.kvc"
+    ops = FaultyOps()
+    publish(final, write_new, ops=ops, root=tmp_path, sync=False)
+    assert final.read_bytes() == NEW
+    assert ops.calls == ["open", "close", "replace"]
+    ops = FaultyOps("replace")
+    with pytest.raises(InjectedFault):
+        publish(final, lambda fd, _p: write_all(fd, [OLD]), ops=ops, sync=False)
+    assert final.read_bytes() == NEW
+    assert temps_in(final.parent) == []
+
+
+class CountingLstat:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.paths: list[Path] = []
+        real = os.lstat
+
+        def lstat(path: os.PathLike[str]) -> os.stat_result:
+            self.paths.append(Path(path))
+            return real(path)
+
+        monkeypatch.setattr(publish_module.os, "lstat", lstat)
+
+
+def test_known_dirs_are_checked_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    known = KnownDirs()
+    counter = CountingLstat(monkeypatch)
+    publish(tmp_path / "ab" / "cd" / "one.kvc", write_new, root=tmp_path, known=known)
+    assert counter.paths, "the first publish checks the path from the root"
+    assert tmp_path / "ab" / "cd" in known and tmp_path / "ab" in known
+    counter.paths.clear()
+    publish(tmp_path / "ab" / "cd" / "two.kvc", write_new, root=tmp_path, known=known)
+    publish(tmp_path / "ab" / "ef" / "three.kvc", write_new, root=tmp_path, known=known)
+    assert set(counter.paths) == {tmp_path / "ab" / "ef"}  # missing, then made
+
+
+def test_a_known_dir_removed_behind_the_cache_is_made_again(tmp_path: Path) -> None:
+    known = KnownDirs()
+    publish(tmp_path / "ns" / "ab" / "one.kvc", write_new, root=tmp_path, known=known)
+    shutil.rmtree(tmp_path / "ns")
+    final = tmp_path / "ns" / "ab" / "two.kvc"
+    publish(final, write_new, root=tmp_path, known=known)
+    assert final.read_bytes() == NEW
+
+
+def test_a_link_is_refused_even_after_other_dirs_were_cached(tmp_path: Path) -> None:
+    known = KnownDirs()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    root = tmp_path / "root"
+    publish(root / "ab" / "one.kvc", write_new, root=root, known=known)
+    (root / "cd").symlink_to(outside)
+    with pytest.raises(SymlinkEscapeError):
+        publish(root / "cd" / "two.kvc", write_new, root=root, known=known)
+    assert list(outside.iterdir()) == []
 
 
 # --- no-clobber -------------------------------------------------------------------------

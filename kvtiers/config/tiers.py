@@ -217,6 +217,11 @@ class FileTierConfig(TierConfig):
     further failure."""
     load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
     """Cap of that back-off; also how long a chunk forgotten as unreadable stays a miss."""
+    durability: Literal["process", "power"] = "process"
+    """What a stored chunk survives. process: the crash of any process (atomic publish, no
+    fsync; a power cut may lose recent chunks, which then read as misses). power: a power
+    cut too (a store job's chunks are flushed to disk before they count as stored: one
+    syncfs per job on Linux); slower, most for small chunks."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -264,6 +269,8 @@ class FileTierConfig(TierConfig):
             parts.append(format_size(self.capacity))
         parts.append(f"io={self.io}")
         parts.extend(flag for flag in ("gds", "shared", "o_direct") if getattr(self, flag))
+        if self.durability != "process":
+            parts.append(f"durability={self.durability}")
         return ", ".join(parts)
 
 

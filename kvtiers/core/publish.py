@@ -5,7 +5,17 @@ writer writes every byte (short writes are checked) → ``fsync`` the file →
 ``os.replace`` onto the final name → ``fsync`` the directory. A reader therefore sees the
 old state or the new one, never a torn file; a crash leaves at most a stale temp file,
 which :func:`cleanup_stale_temps` removes at start-up. New directories are created 0700 and
-their parent fsynced once, so the directory entry itself is durable. Given the store's
+their parent fsynced once, so the directory entry itself is durable.
+
+``sync=False`` leaves out every fsync (the file's and the directories'): the publish is
+still atomic for every reader and survives the crash of any process (the bytes and the
+rename are in the kernel's page cache), but a power cut or kernel crash may lose recently
+published files or leave them empty or torn. That is the file tier's ``durability:
+process``; it is safe only for files whose readers verify them (chunk files carry a
+checksum, so such a file reads as a miss, never as wrong bytes).
+
+A :class:`KnownDirs` passed along remembers directories already checked or made, so
+later publishes into them skip the walk from the root. Given the store's
 root, publishing refuses to create or write through a symbolic link between the root and
 the file (checked with ``lstat`` before the write; a link put there meanwhile by someone
 with write access to the root is beyond what this check promises).
@@ -21,13 +31,17 @@ System calls go through :class:`FileOps` so tests can inject a failure at every 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import os
 import secrets
 import stat
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from kvtiers.errors import SymlinkEscapeError
 
@@ -36,6 +50,10 @@ DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
 
 Buffer = bytes | bytearray | memoryview
+#: What a published file survives: ``process`` — the crash of any process (no fsync);
+#: ``power`` — a power cut too (file and directory fsyncs).
+Durability = Literal["process", "power"]
+DURABILITIES: tuple[Durability, ...] = ("process", "power")
 #: Writes every byte of the new file into ``fd`` (opened for writing at ``temp_path``).
 Writer = Callable[[int, Path], object]
 
@@ -69,8 +87,67 @@ class FileOps:
     def unlink(self, path: Path) -> None:
         os.unlink(path)
 
+    def has_syncfs(self) -> bool:
+        """Whether :meth:`syncfs` works on this platform (Linux)."""
+        return _libc_syncfs() is not None
+
+    def syncfs(self, path: Path) -> None:
+        """Make everything written to the filesystem holding ``path`` durable (data,
+        names and directories: Linux ``syncfs``); raises ``OSError`` when the flush
+        fails. Only where :meth:`has_syncfs`."""
+        call = _libc_syncfs()
+        if call is None:
+            raise OSError(errno.ENOSYS, "this platform has no syncfs")
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if call(fd) != 0:
+                code = ctypes.get_errno()
+                raise OSError(code, f"syncfs of {path}: {os.strerror(code)}", str(path))
+        finally:
+            os.close(fd)
+
+
+@functools.cache
+def _libc_syncfs() -> Callable[[int], int] | None:
+    """The C library's ``syncfs``, or ``None`` where there is none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    call = getattr(libc, "syncfs", None)
+    if call is None:
+        return None
+    call.argtypes = [ctypes.c_int]
+    call.restype = ctypes.c_int
+    result: Callable[[int], int] = call
+    return result
+
 
 DEFAULT_OPS = FileOps()
+
+
+class KnownDirs:
+    """Directories known to exist as real directories (not links) below a store's root,
+    so that :func:`ensure_dir` checks and makes each one once per process instead of
+    once per publish. Thread-safe. A directory removed behind the cache's back is
+    noticed by :func:`publish` (its temp file cannot be created), forgotten and made
+    again."""
+
+    def __init__(self) -> None:
+        self._dirs: set[Path] = set()
+        self._lock = threading.Lock()
+
+    def __contains__(self, path: object) -> bool:
+        with self._lock:
+            return path in self._dirs
+
+    def add(self, path: Path) -> None:
+        with self._lock:
+            self._dirs.add(path)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._dirs.clear()
 
 
 def temp_path_for(final_path: Path) -> Path:
@@ -106,29 +183,37 @@ def ensure_dir(
     mode: int = DEFAULT_DIR_MODE,
     ops: FileOps = DEFAULT_OPS,
     root: Path | None = None,
+    sync: bool = True,
+    known: KnownDirs | None = None,
 ) -> None:
     """Create ``path`` and missing parents with ``mode``, fsyncing each new directory's
-    parent once so the new entry survives a crash.
+    parent once so the new entry survives a power cut (not with ``sync=False``).
+    ``known`` skips directories already checked and records those checked now.
 
     With ``root`` (an ancestor of ``path``), every directory strictly below ``root`` on
     the way to ``path`` must be a real directory: a symbolic link there (which could lead
     out of the root) raises :class:`SymlinkEscapeError` and nothing is created through it.
     ``root`` itself may be a link: the operator chose it."""
+    if known is not None and path in known:
+        return
     if root is None:
-        if path.is_dir():
-            return
-        ensure_dir(path.parent, mode=mode, ops=ops)
-        _make_dir(path, mode, ops)
+        if not path.is_dir():
+            ensure_dir(path.parent, mode=mode, ops=ops, sync=sync)
+            _make_dir(path, mode, ops, sync)
+        if known is not None:
+            known.add(path)
         return
     relative = path.relative_to(root)
-    ensure_dir(root, mode=mode, ops=ops)
+    ensure_dir(root, mode=mode, ops=ops, sync=sync)
     current = root
     for part in relative.parts:
         current = current / part
+        if known is not None and current in known:
+            continue
         try:
             info = os.lstat(current)
         except FileNotFoundError:
-            _make_dir(current, mode, ops)
+            _make_dir(current, mode, ops, sync)
             info = os.lstat(current)
         if stat.S_ISLNK(info.st_mode):
             raise SymlinkEscapeError(
@@ -140,15 +225,19 @@ def ensure_dir(
             raise NotADirectoryError(
                 errno.ENOTDIR, f"{current} is not a directory; remove it", str(current)
             )
+        if known is not None:
+            known.add(current)
 
 
-def _make_dir(path: Path, mode: int, ops: FileOps) -> None:
-    """``mkdir`` (which never follows a link at ``path``); fsync the parent if it made it."""
+def _make_dir(path: Path, mode: int, ops: FileOps, sync: bool) -> None:
+    """``mkdir`` (which never follows a link at ``path``); with ``sync``, fsync the parent
+    if it made it."""
     try:
         os.mkdir(path, mode)
     except FileExistsError:
         return
-    ops.fsync_dir(path.parent)
+    if sync:
+        ops.fsync_dir(path.parent)
 
 
 def publish(
@@ -161,11 +250,14 @@ def publish(
     replace: bool = True,
     ops: FileOps = DEFAULT_OPS,
     root: Path | None = None,
+    sync: bool = True,
+    known: KnownDirs | None = None,
 ) -> None:
     """Atomically make ``final_path`` hold exactly what ``writer`` writes.
 
     ``root``, when given, is the store's root: no directory between it and
-    ``final_path`` may be a symbolic link (see :func:`ensure_dir`).
+    ``final_path`` may be a symbolic link (see :func:`ensure_dir`). ``sync=False``
+    leaves out every fsync (see the module docstring); ``known`` caches directories.
 
     Replaces an existing file. A failure before the rename (or link) removes the temp
     file, leaves the final path untouched, and propagates. A failure of the directory
@@ -177,14 +269,25 @@ def publish(
     temp name fail once the link is made, the error propagates with the file published
     and the temp name left for :func:`cleanup_stale_temps`.
     """
-    ensure_dir(final_path.parent, mode=dir_mode, ops=ops, root=root)
+    directory = final_path.parent
+    ensure_dir(directory, mode=dir_mode, ops=ops, root=root, sync=sync, known=known)
     temp = temp_path_for(final_path)
-    fd = ops.open_exclusive(temp, file_mode, open_flags)
+    try:
+        fd = ops.open_exclusive(temp, file_mode, open_flags)
+    except FileNotFoundError:
+        if known is None or directory not in known:
+            raise
+        # A cached directory was removed meanwhile (a namespace dropped and reopened):
+        # check and make the path again.
+        known.clear()
+        ensure_dir(directory, mode=dir_mode, ops=ops, root=root, sync=sync, known=known)
+        fd = ops.open_exclusive(temp, file_mode, open_flags)
     published = False
     try:
         try:
             writer(fd, temp)
-            ops.fsync(fd)
+            if sync:
+                ops.fsync(fd)
         finally:
             ops.close(fd)
         if replace:
@@ -194,7 +297,8 @@ def publish(
             ops.link(temp, final_path)
             published = True
             ops.unlink(temp)
-        ops.fsync_dir(final_path.parent)
+        if sync:
+            ops.fsync_dir(directory)
     finally:
         if not published:
             # Best effort: the error that stopped the publish is the one to report; a temp

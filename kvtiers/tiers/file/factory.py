@@ -72,7 +72,10 @@ def build_tier(
         capacity_scope=config.capacity_scope,
     )
     settings = PublishSettings(
-        file_mode=config.file_mode, dir_mode=config.dir_mode, root=mapper.root
+        file_mode=config.file_mode,
+        dir_mode=config.dir_mode,
+        root=mapper.root,
+        durability=config.durability,
     )
     bad_chunks = BadChunkHandler(
         manager, manager.quarantine_dir if config.quarantine else None, config.dir_mode

@@ -1,9 +1,9 @@
 """I/O backends of the file tier: how a chunk blob gets from memory into a file and back.
 
 One small interface, :class:`IOBackend`: ``write`` publishes a header and a payload as one
-file through :func:`kvtiers.core.publish.publish` (so every file still appears atomically
-and crash-safe), ``read`` fills a header buffer and a payload buffer from a file and
-reports the file's size. Two implementations:
+file through :func:`kvtiers.core.publish.publish` (so every file still appears atomically;
+:class:`PublishSettings` ``durability`` says whether it is fsynced), ``read`` fills a
+header buffer and a payload buffer from a file and reports the file's size. Two implementations:
 
 * ``posix`` — ``os.pwritev`` / ``os.preadv`` from and into the caller's buffers, no extra
   copy. With ``o_direct`` the page cache is bypassed when the payload allows it: a
@@ -29,13 +29,20 @@ import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.geometry import ALIGNMENT
-from kvtiers.core.publish import DEFAULT_OPS, FileOps, publish, write_all
+from kvtiers.core.publish import (
+    DEFAULT_OPS,
+    Durability,
+    FileOps,
+    KnownDirs,
+    publish,
+    write_all,
+)
 from kvtiers.core.regular import open_regular
 from kvtiers.errors import BackendUnavailableError
 
@@ -58,6 +65,15 @@ class PublishSettings:
     ops: FileOps = DEFAULT_OPS
     #: The store's root: no directory below it on a chunk's path may be a symbolic link.
     root: Path | None = None
+    #: ``process``: publish without fsyncs; ``power``: fsync files and directories.
+    durability: Durability = "process"
+    #: Directories already checked or made (shared by every copy of these settings).
+    known_dirs: KnownDirs = field(default_factory=KnownDirs, compare=False)
+
+    @property
+    def sync(self) -> bool:
+        """Whether publishes fsync (``durability: power``)."""
+        return self.durability == "power"
 
 
 class IOBackend(ABC):
@@ -137,6 +153,8 @@ class PosixBackend(IOBackend):
             open_flags=flags,
             ops=settings.ops,
             root=settings.root,
+            sync=settings.sync,
+            known=settings.known_dirs,
         )
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
@@ -290,6 +308,8 @@ class KvikioBackend(IOBackend):
             dir_mode=settings.dir_mode,
             ops=settings.ops,
             root=settings.root,
+            sync=settings.sync,
+            known=settings.known_dirs,
         )
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:

@@ -7,10 +7,17 @@ header over the slot's payload and publish header + payload atomically through t
 backend. Loads (``FileLoadStoreSpec`` → ``CPULoadStoreSpec``) read the header and the
 payload straight into the slot and verify both before the chunk counts as arrived.
 
-Directory fsyncs of a store job are deferred to its end and run once per directory
-before the result is reported: each chunk's bytes are still fsynced before its rename,
-so nothing torn can ever appear, and on journaling filesystems one commit then covers
-every rename of the job instead of one commit per chunk.
+With ``durability: process`` (the default) a store publishes without any fsync: the
+chunk survives the crash of any process, and a power cut may lose it (it then reads as a
+miss: every load verifies). With ``durability: power`` a store job's chunks are durable
+before its result is reported. Where the platform has ``syncfs`` (Linux) the job's
+chunks are published as in ``process`` mode and one ``syncfs`` of their filesystem at the
+job's end makes all of them durable at once (data, names and new directories: one flush
+instead of one per chunk and one per directory; it also flushes whatever else is pending
+on that filesystem). Elsewhere each chunk's bytes are fsynced before its rename and the
+directory fsyncs (new directories' parents included) run once per directory at the job's
+end. Either way a chunk whose flush fails is failed and its file removed, and a file torn
+by a power cut before the flush is only ever a miss (every load verifies).
 
 Invariants: a chunk is in ``succeeded_keys`` only when its bytes are exactly right; any
 failure puts it in ``failed_keys``. A chunk that fails verification is also in
@@ -177,6 +184,8 @@ class FileMover(FanOutMover[_FileJob]):
         self.settings = settings or PublishSettings()
         self.bad_chunks = bad_chunks or BadChunkHandler(None, None)
         self.space = space
+        # durability: power with one syncfs per store job instead of fsyncs per chunk.
+        self._grouped = self.settings.sync and self.settings.ops.has_syncfs()
         self._pool = IOPool(threads, "kvtiers-file")
         self._headers = AlignedHeaders()
 
@@ -193,7 +202,10 @@ class FileMover(FanOutMover[_FileJob]):
         if len(slots) != len(files):
             raise ValueError(f"{len(slots)} slots for {len(files)} chunk files")
         job = _FileJob(job_id, store, plan_chunks(slots.tolist(), files.keys, files.paths))
-        if store:
+        job.settings = self.settings
+        if store and self._grouped:
+            job.settings = replace(self.settings, durability="process")
+        elif store and self.settings.sync:
             job.settings = replace(self.settings, ops=_DeferredDirSync(self.settings.ops, job))
         return job
 
@@ -218,21 +230,38 @@ class FileMover(FanOutMover[_FileJob]):
             self.bad_chunks.vanished(chunk.key)
 
     def _before_result(self, job: _FileJob) -> None:
-        """Make the job's new names durable: one fsync per directory it touched. On a
+        """With ``durability: power``, make the store job's chunks durable: one
+        ``syncfs`` where available, else one fsync per directory it touched (on a
         journaling filesystem the first commits every rename of the job, so the rest are
-        nearly free. A chunk published into a directory whose fsync fails fails too, and
-        its file is removed (best effort) so that no unindexed file stays behind."""
+        nearly free). A chunk whose flush fails fails too, and its file is removed (best
+        effort) so that no unindexed file stays behind."""
+        if not job.dirs:
+            return
         base = self.settings.ops
+        if self._grouped:
+            try:
+                base.syncfs(next(iter(job.dirs)))
+            except OSError as exc:
+                logger.warning("file tier: syncfs after a store job failed: %s", exc)
+                if self.space is not None and is_no_space(exc):
+                    self.space.mark_full(exc)
+                for published in job.dirs.values():
+                    self._drop(job, published)
+            return
         for directory, published in job.dirs.items():
             try:
                 base.fsync_dir(directory)
             except OSError as exc:
                 logger.warning("file tier: fsync of %s failed: %s", directory, exc)
-                for index in published:
-                    chunk = job.chunks[index]
-                    job.revoke(index, self.geometry.key_chunk_bytes(chunk.key))
-                    with contextlib.suppress(OSError):
-                        os.unlink(chunk.address)
+                self._drop(job, published)
+
+    def _drop(self, job: _FileJob, indexes: list[int]) -> None:
+        """Fail the published chunks ``indexes`` of ``job`` and remove their files."""
+        for index in indexes:
+            chunk = job.chunks[index]
+            job.revoke(index, self.geometry.key_chunk_bytes(chunk.key))
+            with contextlib.suppress(OSError):
+                os.unlink(chunk.address)
 
     def _release(self, idle: bool) -> None:
         self._pool.shutdown(None if idle else 0.0, cancel_queued=not idle)
@@ -247,8 +276,9 @@ class FileMover(FanOutMover[_FileJob]):
         self.backend.write(path, header, payload, job.settings)
         if self.space is not None:
             self.space.mark_ok()
-        with job.lock:
-            job.dirs.setdefault(path.parent, []).append(chunk.index)
+        if self.settings.sync:
+            with job.lock:
+                job.dirs.setdefault(path.parent, []).append(chunk.index)
         return size
 
     def _load_one(self, chunk: ChunkCopy) -> int:
