@@ -7,6 +7,7 @@ what the test scripted for its key (arrive, fail, turn out corrupt)."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,13 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec, ObjectLoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 from kvtiers.testing.conformance import conformance_key
-from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
+from kvtiers.tiers.fanout import (
+    ChunkCopy,
+    FailureWarnings,
+    FanOutJob,
+    FanOutMover,
+    plan_chunks,
+)
 
 A, B, C = (conformance_key(i) for i in range(3))
 
@@ -192,3 +199,27 @@ def test_shutdown_waits_for_running_copies_then_refuses_and_releases_once(
     mover.shutdown()
     assert mover.events == ["copied k0", "released"]
     assert mover.in_flight == 0
+
+
+def test_failure_warnings_are_one_line_per_episode_and_a_summary(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    now = [0.0]
+    warnings = FailureWarnings("s3 tier", summary_s=60.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="kvtiers.tiers.fanout"):
+        for i in range(100):  # an outage: every chunk fails within a minute
+            warnings.failed(f"storing c{i}", ConnectionError("refused"))
+        assert len(caplog.records) == 1
+        assert "storing c0 failed: ConnectionError: refused" in caplog.records[0].getMessage()
+        now[0] = 61.0
+        warnings.failed("storing c100", ConnectionError("refused"))
+        assert len(caplog.records) == 2
+        assert "100 more copies failed" in caplog.records[1].getMessage()
+        assert "storing c100" in caplog.records[1].getMessage()
+        warnings.failed("storing c101", ConnectionError("refused"))
+        warnings.succeeded()  # the store is back: a last summary ends the episode
+        assert len(caplog.records) == 3 and "1 more copies failed" in caplog.records[2].getMessage()
+        warnings.succeeded()
+        warnings.failed("storing c102", TimeoutError("slow"))  # a new episode: logged at once
+        assert len(caplog.records) == 4
+        assert "storing c102 failed: TimeoutError: slow" in caplog.records[3].getMessage()

@@ -114,6 +114,54 @@ def plan_chunks(
     )
 
 
+class FailureWarnings:
+    """Warnings about failed copies, one episode at a time: the first failure is logged
+    with its error, later ones are counted and summarised at most every ``summary_s``
+    seconds, and a copy that succeeds ends the episode (with a last summary if any were
+    counted). An outage that fails every chunk then writes a few lines, not one per chunk.
+    Thread-safe: copies fail on pool threads."""
+
+    def __init__(self, name: str, *, summary_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.name = name
+        self.summary_s = summary_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._summary_at: float | None = None
+        self._unlogged = 0
+        self._last = ""
+
+    def failed(self, what: str, error: BaseException) -> None:
+        """``what`` (e.g. ``storing <path>``) failed with ``error``."""
+        now = self._clock()
+        with self._lock:
+            if self._summary_at is None:
+                self._summary_at = now
+                logger.warning("%s: %s failed: %s: %s (further failures are summarised "
+                               "every %g s)", self.name, what, type(error).__name__, error,
+                               self.summary_s)
+                return
+            self._unlogged += 1
+            self._last = f"{what}: {type(error).__name__}: {error}"
+            if now - self._summary_at >= self.summary_s:
+                self._summarise(now)
+
+    def succeeded(self) -> None:
+        """A copy worked: the episode, if any, is over."""
+        if self._summary_at is None:  # the usual case, without taking the lock
+            return
+        with self._lock:
+            if self._summary_at is not None and self._unlogged:
+                self._summarise(self._clock())
+            self._summary_at = None
+
+    def _summarise(self, now: float) -> None:
+        logger.warning("%s: %d more copies failed in the last %.0f s; the latest: %s",
+                       self.name, self._unlogged, now - (self._summary_at or now), self._last)
+        self._unlogged = 0
+        self._summary_at = now
+
+
 _J = TypeVar("_J", bound=FanOutJob)
 
 
@@ -125,6 +173,7 @@ class FanOutMover(Mover, Generic[_J]):
     def __init__(self, name: str, shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
         self.name = name
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.warnings = FailureWarnings(name)
         self._cond = threading.Condition()
         self._jobs: dict[int, _J] = {}
         self._done: list[MoverResult] = []
@@ -154,8 +203,9 @@ class FanOutMover(Mover, Generic[_J]):
         logger.warning("%s: chunk %s is corrupt: %s", self.name, chunk.address, error)
 
     def _chunk_failed(self, job: _J, chunk: ChunkCopy, error: Exception) -> None:
-        """A copy failed for any other reason. Default: log it."""
-        logger.warning("%s: chunk %s failed: %s", self.name, chunk.address, error)
+        """A copy failed for any other reason. Default: warn, aggregated per episode
+        (:class:`FailureWarnings`)."""
+        self.warnings.failed(f"{'storing' if job.store else 'loading'} {chunk.address}", error)
 
     def _before_result(self, job: _J) -> None:
         """Runs once every chunk of ``job`` is done, before its result is published; may
@@ -231,6 +281,7 @@ class FanOutMover(Mover, Generic[_J]):
         try:
             moved = self._copy(job, chunk)
             outcome = _Outcome.ARRIVED
+            self.warnings.succeeded()
         except CorruptChunkError as exc:
             outcome = _Outcome.CORRUPT
             self._chunk_corrupt(job, chunk, exc)

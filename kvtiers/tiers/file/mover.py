@@ -225,7 +225,7 @@ class FileMover(FanOutMover[_FileJob]):
             if job.store or not self.bad_chunks.unreadable(Path(chunk.address), chunk.key, error):
                 super()._chunk_failed(job, chunk, error)
         elif job.store:
-            logger.warning("file tier: storing chunk %s failed: %s", chunk.address, error)
+            self.warnings.failed(f"storing {chunk.address}", error)
         else:
             self.bad_chunks.vanished(chunk.key)
 

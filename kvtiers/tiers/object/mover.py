@@ -106,8 +106,7 @@ class ObjectMover(FanOutMover[FanOutJob]):
             where = self.backend.store.describe(chunk.address)
             self.reporter.load_failed(chunk.key, where, error, lasting=lasting)
             return
-        log.warning("object tier: %s failed: %s: %s",
-                    self.backend.store.describe(chunk.address), type(error).__name__, error)
+        self.warnings.failed(f"storing {self.backend.store.describe(chunk.address)}", error)
 
     # -- one chunk each way ---------------------------------------------------------
     def _store(self, slot: int, key: OffloadKey, name: str) -> int:
