@@ -15,11 +15,11 @@ import pytest
 from kvtiers.config.tiers import S3TierConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import MANIFEST_NAME
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.object.retry import Retrier
 from kvtiers.tiers.s3.factory import build_tier
 from tests.conftest import (

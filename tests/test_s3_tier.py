@@ -20,11 +20,11 @@ from kvtiers.core import chunkformat
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError, NamespaceMismatchError
 from kvtiers.filemapper import MANIFEST_NAME, NamespaceIdentity
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.s3.factory import build_tier
 from tests.conftest import BUCKET, MotoServer, TierDriver, offloading_config
 

@@ -45,9 +45,9 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
 from kvtiers.stack.metrics_latency import LatencyHistograms
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")

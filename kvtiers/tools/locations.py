@@ -28,13 +28,12 @@ from typing import TYPE_CHECKING
 from kvtiers.core.publish import ensure_dir, is_temp_name
 from kvtiers.core.regular import describe_mode, open_regular
 from kvtiers.errors import ConfigError, SymlinkEscapeError
-from kvtiers.filemapper import MANIFEST_NAME
+from kvtiers.filemapper import MANIFEST_NAME, QUARANTINE_DIR, scan_namespace
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
     from kvtiers.tiers.object.store import ObjectStore
 
-QUARANTINE_DIR = "quarantine"
 _READ_BLOCK_BYTES = 1 << 20
 
 
@@ -114,20 +113,12 @@ class FileLocation(Location):
                               Path(e.path) / MANIFEST_NAME))
 
     def entries(self, namespace: str) -> Iterator[Entry]:
-        stack = [self.root / namespace]
-        while stack:
-            for entry in os.scandir(stack.pop()):
-                if entry.is_dir(follow_symlinks=False):
-                    if not (entry.name == QUARANTINE_DIR and Path(entry.path).parent.name
-                            == namespace):
-                        stack.append(Path(entry.path))
-                    continue
-                name = Path(entry.path).relative_to(self.root).as_posix()
-                if name == f"{namespace}/{MANIFEST_NAME}":
-                    continue
-                st = entry.stat(follow_symlinks=False)
-                irregular = None if stat.S_ISREG(st.st_mode) else describe_mode(st.st_mode)
-                yield Entry(name, st.st_size, st.st_mtime, irregular)
+        for item in scan_namespace(self.root / namespace):
+            if item.name == MANIFEST_NAME:
+                continue
+            st = item.entry.stat(follow_symlinks=False)
+            irregular = None if stat.S_ISREG(st.st_mode) else describe_mode(st.st_mode)
+            yield Entry(f"{namespace}/{item.name}", st.st_size, st.st_mtime, irregular)
 
     def _open(self, name: str) -> int:
         """A read descriptor of the regular file ``name``, never through a link at its
