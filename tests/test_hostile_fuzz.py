@@ -136,7 +136,7 @@ manifest_inputs = st.one_of(
 
 def test_fuzz_manifest_reader_ends_in_mismatch_errors_only(tmp_path: Path) -> None:
     from kvtiers.tools.commands import inspect, verify
-    from kvtiers.tools.locations import FileLocation
+    from kvtiers.tools.locations import open_location
 
     root = tmp_path / "root"
     namespace = root / IDENTITY.namespace
@@ -151,8 +151,8 @@ def test_fuzz_manifest_reader_ends_in_mismatch_errors_only(tmp_path: Path) -> No
             assert "Traceback" not in str(exc)
         (namespace / "manifest.json").write_bytes(data)
         out = io.StringIO()
-        assert inspect(FileLocation(root), out) == 0
-        assert verify(FileLocation(root), out) in (0, 1)
+        assert inspect(open_location(str(root)), out) == 0
+        assert verify(open_location(str(root)), out) in (0, 1)
 
     with peak_memory("manifest reader"):
         check()

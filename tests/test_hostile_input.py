@@ -26,7 +26,7 @@ from kvtiers.filemapper import FileMapper, NamespaceIdentity, check_manifest, op
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.file.io import PosixBackend, PublishSettings
 from kvtiers.tools.commands import GcPolicy, gc, inspect, verify
-from kvtiers.tools.locations import FileLocation
+from kvtiers.tools.locations import open_location
 from tests.conftest import offloading_config
 
 KEY = make_offload_key(bytes(range(16)), 0)
@@ -98,8 +98,8 @@ def test_gc_never_deletes_through_a_symlinked_namespace(tmp_path: Path) -> None:
     (namespace,) = [p for p in elsewhere.iterdir()]
     (root / namespace.name).symlink_to(namespace)
     out = io.StringIO()
-    gc(FileLocation(root), GcPolicy(older_than_days=0.0, temp_age_s=0.0), out)
-    gc(FileLocation(root), GcPolicy(namespaces=(namespace.name,)), out)
+    gc(open_location(str(root)), GcPolicy(older_than_days=0.0, temp_age_s=0.0), out)
+    gc(open_location(str(root)), GcPolicy(namespaces=(namespace.name,)), out)
     assert victim.exists() and (namespace / "manifest.json").exists()
     assert f"no such namespace(s): {namespace.name}" in out.getvalue()
 
@@ -197,7 +197,7 @@ def test_inspect_reads_a_huge_manifest_only_up_to_its_limit(tmp_path: Path) -> N
     tracemalloc.start()
     try:
         out = io.StringIO()
-        assert inspect(FileLocation(root), out) == 0
+        assert inspect(open_location(str(root)), out) == 0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -216,7 +216,7 @@ def test_verify_streams_a_huge_chunk_in_bounded_blocks(tmp_path: Path) -> None:
     tracemalloc.start()
     try:
         out = io.StringIO()
-        assert verify(FileLocation(root), out) == 0, out.getvalue()
+        assert verify(open_location(str(root)), out) == 0, out.getvalue()
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

@@ -21,7 +21,7 @@ Contract for implementers:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
 Buffer = bytes | bytearray | memoryview
@@ -39,6 +39,9 @@ class ObjectInfo:
     size: int
     # Seconds since the epoch; 0.0 when the backend does not report one.
     mtime: float
+    #: What the entry is when it is not a plain object (``a FIFO``, ``a symbolic link``
+    #: in a local directory): such an entry is never read, only reported.
+    irregular: str | None = None
 
 
 class ObjectStore(ABC):
@@ -89,6 +92,22 @@ class ObjectStore(ABC):
         buffer = bytearray(min(size, limit + 1))
         self.get_into(name, [memoryview(buffer)])
         return bytes(buffer)
+
+    def stream(self, name: str, offset: int, block_bytes: int) -> Generator[bytes, None, None]:
+        """``name``'s bytes from ``offset`` to its end, in pieces of ``block_bytes`` at most.
+
+        Note to implementers: the default reads the whole object once (held in memory);
+        a backend with ranged reads overrides it."""
+        data = memoryview(self.read(name, 1 << 40))[offset:]
+        for start in range(0, len(data), block_bytes):
+            yield bytes(data[start : start + block_bytes])
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose name starts with ``prefix``; returns how many."""
+        names = [info.name for info in self.list(prefix)]
+        for name in names:
+            self.delete(name)
+        return len(names)
 
     def close(self) -> None:
         """Release connections. Idempotent."""
