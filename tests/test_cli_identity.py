@@ -12,7 +12,7 @@ import yaml
 from kvtiers import cli
 from kvtiers.engine.demo import run_demo
 from kvtiers.engine.workload import WorkloadSpec
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 WORKLOAD = WorkloadSpec(conversations=2, system_prompts=1, turns=1, system_tokens=(64, 96))
 

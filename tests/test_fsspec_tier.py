@@ -23,9 +23,10 @@ from kvtiers.errors import ConfigError, NamespaceMismatchError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
+from kvtiers.testing.driver import TierDriver
+from kvtiers.testing.objects import offloading_config
 from kvtiers.tiers.fsspec.factory import build_tier
 from kvtiers.tiers.fsspec.store import FsspecStore
-from tests.conftest import TierDriver, offloading_config
 
 CTX = ReqContext("test")
 

@@ -29,7 +29,7 @@ from kvtiers.core import chunkformat
 from kvtiers.core.keys import make_offload_key
 from kvtiers.errors import ConfigError, CorruptChunkError, NamespaceMismatchError
 from kvtiers.filemapper import NamespaceIdentity, check_manifest, manifest_bytes
-from tests.conftest import offloading_config
+from kvtiers.testing.objects import offloading_config
 
 # Generous per-example deadline: it catches a hang or a blow-up, not a slow machine.
 FUZZ = settings(

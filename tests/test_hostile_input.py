@@ -24,10 +24,10 @@ from kvtiers.core.publish import publish_bytes
 from kvtiers.errors import ConfigError, NamespaceMismatchError, SymlinkEscapeError
 from kvtiers.filemapper import FileMapper, NamespaceIdentity, check_manifest, open_namespace
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
+from kvtiers.testing.objects import offloading_config
 from kvtiers.tiers.file.io import PosixBackend, PublishSettings
 from kvtiers.tools.commands import GcPolicy, gc, inspect, verify
 from kvtiers.tools.locations import open_location
-from tests.conftest import offloading_config
 
 KEY = make_offload_key(bytes(range(16)), 0)
 PAYLOAD = b"kv" * 4096

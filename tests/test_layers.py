@@ -1,4 +1,5 @@
-"""Imports point down the floors of docs/architecture.md ("Layers and imports").
+"""Imports point down the floors of docs/architecture.md ("Layers and imports"), and
+tests and benchmarks take their helpers from the shipped kit (:mod:`kvtiers.testing`).
 
 Each package of ``kvtiers`` sits on a floor; a module may import its own floor and the
 floors below it, never one above. ``errors`` and ``optional`` are leaves every floor may
@@ -33,6 +34,7 @@ FLOORS = (
 #: Modules at the package's top level that sit above every floor.
 TOP = ("cli", "__init__", "__main__")
 PACKAGE = Path(kvtiers.__file__).parent
+REPOSITORY = PACKAGE.parent
 
 
 def floor_of(module: str) -> int | None:
@@ -107,3 +109,29 @@ def test_the_check_sees_an_upward_import(tmp_path: Path, source: str, expected: 
     (tmp_path / "core").mkdir()
     (tmp_path / "core" / "x.py").write_text(source)
     assert upward_imports(tmp_path) == expected
+
+
+def _imports_under(directory: Path) -> list[tuple[str, str]]:
+    return [
+        (f"{path.relative_to(REPOSITORY)}:{line}", target)
+        for path in sorted(directory.rglob("*.py"))
+        for line, target in imported_modules(ast.parse(path.read_text(), str(path)))
+    ]
+
+
+
+def test_helpers_are_imported_from_the_shipped_kit_not_from_conftest() -> None:
+    # Fixtures come from conftest by name; helper classes from kvtiers.testing.
+    offenders = [
+        where for where, target in _imports_under(REPOSITORY / "tests")
+        if target == "tests.conftest" or target.startswith("tests.conftest.")
+    ]
+    assert offenders == []
+
+
+def test_no_benchmark_imports_from_tests() -> None:
+    offenders = [
+        where for where, target in _imports_under(REPOSITORY / "benchmarks")
+        if target == "tests" or target.startswith("tests.")
+    ]
+    assert offenders == []

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvtiers.testing.conformance import TierConformanceTests
+from kvtiers.testing.objects import ObjectTierConformance
+from kvtiers.testing.s3 import BUCKET, MotoServer
 from kvtiers.tiers.s3.store import S3Store
-from tests.conftest import BUCKET, MotoServer, ObjectTierConformance
 
 
 class TestS3TierConformance(ObjectTierConformance, TierConformanceTests):

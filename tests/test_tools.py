@@ -15,7 +15,7 @@ import pytest
 from kvtiers.engine.simulator import SimulatedEngine
 from kvtiers.engine.workload import WorkloadSpec, conversation_requests
 from kvtiers.stack.builder import load_stack
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 WORKLOAD = WorkloadSpec(conversations=2, system_prompts=1, turns=1, system_tokens=(200, 260))
 
