@@ -29,13 +29,13 @@ import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvtiers.core.buffers import Buffer
 from kvtiers.errors import SymlinkEscapeError
 
 TEMP_SUFFIX = ".kvtmp"
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
 
-Buffer = bytes | bytearray | memoryview
 #: Writes every byte of the new file into ``fd`` (opened for writing at ``temp_path``).
 Writer = Callable[[int, Path], object]
 

@@ -31,7 +31,7 @@ import itertools
 import math
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import (
@@ -260,7 +260,7 @@ class TieredManager(OffloadingManager):
         for lower in self._lower:
             for event in lower.manager.take_events():
                 if event.ownership is None:
-                    event.ownership = lower.tier.name
+                    event = replace(event, ownership=lower.tier.name)
                 events.append(event)
         return events
 

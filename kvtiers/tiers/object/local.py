@@ -26,11 +26,12 @@ import stat
 from collections.abc import Generator, Iterator, Sequence
 from pathlib import Path
 
+from kvtiers.core.buffers import Buffer
 from kvtiers.core.publish import publish_bytes
 from kvtiers.core.regular import describe_mode, open_regular
 from kvtiers.errors import SymlinkEscapeError
 from kvtiers.filemapper import scan_namespace
-from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
+from kvtiers.tiers.object.store import ObjectInfo, ObjectMissing, ObjectStore
 
 _READ_BLOCK_BYTES = 1 << 20
 

@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
-Buffer = bytes | bytearray | memoryview
+from kvtiers.core.buffers import Buffer
 
 
 class ObjectMissing(Exception):
