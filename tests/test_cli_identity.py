@@ -43,7 +43,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 # identity field -> the model: section change that touches only it
-ONE_FIELD = {
+ONE_FIELD: dict[str, dict[str, Any]] = {
     "model_revision": {"revision": "r3"},
     "kv_dtype": {"dtype": "float16"},
     "quantization": {"quantization": "awq"},

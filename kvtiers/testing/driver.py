@@ -8,27 +8,32 @@ use it; nothing in it reaches into a tier.
 
 from __future__ import annotations
 
+from typing import Generic
+
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.manager import OffloadingManager, ReqContext
+from kvtiers.core.manager import ReqContext
 from kvtiers.core.mover import Mover, MoverResult
-from kvtiers.core.tier import BuiltTier
+from kvtiers.core.tier import BuiltTier, M
 from kvtiers.errors import UnknownKeyError
 from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 
-class TierDriver:
+class TierDriver(Generic[M]):
     """Drives a built lower tier over a bytearray region the test owns: ``store`` fills
-    slots and copies them down, ``load`` copies them back."""
+    slots and copies them down, ``load`` copies them back. ``manager`` is the built
+    tier's own manager (typed as the tier built it)."""
 
-    def __init__(self, built: BuiltTier, region: BytearrayRegion, geometry: ChunkGeometry) -> None:
+    def __init__(
+        self, built: BuiltTier[M], region: BytearrayRegion, geometry: ChunkGeometry
+    ) -> None:
         if built.mover is None:
             raise ValueError(
                 f"tier {built.name!r} has no mover: the tier driver drives lower tiers only"
             )
         self.built = built
-        self.manager: OffloadingManager = built.manager
+        self.manager: M = built.manager
         self.mover: Mover = built.mover
         self.region = region
         self.geometry = geometry
