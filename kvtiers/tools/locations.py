@@ -18,7 +18,6 @@ blocks (object stores without ranged reads hold one object in memory at a time).
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -29,22 +28,15 @@ from kvtiers.errors import ConfigError
 from kvtiers.filemapper import MANIFEST_NAME, QUARANTINE_DIR
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.local import LocalStore
-from kvtiers.tiers.object.store import ObjectStore
+from kvtiers.tiers.object.store import ObjectInfo, ObjectStore
 
-_READ_BLOCK_BYTES = 1 << 20
 _WHOLE_OBJECT = 1 << 40
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One file or object inside a namespace (``name`` relative to the location)."""
-
-    name: str
-    size: int
-    mtime: float
-    #: What the entry is when it is not a regular file (``a FIFO``, ``a symbolic link``):
-    #: such an entry is never read, only reported. ``None`` for regular files and objects.
-    irregular: str | None = None
+class Entry(ObjectInfo):
+    """One file or object inside a namespace (``name`` relative to the location; an
+    ``irregular`` entry is never read, only reported)."""
 
     @property
     def base(self) -> str:
@@ -88,17 +80,8 @@ class Location:
 
     def read(self, name: str, limit: int) -> bytes:
         """The first ``limit`` + 1 bytes of ``name`` at most (more than ``limit`` bytes back
-        means the entry is larger than the caller accepts)."""
-        parts: list[bytes] = []
-        wanted = limit + 1
-        blocks = self.stream(name, 0, min(wanted, _READ_BLOCK_BYTES))
-        with contextlib.closing(blocks):
-            for block in blocks:
-                parts.append(block[:wanted])
-                wanted -= len(parts[-1])
-                if wanted <= 0:
-                    break
-        return b"".join(parts)
+        means the entry is larger than the caller accepts; see :meth:`ObjectStore.read`)."""
+        return self.store.read(self._full(name), limit)
 
     def stream(self, name: str, offset: int, block_bytes: int) -> Generator[bytes, None, None]:
         """``name``'s bytes from ``offset`` to its end, in pieces of ``block_bytes`` at most."""

@@ -82,7 +82,9 @@ class ObjectStore(ABC):
         """Whether ``exc`` is a failure worth retrying."""
 
     def read(self, name: str, limit: int) -> bytes:
-        """The whole of a small object (at most ``limit`` + 1 bytes are kept).
+        """The whole of an object of at most ``limit`` bytes; for a larger one, ``limit`` +
+        1 bytes (not necessarily its first ones) that say it is larger than the caller
+        accepts.
 
         Note to implementers: the default uses :meth:`head` then :meth:`get_into`; a
         backend with a cheaper whole-object read overrides it."""
