@@ -53,7 +53,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kvtiers
+	$(VENV)/bin/mypy kvtiers tests
 
 pytest: $(STAMP)
 	$(PY) -m pytest -q

@@ -74,7 +74,7 @@ def start_server() -> str:
 
 def start_seaweedfs(data_dir: Path) -> str:
     global SEAWEED, CREDENTIALS
-    from tests.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS, weed_binary
+    from kvtiers.testing.seaweed import ACCESS_KEY, SECRET_KEY, SeaweedFS, weed_binary
 
     binary = weed_binary()
     if binary is None:

@@ -3,8 +3,9 @@
 Each round forks a writer that stores batches of chunks through the real manager, mover
 and publish path, kills it at a random moment, then reopens the root as a restarted
 engine and checks that no temp file remains and every indexed chunk loads byte-exact
-(the harness of ``tests/test_file_crash.py``). Reports how many kills landed inside a
-publish (a temp file was left for the restart to clean). Run from the repository root::
+(the harness of :mod:`kvtiers.testing.crash`, which ``tests/test_file_crash.py`` runs).
+Reports how many kills landed inside a publish (a temp file was left for the restart to
+clean). Run from the repository root::
 
     .venv/bin/python benchmarks/stress_file.py --rounds 300 [--durability power]
 """
@@ -21,8 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtiers.core.publish import DURABILITIES
-from tests.test_file_crash import BATCH, check_restart, crash_once
-from tests.test_file_support import temp_files
+from kvtiers.testing.crash import BATCH, check_restart, crash_once, temp_files
 
 
 def main() -> int:

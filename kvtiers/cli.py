@@ -123,8 +123,9 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _add_location(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("location", metavar="ROOT|s3://BUCKET/PREFIX",
-                        help="a file tier's root directory or an S3 bucket and prefix")
+    parser.add_argument("location", metavar="ROOT|s3://BUCKET/PREFIX|URL",
+                        help="a file tier's root directory, an S3 bucket and prefix, or an "
+                        "fsspec URL (memory://kv, gcs://bucket/kv)")
     parser.add_argument("--endpoint-url", metavar="URL",
                         help="S3 endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
     parser.add_argument("--region", metavar="NAME", help="S3 region")

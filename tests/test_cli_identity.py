@@ -12,7 +12,7 @@ import yaml
 from kvtiers import cli
 from kvtiers.engine.demo import run_demo
 from kvtiers.engine.workload import WorkloadSpec
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 WORKLOAD = WorkloadSpec(conversations=2, system_prompts=1, turns=1, system_tokens=(64, 96))
 
@@ -43,7 +43,7 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 
 
 # identity field -> the model: section change that touches only it
-ONE_FIELD = {
+ONE_FIELD: dict[str, dict[str, Any]] = {
     "model_revision": {"revision": "r3"},
     "kv_dtype": {"dtype": "float16"},
     "quantization": {"quantization": "awq"},

@@ -24,6 +24,7 @@ from kvtiers.core.manager import (
     TierMatcher,
 )
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import UnknownKeyError
 from kvtiers.stack.composite import TieredManager
 from kvtiers.testing.conformance import (
@@ -38,7 +39,6 @@ from kvtiers.testing.doubles import (
     MemoryObjectTier,
 )
 from kvtiers.testing.reference import InMemoryTier
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.index import ChunkState
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))

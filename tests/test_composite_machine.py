@@ -21,6 +21,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import KeyFormat, OffloadKey, make_offload_key
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.core.tier import BuiltTier
 from kvtiers.policies import load_policy
 from kvtiers.stack.composite import TieredManager
 from kvtiers.testing.doubles import (
@@ -29,7 +30,6 @@ from kvtiers.testing.doubles import (
     MemoryObjectStore,
     MemoryObjectTier,
 )
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))

@@ -806,10 +806,12 @@ def _fake_kinds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for module in ("kvt_good_factory", "kvt_needs_dep", "kvt_no_attr"):
         monkeypatch.delitem(sys.modules, module, raising=False)
     kinds = {
-        "good": TierKind("good", CPUTierConfig, "kvt_good_factory:build_tier", False),
-        "needs": TierKind("needs", CPUTierConfig, "kvt_needs_dep:build_tier", False, "s3"),
-        "absent": TierKind("absent", CPUTierConfig, "kvt_not_there.factory:build_tier", False),
-        "noattr": TierKind("noattr", CPUTierConfig, "kvt_no_attr:build_tier", False),
+        "good": TierKind("good", CPUTierConfig, "kvt_good_factory:build_tier", False, False),
+        "needs": TierKind("needs", CPUTierConfig, "kvt_needs_dep:build_tier", False, False, "s3"),
+        "absent": TierKind(
+            "absent", CPUTierConfig, "kvt_not_there.factory:build_tier", False, False
+        ),
+        "noattr": TierKind("noattr", CPUTierConfig, "kvt_no_attr:build_tier", False, False),
     }
     monkeypatch.setattr(kinds_module, "TIER_KINDS", kinds)
 

@@ -164,7 +164,9 @@ class CpuTierMachine(RuleBasedStateMachine):
 
 
 for _name in BUILTIN_POLICIES:
-    _machine = type(f"CpuTierMachine_{_name}", (CpuTierMachine,), {"policy": _name})
+    _machine: type[CpuTierMachine] = type(
+        f"CpuTierMachine_{_name}", (CpuTierMachine,), {"policy": _name}
+    )
     _case = _machine.TestCase
     _case.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
     globals()[f"TestCpuTierStateMachine_{_name}"] = _case

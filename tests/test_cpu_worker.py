@@ -131,6 +131,7 @@ def expected_pages(setup: Setup, transfers: list[GroupTransfer]) -> list[tuple[i
     pages = []
     for g, transfer in enumerate(transfers):
         skip = transfer.offload_spec.gpu_block_offset % per_chunk
+        assert isinstance(transfer.offload_spec, CPULoadStoreSpec)
         slots = transfer.offload_spec.block_ids.tolist()
         for k, block in enumerate(transfer.gpu_spec.block_ids.tolist()):
             chunk, sub = divmod(skip + k, per_chunk)

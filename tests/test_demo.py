@@ -3,6 +3,7 @@ and never a file it did not create touched."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -114,7 +115,9 @@ def test_every_flag_is_explained() -> None:
     from kvtiers.cli import build_parser
 
     parser = build_parser()
-    demo = parser._subparsers._group_actions[0].choices["demo"]  # type: ignore[union-attr]
+    subcommands = parser._subparsers._group_actions[0]  # type: ignore[union-attr]
+    assert isinstance(subcommands, argparse._SubParsersAction)
+    demo = subcommands.choices["demo"]
     for action in demo._actions:
         assert action.help, f"{action.option_strings} has no help"
     assert EXAMPLES_DIR.is_dir()

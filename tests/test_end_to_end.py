@@ -18,7 +18,7 @@ from kvtiers.engine.demo import run_demo
 from kvtiers.engine.simulator import RequestReport, SimulatedEngine
 from kvtiers.engine.workload import WorkloadSpec, conversation_requests
 from kvtiers.stack.builder import Stack, load_stack
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 MODEL = {
     "name": "e2e/hybrid",

@@ -26,7 +26,7 @@ from kvtiers.core.manager import LookupResult, ReqContext
 from kvtiers.engine.scheduler import OffloadScheduler
 from kvtiers.engine.simulator import SimulatedEngine
 from kvtiers.stack.builder import Stack, load_stack
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 TOKENS_PER_CHUNK = 16
 MODEL = {
@@ -69,14 +69,14 @@ class Bench:
         }
         built = load_stack(description)
         self.stacks.append(built)
-        built.tiers[1].manager.backoff.clock = self.clock  # type: ignore[attr-defined]
+        built.tiers[1].manager.backoff.clock = self.clock
         return built
 
     def chunk_path(self, stack: Stack, key: OffloadKey) -> Path:
         """Where ``key``'s chunk lies on the local filesystem (file and fsspec tiers)."""
         lower = stack.tiers[1]
         if self.kind == "file":
-            return Path(lower.manager.mapper.path(key))  # type: ignore[attr-defined]
+            return Path(lower.manager.mapper.path(key))
         backend = lower.mover.backend  # type: ignore[union-attr]
         return Path(backend.store._path(backend.object_key(key)))
 

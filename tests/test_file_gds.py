@@ -26,11 +26,11 @@ from kvtiers.core.config import (
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import LookupResult, ReqContext
 from kvtiers.core.specs import GPULoadStoreSpec, GroupTransfer
+from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.file.factory import build_tier
 
 CTX = ReqContext(req_id="gds")

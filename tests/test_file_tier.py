@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtiers.config.sizes import Size
 from kvtiers.core.chunkformat import HEADER_BYTES
-from kvtiers.core.keys import make_offload_key
+from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import LookupResult, ScheduleEndContext
 from kvtiers.core.publish import FileOps
 from kvtiers.errors import BackendUnavailableError, NamespaceMismatchError
@@ -212,7 +213,7 @@ def test_capacity_is_kept_with_lru_eviction_of_files(tmp_path: Path) -> None:
     manager = tier.manager
     try:
         order: list[int] = []
-        removed_events: list[bytes] = []
+        removed_events: list[OffloadKey] = []
         for i in range(12):
             if i % 3 == 2:
                 # Touching the oldest key moves it to the young end.
@@ -660,7 +661,7 @@ def test_the_config_chooses_the_durability(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.durability: expected one of process"):
         file_tier(durability="disk")
     offloading = offloading_config()
-    cpu = build_cpu(CPUTierConfig(name="cpu", capacity=4 * 8192), offloading,
+    cpu = build_cpu(CPUTierConfig(name="cpu", capacity=Size(4 * 8192)), offloading,
                     primary_region=None, name="cpu")
     for durability in ("process", "power"):
         config = FileTierConfig(name="disk", root=str(tmp_path), durability=durability)
@@ -677,6 +678,7 @@ def test_the_config_chooses_the_durability(tmp_path: Path) -> None:
 
 # -- in a stack -----------------------------------------------------------------------
 def test_cpu_and_file_stack_cascades_then_promotes_after_restart(tmp_path: Path) -> None:
+    from kvtiers.config.sizes import Size
     from kvtiers.config.tiers import CPUTierConfig, FileTierConfig
     from kvtiers.core.specs import CPULoadStoreSpec
     from kvtiers.stack.composite import TieredManager
@@ -686,7 +688,7 @@ def test_cpu_and_file_stack_cascades_then_promotes_after_restart(tmp_path: Path)
     offloading = offloading_config()
 
     def stack() -> TieredManager:
-        cpu = build_cpu(CPUTierConfig(name="cpu", capacity=4 * 8192), offloading,
+        cpu = build_cpu(CPUTierConfig(name="cpu", capacity=Size(4 * 8192)), offloading,
                         primary_region=None, name="cpu")
         disk = build_file(FileTierConfig(name="disk", root=str(tmp_path)), offloading,
                           primary_region=cpu.region, name="disk")

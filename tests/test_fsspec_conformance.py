@@ -8,8 +8,8 @@ import uuid
 import pytest
 
 from kvtiers.testing.conformance import TierConformanceTests
+from kvtiers.testing.objects import ObjectTierConformance
 from kvtiers.tiers.fsspec.store import FsspecStore
-from tests.conftest import ObjectTierConformance
 
 
 class TestFsspecMemoryConformance(ObjectTierConformance, TierConformanceTests):

@@ -18,14 +18,15 @@ from kvtiers.core import chunkformat
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError, NamespaceMismatchError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
+from kvtiers.testing.driver import TierDriver
+from kvtiers.testing.objects import offloading_config
 from kvtiers.tiers.fsspec.factory import build_tier
 from kvtiers.tiers.fsspec.store import FsspecStore
-from tests.conftest import TierDriver, offloading_config
 
 CTX = ReqContext("test")
 

@@ -35,7 +35,7 @@ from kvtiers.core import chunkformat
 from kvtiers.core.keys import make_offload_key
 from kvtiers.errors import ConfigError, CorruptChunkError, NamespaceMismatchError
 from kvtiers.filemapper import NamespaceIdentity, check_manifest, manifest_bytes
-from tests.conftest import offloading_config
+from kvtiers.testing.objects import offloading_config
 
 # Generous per-example deadline: it catches a hang or a blow-up, not a slow machine.
 FUZZ = settings(
@@ -168,7 +168,7 @@ def test_fuzz_manifest_reader_ends_in_mismatch_errors_only(
     if ran_in_fresh_process(request):
         return
     from kvtiers.tools.commands import inspect, verify
-    from kvtiers.tools.locations import FileLocation
+    from kvtiers.tools.locations import open_location
 
     root = tmp_path / "root"
     namespace = root / IDENTITY.namespace
@@ -183,8 +183,8 @@ def test_fuzz_manifest_reader_ends_in_mismatch_errors_only(
             assert "Traceback" not in str(exc)
         (namespace / "manifest.json").write_bytes(data)
         out = io.StringIO()
-        assert inspect(FileLocation(root), out) == 0
-        assert verify(FileLocation(root), out) in (0, 1)
+        assert inspect(open_location(str(root)), out) == 0
+        assert verify(open_location(str(root)), out) in (0, 1)
 
     with peak_memory("manifest reader"):
         check()

@@ -29,10 +29,10 @@ from kvtiers.errors import (
 )
 from kvtiers.filemapper import FileMapper, NamespaceIdentity, check_manifest, open_namespace
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
+from kvtiers.testing.objects import offloading_config
 from kvtiers.tiers.file.io import PosixBackend, PublishSettings
 from kvtiers.tools.commands import GcPolicy, gc, inspect, verify
-from kvtiers.tools.locations import FileLocation
-from tests.conftest import offloading_config
+from kvtiers.tools.locations import open_location
 
 KEY = make_offload_key(bytes(range(16)), 0)
 PAYLOAD = b"kv" * 4096
@@ -107,7 +107,7 @@ def test_gc_never_deletes_through_a_symlinked_namespace(tmp_path: Path) -> None:
     for policy in (GcPolicy(older_than_days=0.0, temp_age_s=0.0),
                    GcPolicy(namespaces=(namespace.name,))):
         with pytest.raises(LocationError, match="holds no kvtiers namespace"):
-            gc(FileLocation(root), policy, out)
+            gc(open_location(str(root)), policy, out)
     assert victim.exists() and (namespace / "manifest.json").exists()
 
 
@@ -207,7 +207,7 @@ def test_inspect_reads_a_huge_manifest_only_up_to_its_limit(tmp_path: Path) -> N
     tracemalloc.start()
     try:
         out = io.StringIO()
-        assert inspect(FileLocation(root), out) == 0
+        assert inspect(open_location(str(root)), out) == 0
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -226,7 +226,7 @@ def test_verify_streams_a_huge_chunk_in_bounded_blocks(tmp_path: Path) -> None:
     tracemalloc.start()
     try:
         out = io.StringIO()
-        assert verify(FileLocation(root), out) == 0, out.getvalue()
+        assert verify(open_location(str(root)), out) == 0, out.getvalue()
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

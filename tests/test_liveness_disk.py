@@ -20,11 +20,11 @@ import pytest
 
 from kvtiers.config.tiers import FileTierConfig
 from kvtiers.core.publish import FileOps
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import FileMapper, open_namespace
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.file import space as space_module
 from kvtiers.tiers.file.factory import build_tier
 from kvtiers.tiers.file.io import PublishSettings
@@ -205,7 +205,7 @@ def test_a_real_full_disk_at_open_leaves_no_namespace(small_mount: Path) -> None
 def test_stale_temp_cleanup_leaves_what_a_read_only_filesystem_keeps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvtiers.core.publish import cleanup_stale_temps
+    from kvtiers.filemapper import remove_stale_temps
 
     temp = tmp_path / "ab" / ".chunk.kvc.0123.kvtmp"
     temp.parent.mkdir()
@@ -215,7 +215,7 @@ def test_stale_temp_cleanup_leaves_what_a_read_only_filesystem_keeps(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
 
     monkeypatch.setattr(os, "unlink", read_only)
-    assert cleanup_stale_temps(tmp_path) == 0
+    assert remove_stale_temps(tmp_path) == 0
     monkeypatch.undo()
     assert temp.exists()
-    assert cleanup_stale_temps(tmp_path) == 1
+    assert remove_stale_temps(tmp_path) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+from typing import Any
 
 import pytest
 
@@ -114,10 +115,12 @@ def test_the_yaml_keys_are_checked() -> None:
     from kvtiers.config.tiers import FileTierConfig, FsspecTierConfig, S3TierConfig
     from kvtiers.errors import ConfigError
 
-    for config, args in ((FileTierConfig, {"root": "/tmp/x"}),
-                         (S3TierConfig, {"bucket": "kv-cache"}),
-                         (FsspecTierConfig, {"url": "memory://kv"})):
-        assert config(name="t", **args).load_backoff_s == 1.0  # type: ignore[arg-type]
+    cases: tuple[tuple[Any, dict[str, Any]], ...] = (
+        (FileTierConfig, {"root": "/tmp/x"}),
+        (S3TierConfig, {"bucket": "kv-cache"}),
+        (FsspecTierConfig, {"url": "memory://kv"}),
+    )
+    for config, args in cases:
+        assert config(name="t", **args).load_backoff_s == 1.0
         with pytest.raises(ConfigError, match="load_backoff_max_s 1 is below"):
-            config(name="t", load_backoff_s=2.0, load_backoff_max_s=1.0,  # type: ignore[arg-type]
-                   **args)
+            config(name="t", load_backoff_s=2.0, load_backoff_max_s=1.0, **args)

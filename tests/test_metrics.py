@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import socket
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +190,11 @@ def test_without_metrics_no_step_pays_for_a_stats_snapshot() -> None:
     stack = load_stack({"tiers": [{"kind": "cpu", "capacity": "1MiB"}], "model": MODEL})
     calls = []
     real = stack.manager.get_stats
-    stack.manager.get_stats = lambda: calls.append(1) or real()  # type: ignore[method-assign]
+    def counted() -> Mapping[str, float]:
+        calls.append(1)
+        return real()
+
+    stack.manager.get_stats = counted  # type: ignore[method-assign]
     stack.manager.on_schedule_end(ScheduleEndContext())
     stack.shutdown()
     assert calls == [] and stack.manager.stats_snapshot == {}

@@ -19,7 +19,6 @@ from kvtiers.core.publish import (
     TEMP_SUFFIX,
     FileOps,
     KnownDirs,
-    cleanup_stale_temps,
     is_temp_name,
     publish,
     publish_bytes,
@@ -27,6 +26,7 @@ from kvtiers.core.publish import (
     write_all,
 )
 from kvtiers.errors import SymlinkEscapeError
+from kvtiers.filemapper import remove_stale_temps
 
 OLD = b"old content " * 100
 NEW = b"NEW CONTENT " * 300
@@ -170,7 +170,7 @@ def test_no_clobber_unlink_failure_after_link_leaves_a_temp_cleanup_removes(
     run_faulty(final, "unlink", replace=False)
     assert final.read_bytes() == NEW
     assert len(temps_in(tmp_path)) == 1
-    assert cleanup_stale_temps(tmp_path) == 1
+    assert remove_stale_temps(tmp_path) == 1
     assert temps_in(tmp_path) == []
     assert final.read_bytes() == NEW
 
@@ -184,7 +184,7 @@ def test_failed_temp_removal_leaves_a_temp_cleanup_removes(step: str, tmp_path: 
         publish(final, write_new, ops=ops)
     assert final.read_bytes() == OLD
     assert len(temps_in(tmp_path)) == 1
-    assert cleanup_stale_temps(tmp_path) == 1
+    assert remove_stale_temps(tmp_path) == 1
     assert temps_in(tmp_path) == []
     assert final.read_bytes() == OLD
 
@@ -396,7 +396,7 @@ def test_cleanup_removes_only_temp_names(tmp_path: Path) -> None:
     temps = [make_temp(keep[0]), make_temp(keep[1]), make_temp(keep[1]), make_temp(keep[2])]
     assert all(is_temp_name(t.name) for t in temps)
 
-    assert cleanup_stale_temps(tmp_path) == len(temps)
+    assert remove_stale_temps(tmp_path) == len(temps)
     assert not any(t.exists() for t in temps)
     assert all(path.read_bytes() == b"keep" for path in keep)
 
@@ -405,11 +405,11 @@ def test_cleanup_respects_older_than(tmp_path: Path) -> None:
     final = tmp_path / "00" / "01" / "0001_g0.kvc"
     old = [make_temp(final, age_s=3600), make_temp(final, age_s=120)]
     fresh = [make_temp(final), make_temp(final, age_s=30)]
-    assert cleanup_stale_temps(tmp_path, older_than_s=60) == len(old)
+    assert remove_stale_temps(tmp_path, older_than_s=60) == len(old)
     assert not any(t.exists() for t in old)
     assert all(t.exists() for t in fresh)
-    assert cleanup_stale_temps(tmp_path) == len(fresh)
+    assert remove_stale_temps(tmp_path) == len(fresh)
 
 
 def test_cleanup_of_a_missing_root(tmp_path: Path) -> None:
-    assert cleanup_stale_temps(tmp_path / "absent") == 0
+    assert remove_stale_temps(tmp_path / "absent") == 0

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvtiers.testing.conformance import TierConformanceTests
+from kvtiers.testing.objects import ObjectTierConformance
+from kvtiers.testing.s3 import BUCKET, S3Server
 from kvtiers.tiers.s3.store import S3Store
-from tests.conftest import BUCKET, ObjectTierConformance, S3Server
 
 
 class TestS3TierConformance(ObjectTierConformance, TierConformanceTests):

@@ -15,20 +15,15 @@ import pytest
 from kvtiers.config.tiers import S3TierConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
+from kvtiers.testing.driver import TierDriver
+from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET, FaultInjector, MotoServer, ResponseBody
 from kvtiers.tiers.object.retry import Retrier
 from kvtiers.tiers.s3.factory import build_tier
-from tests.conftest import (
-    BUCKET,
-    FaultInjector,
-    MotoServer,
-    TierDriver,
-    _Body,
-    offloading_config,
-)
 
 ATTEMPTS = 3
 KINDS = ["throttle", "server_error", "drop", "timeout"]
@@ -167,7 +162,8 @@ class NotImplementedPuts:
         with self._lock:
             self.answered += 1
         body = b"<Error><Code>NotImplemented</Code><Message>injected</Message></Error>"
-        return AWSResponse(request.url, 501, {"Content-Type": "application/xml"}, _Body(body))
+        headers = {"Content-Type": "application/xml"}
+        return AWSResponse(request.url, 501, headers, ResponseBody(body))
 
 
 def build(endpoint: MotoServer, hook: NotImplementedPuts) -> tuple[BuiltTier, TierDriver]:

@@ -13,9 +13,9 @@ import pytest
 from kvtiers.config.stack import parse_stack
 from kvtiers.config.tiers import S3TierConfig, redact_url
 from kvtiers.errors import ConfigError
+from kvtiers.testing.s3 import BUCKET, MotoServer
 from kvtiers.tiers.object.retry import OperationDeadlineError, Retrier
 from kvtiers.tiers.s3.store import S3Store, _DeadlineBoundRetries
-from tests.conftest import BUCKET, MotoServer
 
 SECRET_URL = "http://kvuser:hunter2@127.0.0.1:9"
 

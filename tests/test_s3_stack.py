@@ -11,7 +11,8 @@ from kvtiers.core.manager import LookupResult, ReqContext
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.stack.builder import Stack, load_stack
 from kvtiers.testing.conformance import conformance_key, conformance_payload
-from tests.conftest import BUCKET, S3Server, offloading_config
+from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET, S3Server
 
 CTX = ReqContext("stack")
 CHUNK = 8192

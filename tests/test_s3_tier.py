@@ -20,13 +20,15 @@ from kvtiers.core import chunkformat
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError, NamespaceMismatchError
 from kvtiers.filemapper import MANIFEST_NAME, NamespaceIdentity
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.base import BuiltTier
+from kvtiers.testing.driver import TierDriver
+from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET, MotoServer
 from kvtiers.tiers.s3.factory import build_tier
-from tests.conftest import BUCKET, MotoServer, TierDriver, offloading_config
 
 CTX = ReqContext("test")
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
@@ -82,7 +84,8 @@ from kvtiers.core.manager import ReqContext
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.tiers.s3.factory import build_tier
-from tests.conftest import TierDriver, offloading_config
+from kvtiers.testing.driver import TierDriver
+from kvtiers.testing.objects import offloading_config
 offloading = offloading_config()
 geometry = ChunkGeometry.from_config(offloading)
 region = BytearrayRegion(8, geometry.slot_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 from kvtiers.engine.simulator import SimulatedEngine
 from kvtiers.engine.workload import WorkloadSpec, conversation_requests
 from kvtiers.stack.builder import load_stack
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 WORKLOAD = WorkloadSpec(conversations=2, system_prompts=1, turns=1, system_tokens=(200, 260))
 
@@ -163,3 +164,30 @@ def test_a_refused_allocation_is_one_line_not_a_traceback(tmp_path: Path) -> Non
     result = _cli("demo", "--config", str(stack), "--out", str(tmp_path / "out"), "--no-plot")
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_tools_work_on_an_fsspec_url() -> None:
+    fsspec = pytest.importorskip("fsspec")
+    from kvtiers.tools.commands import inspect, verify
+    from kvtiers.tools.locations import open_location
+
+    url = "memory://kvtiers-tools-test"
+    _fill([{"kind": "fsspec", "url": url}], "team/model-fsspec")
+    fs = fsspec.filesystem("memory")
+    try:
+        location = open_location(url)
+        out = io.StringIO()
+        assert inspect(location, out) == 0
+        assert "model team/model-fsspec@main" in out.getvalue()
+        assert verify(location, io.StringIO()) == 0
+        victim = next(p for p in sorted(fs.find(url)) if p.endswith(".kvc"))
+        body = bytearray(fs.cat_file(victim))
+        body[-1] ^= 0xFF
+        fs.pipe_file(victim, bytes(body))
+        out = io.StringIO()
+        assert verify(location, out, fix=True) == 0 and "(quarantined)" in out.getvalue()
+        assert "payload checksum check failed" in out.getvalue()
+        remaining = fs.find(url)
+        assert victim not in remaining and any("/quarantine/" in p for p in remaining)
+    finally:
+        fs.rm(url, recursive=True)

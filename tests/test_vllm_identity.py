@@ -83,10 +83,14 @@ class Engine:
 
 
 def model_config(engine: Engine) -> Any:
+    # Keyword arguments LlamaConfig's annotations may not list (they vary by release).
+    settings: dict[str, Any] = {
+        "rope_theta": engine.rope_theta,
+        "max_position_embeddings": engine.max_position_embeddings,
+    }
     hf = LlamaConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=TOTAL_KV_HEADS,
-        num_hidden_layers=2, vocab_size=256, rope_theta=engine.rope_theta,
-        max_position_embeddings=engine.max_position_embeddings,
+        num_hidden_layers=2, vocab_size=256, **settings,
     )
     if engine.kv_cache_scheme is not None:
         hf.quantization_config = {"quant_method": "compressed-tensors",

@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 F = 2
 WORKER_BYTES_PER_BLOCK = 1000

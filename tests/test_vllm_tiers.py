@@ -29,7 +29,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from kvtiers.errors import ConfigError, UnknownKeyError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
-from tests.conftest import BUCKET, MotoServer
+from kvtiers.testing.s3 import BUCKET, MotoServer
 
 F = 2
 WORKER_BYTES_PER_BLOCK = 1000

@@ -25,7 +25,7 @@ from kvtiers.config.tiers import (
 from kvtiers.errors import ConfigError
 
 if TYPE_CHECKING:
-    from kvtiers.tiers.base import TierFactory
+    from kvtiers.core.tier import TierFactory
 
 
 @dataclass(frozen=True)
@@ -34,13 +34,16 @@ class TierKind:
 
     ``may_be_primary`` says whether some configuration of the kind can be the first tier
     (a given configuration says so itself through ``TierConfig.can_be_primary``);
-    ``extra`` is the package extra that installs the kind's dependencies, if any.
+    ``persistent`` says whether its chunks outlive the process (and so must be named by
+    an identity that is stable across restarts); ``extra`` is the package extra that
+    installs the kind's dependencies, if any.
     """
 
     name: str
     config_type: type[TierConfig]
     factory: str
     may_be_primary: bool
+    persistent: bool
     extra: str = ""
 
 
@@ -48,15 +51,21 @@ TIER_KINDS: Mapping[str, TierKind] = MappingProxyType(
     {
         kind.name: kind
         for kind in (
-            TierKind("cpu", CPUTierConfig, "kvtiers.tiers.cpu.factory:build_tier", True),
-            TierKind("file", FileTierConfig, "kvtiers.tiers.file.factory:build_tier", True),
-            TierKind("s3", S3TierConfig, "kvtiers.tiers.s3.factory:build_tier", False, extra="s3"),
             TierKind(
-                "fsspec",
-                FsspecTierConfig,
-                "kvtiers.tiers.fsspec.factory:build_tier",
-                False,
-                extra="fsspec",
+                "cpu", CPUTierConfig, "kvtiers.tiers.cpu.factory:build_tier",
+                may_be_primary=True, persistent=False,
+            ),
+            TierKind(
+                "file", FileTierConfig, "kvtiers.tiers.file.factory:build_tier",
+                may_be_primary=True, persistent=True,
+            ),
+            TierKind(
+                "s3", S3TierConfig, "kvtiers.tiers.s3.factory:build_tier",
+                may_be_primary=False, persistent=True, extra="s3",
+            ),
+            TierKind(
+                "fsspec", FsspecTierConfig, "kvtiers.tiers.fsspec.factory:build_tier",
+                may_be_primary=False, persistent=True, extra="fsspec",
             ),
         )
     }

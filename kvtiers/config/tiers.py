@@ -24,6 +24,7 @@ from kvtiers.config.schema import Check, Matches, OctalMode, Range, Section, exa
 from kvtiers.config.sizes import Size, format_size
 from kvtiers.core.bounded import nesting_problem
 from kvtiers.errors import ConfigError
+from kvtiers.policies.base import policy_import_problem, policy_name_problem
 
 #: Default ``op_deadline_s`` of object tiers, seconds (kept equal to
 #: :data:`kvtiers.tiers.object.retry.DEFAULT_OP_DEADLINE_S`; config never imports tiers).
@@ -33,8 +34,6 @@ DEFAULT_OP_DEADLINE_S = 30.0
 #: :mod:`kvtiers.tiers.backoff`'s defaults).
 DEFAULT_LOAD_BACKOFF_S = 1.0
 DEFAULT_LOAD_BACKOFF_MAX_S = 60.0
-
-BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
 # A /dev/shm file name: no leading dot (the region's temp names start with one), short.
@@ -50,33 +49,6 @@ Seconds = Annotated[float, Range(0, above=True)]
 _OWNER_READ_WRITE = OctalMode(0o600)
 _OWNER_ALL = OctalMode(0o700)
 
-_DOTTED_CLASS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-
-
-def _policy_import_problem(policy: str) -> str | None:
-    """Why the policy class ``package.module:ClassName`` cannot be loaded, or ``None``.
-
-    Imports the module, as building the tier would (builtin names need nothing); the
-    build then checks that the class is an eviction policy."""
-    if policy in BUILTIN_POLICIES:
-        return None
-    module_name, _, class_name = policy.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # a user's module may raise anything while it is imported
-        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-        return (
-            f"cannot import module {module_name!r} for eviction policy {policy!r} "
-            f"({detail}); install it or fix the path"
-        )
-    if not isinstance(getattr(module, class_name, None), type):
-        return (
-            f"module {module_name!r} has no class {class_name!r}; name a policy class as "
-            "'package.module:ClassName'"
-        )
-    return None
-
-
 def _check_load_backoff(base_s: float, max_s: float) -> None:
     """A lower tier's load back-off: a key whose load failed is a miss for ``base_s``,
     doubled per further failure up to ``max_s`` (docs/architecture.md, "Liveness")."""
@@ -86,15 +58,6 @@ def _check_load_backoff(base_s: float, max_s: float) -> None:
             "load_backoff_max_s or lower load_backoff_s",
             path="load_backoff_max_s",
         )
-
-
-def _policy_problem(policy: str) -> str | None:
-    if policy in BUILTIN_POLICIES or _DOTTED_CLASS.fullmatch(policy):
-        return None
-    return (
-        f"unknown eviction policy {policy!r}; use one of {', '.join(BUILTIN_POLICIES)} "
-        "or name a policy class as 'package.module:ClassName'"
-    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,7 +111,7 @@ class CPUTierConfig(TierConfig):
     capacity: Capacity = field(metadata=example("capacity: 8GiB"))
     """Host memory reserved for chunks, allocated at start-up in slots of the largest
     group's chunk."""
-    policy: Annotated[str, Check(_policy_problem)] = "lru"
+    policy: Annotated[str, Check(policy_name_problem)] = "lru"
     """Eviction policy: lru, arc, s3fifo, or a class named as ``package.module:Class``."""
     shared_memory_name: Annotated[str, SHM_NAME] | None = None
     """Place the region in ``/dev/shm/<name>`` so engine processes on this host share it;
@@ -160,7 +123,7 @@ class CPUTierConfig(TierConfig):
         return True
 
     def _check(self) -> None:
-        problem = _policy_import_problem(self.policy)
+        problem = policy_import_problem(self.policy)
         if problem is not None:
             raise ConfigError(problem, path="policy")
 

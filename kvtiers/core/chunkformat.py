@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvtiers.core.buffers import Buffer
 from kvtiers.errors import CorruptChunkError
 
 MAGIC = b"KVTCHUNK"
@@ -47,7 +48,6 @@ _FIXED = struct.Struct("<8sHHB3xQ16s32sH6xQQ")
 _HEADER_CHECKSUM_OFFSET = 88
 _KEY_OFFSET = 96
 
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)

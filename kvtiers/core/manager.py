@@ -101,8 +101,10 @@ class LookupResult(Enum):
     RETRY = auto()
 
 
-class OffloadPolicy(Enum):
-    """Which of a request's blocks get offloaded."""
+class OffloadScope(Enum):
+    """Which of a request's blocks get offloaded. (vLLM calls this the request's offload
+    "policy"; in kvtiers a policy is an eviction policy only, see :mod:`kvtiers.policies`.)
+    """
 
     # Only newly computed blocks; blocks that were prefix hits are skipped.
     BLOCK_LEVEL = "block_level"
@@ -114,7 +116,7 @@ class OffloadPolicy(Enum):
 class RequestOffloadingContext:
     """What a manager asks of a new request (returned by ``on_new_request``)."""
 
-    policy: OffloadPolicy = OffloadPolicy.BLOCK_LEVEL
+    scope: OffloadScope = OffloadScope.BLOCK_LEVEL
 
 
 class ScheduleEndContext(NamedTuple):
@@ -124,9 +126,10 @@ class ScheduleEndContext(NamedTuple):
     preempted_req_ids: Collection[str] = ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class OffloadingEvent:
-    """Keys that were stored into, or removed from, storage a manager owns."""
+    """Keys that were stored into, or removed from, storage a manager owns (a value:
+    whoever adds to it makes a copy with :func:`dataclasses.replace`)."""
 
     keys: list[OffloadKey]
     medium: Medium

@@ -4,8 +4,9 @@ Steps: a unique temp name in the target directory (``O_CREAT | O_EXCL``) → the
 writer writes every byte (short writes are checked) → ``fsync`` the file →
 ``os.replace`` onto the final name → ``fsync`` the directory. A reader therefore sees the
 old state or the new one, never a torn file; a crash leaves at most a stale temp file,
-which :func:`cleanup_stale_temps` removes at start-up. New directories are created 0700 and
-their parent fsynced once, so the directory entry itself is durable.
+which :func:`kvtiers.filemapper.remove_stale_temps` removes at start-up. New
+directories are created 0700 and their parent fsynced once, so the directory entry itself
+is durable.
 
 ``sync=False`` leaves out every fsync (the file's and the directories'): the publish is
 still atomic for every reader and survives the crash of any process (the bytes and the
@@ -38,18 +39,17 @@ import os
 import secrets
 import stat
 import threading
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+from kvtiers.core.buffers import Buffer
 from kvtiers.errors import SymlinkEscapeError
 
 TEMP_SUFFIX = ".kvtmp"
 DEFAULT_FILE_MODE = 0o600
 DEFAULT_DIR_MODE = 0o700
 
-Buffer = bytes | bytearray | memoryview
 #: What a published file survives: ``process`` — the crash of any process (no fsync);
 #: ``power`` — a power cut too (file and directory fsyncs).
 Durability = Literal["process", "power"]
@@ -267,7 +267,7 @@ def publish(
     With ``replace=False`` an existing ``final_path`` is never touched: the call raises
     :class:`FileExistsError` instead (after removing its temp file). Should unlinking the
     temp name fail once the link is made, the error propagates with the file published
-    and the temp name left for :func:`cleanup_stale_temps`.
+    and the temp name left for :func:`kvtiers.filemapper.remove_stale_temps`.
     """
     directory = final_path.parent
     ensure_dir(directory, mode=dir_mode, ops=ops, root=root, sync=sync, known=known)
@@ -302,7 +302,7 @@ def publish(
     finally:
         if not published:
             # Best effort: the error that stopped the publish is the one to report; a temp
-            # name left behind is removed by cleanup_stale_temps at the next start.
+            # name left behind is removed by remove_stale_temps at the next start.
             with contextlib.suppress(OSError):
                 ops.unlink(temp)
 
@@ -327,31 +327,3 @@ def publish_bytes(
         ops=ops,
         root=root,
     )
-
-
-def cleanup_stale_temps(root: Path, *, older_than_s: float = 0.0) -> int:
-    """Remove temp files left by interrupted publishes under ``root`` (recursively);
-    returns how many. On a shared directory pass ``older_than_s`` so another live
-    writer's temp files are left alone. Temp files that cannot be removed (a read-only
-    filesystem) stay where they are."""
-    cutoff = time.time() - older_than_s
-    removed = 0
-    stack = [root]
-    while stack:
-        try:
-            entries = list(os.scandir(stack.pop()))
-        except FileNotFoundError:
-            continue
-        for entry in entries:
-            if entry.is_dir(follow_symlinks=False):
-                stack.append(Path(entry.path))
-            elif is_temp_name(entry.name):
-                try:
-                    if older_than_s <= 0 or entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                        os.unlink(entry.path)
-                        removed += 1
-                except OSError:
-                    # Gone already, or a read-only filesystem: a temp name is never read
-                    # as data, so leaving it is safe.
-                    continue
-    return removed

@@ -26,6 +26,8 @@ from kvtiers.filemapper.identity import NamespaceIdentity
 from kvtiers.filemapper.manifest import MANIFEST_NAME
 
 CHUNK_SUFFIX = ".kvc"
+#: The directory inside a namespace where corrupt chunks are moved (never indexed).
+QUARANTINE_DIR = "quarantine"
 #: The fan-out directories take the first two bytes of the block hash.
 MIN_BLOCK_HASH_BYTES = 2
 

@@ -17,8 +17,10 @@ assume it will succeed.
 from __future__ import annotations
 
 import importlib
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable
+from types import ModuleType
 from typing import Any
 
 from kvtiers.errors import ConfigError
@@ -28,6 +30,7 @@ BUILTIN_POLICIES = {
     "arc": "kvtiers.policies.arc:ARCPolicy",
     "s3fifo": "kvtiers.policies.s3fifo:S3FIFOPolicy",
 }
+_DOTTED_CLASS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 
 class EvictionPolicy(ABC):
@@ -80,31 +83,66 @@ class EvictionPolicy(ABC):
         """Pick and stop tracking ``n`` unprotected keys; at least ``n`` exist."""
 
 
+def policy_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a policy (neither builtin nor ``package.module:Class``),
+    or ``None``. Imports nothing."""
+    if name in BUILTIN_POLICIES or _DOTTED_CLASS.fullmatch(name):
+        return None
+    return (
+        f"unknown eviction policy {name!r}; use one of {', '.join(BUILTIN_POLICIES)} "
+        "or name a policy class as 'package.module:ClassName'"
+    )
+
+
+def policy_import_problem(name: str) -> str | None:
+    """Why the policy ``name`` cannot be loaded (a bad name, a module that cannot be
+    imported, no such class), or ``None``. Imports the module, as building the tier
+    would; whether the class is an :class:`EvictionPolicy` is :func:`load_policy`'s
+    check."""
+    try:
+        module, class_name = _import_module(name)
+    except _PolicyImportError as exc:
+        return str(exc)
+    if not isinstance(getattr(module, class_name, None), type):
+        return (
+            f"module {module.__name__!r} has no class {class_name!r}; name a policy class as "
+            "'package.module:ClassName'"
+        )
+    return None
+
+
 def load_policy(name: str) -> type[EvictionPolicy]:
     """The policy class called ``name``: ``lru``, ``arc``, ``s3fifo``, or
     ``"package.module:ClassName"`` for a policy defined elsewhere."""
-    target = BUILTIN_POLICIES.get(name, name)
-    module_name, sep, class_name = target.partition(":")
-    if not sep or not module_name or not class_name:
-        raise ConfigError(
-            f"unknown eviction policy {name!r}; use one of {', '.join(BUILTIN_POLICIES)} "
-            "or a dotted path like 'package.module:ClassName'",
-            path="policy",
-        )
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # a user's module may raise anything while it is imported
-        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
-        raise ConfigError(
-            f"cannot import module {module_name!r} for eviction policy {name!r} ({detail}); "
-            "install it or fix the path",
-            path="policy",
-        ) from exc
+        module, class_name = _import_module(name)
+    except _PolicyImportError as exc:
+        raise ConfigError(str(exc), path="policy") from exc.__cause__
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
         raise ConfigError(
-            f"{target!r} is not an EvictionPolicy subclass; a policy must subclass "
-            "kvtiers.policies.EvictionPolicy",
+            f"{BUILTIN_POLICIES.get(name, name)!r} is not an EvictionPolicy subclass; a "
+            "policy must subclass kvtiers.policies.EvictionPolicy",
             path="policy",
         )
     return cls
+
+
+class _PolicyImportError(Exception):
+    """A policy name that does not lead to a class (the message says why)."""
+
+
+def _import_module(name: str) -> tuple[ModuleType, str]:
+    """The module a policy name points into and the class name it gives."""
+    problem = policy_name_problem(name)
+    if problem is not None:
+        raise _PolicyImportError(problem)
+    module_name, _, class_name = BUILTIN_POLICIES.get(name, name).partition(":")
+    try:
+        return importlib.import_module(module_name), class_name
+    except Exception as exc:  # a user's module may raise anything while it is imported
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        raise _PolicyImportError(
+            f"cannot import module {module_name!r} for eviction policy {name!r} ({detail}); "
+            "install it or fix the path"
+        ) from exc

@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import KeyFormat
+from kvtiers.core.mover import HostRegion
+from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
-from kvtiers.tiers.base import BuiltTier
 
 if TYPE_CHECKING:
     import torch
@@ -46,10 +47,7 @@ class Stack:
         :meth:`KVCacheTensors.from_layers`)."""
         if isinstance(kv_caches, Mapping):
             kv_caches = KVCacheTensors.from_layers(kv_caches, self.offloading)
-        primary = self.tiers[0]
-        if primary.make_worker is None:
-            raise ConfigError(f"tier {primary.name!r} cannot be a primary", path="tiers[0]")
-        worker = primary.make_worker(kv_caches)
+        worker = _primary_worker(self.tiers[0], kv_caches)
         if self.manager.latency is not None:
             from kvtiers.stack.metrics_latency import TimedWorker
 
@@ -104,16 +102,8 @@ def load_stack(
         identity = config.model.to_offloading_config(rank)
     tiers: list[BuiltTier] = []
     try:
-        for index, tier_config in enumerate(config.tiers):
-            factory = resolve_factory(tier_config.kind, path=f"tiers[{index}].kind")
-            tiers.append(
-                factory(
-                    tier_config,
-                    identity,
-                    primary_region=tiers[0].region if tiers else None,
-                    name=tier_config.name,
-                )
-            )
+        for index in range(len(config.tiers)):
+            tiers.append(_build_tier(config, index, identity, tiers[0].region if tiers else None))
         manager = TieredManager(
             tiers,
             keys=KeyFormat.for_algorithm(len(identity.groups), identity.cache.hash_algorithm),
@@ -140,3 +130,35 @@ def load_stack(
                 raise exc.with_source(config.source) from None
             raise
     return stack
+
+
+def build_primary_worker(
+    config: StackConfig, identity: OffloadingConfig, kv_caches: KVCacheTensors
+) -> tuple[OffloadingWorker, BuiltTier]:
+    """Build only the primary tier of ``config`` and its worker over ``kv_caches``: what a
+    worker process without the scheduler's stack needs. The caller shuts the returned
+    tier down after the worker; if making the worker fails, the tier is shut down here."""
+    primary = _build_tier(config, 0, identity, None)
+    try:
+        return _primary_worker(primary, kv_caches), primary
+    except BaseException:
+        primary.shutdown()
+        raise
+
+
+def _build_tier(
+    config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None
+) -> BuiltTier:
+    tier_config = config.tiers[index]
+    factory = resolve_factory(tier_config.kind, path=f"tiers[{index}].kind")
+    return factory(tier_config, identity, primary_region=primary_region, name=tier_config.name)
+
+
+def _primary_worker(primary: BuiltTier, kv_caches: KVCacheTensors) -> OffloadingWorker:
+    if primary.make_worker is None:
+        raise ConfigError(
+            f"tier {primary.name!r} cannot be the primary (first) tier: it makes no worker; "
+            "put a cpu or file tier first",
+            path="tiers[0]",
+        )
+    return primary.make_worker(kv_caches)

@@ -45,7 +45,7 @@ import itertools
 import math
 import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
 from kvtiers.core.manager import (
@@ -59,9 +59,9 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ClosedError, ConfigError
 from kvtiers.stack.metrics_latency import LatencyHistograms
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -325,7 +325,7 @@ class TieredManager(OffloadingManager):
         for lower in self._lower:
             for event in lower.manager.take_events():
                 if event.ownership is None:
-                    event.ownership = lower.tier.name
+                    event = replace(event, ownership=lower.tier.name)
                 events.append(event)
         return events
 

@@ -1,0 +1,16 @@
+"""The test kit kvtiers ships, for its own tests and for anyone writing a tier or a store.
+
+- :mod:`~kvtiers.testing.conformance`: the ``OffloadingManager`` contract as tests.
+- :mod:`~kvtiers.testing.objects`: the ``ObjectStore`` contract as tests, the object-tier
+  helpers of the manager suite, a small cache identity.
+- :mod:`~kvtiers.testing.driver`: :class:`TierDriver`, stores and loads through a built
+  lower tier the way the composite does.
+- :mod:`~kvtiers.testing.doubles`, :mod:`~kvtiers.testing.reference`: test doubles and
+  the reference tier.
+- :mod:`~kvtiers.testing.s3`: the moto server's address and a botocore fault injector.
+- :mod:`~kvtiers.testing.seaweed`: SeaweedFS as a second, real S3 server (one process or
+  a small cluster).
+- :mod:`~kvtiers.testing.crash`: the file tier's kill-and-restart harness.
+
+Modules here import pytest and the tiers they test; ``import kvtiers`` never imports them.
+"""

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import MotoServer
+from kvtiers.testing.s3 import MotoServer
 from tests.e2e.tiny_model import make_tiny_llama
 
 REPO = Path(__file__).resolve().parents[2]

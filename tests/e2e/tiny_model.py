@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 #: Vocabulary size; every id below it is a word ``w<id>`` or a special token.
 VOCAB = 1024
@@ -58,6 +59,10 @@ def _tokenizer_files(out: Path) -> None:
     )
 
 
+# Keyword arguments LlamaConfig's annotations may not list (they vary by release).
+_UNLISTED: dict[str, Any] = {"torch_dtype": "float32"}
+
+
 def make_tiny_llama(out: Path, *, seed: int = 0) -> Path:
     """Write the tiny Llama into ``out`` (created if missing) and return ``out``.
 
@@ -80,10 +85,11 @@ def make_tiny_llama(out: Path, *, seed: int = 0) -> Path:
         bos_token_id=1,
         eos_token_id=2,
         initializer_range=0.3,
-        torch_dtype="float32",
+        **_UNLISTED,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     _tokenizer_files(out)
     return out

@@ -47,7 +47,7 @@ import numpy as np
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.config import OffloadingConfig as VllmOffloadingConfig
 
-from kvtiers.config import CPUTierConfig, StackConfig, load_stack_config, resolve_factory
+from kvtiers.config import CPUTierConfig, StackConfig, get_kind, load_stack_config
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import OffloadKey, get_offload_group_idx
 from kvtiers.core.manager import ReqContext, ScheduleEndContext
@@ -67,9 +67,8 @@ from kvtiers.integrations.vllm.translate import (
     vllm_request_context,
     warn_unstable_hashes,
 )
-from kvtiers.stack.builder import Stack, load_stack
+from kvtiers.stack.builder import Stack, build_primary_worker, load_stack
 
-_PERSISTENT_KINDS = frozenset({"file", "s3", "fsspec"})
 #: Steps after a reset at whose end the fenced slots come back when vLLM (0.32) never calls
 #: ``on_reset_flushed``: step 1 carries the flush to the workers, and with asynchronous
 #: scheduling step 2 is planned while step 1 runs.
@@ -381,7 +380,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
             layout_agnostic=config.parallel.is_parallelism_agnostic,
         )
         self.stack_config = _share_primary(_read_stack(self.extra_config), config.engine_id)
-        if any(tier.kind in _PERSISTENT_KINDS for tier in self.stack_config.tiers):
+        if any(get_kind(tier.kind).persistent for tier in self.stack_config.tiers):
             warn_unstable_hashes(self.hash_algorithm)
         self.keys = KeyMap([group.group_id for group in config.groups])
         self._manager: KVTiersManager | None = None
@@ -403,18 +402,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         num_groups = len(self.offloading.groups)
         if self._manager is not None:
             return KVTiersWorker(self._manager.stack.make_worker(kv), num_groups)
-        tier_config = self.stack_config.tiers[0]
-        factory = resolve_factory(tier_config.kind, path="tiers[0].kind")
-        primary = factory(tier_config, self.offloading, primary_region=None, name=tier_config.name)
-        try:
-            if primary.make_worker is None:
-                raise ConfigError(
-                    f"tier {primary.name!r} cannot be a primary", path="tiers[0]"
-                )
-            worker = primary.make_worker(kv)
-        except BaseException:
-            primary.shutdown()
-            raise
+        worker, primary = build_primary_worker(self.stack_config, self.offloading, kv)
         return KVTiersWorker(worker, num_groups, primary.shutdown)
 
     def _check_geometry(self, kv: KVCacheTensors) -> None:

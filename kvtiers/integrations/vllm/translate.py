@@ -43,7 +43,7 @@ from kvtiers.core.manager import (
     LookupResult,
     Medium,
     OffloadingEvent,
-    OffloadPolicy,
+    OffloadScope,
     ReqContext,
     RequestOffloadingContext,
     TierFilter,
@@ -383,9 +383,10 @@ def kvtiers_context(ctx: Any) -> ReqContext:
 
 
 def vllm_request_context(ctx: RequestOffloadingContext) -> Any:
+    """vLLM's request context for kvtiers' ``ctx``: its offload scope is vLLM's policy."""
     policy = (
         vbase.OffloadPolicy.REQUEST_LEVEL
-        if ctx.policy is OffloadPolicy.REQUEST_LEVEL
+        if ctx.scope is OffloadScope.REQUEST_LEVEL
         else vbase.OffloadPolicy.CHUNK_LEVEL
     )
     return vbase.RequestOffloadingContext(policy=policy)

@@ -1,4 +1,4 @@
-"""The CPU tier: the primary tier, in host memory (see DESIGN.md §5).
+"""The CPU tier: the primary tier, in host memory (see docs/architecture.md).
 
 ``region`` holds the bytes (one mmap of fixed-size slots, optionally in ``/dev/shm`` and
 pinned for CUDA), ``manager`` the bookkeeping (slot states, pins, the eviction policy),

@@ -11,10 +11,10 @@ from typing import Protocol
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.mover import HostRegion
+from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.policies.base import load_policy
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.cpu.manager import CpuTierManager
 from kvtiers.tiers.cpu.region import SlotRegion
 

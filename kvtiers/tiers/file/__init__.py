@@ -1,5 +1,5 @@
 """The file tier: chunk files in one namespace directory on local or shared storage
-(see DESIGN.md §4-5).
+(see docs/architecture.md and docs/on-disk-format.md).
 
 ``manager`` keeps the index (rebuilt from a directory scan at start, LRU capacity,
 shared-directory probes), ``mover`` copies chunks between CPU slots and files, ``io``

@@ -19,10 +19,10 @@ from kvtiers.config.tiers import FileTierConfig
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.mover import HostRegion
+from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
-from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.file import space as space_module
 from kvtiers.tiers.file.io import PublishSettings, select_backend
 from kvtiers.tiers.file.manager import FileTierManager

@@ -1,9 +1,8 @@
 """The file tier's manager: an in-memory index over one namespace directory.
 
-At start the namespace's manifest is checked (or created), then one ``os.scandir`` pass
-over the namespace and its two fan-out levels both removes stale temp files of
-interrupted publishes (what :func:`~kvtiers.core.publish.cleanup_stale_temps` does, without
-a second walk) and rebuilds the index — names parsed by :meth:`FileMapper.key_from_name`,
+At start the namespace's manifest is checked (or created), then one pass of
+:func:`~kvtiers.filemapper.scan_namespace` both removes stale temp files of interrupted
+publishes and rebuilds the index — chunk names and places parsed by the scan,
 sizes and mtimes from ``stat`` (never opening a file), recency seeded from mtimes.
 
 The index is a :class:`~kvtiers.tiers.index.ChunkIndex` (size, state, pins in LRU order)
@@ -52,7 +51,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import re
 import stat
 import threading
 import time
@@ -75,11 +73,16 @@ from kvtiers.core.manager import (
     ScheduleEndContext,
     TierCapabilities,
 )
-from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, is_temp_name
+from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
 from kvtiers.core.specs import FileLoadStoreSpec
-from kvtiers.filemapper import FileMapper, open_namespace
+from kvtiers.filemapper import (
+    QUARANTINE_DIR,
+    FileMapper,
+    open_namespace,
+    remove_temp,
+    scan_namespace,
+)
 from kvtiers.filemapper.manifest import MANIFEST_NAME
-from kvtiers.filemapper.mapper import key_from_chunk_name
 from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S, LoadBackoff
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.space import SpaceLatch
@@ -90,11 +93,8 @@ logger = logging.getLogger(__name__)
 
 #: On a shared directory, temp files younger than this may belong to a live writer.
 SHARED_TEMP_AGE_S = 3600.0
-QUARANTINE_DIR = "quarantine"
 #: Chunks evicted to make room when a cascade finds the disk full (at least).
 ROOM_CHUNKS = 16
-
-_FANOUT = re.compile(r"[0-9a-f]{2}")
 
 
 class _Deleter:
@@ -263,26 +263,21 @@ class _Foreign:
 
 
 def _chunk_files(namespace_dir: str) -> list[tuple[float, str, int]]:
-    """``(mtime, path, size)`` of the regular chunk files of one namespace directory."""
+    """``(mtime, path, size)`` of the regular chunk files of one namespace directory (those
+    found before an unreadable directory, if one stops the walk)."""
     found = []
-    stack = [(namespace_dir, 0)]
-    while stack:
-        directory, level = stack.pop()
-        try:
-            with os.scandir(directory) as it:
-                entries = list(it)
-        except OSError:
-            continue
-        for entry in entries:
-            if level < 2 and _FANOUT.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
-                stack.append((entry.path, level + 1))
-            elif level == 2 and key_from_chunk_name(entry.name) is not None:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if stat.S_ISREG(st.st_mode):
-                    found.append((st.st_mtime, entry.path, st.st_size))
+    try:
+        for item in scan_namespace(Path(namespace_dir)):
+            if item.chunk_key() is None:
+                continue
+            try:
+                st = item.entry.stat(follow_symlinks=False)
+            except OSError:  # gone since the walk listed it
+                continue
+            if stat.S_ISREG(st.st_mode):
+                found.append((st.st_mtime, item.entry.path, st.st_size))
+    except OSError:  # an unreadable directory: give up what was found so far
+        return found
     return found
 
 
@@ -408,38 +403,25 @@ class FileTierManager(OffloadingManager):
         capacity, the oldest chunks are evicted."""
         found: list[tuple[float, OffloadKey, int]] = []
         self.unindexed_entries = 0
-        key_from_name = self.mapper.key_from_name
-        cutoff = time.time() - temp_age_s
+        cutoff = time.time() - temp_age_s if temp_age_s > 0 else None
         removed = 0
-        stack = [(str(self.namespace_dir), 0)]
-        while stack:
-            directory, level = stack.pop()
+        for item in scan_namespace(self.namespace_dir):
+            if item.is_temp:
+                removed += remove_temp(item, cutoff)
+                continue
+            key = item.chunk_key()
+            if key is None:
+                continue
             try:
-                with os.scandir(directory) as it:
-                    entries = list(it)
+                st = item.entry.stat(follow_symlinks=False)
             except FileNotFoundError:
                 continue
-            for entry in entries:
-                name = entry.name
-                if level < 2 and _FANOUT.fullmatch(name) and entry.is_dir(follow_symlinks=False):
-                    stack.append((entry.path, level + 1))
-                    continue
-                if is_temp_name(name):
-                    removed += _remove_temp(entry, cutoff if temp_age_s > 0 else None)
-                    continue
-                key = key_from_name(name) if level == 2 else None
-                if key is None:
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if not stat.S_ISREG(st.st_mode):
-                    # A FIFO, directory or symlink under a chunk's name is never a chunk:
-                    # indexed, every load of it would fail. `kvtiers verify` lists them.
-                    self.unindexed_entries += 1
-                    continue
-                found.append((st.st_mtime, key, st.st_size))
+            if not stat.S_ISREG(st.st_mode):
+                # A FIFO, directory or symlink under a chunk's name is never a chunk:
+                # indexed, every load of it would fail. `kvtiers verify` lists them.
+                self.unindexed_entries += 1
+                continue
+            found.append((st.st_mtime, key, st.st_size))
         found.sort(key=lambda item: item[0])
         self._delete(self.index.add_ready((key, size) for _mtime, key, size in found).victims)
         return removed
@@ -675,15 +657,3 @@ class FileTierManager(OffloadingManager):
         if self._prober is not None:
             self._prober.close()
         self._deleter.close()
-
-
-def _remove_temp(entry: os.DirEntry[str], cutoff: float | None) -> int:
-    """Unlink a stale temp file (older than ``cutoff`` when given); 1 if removed. One that
-    cannot be removed (a read-only filesystem) stays: it is never read as a chunk."""
-    try:
-        if cutoff is not None and entry.stat(follow_symlinks=False).st_mtime >= cutoff:
-            return 0
-        os.unlink(entry.path)
-    except OSError:
-        return 0
-    return 1

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from kvtiers.config.tiers import FsspecTierConfig
 from kvtiers.core.config import OffloadingConfig
-from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.mover import HostRegion
-from kvtiers.errors import ConfigError
-from kvtiers.filemapper import NamespaceIdentity
-from kvtiers.tiers.base import BuiltTier
+from kvtiers.core.tier import BuiltTier
 from kvtiers.tiers.fsspec.store import FsspecStore
-from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager, Retrier
+from kvtiers.tiers.object.factory import build_object_tier, lower_tier_region
+from kvtiers.tiers.object.retry import Retrier
 
 
 def build_tier(
@@ -23,31 +21,12 @@ def build_tier(
     name: str,
 ) -> BuiltTier:
     """The fsspec tier ``name``; a lower tier only (it needs the primary's host region)."""
-    if primary_region is None:
-        raise ConfigError(
-            f"tier {name!r}: an fsspec tier cannot be the first tier of a stack; put a cpu "
-            "tier above it",
-            path="kind",
-        )
+    region = lower_tier_region("an fsspec", name, primary_region)
     store = FsspecStore(config.url, config.storage_options)
-    backend = ObjectBackend(
-        store,
-        NamespaceIdentity.from_config(offloading),
-        threads=config.threads,
+    return build_object_tier(
+        store, offloading, name=name, primary_region=region,
         retrier=Retrier(store.is_transient, deadline_s=config.op_deadline_s),
+        threads=config.threads, capacity_bytes=config.capacity, shared=config.shared,
+        admission=config.admission,
+        load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
     )
-    geometry = ChunkGeometry.from_config(offloading)
-    try:
-        manager = ObjectTierManager(
-            backend,
-            max_chunk_bytes=geometry.max_chunk_bytes,
-            capacity_bytes=config.capacity,
-            shared=config.shared,
-            load_backoff_s=config.load_backoff_s,
-            load_backoff_max_s=config.load_backoff_max_s,
-        )
-    except BaseException:
-        backend.close()
-        raise
-    mover = ObjectMover(backend, primary_region, geometry, reporter=manager)
-    return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)

@@ -35,9 +35,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtiers.core.publish import cleanup_stale_temps, publish_bytes
+from kvtiers.core.publish import publish_bytes
 from kvtiers.core.regular import open_regular
 from kvtiers.errors import ConfigError
+from kvtiers.filemapper import remove_stale_temps
 from kvtiers.tiers.object.retry import remaining_s
 from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
 
@@ -98,7 +99,7 @@ class FsspecStore(ObjectStore):
         if self._local:
             # Temp files of publishes a crash interrupted; younger ones may belong to a
             # live writer on a shared directory and are left to it.
-            cleanup_stale_temps(Path(self.root), older_than_s=STALE_TEMP_AGE_S)
+            remove_stale_temps(Path(self.root), older_than_s=STALE_TEMP_AGE_S)
 
     def _bounded(self) -> dict[str, float]:
         """fsspec's ``timeout`` for the next call: the time left to the calling operation's

@@ -23,10 +23,10 @@ Contract for implementers:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 
-Buffer = bytes | bytearray | memoryview
+from kvtiers.core.buffers import Buffer
 
 
 class ObjectMissing(Exception):
@@ -41,6 +41,9 @@ class ObjectInfo:
     size: int
     # Seconds since the epoch; 0.0 when the backend does not report one.
     mtime: float
+    #: What the entry is when it is not a plain object (``a FIFO``, ``a symbolic link``
+    #: in a local directory): such an entry is never read, only reported.
+    irregular: str | None = None
 
 
 class ObjectStore(ABC):
@@ -87,7 +90,9 @@ class ObjectStore(ABC):
         return 0
 
     def read(self, name: str, limit: int) -> bytes:
-        """The whole of a small object (at most ``limit`` + 1 bytes are kept).
+        """The whole of an object of at most ``limit`` bytes; for a larger one, ``limit`` +
+        1 bytes (not necessarily its first ones) that say it is larger than the caller
+        accepts.
 
         Note to implementers: the default uses :meth:`head` then :meth:`get_into`; a
         backend with a cheaper whole-object read overrides it."""
@@ -97,6 +102,22 @@ class ObjectStore(ABC):
         buffer = bytearray(min(size, limit + 1))
         self.get_into(name, [memoryview(buffer)])
         return bytes(buffer)
+
+    def stream(self, name: str, offset: int, block_bytes: int) -> Generator[bytes, None, None]:
+        """``name``'s bytes from ``offset`` to its end, in pieces of ``block_bytes`` at most.
+
+        Note to implementers: the default reads the whole object once (held in memory);
+        a backend with ranged reads overrides it."""
+        data = memoryview(self.read(name, 1 << 40))[offset:]
+        for start in range(0, len(data), block_bytes):
+            yield bytes(data[start : start + block_bytes])
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every object whose name starts with ``prefix``; returns how many."""
+        names = [info.name for info in self.list(prefix)]
+        for name in names:
+            self.delete(name)
+        return len(names)
 
     def close(self) -> None:
         """Release connections. Idempotent."""

@@ -17,12 +17,10 @@ from collections.abc import Sequence
 
 from kvtiers.config.tiers import S3TierConfig
 from kvtiers.core.config import OffloadingConfig
-from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.mover import HostRegion
-from kvtiers.errors import ConfigError
-from kvtiers.filemapper import NamespaceIdentity
-from kvtiers.tiers.base import BuiltTier
-from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager, Retrier
+from kvtiers.core.tier import BuiltTier
+from kvtiers.tiers.object.factory import build_object_tier, lower_tier_region
+from kvtiers.tiers.object.retry import Retrier
 from kvtiers.tiers.s3.store import EventHook, S3Store
 
 
@@ -70,12 +68,7 @@ def build_tier(
 
     ``event_hooks`` are botocore event handlers registered on every client (tests use
     them to inject faults)."""
-    if primary_region is None:
-        raise ConfigError(
-            f"tier {name!r}: an s3 tier cannot be the first tier of a stack; put a cpu "
-            "tier above it",
-            path="kind",
-        )
+    region = lower_tier_region("an s3", name, primary_region)
     store = make_store(config, event_hooks=event_hooks)
     retrier = Retrier(
         store.is_transient,
@@ -84,28 +77,10 @@ def build_tier(
         max_s=config.backoff_max_s,
         deadline_s=config.op_deadline_s,
     )
-    backend = ObjectBackend(
-        store,
-        NamespaceIdentity.from_config(offloading),
-        prefix=config.prefix,
-        threads=config.threads,
-        retrier=retrier,
+    return build_object_tier(
+        store, offloading, name=name, primary_region=region, retrier=retrier,
+        threads=config.threads, capacity_bytes=config.capacity, shared=config.shared,
+        admission=config.admission, prefix=config.prefix,
+        delete_corrupt=config.delete_corrupt,
+        load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
     )
-    geometry = ChunkGeometry.from_config(offloading)
-    try:
-        manager = ObjectTierManager(
-            backend,
-            max_chunk_bytes=geometry.max_chunk_bytes,
-            capacity_bytes=config.capacity,
-            shared=config.shared,
-            load_backoff_s=config.load_backoff_s,
-            load_backoff_max_s=config.load_backoff_max_s,
-        )
-    except BaseException:
-        backend.close()
-        raise
-    mover = ObjectMover(
-        backend, primary_region, geometry,
-        delete_corrupt=config.delete_corrupt, reporter=manager,
-    )
-    return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)

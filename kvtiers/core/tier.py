@@ -10,23 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.manager import OffloadingManager
 from kvtiers.core.mover import HostRegion, Mover
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 
+M = TypeVar("M", bound=OffloadingManager)
+
 
 @dataclass
-class BuiltTier:
-    """A ready tier: its manager, and its mover (lower tiers) or worker factory (primary).
+class BuiltTier(Generic[M]):
+    """A ready tier: its manager (an ``M``), and its mover (lower tiers) or worker factory
+    (primary).
 
     ``admission`` says whether the composite cascades newly stored chunks into this tier.
     """
 
     name: str
-    manager: OffloadingManager
+    manager: M
     mover: Mover | None = None
     region: HostRegion | None = None
     make_worker: Callable[[KVCacheTensors], OffloadingWorker] | None = None
