@@ -217,9 +217,11 @@ def test_stats_and_events() -> None:
     }
     assert (stats["usage_bytes"], stats["capacity_bytes"]) == (2 * SLOT_BYTES, 2 * SLOT_BYTES)
     events = list(manager.take_events())
-    assert [(e.keys, e.removed, e.medium) for e in events] == [
-        (KEYS[:2], False, Medium.CPU),
-        ([KEYS[0]], True, Medium.CPU),
+    # The failed store frees a reservation never announced: a bookkeeping-only removal.
+    assert [(e.keys, e.removed, e.medium, e.metadata_only) for e in events] == [
+        (KEYS[:2], False, Medium.CPU, False),
+        ([KEYS[0]], True, Medium.CPU, False),
+        ([KEYS[2]], True, Medium.CPU, True),
     ]
 
 

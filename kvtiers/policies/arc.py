@@ -57,6 +57,13 @@ class ARCPolicy(EvictionPolicy):
         elif key in self._t2:
             self._t2.move_to_end(key)
 
+    def refresh(self, key: Hashable) -> None:
+        """Most recent within its own list: a store is not a second use."""
+        if key in self._t1:
+            self._t1.move_to_end(key)
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
     def remove(self, key: Hashable) -> None:
         self._t1.pop(key, None)
         self._t2.pop(key, None)

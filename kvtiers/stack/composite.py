@@ -115,6 +115,8 @@ class TieredManager(OffloadingManager):
         self._job_ids = itertools.count()
         self._stats: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        # (key, lower tier) of the latest promotion a lookup started: who serves that key.
+        self._promoting: tuple[OffloadKey, BuiltTier] | None = None
         #: ``get_stats()`` as taken at the end of a step, for readers on other threads (the
         #: metrics exporter): tiers' state belongs to the scheduler thread alone. Refreshed
         #: at most every ``stats_refresh_s`` seconds, and only when that is set (counting a
@@ -165,7 +167,16 @@ class TieredManager(OffloadingManager):
             self._stats["promotions_refused"] += 1
             return LookupResult.MISS
         # GONE: the chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
-        return LookupResult.HIT_PENDING if hold is LoadHold.HELD else LookupResult.MISS
+        if hold is not LoadHold.HELD:
+            return LookupResult.MISS
+        self._promoting = (key, lower.tier)
+        return LookupResult.HIT_PENDING
+
+    def promotion_source(self, key: OffloadKey) -> BuiltTier | None:
+        """The lower tier the latest promotion-starting lookup promotes ``key`` from, when
+        that lookup was of ``key``; else ``None``. Ask right after the lookup."""
+        promoting = self._promoting
+        return promoting[1] if promoting is not None and promoting[0] == key else None
 
     def _flush_promotions(self) -> None:
         for lower in self._lower:

@@ -319,7 +319,8 @@ class KeyMap:
 
     def to_kvtiers(self, key: bytes) -> OffloadKey:
         if self.identity:
-            return OffloadKey(key)
+            # vLLM's keys are bytes too: the same object serves (no copy, no call).
+            return key  # type: ignore[return-value]
         group = key[-GROUP_INDEX_BYTES:]
         position = self._to_position.get(group)
         if position is None:
@@ -338,7 +339,7 @@ class KeyMap:
 
     def all_to_kvtiers(self, keys: Iterable[bytes]) -> list[OffloadKey]:
         if self.identity:
-            return [OffloadKey(key) for key in keys]
+            return list(keys)  # type: ignore[arg-type]
         return [self.to_kvtiers(key) for key in keys]
 
     def all_to_vllm(self, keys: Iterable[OffloadKey]) -> list[Any]:
@@ -387,12 +388,29 @@ def vllm_request_context(ctx: RequestOffloadingContext) -> Any:
     return vbase.RequestOffloadingContext(policy=policy)
 
 
-def vllm_event(event: OffloadingEvent, keys: KeyMap, ownership: str | None = None) -> Any:
-    """vLLM's ``OffloadingEvent`` for a kvtiers event (``ownership`` fills a missing one)."""
+#: Whether this vLLM's events can say a removal is of bookkeeping only (0.33 can).
+HAS_METADATA_ONLY = "metadata_only" in getattr(vbase.OffloadingEvent, "__dataclass_fields__", {})
+
+
+def vllm_event(
+    event: OffloadingEvent,
+    keys: KeyMap,
+    ownership: str | None = None,
+    locality: Any = None,
+) -> Any | None:
+    """vLLM's ``OffloadingEvent`` for a kvtiers event (``ownership`` fills a missing one;
+    ``locality``, a vLLM ``Locality``, replaces the tier kind's). ``None`` for a
+    bookkeeping-only removal this vLLM cannot express."""
+    if event.metadata_only and not HAS_METADATA_ONLY:
+        return None
+    if locality is None and event.locality is not None:
+        locality = vbase.Locality(event.locality.value)
+    extra = {"metadata_only": True} if event.metadata_only else {}
     return vbase.OffloadingEvent(
         keys=keys.all_to_vllm(event.keys),
         medium=vbase.Medium(event.medium.value),
         removed=event.removed,
-        locality=None if event.locality is None else vbase.Locality(event.locality.value),
+        locality=locality,
         ownership=event.ownership if event.ownership is not None else ownership,
+        **extra,
     )

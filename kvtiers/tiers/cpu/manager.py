@@ -11,6 +11,13 @@ pinned key (``prepare_load`` … ``complete_load``). Invariants:
   nothing (the policy's ``evict`` is atomic, and it is the only step that can fail);
 - the number of non-free slots never exceeds ``num_slots``.
 
+Recency follows prefix order: a request's prompt head is shared by the most requests, so
+within one batch of keys (given head to tail) the tail is made less recent than the head
+— on ``prepare_load`` and ``touch`` — and when a request that ``on_new_request`` announced
+finishes, every key it stored or reused is made recent again, tail first, the reused ones
+as a use (``touch``) and the stored-only ones without one (``refresh``). The keys a request
+saw are kept in its context's state, never in the manager.
+
 Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
 per slot, the policy's own entry; pin counts exist only for pinned keys.
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
@@ -57,6 +65,17 @@ _FREE = int(SlotState.FREE)
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
+
+
+@dataclass(slots=True)
+class _RequestAccess:
+    """The keys one request stored or reused in one manager (and cache generation), in the
+    order first seen; ``reused`` are those it found ready."""
+
+    owner: object
+    generation: int
+    seen: dict[OffloadKey, None] = field(default_factory=dict)
+    reused: set[OffloadKey] = field(default_factory=set)
 
 
 class CpuTierManager(OffloadingManager):
@@ -102,6 +121,8 @@ class CpuTierManager(OffloadingManager):
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._pins: dict[OffloadKey, int] = {}
         self._events: list[OffloadingEvent] = []
+        # Bumped by reset_cache: a request's access state from before a reset is stale.
+        self._generation = 0
         self._hits = 0
         self._misses = 0
         self._stores = 0
@@ -156,6 +177,13 @@ class CpuTierManager(OffloadingManager):
             slot = free.pop()
             slots[key] = slot
             state[slot] = _WRITING
+        access = self._access(ctx)
+        if access is not None:
+            access.seen.update(dict.fromkeys(keys))
+            if len(accepted) < len(keys):
+                access.reused.update(
+                    key for key in keys if key in slots and state[slots[key]] == _READY
+                )
         return accepted
 
     def complete_store(
@@ -187,6 +215,10 @@ class CpuTierManager(OffloadingManager):
                     free.append(slot)
                     done.append(key)
             self._store_failures += len(done)
+            if done:
+                event = self._event(done, removed=True)
+                event.metadata_only = True
+                self._events.append(event)
 
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
@@ -200,11 +232,17 @@ class CpuTierManager(OffloadingManager):
                     "(look it up first; only HIT keys can be loaded)"
                 )
         pins = self._pins
-        touch = self.policy.touch
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
+        # Earliest keys last (see touch).
+        touch = self.policy.touch
+        for key in reversed(list(keys)):
             touch(key)
         self._loads += len(keys)
+        access = self._access(ctx)
+        if access is not None:
+            access.seen.update(dict.fromkeys(keys))
+            access.reused.update(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         """Drop one pin per occurrence of each key. Raises, changing nothing, when a key
@@ -233,7 +271,29 @@ class CpuTierManager(OffloadingManager):
 
     # -- lifecycle ------------------------------------------------------------------
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        ctx.set_state(_RequestAccess(self, self._generation))
         return RequestOffloadingContext()
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """Make the request's keys recent again, tail first (see the module docstring)."""
+        access = self._access(ctx)
+        if access is None:
+            return
+        access.owner = None
+        policy = self.policy
+        reused = access.reused
+        for key in reversed(list(access.seen)):
+            if key in reused:
+                policy.touch(key)
+            else:
+                policy.refresh(key)
+
+    def _access(self, ctx: ReqContext) -> _RequestAccess | None:
+        """The live access state of a request announced to this manager, else ``None``."""
+        access = ctx.get_state(_RequestAccess)
+        if access is None or access.owner is not self or access.generation != self._generation:
+            return None
+        return access
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
@@ -248,6 +308,7 @@ class CpuTierManager(OffloadingManager):
         for key in victims:
             self.policy.remove(key)
         self._free_slots(victims)
+        self._generation += 1
         if victims:
             self._events.append(self._event(victims, removed=True))
 
