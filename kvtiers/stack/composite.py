@@ -300,6 +300,12 @@ class TieredManager(OffloadingManager):
         for tier in self.tiers:
             for name, value in tier.manager.get_stats().items():
                 stats[f"{tier.name}.{name}"] = value
+        if not self._lower:
+            # A one-tier stack's hits are its primary's, whose lookups an adapter may call
+            # directly (the vLLM adapter does).
+            primary = self.tiers[0].name
+            for name in ("hits", "misses"):
+                stats[name] = stats.get(f"{primary}.{name}", stats[name])
         return stats
 
     def shutdown(self) -> None:

@@ -62,6 +62,7 @@ from kvtiers.integrations.vllm.translate import (
 )
 from kvtiers.stack.builder import Stack, load_stack
 from kvtiers.tiers.base import BuiltTier
+from kvtiers.tiers.cpu.manager import CpuTierManager
 
 _PERSISTENT_KINDS = frozenset({"file", "s3", "fsspec"})
 _CONFIG_INFO_KEYS = (
@@ -136,6 +137,14 @@ class KVTiersManager(vbase.OffloadingManager):
         # vLLM keys the primary removed since the last PrepareStoreOutput, in order.
         self._evicted: dict[Any, None] = {}
         self._requests: dict[str, _Request] = {}
+        primary = stack.manager.tiers[0].manager
+        if self._same_keys and len(stack.manager.tiers) == 1 and isinstance(
+            primary, CpuTierManager
+        ):
+            # Nothing to translate and nowhere to promote from: the primary answers.
+            self.lookup = primary.lookup_as(  # type: ignore[method-assign,assignment]
+                _VHIT, _VMISS, vbase.LookupResult.HIT_PENDING
+            )
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._requests.get(ctx.req_id)

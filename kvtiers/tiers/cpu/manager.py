@@ -13,9 +13,10 @@ pinned key (``prepare_load`` … ``complete_load``). Invariants:
 
 Recency follows prefix order: a request's prompt head is shared by the most requests, so
 within one batch of keys (given head to tail) the tail is made less recent than the head
-— on ``prepare_load`` and ``touch`` — and when a request that ``on_new_request`` announced
-finishes, every key it stored or reused is made recent again, tail first, the reused ones
-as a use (``touch``) and the stored-only ones without one (``refresh``). The keys a request
+— on ``touch``, and on ``prepare_load`` of a request not announced by ``on_new_request``
+— and when an announced request finishes, every key it stored or loaded is made recent
+again, tail first, the loaded ones as a use (``touch``) and the stored-only ones without
+one (``refresh``). The keys a request
 saw are kept in its context's state, never in the manager.
 
 Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
@@ -25,10 +26,10 @@ per slot, the policy's own entry; pin counts exist only for pinned keys.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -65,6 +66,7 @@ _FREE = int(SlotState.FREE)
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
+_R = TypeVar("_R")
 
 
 @dataclass(slots=True)
@@ -140,6 +142,24 @@ class CpuTierManager(OffloadingManager):
             self._hits += 1
             return _HIT
         return _PENDING
+
+    def lookup_as(self, hit: _R, miss: _R, pending: _R) -> Callable[[Any, Any], _R]:
+        """:meth:`lookup` as one plain function answering ``hit`` / ``miss`` / ``pending``
+        (an engine's own result values), counted the same: for an adapter whose keys are
+        this tier's keys, so a lookup costs one call."""
+        manager = self
+
+        def lookup(key: Any, ctx: Any) -> _R:
+            slot = manager._slots.get(key)
+            if slot is None:
+                manager._misses += 1
+                return miss
+            if manager._state[slot] == _READY:
+                manager._hits += 1
+                return hit
+            return pending
+
+        return lookup
 
     def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
         slots = self._slots
@@ -234,15 +254,17 @@ class CpuTierManager(OffloadingManager):
         pins = self._pins
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
+        self._loads += len(keys)
+        access = self._access(ctx)
+        if access is not None:
+            # Counted as a use when the request finishes, in prefix order.
+            access.seen.update(dict.fromkeys(keys))
+            access.reused.update(keys)
+            return
         # Earliest keys last (see touch).
         touch = self.policy.touch
         for key in reversed(list(keys)):
             touch(key)
-        self._loads += len(keys)
-        access = self._access(ctx)
-        if access is not None:
-            access.seen.update(dict.fromkeys(keys))
-            access.reused.update(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         """Drop one pin per occurrence of each key. Raises, changing nothing, when a key
