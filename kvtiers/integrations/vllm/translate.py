@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload import base as vbase
@@ -337,9 +337,10 @@ class KeyMap:
             key[:-GROUP_INDEX_BYTES] + self._to_id[key[-GROUP_INDEX_BYTES:]]
         )
 
-    def all_to_kvtiers(self, keys: Iterable[bytes]) -> list[OffloadKey]:
+    def all_to_kvtiers(self, keys: Collection[bytes]) -> Collection[OffloadKey]:
+        """``keys`` as kvtiers keys: the same collection when nothing needs rewriting."""
         if self.identity:
-            return list(keys)  # type: ignore[arg-type]
+            return keys  # type: ignore[return-value]
         return [self.to_kvtiers(key) for key in keys]
 
     def all_to_vllm(self, keys: Iterable[OffloadKey]) -> list[Any]:

@@ -25,7 +25,6 @@ per slot, the policy's own entry; pin counts exist only for pinned keys.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -270,7 +269,9 @@ class CpuTierManager(OffloadingManager):
         """Drop one pin per occurrence of each key. Raises, changing nothing, when a key
         would drop more pins than it holds."""
         pins = self._pins
-        drops = Counter(keys)
+        drops: dict[OffloadKey, int] = {}
+        for key in keys:
+            drops[key] = drops.get(key, 0) + 1
         for key, count in drops.items():
             if pins.get(key, 0) < count:
                 raise UnknownKeyError(
