@@ -13,7 +13,17 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   previous output and not stored again (evictions raised in ``on_schedule_end``,
   ``reset_cache`` or ``take_events`` wait for the next output), none of them among its
   keys to store; each removal is reported once. Every event is kept for ``take_events``
-  when vLLM publishes KV events, else dropped.
+  when vLLM publishes KV events, else dropped; a reservation freed after a failed store or
+  promotion is a ``metadata_only`` removal (never an eviction).
+* vLLM's contract, as its own CPU manager keeps it: a job's keys (handed back as a set)
+  enter recency tail first by the end-token positions vLLM records in the request context,
+  and an announced request's keys are refreshed, tail first, when it finishes, so a
+  prefix's tail is evicted before its head; ``get_load_source`` names the tier a promotion
+  copied a hit from (``DISK`` for a local file tier), ``HOST`` otherwise; ``config_info``
+  fills the labels :meth:`KVTiersOffloadingSpec.config_info_keys` declares.
+* Cost: the kvtiers context of a request is translated once (``on_new_request``); when
+  every KV-cache group is offloaded vLLM's keys are kvtiers' keys (no translation), and a
+  one-tier ``cpu`` stack answers ``lookup`` from the primary in one call.
 * The worker adapter splits each packed ``GPULoadStoreSpec(block_ids, group_sizes,
   block_indices)`` into one :class:`~kvtiers.core.specs.GroupTransfer` per group, the
   group's offloaded spec carrying ``block_indices[g]`` as its ``gpu_block_offset``, and

@@ -21,6 +21,12 @@ rows vLLM allocated, a job with missing or corrupt chunks reporting the keys tha
 arrive. A :class:`~kvtiers.tiers.jobs.JobDriver` (without a primary manager: the rows are
 vLLM's) runs the copies and releases every reservation and pin. Results are collected in
 ``get_finished_jobs``; ``drain_jobs`` blocks until no copy touches the primary memory.
+
+Events: only with the tier's ``enable_kv_events`` AND vLLM's global KV-events flag (off,
+vLLM never drains ``take_events``, so the tier drops its own events every step); they
+carry the configured ``locality`` (the tier kind's when none is configured), and the keys
+of a failed store come back as a ``metadata_only`` removal. ``shutdown`` releases every
+view of vLLM's primary memory, so vLLM can unmap it.
 """
 
 from __future__ import annotations
