@@ -74,9 +74,12 @@ class EvictionPolicy(ABC):
         """Exactly ``n`` victims, none of them in ``protected``, or ``None`` (no change)."""
         if n <= 0:
             return []
-        evictable = len(self) - sum(1 for key in protected if key in self)
-        if evictable < n:
-            return None
+        # len(protected) bounds the protected keys tracked here: count them only when the
+        # bound leaves the answer open.
+        if len(self) - len(protected) < n:
+            evictable = len(self) - sum(1 for key in set(protected) if key in self)
+            if evictable < n:
+                return None
         victims = self._evict(n, protected)
         assert len(victims) == n, f"{type(self).__name__} returned {len(victims)} of {n}"
         return victims

@@ -16,8 +16,9 @@ within one batch of keys (given head to tail) the tail is made less recent than 
 — on ``touch``, and on ``prepare_load`` of a request not announced by ``on_new_request``
 — and when an announced request finishes, every key it stored or loaded is made recent
 again, tail first, the loaded ones as a use (``touch``) and the stored-only ones without
-one (``refresh``). The keys a request
-saw are kept in its context's state, never in the manager.
+one (``refresh``). While an announced request runs, its stores never evict its own
+earlier keys (nearer its head). The keys a request saw are kept in its context's state,
+never in the manager.
 
 Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
 per slot, the policy's own entry; pin counts exist only for pinned keys.
@@ -25,7 +26,7 @@ per slot, the policy's own entry; pin counts exist only for pinned keys.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -66,6 +67,28 @@ _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
 _R = TypeVar("_R")
+
+
+class _Protected(Collection[OffloadKey]):
+    """The union of three key collections, without building it (membership is what
+    eviction asks; iteration, rarely needed, yields each key once)."""
+
+    __slots__ = ("_a", "_b", "_c")
+
+    def __init__(
+        self, a: Collection[OffloadKey], b: Collection[OffloadKey], c: Collection[OffloadKey]
+    ) -> None:
+        self._a, self._b, self._c = a, b, c
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._a or key in self._b or key in self._c
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(set(self._a).union(self._b, self._c))
+
+    def __len__(self) -> int:
+        """An upper bound: keys named by more than one part count once per part."""
+        return len(self._a) + len(self._b) + len(self._c)
 
 
 @dataclass(slots=True)
@@ -183,9 +206,12 @@ class CpuTierManager(OffloadingManager):
         if shortfall > 0:
             protected: Collection[OffloadKey] = self._pins
             present = [key for key in keys if key in slots]
-            if present:
-                # Keys the caller counts as stored must survive the store that names them.
-                protected = set(self._pins).union(present)
+            access = self._access(ctx)
+            if present or access is not None:
+                # Keys the caller counts as stored must survive the store that names them;
+                # an announced request's earlier keys (nearer its head) outlive its later
+                # ones, as in vLLM, where a running request's keys rank tail first.
+                protected = _Protected(self._pins, present, () if access is None else access.seen)
             victims = self.policy.evict(shortfall, protected)
             if victims is None:
                 return None
