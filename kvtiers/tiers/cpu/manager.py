@@ -16,9 +16,9 @@ within one batch of keys (given head to tail) the tail is made less recent than 
 — on ``touch``, and on ``prepare_load`` of a request not announced by ``on_new_request``
 — and when an announced request finishes, every key it stored or loaded is made recent
 again, tail first, the loaded ones as a use (``touch``) and the stored-only ones without
-one (``refresh``). While an announced request runs, its stores never evict its own
-earlier keys (nearer its head). The keys a request saw are kept in its context's state,
-never in the manager.
+one (``refresh``). Under a recency policy (``lru``), while an announced request runs its
+stores never evict its own earlier keys (nearer its head). The keys a request saw are
+kept in its context's state, never in the manager.
 
 Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
 per slot, the policy's own entry; pin counts exist only for pinned keys.
@@ -206,11 +206,13 @@ class CpuTierManager(OffloadingManager):
         if shortfall > 0:
             protected: Collection[OffloadKey] = self._pins
             present = [key for key in keys if key in slots]
-            access = self._access(ctx)
+            # Under a recency policy an announced request's earlier keys (nearer its head)
+            # outlive its later ones, as in vLLM, where a running request's keys rank tail
+            # first; frequency policies keep their scan resistance (a long prompt evicts
+            # its own once-used keys first).
+            access = self._access(ctx) if self.policy.recency else None
             if present or access is not None:
-                # Keys the caller counts as stored must survive the store that names them;
-                # an announced request's earlier keys (nearer its head) outlive its later
-                # ones, as in vLLM, where a running request's keys rank tail first.
+                # Keys the caller counts as stored must survive the store that names them.
                 protected = _Protected(self._pins, present, () if access is None else access.seen)
             victims = self.policy.evict(shortfall, protected)
             if victims is None:
