@@ -31,6 +31,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtiers.core.manager import ReqContext
+from kvtiers.integrations.vllm.translate import HAS_METADATA_ONLY
 from kvtiers.policies import load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
@@ -172,6 +173,12 @@ def test_config_info_fills_the_labels_the_spec_declares() -> None:
         manager.shutdown()
 
 
+needs_metadata_only = pytest.mark.skipif(
+    not HAS_METADATA_ONLY, reason="this vLLM's events have no metadata_only (0.33 has)"
+)
+
+
+@needs_metadata_only
 def test_a_failed_store_is_a_metadata_only_removal_and_no_eviction() -> None:
     manager = route1(2, "lru")
     try:
@@ -301,6 +308,7 @@ def test_route2_events_stay_inert_when_vllm_publishes_none(
         tier.shutdown()
 
 
+@needs_metadata_only
 def test_route2_a_failed_store_is_a_metadata_only_removal(
     tmp_path: Path, buffer: bytearray
 ) -> None:
