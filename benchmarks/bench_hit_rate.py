@@ -347,7 +347,21 @@ def render(points: list[Point], sizes: dict[str, dict[str, int]], note: dict[str
                 lines.append(f"{head} {r['native']:.1f} |")
     lines += ["", "## Against the target (kvtiers ≥ vLLM at every point, lru and arc)", ""]
     lines += summary(points)
+    lines += ["", "## Where the policies differ", "", *DIFFERENCES]
     return "\n".join(lines) + "\n"
+
+
+DIFFERENCES = [
+    "- LRU: both order a request's keys tail first and refresh them when it finishes; "
+    "vLLM ranks a running request's keys above older ones, kvtiers shields them from that "
+    "request's own later stores, so when a prompt outgrows the cache kvtiers keeps its "
+    "head (what a later prompt can reuse) and may refuse the rest.",
+    "- ARC, on purpose: kvtiers re-inserts a ghost (B1/B2) hit straight into T2 and adapts "
+    "its target at insertion; vLLM inserts into T1 and adapts once per request at "
+    "`prepare_store`. kvtiers evicts from T1 when it is larger than the target, vLLM when "
+    "at least as large; kvtiers bounds its ghosts as in the ARC paper (T1+B1 and all four "
+    "lists), vLLM each ghost list to the capacity. Rows above name the traces each wins.",
+]
 
 
 def summary(points: list[Point]) -> list[str]:
