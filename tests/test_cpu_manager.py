@@ -267,3 +267,16 @@ def test_factory_refuses_a_capacity_below_one_slot() -> None:
     with pytest.raises(ConfigError, match="holds no chunk") as info:
         build_tier(Settings(capacity=4096), OFFLOADING, primary_region=None, name="cpu0")
     assert info.value.path == "capacity"
+
+
+def test_lookup_as_answers_like_lookup_and_counts_the_same_across_a_reset() -> None:
+    manager = make_manager(capacity=2)
+    lookup = manager.lookup_as("hit", "miss", "pending")
+    manager.prepare_store(KEYS[:2], CTX)
+    manager.complete_store([KEYS[0]], CTX)
+    assert [lookup(key, CTX) for key in KEYS[:3]] == ["hit", "pending", "miss"]
+    manager.reset_cache()  # the function keeps reading the manager's live tables
+    manager.complete_store([KEYS[1]], CTX)
+    assert [lookup(key, CTX) for key in KEYS[:2]] == ["miss", "hit"]
+    stats = manager.get_stats()
+    assert (stats["hits"], stats["misses"]) == (2, 2)

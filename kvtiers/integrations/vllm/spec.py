@@ -172,7 +172,7 @@ class KVTiersManager(vbase.OffloadingManager):
         """Move the stack's events into the buffer and track the primary's evictions."""
         for event in self._tiered.take_events():
             if event.ownership is None and not event.metadata_only:
-                for key in self._keys.all_to_vllm(event.keys):
+                for key in event.keys if self._same_keys else self._keys.all_to_vllm(event.keys):
                     if event.removed:
                         self._evicted[key] = None
                     else:

@@ -168,15 +168,18 @@ class CpuTierManager(OffloadingManager):
     def lookup_as(self, hit: _R, miss: _R, pending: _R) -> Callable[[Any, Any], _R]:
         """:meth:`lookup` as one plain function answering ``hit`` / ``miss`` / ``pending``
         (an engine's own result values), counted the same: for an adapter whose keys are
-        this tier's keys, so a lookup costs one call."""
+        this tier's keys, so a lookup costs one call. (The manager never rebinds the
+        tables it reads.)"""
         manager = self
+        slot_of = self._slots.get
+        state = self._state
 
         def lookup(key: Any, ctx: Any) -> _R:
-            slot = manager._slots.get(key)
+            slot = slot_of(key)
             if slot is None:
                 manager._misses += 1
                 return miss
-            if manager._state[slot] == _READY:
+            if state[slot] == _READY:
                 manager._hits += 1
                 return hit
             return pending
