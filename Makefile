@@ -19,6 +19,12 @@ VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
 	safetensors==0.8.0 sniffio==1.3.1 starlette==1.10.0 tokenizers==0.23.3 \
 	transformers==5.24.0 truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
 
+# The demo's own environment: kvtiers with the demo extra and the CPU torch wheel, nothing
+# for development or vLLM. Quiet: pip's progress, notices and the root-user warning off.
+DEMO_VENV ?= .venv-demo
+DEMO_STAMP := $(DEMO_VENV)/.kvtiers-demo-installed
+QUIET_PIP := PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
+
 .PHONY: test e2e demo lint typecheck pytest clean
 
 $(STAMP): pyproject.toml Makefile
@@ -61,8 +67,14 @@ e2e: $(ENGINE_STAMP)
 	status=$$?; echo "make e2e: tests took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
 	exit $$status
 
-demo: $(STAMP)
-	$(VENV)/bin/kvtiers demo
+$(DEMO_STAMP): pyproject.toml Makefile
+	@test -x $(DEMO_VENV)/bin/python || python3 -m venv $(DEMO_VENV)
+	@echo "installing kvtiers[demo] into $(DEMO_VENV) (torch==2.13.0, the CPU wheel)"
+	@$(QUIET_PIP) $(DEMO_VENV)/bin/python -m pip install -q "torch==2.13.0" -e ".[demo]"
+	@touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
+	@$(DEMO_VENV)/bin/kvtiers demo
 
 clean:
-	rm -rf $(VENV) $(ENGINE_VENV) .e2e-tmp .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) $(ENGINE_VENV) .e2e-tmp .pytest_cache .mypy_cache .ruff_cache

@@ -5,13 +5,15 @@ arguments to its parser and a function that runs it and returns the exit status.
 command imports what it needs inside its ``run`` so ``kvtiers --help`` stays fast.
 
 Exit statuses: 0 success; 2 a configuration or usage error (bad arguments included); 1 any
-other failure kvtiers reports (:class:`~kvtiers.errors.KVTiersError`). Errors are printed
-as one line on stderr, never as a traceback.
+other failure kvtiers reports (:class:`~kvtiers.errors.KVTiersError`: e.g. a location with
+no kvtiers store in it). Reports go to stdout, problems to stderr as one line, never as a
+traceback; a reader that closes the pipe early (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +25,8 @@ from kvtiers.errors import ConfigError, KVTiersError
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+#: A closed output pipe, as a shell reports a process ended by SIGPIPE (128 + 13).
+EXIT_PIPE = 141
 
 
 @dataclass(frozen=True)
@@ -61,16 +65,39 @@ def _run_validate(args: argparse.Namespace) -> int:
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
-    from kvtiers.engine.demo import DEFAULT_CONFIG
+    from kvtiers.config.examples import DEMO_EXAMPLE, EXAMPLES_DIR, example_names
+    from kvtiers.engine.demo import DEFAULT_OUT, MARKER
 
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), metavar="FILE",
-                        help="stack file with a model: section (default: configs/demo.yaml)")
-    parser.add_argument("--plot", metavar="FILE.png", help="draw hit sources and throughput")
-    parser.add_argument("--conversations", type=int, default=16, metavar="N")
-    parser.add_argument("--turns", type=int, default=3, metavar="N")
+    parser.description = (
+        "Run a simulated engine over a tier stack twice: cold, then after a restart with "
+        "the persistent tiers' indexes rebuilt. Every loaded byte is verified; the last "
+        "line is the verdict (exit 1 if any byte was wrong). The demo writes only under "
+        f"--out and the file tiers' roots, marks each directory it creates with {MARKER}, "
+        "and refuses a non-empty directory it did not create."
+    )
+    parser.add_argument(
+        "--config", default=DEMO_EXAMPLE, metavar="NAME|FILE",
+        help=f"a shipped example by name ({', '.join(example_names())}; run at demo scale, "
+             f"in {EXAMPLES_DIR}) or a stack file; without a model: section the demo's "
+             f"model is used (default: {DEMO_EXAMPLE})")
+    parser.add_argument("--out", default=str(DEFAULT_OUT), metavar="DIR",
+                        help="output directory: the plot, and the file tiers of a named "
+                             f"example (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="where to draw recomputed vs loaded tokens per tier over time "
+                             "(default: DIR/demo.png)")
+    parser.add_argument("--no-plot", action="store_true",
+                        help="draw no plot (matplotlib is then not needed)")
+    parser.add_argument("--conversations", type=int, default=16, metavar="N",
+                        help="conversations in the workload (default: 16)")
+    parser.add_argument("--turns", type=int, default=3, metavar="N",
+                        help="turns per conversation; each turn's prompt extends the last "
+                             "(default: 3)")
     parser.add_argument("--keep", action="store_true",
-                        help="keep what earlier runs left in the file tiers' roots")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+                        help="keep the namespaces earlier runs left in the demo's roots, so "
+                             "phase 1 is warm too")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (one is drawn only when stderr is a terminal)")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -82,10 +109,13 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.conversations < 1 or args.turns < 1:
         raise ConfigError("--conversations and --turns must be at least 1")
+    out_dir = Path(args.out)
+    plot = None if args.no_plot else Path(args.plot) if args.plot else out_dir / "demo.png"
     run_demo(
         args.config,
+        out_dir=out_dir,
         workload=WorkloadSpec(conversations=args.conversations, turns=args.turns),
-        plot=Path(args.plot) if args.plot else None,
+        plot=plot,
         fresh=not args.keep,
         show_progress=not args.no_progress,
     )
@@ -100,8 +130,14 @@ def _add_location(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--region", metavar="NAME", help="S3 region")
 
 
-def _configure_verify(parser: argparse.ArgumentParser) -> None:
+def _configure_inspect(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of text")
+
+
+def _configure_verify(parser: argparse.ArgumentParser) -> None:
+    _configure_inspect(parser)
     parser.add_argument("--fix", action="store_true",
                         help="move corrupt chunks to <namespace>/quarantine/")
 
@@ -132,7 +168,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
 
     location = _open(args)
     try:
-        return inspect(location, sys.stdout)
+        return inspect(location, sys.stdout, as_json=args.json)
     finally:
         location.close()
 
@@ -142,7 +178,8 @@ def _run_verify(args: argparse.Namespace) -> int:
 
     location = _open(args)
     try:
-        return verify(location, sys.stdout, fix=args.fix, progress=sys.stderr.isatty())
+        return verify(location, sys.stdout, fix=args.fix, as_json=args.json,
+                      progress=not args.json and sys.stderr.isatty())
     finally:
         location.close()
 
@@ -179,14 +216,15 @@ def _configure_identity(parser: argparse.ArgumentParser) -> None:
 def _run_identity(args: argparse.Namespace) -> int:
     """Print the identity (fields, digest, namespace) a stack file's model gives."""
     from kvtiers.config import load_stack_config
+    from kvtiers.config.examples import example_path
     from kvtiers.filemapper import NamespaceIdentity
     from kvtiers.tools.identity import print_identity
 
-    stack = load_stack_config(args.config)
+    stack = load_stack_config(example_path(str(args.config)) or args.config)
     if stack.model is None:
         raise ConfigError(
             f"{args.config}: no model: section, so no cache identity to show; add one "
-            "(see configs/demo.yaml)"
+            "(see kvtiers/configs/demo.yaml, or run `kvtiers identity demo`)"
         )
     print_identity(NamespaceIdentity.from_config(stack.model.to_offloading_config()), sys.stdout)
     return EXIT_OK
@@ -218,7 +256,7 @@ COMMANDS: tuple[Command, ...] = (
     Command(
         name="inspect",
         help="list namespaces with their manifest fields, chunk counts, bytes and age",
-        configure=_add_location,
+        configure=_configure_inspect,
         run=_run_inspect,
     ),
     Command(
@@ -286,15 +324,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KVTiersError as exc:
         print(f"kvtiers: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
+    except BrokenPipeError:  # before OSError, of which it is one
+        _quiet_closed_pipe()
+        return EXIT_PIPE
     except (OSError, MemoryError, OverflowError) as exc:
         # The system refused (permissions, a full disk, memory a stack asked for): say
         # what, in one line, rather than a traceback.
         print(f"kvtiers: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
         return EXIT_FAILURE
+    except ModuleNotFoundError as exc:
+        # An optional package a command needs is missing: name the extra that has it.
+        from kvtiers.optional import hint_for
+
+        print(f"kvtiers: {hint_for(exc.name or str(exc))}", file=sys.stderr)
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print("kvtiers: interrupted", file=sys.stderr)
         return 130
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        _quiet_closed_pipe()
+        return EXIT_PIPE
     return status
+
+
+def _quiet_closed_pipe() -> None:
+    """The reader of stdout went away (``kvtiers inspect | head``): point stdout at
+    /dev/null so the interpreter's final flush does not report the closed pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

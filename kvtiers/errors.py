@@ -82,8 +82,18 @@ class BackendUnavailableError(KVTiersError):
     """An explicitly requested I/O backend or service cannot be used on this machine."""
 
 
+class LocationError(KVTiersError):
+    """A location given to the offline tools holds no kvtiers store, or not the namespace
+    named: the path, bucket or prefix is probably wrong."""
+
+
 class TransferError(KVTiersError):
     """A transfer between two media failed; the job is reported as failed."""
+
+
+class SymlinkEscapeError(KVTiersError, OSError):
+    """A symbolic link inside a store's root, where kvtiers would have to follow it to
+    read, write or delete; it may lead out of the root, so kvtiers refuses."""
 
 
 class UnsupportedVersionError(KVTiersError, ImportError):

@@ -11,9 +11,10 @@ import pytest
 
 from kvtiers import __version__, cli
 from kvtiers.config import load_stack_config
+from kvtiers.config.examples import EXAMPLES_DIR
 from kvtiers.errors import ConfigError, TransferError
 
-CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted(EXAMPLES_DIR.glob("*.yaml"))
 ENTRY = "from kvtiers.cli import main; raise SystemExit(main())"
 
 
@@ -48,7 +49,7 @@ def test_bad_files_exit_2_with_one_line_each(tmp_path: Path) -> None:
         f"{bad_size}:3: tiers[0].capacity: expected a size like 8GiB, 512MiB or a number of "
         "bytes, got 'lots'",
         f"{bad_syntax}:3: invalid YAML: mapping values are not allowed here; fix the syntax",
-        f"{missing}: no such file; pass the path of a YAML stack file such as configs/cpu.yaml",
+        f"{missing}: no such file; pass the path of a YAML stack file (examples: {EXAMPLES_DIR})",
     ]
 
 

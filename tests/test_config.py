@@ -22,12 +22,13 @@ from kvtiers.config import (
     resolve_factory,
 )
 from kvtiers.config import kinds as kinds_module
+from kvtiers.config.examples import EXAMPLES_DIR
 from kvtiers.config.kinds import TierKind
 from kvtiers.config.model import GroupSection
 from kvtiers.config.schema import OctalMode
 from kvtiers.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = EXAMPLES_DIR
 MARK = "# <-"
 
 
@@ -218,7 +219,7 @@ def test_file_mode_is_octal(tmp_path: Path, written: str, mode: int) -> None:
 
 
 def test_storage_options_are_read_only() -> None:
-    tier = _single({"kind": "fsspec", "url": "gcs://b/kv", "storage_options": {"token": "x"}})
+    tier = _single({"kind": "fsspec", "url": "memory://b/kv", "storage_options": {"token": "x"}})
     assert isinstance(tier, FsspecTierConfig)
     assert dict(tier.storage_options) == {"token": "x"}
     with pytest.raises(TypeError):
@@ -242,21 +243,21 @@ def test_configs_are_frozen() -> None:
 
 def test_construction_in_code_is_checked_too() -> None:
     with pytest.raises(ConfigError) as info:
-        CPUTierConfig(name="cpu0", capacity=Size(1024), policy="nope")
+        CPUTierConfig(name="cpu0", capacity=Size(1 << 20), policy="nope")
     assert info.value.path == "policy"
     with pytest.raises(ConfigError, match="cpu tier can only be the first"):
         StackConfig(
             tiers=(
-                CPUTierConfig(name="a", capacity=Size(1024)),
-                CPUTierConfig(name="b", capacity=Size(1024)),
+                CPUTierConfig(name="a", capacity=Size(1 << 20)),
+                CPUTierConfig(name="b", capacity=Size(1 << 20)),
             )
         )
 
 
 def test_third_party_policy_path_is_accepted() -> None:
-    tier = _single({"kind": "cpu", "capacity": "8GiB", "policy": "my_pkg.policies:Clock"})
+    tier = _single({"kind": "cpu", "capacity": "8GiB", "policy": "kvtiers.policies.arc:ARCPolicy"})
     assert isinstance(tier, CPUTierConfig)
-    assert tier.policy == "my_pkg.policies:Clock"
+    assert tier.policy == "kvtiers.policies.arc:ARCPolicy"
 
 
 # --- model section ----------------------------------------------------------------------------

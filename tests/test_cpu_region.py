@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,25 +52,92 @@ def test_named_region_is_shared_and_removed_by_its_creator(shm_name: str) -> Non
     creator.view(1)[:5] = b"hello"
     assert bytes(attached.view(1)[:5]) == b"hello"
     attached.close()
-    assert creator.path.exists()
+    assert creator.path.exists(), "the creator still maps it"
     creator.close()
     assert not (SHM_DIR / shm_name).exists()
 
 
-def test_attaching_to_a_left_over_file_warns_once_and_keeps_it(
+def test_a_left_over_file_of_ours_is_replaced_not_reused(
     shm_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     left_over = SHM_DIR / shm_name
     left_over.write_bytes(b"x" * 8192)
+    left_over.chmod(0o600)
+    old_inode = left_over.stat().st_ino
     with caplog.at_level(logging.WARNING, logger="kvtiers.tiers.cpu.region"):
         region = SlotRegion(2, 4096, shm_name)
-        assert bytes(region.view(0)[:1]) == b"x"
+    try:
+        assert bytes(region.view(0)[:1]) == b"\0", "stale bytes must never be reused"
+        assert left_over.stat().st_ino != old_inode
+    finally:
         region.close()
     (warning,) = caplog.records
-    assert str(left_over) in warning.getMessage() and "reused" in warning.getMessage()
-    assert "ended without removing it" in warning.getMessage()
-    assert f"rm {left_over}" in warning.getMessage()
-    assert left_over.exists(), "an attached region must not remove the file it did not create"
+    assert str(left_over) in warning.getMessage() and "removed" in warning.getMessage()
+    assert not left_over.exists()
+
+
+def test_a_world_writable_file_at_the_name_is_refused_and_kept(shm_name: str) -> None:
+    planted = SHM_DIR / shm_name
+    planted.write_bytes(b"x" * 8192)
+    planted.chmod(0o666)
+    with pytest.raises(ConfigError, match=r"has mode 0666 \(group or others may use it\)"):
+        SlotRegion(2, 4096, shm_name)
+    assert planted.read_bytes() == b"x" * 8192, "a refused file must be left untouched"
+
+
+def test_a_file_of_another_user_is_refused(shm_name: str) -> None:
+    planted = SHM_DIR / shm_name
+    planted.write_bytes(b"x" * 8192)
+    planted.chmod(0o600)
+    os.chown(planted, os.geteuid() + 4242, -1)
+    with pytest.raises(ConfigError, match=f"is owned by uid {os.geteuid() + 4242}"):
+        SlotRegion(2, 4096, shm_name)
+    assert planted.exists()
+
+
+def test_a_symlink_at_the_name_is_refused_and_its_target_untouched(
+    shm_name: str, tmp_path: Path
+) -> None:
+    target = tmp_path / "victim"
+    target.write_bytes(b"secret" + bytes(8186))
+    target.chmod(0o600)
+    (SHM_DIR / shm_name).symlink_to(target)
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        SlotRegion(2, 4096, shm_name)
+    assert target.read_bytes() == b"secret" + bytes(8186)
+    assert (SHM_DIR / shm_name).is_symlink()
+
+
+def test_a_directory_at_the_name_is_refused(shm_name: str) -> None:
+    (SHM_DIR / shm_name).mkdir(mode=0o700)
+    try:
+        with pytest.raises(ConfigError, match="not a regular file"):
+            SlotRegion(2, 4096, shm_name)
+    finally:
+        (SHM_DIR / shm_name).rmdir()
+
+
+def test_a_new_region_file_is_private_whatever_the_umask(shm_name: str) -> None:
+    old = os.umask(0)
+    try:
+        region = SlotRegion(2, 4096, shm_name)
+    finally:
+        os.umask(old)
+    try:
+        info = (SHM_DIR / shm_name).lstat()
+        assert stat.S_IMODE(info.st_mode) == 0o600 and info.st_uid == os.geteuid()
+        assert not [p for p in SHM_DIR.iterdir() if p.name.startswith(f".{shm_name}.")]
+    finally:
+        region.close()
+
+
+def test_the_last_process_out_removes_the_file(shm_name: str) -> None:
+    creator = SlotRegion(2, 4096, shm_name)
+    attached = SlotRegion(2, 4096, shm_name)
+    creator.close()
+    assert (SHM_DIR / shm_name).exists(), "a region still mapped elsewhere must stay"
+    attached.close()
+    assert not (SHM_DIR / shm_name).exists()
 
 
 def test_attaching_beside_a_live_creator_does_not_warn(
@@ -110,7 +179,34 @@ def test_too_small_shm_is_a_clear_error(shm_name: str, monkeypatch: pytest.Monke
     assert not (SHM_DIR / shm_name).exists()
 
 
-@pytest.mark.parametrize("name", ["", "a/b", ".."])
+@pytest.mark.parametrize("name", ["", "a/b", "..", ".hidden"])
 def test_shared_memory_name_must_be_a_file_name(name: str) -> None:
     with pytest.raises(ConfigError, match="not a plain file name"):
         SlotRegion(1, 4096, name)
+
+
+def test_racing_processes_all_map_one_file(shm_name: str) -> None:
+    count = 6
+    barrier = threading.Barrier(count)
+    regions: list[SlotRegion] = []
+    lock = threading.Lock()
+
+    def open_one() -> None:
+        barrier.wait()
+        region = SlotRegion(2, 4096, shm_name)
+        with lock:
+            regions.append(region)
+
+    threads = [threading.Thread(target=open_one) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        assert len(regions) == count and {r.path for r in regions} == {SHM_DIR / shm_name}
+        regions[0].view(1)[:4] = b"same"
+        assert all(bytes(r.view(1)[:4]) == b"same" for r in regions)
+    finally:
+        for region in regions:
+            region.close()
+    assert not (SHM_DIR / shm_name).exists()

@@ -1,5 +1,12 @@
 """GPU ⇄ CPU worker round trips over random geometries, plus its error handling.
 
+Every round trip runs on each copy path: the fused page-copy kernel on one thread, the
+kernel split over three threads with non-temporal stores (the per-thread and streaming byte
+floors lowered so small jobs take them), and the pure-torch path. Block and slot ids come
+scattered, sorted, in runs of consecutive ids, or consecutive on one side; transfers start
+at a random GPU block offset, so leading sub-blocks of the first chunk are skipped and the
+last chunk may be partial.
+
 Expected slot contents are computed independently of the worker, straight from the layout
 rule of :mod:`kvtiers.core.geometry`: chunk ``c`` of group ``g`` in slot ``s`` holds, for
 each of the group's tensors in order, ``blocks_per_chunk`` pages back to back.
@@ -8,7 +15,9 @@ each of the group's tensors in order, ``blocks_per_chunk`` pages back to back.
 from __future__ import annotations
 
 import random
+import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +27,48 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, GroupTransfer
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef, TransferResult
 from kvtiers.errors import ConfigError
+from kvtiers.tiers.cpu import worker as worker_module
+from kvtiers.tiers.cpu.pagecopy import compiler
 from kvtiers.tiers.cpu.region import SlotRegion
 from kvtiers.tiers.cpu.worker import CpuWorker
 
 PAGE_SIZES = (8, 24, 36, 64, 100, 256, 1000, 4096)
+COPY_PATHS = ("kernel", "kernel-threads-streaming", "torch")
+HAS_COMPILER = shutil.which(compiler()[0]) is not None
+
+
+def make_worker(
+    setup: Setup, path: str, monkeypatch: pytest.MonkeyPatch, **options: int
+) -> CpuWorker:
+    """A worker on copy path ``path`` (one of ``COPY_PATHS``)."""
+    if path == "torch":
+        worker = CpuWorker(setup.kv, setup.region, setup.geometry, kernel=False, **options)
+        assert not worker.uses_kernel
+        return worker
+    if not HAS_COMPILER:
+        pytest.skip(f"no C compiler ({compiler()[0]}) to build the page-copy kernel")
+    threads = 1
+    if path == "kernel-threads-streaming":
+        monkeypatch.setattr(worker_module, "MIN_BYTES_PER_THREAD", 1)
+        monkeypatch.setattr(worker_module, "STREAMING_BYTES", 1)
+        threads = 3
+    worker = CpuWorker(
+        setup.kv, setup.region, setup.geometry, kernel=True, copy_threads=threads, **options
+    )
+    assert worker.uses_kernel
+    return worker
+
+
+def runs_of(rng: random.Random, ids: list[int]) -> list[int]:
+    """``ids`` sorted, cut into runs of 1-4 consecutive ids, the runs shuffled."""
+    ordered = sorted(ids)
+    runs, begin = [], 0
+    while begin < len(ordered):
+        size = rng.randint(1, 4)
+        runs.append(ordered[begin : begin + size])
+        begin += size
+    rng.shuffle(runs)
+    return [i for run in runs for i in run]
 
 
 @dataclass
@@ -103,22 +150,33 @@ def run_job(
     return result
 
 
-@pytest.mark.parametrize("layout", ["scattered", "consecutive_blocks", "consecutive_slots"])
-@pytest.mark.parametrize("seed", range(20))
-def test_store_then_load_into_other_blocks(seed: int, layout: str) -> None:
-    """Scattered ids take the two-pass gather/scatter; a consecutive side, one pass."""
+@pytest.mark.parametrize("path", COPY_PATHS)
+@pytest.mark.parametrize(
+    "layout", ["scattered", "sorted", "runs", "consecutive_blocks", "consecutive_slots"]
+)
+@pytest.mark.parametrize("seed", range(12))
+def test_store_then_load_into_other_blocks(
+    seed: int, layout: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the torch path scattered ids take the two-pass gather/scatter and a consecutive
+    side one pass; the kernel moves every layout in one pass."""
     rng = random.Random(seed)
     setup = make_setup(rng)
-    worker = CpuWorker(
-        setup.kv, setup.region, setup.geometry, batch_bytes=rng.choice((64, 4096, 1 << 20))
-    )
+    worker = make_worker(setup, path, monkeypatch, batch_bytes=rng.choice((64, 4096, 1 << 20)))
     try:
         free_slots = rng.sample(range(setup.region.num_slots), setup.region.num_slots)
         free_blocks = rng.sample(range(48), 48)
+        # Ids are popped from the end of the pools, so "ascending" means reversed here.
         if layout == "consecutive_slots":
             free_slots.sort(reverse=True)
         elif layout == "consecutive_blocks":
             free_blocks.sort(reverse=True)
+        elif layout == "sorted":
+            free_slots.sort(reverse=True)
+            free_blocks.sort(reverse=True)
+        elif layout == "runs":
+            free_slots = runs_of(rng, free_slots)[::-1]
+            free_blocks = runs_of(rng, free_blocks)[::-1]
         transfers = random_transfers(rng, setup, free_slots, free_blocks)
         region = setup.region.tensor().numpy()
         region_before = region.copy()
@@ -191,15 +249,61 @@ def test_blocks_that_do_not_fill_the_chunks_are_rejected() -> None:
         worker.shutdown()
 
 
-def test_a_failing_copy_is_reported_as_failed() -> None:
+@pytest.mark.parametrize("path", COPY_PATHS)
+@pytest.mark.parametrize(
+    ("blocks", "slots"),
+    [([0, 1], [99]), ([0, 1], [-1]), ([0, 8], [1]), ([-1, 0], [1])],
+    ids=["slot-past-end", "negative-slot", "block-past-end", "negative-block"],
+)
+def test_a_copy_outside_the_memory_fails_the_job(
+    path: str, blocks: list[int], slots: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     setup = simple_setup()
-    worker = CpuWorker(setup.kv, setup.region, setup.geometry)
+    worker = make_worker(setup, path, monkeypatch)
     try:
-        outside = GroupTransfer(GPULoadStoreSpec([0, 1]), CPULoadStoreSpec([99]))
+        region_before = setup.region.tensor().clone()
+        outside = GroupTransfer(GPULoadStoreSpec(blocks), CPULoadStoreSpec(slots))
         result = run_job(worker, 7, True, [outside])
         assert result == TransferResult(7, False, 0, result.transfer_s)
+        tensor_before = setup.kv.tensors[0].clone()
+        assert not run_job(worker, 8, False, [outside]).success
+        assert torch.equal(setup.kv.tensors[0], tensor_before)
+        if path != "torch":
+            # The kernel path checks every id before it copies; torch's indexed copies may
+            # have written some pages of the failed store before raising.
+            assert torch.equal(setup.region.tensor(), region_before)
     finally:
         worker.shutdown()
+        setup.region.close()
+
+
+def test_kernel_required_but_not_buildable_is_a_config_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("KVTIERS_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    setup = simple_setup()
+    with pytest.raises(ConfigError, match="could not be built"):
+        CpuWorker(setup.kv, setup.region, setup.geometry, kernel=True)
+    assert "no-such-compiler" in caplog.text
+    # Without a kernel the default worker still copies, on the torch path.
+    worker = CpuWorker(setup.kv, setup.region, setup.geometry)
+    try:
+        assert not worker.uses_kernel
+        transfer = GroupTransfer(GPULoadStoreSpec([5, 2]), CPULoadStoreSpec([3]))
+        assert run_job(worker, 1, True, [transfer]).success
+        slot = setup.region.tensor()[3 * setup.region.slot_bytes :][:128]
+        assert torch.equal(slot.view(2, 64), setup.kv.tensors[0][[5, 2]])
+    finally:
+        worker.shutdown()
+        setup.region.close()
+
+
+def test_copy_threads_below_one_is_a_config_error() -> None:
+    setup = simple_setup()
+    with pytest.raises(ConfigError, match="copy_threads"):
+        CpuWorker(setup.kv, setup.region, setup.geometry, copy_threads=0)
+    setup.region.close()
 
 
 def test_wait_get_finished_and_shutdown() -> None:

@@ -166,12 +166,13 @@ def test_demo_reports_warm_hits_after_the_restart(tmp_path: Path) -> None:
     }
     out = tmp_path / "out.txt"
     with out.open("w") as handle:
-        phases = run_demo(config, workload=WORKLOAD, plot=tmp_path / "demo.png", out=handle,
-                          show_progress=False)
+        phases = run_demo(config, out_dir=tmp_path / "out", workload=WORKLOAD,
+                          plot=tmp_path / "demo.png", out=handle, show_progress=False)
     cold, warm = phases
     assert cold.verification_failures == 0 and warm.verification_failures == 0
     assert warm.stats["file.promoted"] + warm.stats["s3.promoted"] > 0
     assert sum(r.reused_tokens for r in warm.reports) > sum(r.reused_tokens for r in cold.reports)
     text = out.read_text()
     assert "phase 2 (after restart)" in text and "0 verification failures" in text
+    assert text.splitlines()[-1].startswith("verdict: ok: ")
     assert (tmp_path / "demo.png").stat().st_size > 10_000

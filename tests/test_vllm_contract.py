@@ -267,9 +267,11 @@ def secondary(
 
 
 def stored(tier: Any, job_id: int, keys: list[bytes]) -> list[Any]:
+    """Store ``keys`` from the primary's rows, in turn."""
     tier.submit_store(
         TransferJob(
-            job_id=job_id, keys=keys, chunk_ids=np.arange(len(keys), dtype=np.int32),
+            job_id=job_id, keys=keys,
+            chunk_ids=np.arange(len(keys), dtype=np.int32) % NUM_ROWS,
             is_promotion=False, req_context=vbase.ReqContext(req_id="r"),
         )
     )
@@ -313,9 +315,9 @@ def test_route2_a_failed_store_is_a_metadata_only_removal(
     tmp_path: Path, buffer: bytearray
 ) -> None:
     tier = secondary(tmp_path, buffer, global_events=True, enable_kv_events=True,
-                     capacity=ROW_BYTES)  # room for no chunk with its header
+                     capacity="4KiB")  # far less than 256 chunks with their headers
     try:
-        keys = prefix(13, 2)
+        keys = prefix(13, 256)
         assert [r.success for r in stored(tier, 1, keys)] == [False]
         [event] = tier.take_events()
         assert (event.keys, event.removed, event.metadata_only) == (keys, True, True)

@@ -36,6 +36,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.vllm import KVTiersOffloadingSpec, translate
+from kvtiers.integrations.vllm.spec import shared_memory_name
 
 F = 2  # blocks_per_chunk
 TOKENS_PER_HASH = 16
@@ -407,7 +408,8 @@ def test_worker_in_its_own_process_attaches_to_the_shared_primary(
     config = vllm_config(tmp_path)
     scheduler = OffloadingSpecFactory.create_spec(config)
     name = scheduler.stack_config.tiers[0].shared_memory_name
-    assert name == f"kvtiers-{config.engine_id}"
+    assert name == shared_memory_name(config.engine_id)
+    assert name.startswith(f"kvtiers-{os.geteuid()}-") and config.engine_id not in name
     manager = scheduler.get_manager()
     assert os.path.exists(f"/dev/shm/{name}")
     req = make_request(4, first_block=0)

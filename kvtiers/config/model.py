@@ -53,11 +53,16 @@ class GroupSection(Section):
     what: ClassVar[str] = "a model group"
 
     tokens_per_block: int = field(metadata=example("tokens_per_block: 16"))
+    """Tokens in one GPU block of this group (the engine's block size)."""
     page_bytes: Size = field(metadata=example("page_bytes: 16KiB"))
+    """Bytes of one layer's KV page for one block (K and V together)."""
     num_layers: Annotated[int, Range(1)] | None = None
+    """How many layers the group has (named ``g<group>.layer<j>``); give this or
+    layer_names."""
     layer_names: tuple[str, ...] | None = None
-    # How far back the group attends: "full", or e.g. "sliding_window:4096".
+    """The group's layer names, in order; give this or num_layers."""
     attention: str = "full"
+    """How far back the group attends: ``full``, or e.g. ``sliding_window:4096``."""
 
     def _check(self) -> None:
         if (self.num_layers is None) == (self.layer_names is None):
@@ -81,10 +86,16 @@ class ParallelSection(Section):
     what: ClassVar[str] = "the parallel section"
 
     tp_size: Annotated[int, Range(1)] = 1
+    """Tensor-parallel size."""
     pp_size: Annotated[int, Range(1)] = 1
+    """Pipeline-parallel size."""
     pcp_size: Annotated[int, Range(1)] = 1
+    """Prefill context-parallel size."""
     dcp_size: Annotated[int, Range(1)] = 1
+    """Decode context-parallel size."""
     is_parallelism_agnostic: bool = False
+    """A block's bytes are the same under any parallel layout: the sizes are left out of
+    the identity, so differently sharded engines share the cache."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,26 +105,45 @@ class ModelSection(Section):
     what: ClassVar[str] = "the model section"
 
     name: str = field(metadata=example("name: org/model"))
+    """The model's name (``org/model``); part of the cache identity and namespace name."""
     revision: str = "main"
+    """An immutable model revision (a commit hash): weights that change must change it."""
     dtype: str = "bfloat16"
+    """The KV cache's dtype."""
     kv_layout: str = "NHD"
+    """The KV layout the attention backend uses."""
     tokens_per_hash: int = 16
+    """Tokens per prefix hash; each chunk's key is the hash at its last token boundary."""
     blocks_per_chunk: int = 1
+    """GPU blocks per offloaded chunk: the unit of lookup, store, load and eviction."""
     # The algorithms kvtiers' own hashing implements (the demo and tools hash tokens here).
     hash_algorithm: Literal["xxh3_128", "sha256"] = "xxh3_128"
+    """The prefix hash: stable across processes and machines either way."""
     salt: str = ""
-    # The rest of the identity (docs/on-disk-format.md); empty when it does not apply.
+    """A string that separates otherwise identical caches (e.g. per tenant)."""
     fingerprint: str = ""
+    """What defines the weights when no immutable revision is pinned (set by the engine
+    integration from config.json and the weight files' names and sizes)."""
     compute_dtype: str = ""
+    """The model's compute dtype, when it differs from the KV dtype (e.g. under fp8 KV)."""
     quantization: str = ""
+    """The weights' quantization method (e.g. ``awq``, ``fp8``); empty when unquantized."""
     kv_scales: str = ""
+    """Where KV-cache quantization scales come from, when the KV dtype is quantized."""
     overrides: Mapping[str, Any] | None = None
+    """Model overrides that change K or V (rope_scaling, rope_theta,
+    max_position_embeddings, hf_overrides)."""
     draft_model: str = ""
+    """The speculative-decoding draft model, when one shares the KV cache."""
     canonical_format: str = ""
+    """The engine's canonical KV layout format id, when the engine stores that layout."""
     groups: tuple[GroupSection, ...] = field(
         metadata=example("groups: [{tokens_per_block: 16, num_layers: 4, page_bytes: 16KiB}]")
     )
+    """The KV-cache groups (hybrid models have several, e.g. full and sliding-window
+    attention)."""
     parallel: ParallelSection = ParallelSection()
+    """Parallel sizes (see model.parallel)."""
 
     def _check(self) -> None:
         if not self.groups:

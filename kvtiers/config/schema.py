@@ -54,6 +54,10 @@ from kvtiers.config.paths import item_path, join_path, key_path
 from kvtiers.config.sizes import Size, parse_size
 from kvtiers.errors import ConfigError
 
+#: Integers from a stack file must fit in 64 bits: they reach C code and fixed-width fields.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
 OctalMode = NewType("OctalMode", int)
 """POSIX permission bits (``0o000`` to ``0o777``), written in YAML as ``0640`` or ``"0o640"``."""
 
@@ -307,6 +311,12 @@ def _parse_scalar(tp: Any, value: object, path: str) -> object:
         raise ConfigError(f"expected true or false, got {shown(value)}", path=path)
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
+            if not INT64_MIN <= value <= INT64_MAX:
+                raise ConfigError(
+                    f"{value:.3g} does not fit in 64 bits (at most {INT64_MAX}); give a "
+                    "smaller number",
+                    path=path,
+                )
             return value
         raise ConfigError(f"expected an integer, got {shown(value)}", path=path)
     if tp is float:

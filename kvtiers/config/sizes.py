@@ -15,6 +15,9 @@ from typing import NewType
 
 from kvtiers.errors import ConfigError
 
+#: The largest size accepted: sizes become 64-bit offsets and counts further down.
+MAX_SIZE_BYTES = 2**63 - 1
+
 Size = NewType("Size", int)
 """A positive number of bytes parsed from a stack file."""
 
@@ -80,7 +83,18 @@ def parse_size(value: object, *, path: str) -> Size:
         raise ConfigError(f"{value!r} is not a whole number of bytes", path=path)
     if total <= 0:
         raise ConfigError(f"a size must be positive, got {value!r}", path=path)
+    if total > MAX_SIZE_BYTES:
+        raise ConfigError(
+            f"{shown_briefly(value)} is more than {MAX_SIZE_BYTES} bytes (8 EiB), beyond "
+            "what any medium or 64-bit offset holds; give a smaller size",
+            path=path,
+        )
     return Size(int(total))
+
+
+def shown_briefly(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 def format_size(num_bytes: int) -> str:

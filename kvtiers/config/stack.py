@@ -18,8 +18,9 @@ file, whose ``source`` is ``<file>:<line>`` so the one-line message reads
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, ClassVar
 
@@ -30,7 +31,6 @@ from kvtiers.config.schema import (
     Matches,
     Range,
     Section,
-    example,
     parse_section,
     shown,
     suggestion,
@@ -43,16 +43,24 @@ TOP_LEVEL_KEYS = ("tiers", "model", "metrics")
 _TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
 
 
+# The exporter's default port: outside 9100-9999 (the range Prometheus' exporter registry
+# has allocated; 9400 is DCGM-exporter's) and clear of vLLM's own 8000.
+DEFAULT_METRICS_PORT = 8471
+
+
 @dataclass(frozen=True, kw_only=True)
 class MetricsConfig(Section):
-    """Where to serve Prometheus metrics; port 0 picks a free port."""
+    """Where to serve Prometheus metrics (``metrics: {}`` takes every default)."""
 
     what: ClassVar[str] = "the metrics section"
 
-    port: Annotated[int, Range(0, 65535)] = field(metadata=example("port: 9400"))
+    port: Annotated[int, Range(0, 65535)] = DEFAULT_METRICS_PORT
+    """TCP port of ``http://addr:port/metrics``; 0 picks a free port."""
     addr: Annotated[str, Matches(r"\S+", "a listen address such as 127.0.0.1")] = "127.0.0.1"
-    # How often the scheduler refreshes the numbers a scrape reads (0: every step).
+    """Listen address: 127.0.0.1 serves this host only; 0.0.0.0 (all interfaces) lets a
+    scraper on another host or pod reach it, as in Kubernetes."""
     refresh_s: Annotated[float, Range(0)] = 1.0
+    """How often the scheduler refreshes the numbers a scrape reads (0: every step)."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +99,9 @@ class StackConfig:
             if place and place in first_place:
                 raise ConfigError(
                     f"tiers[{first_place[place]}] already stores chunks at "
-                    f"{' '.join(place[1:])}; two tiers over one place evict each other's "
-                    "chunks: give this tier its own location",
+                    f"{' '.join(place[1:])} (after resolving '..', '//' and links); two "
+                    "tiers over one place evict each other's chunks: give this tier its "
+                    "own location",
                     path=key_path(where, field_name),
                 )
             if place:
@@ -160,13 +169,25 @@ class StackConfig:
 def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:
     """Where a persistent tier keeps its chunks, and the key that says so (or nothing)."""
     if isinstance(tier, FileTierConfig):
-        return ("file", str(tier.root_path)), "root"
+        return ("file", _same_directory(str(tier.root_path))), "root"
     if isinstance(tier, S3TierConfig):
         location = f"s3://{tier.bucket}/{tier.prefix.strip('/')}"
         return ("s3", location, f"(endpoint {tier.endpoint_url or 'AWS'})"), "bucket"
     if isinstance(tier, FsspecTierConfig):
+        protocol, _, rest = tier.url.partition("://")
+        if protocol.lower() in _LOCAL_PROTOCOLS:
+            return ("file", _same_directory(rest)), "url"
         return ("fsspec", tier.url.rstrip("/")), "url"
     return (), ""
+
+
+# fsspec protocols that are the local filesystem: such a tier shares places with file tiers.
+_LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def _same_directory(path: str) -> str:
+    """One spelling per local directory: ``..``, repeated slashes and links resolved."""
+    return os.path.realpath(os.path.expanduser(path) or ".")
 
 
 def load_stack_config(source: str | Path | Mapping[str, object]) -> StackConfig:

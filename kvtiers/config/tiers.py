@@ -9,6 +9,8 @@ bytes; ``*_s`` fields are seconds.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import ipaddress
 import re
 from collections.abc import Mapping
@@ -20,6 +22,7 @@ from urllib.parse import urlsplit
 
 from kvtiers.config.schema import Check, Matches, OctalMode, Range, Section, example
 from kvtiers.config.sizes import Size, format_size
+from kvtiers.core.bounded import nesting_problem
 from kvtiers.errors import ConfigError
 
 #: Default ``op_deadline_s`` of object tiers, seconds (kept equal to
@@ -29,12 +32,44 @@ DEFAULT_OP_DEADLINE_S = 30.0
 BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
+# A /dev/shm file name: no leading dot (the region's temp names start with one), short.
+SHM_NAME = Matches(
+    r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,199}",
+    "a simple name of at most 200 letters, digits, '.', '_' and '-', not starting with '.'",
+)
+# fsspec storage options are a handful of settings, sometimes one nested client mapping.
+STORAGE_OPTIONS_MAX_DEPTH = 6
+STORAGE_OPTIONS_MAX_VALUES = 1000
 Threads = Annotated[int, Range(1, 256)]
 Seconds = Annotated[float, Range(0, above=True)]
 _OWNER_READ_WRITE = OctalMode(0o600)
 _OWNER_ALL = OctalMode(0o700)
 
 _DOTTED_CLASS = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+
+
+def _policy_import_problem(policy: str) -> str | None:
+    """Why the policy class ``package.module:ClassName`` cannot be loaded, or ``None``.
+
+    Imports the module, as building the tier would (builtin names need nothing); the
+    build then checks that the class is an eviction policy."""
+    if policy in BUILTIN_POLICIES:
+        return None
+    module_name, _, class_name = policy.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # a user's module may raise anything while it is imported
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
+        return (
+            f"cannot import module {module_name!r} for eviction policy {policy!r} "
+            f"({detail}); install it or fix the path"
+        )
+    if not isinstance(getattr(module, class_name, None), type):
+        return (
+            f"module {module_name!r} has no class {class_name!r}; name a policy class as "
+            "'package.module:ClassName'"
+        )
+    return None
 
 
 def _policy_problem(policy: str) -> str | None:
@@ -51,8 +86,13 @@ class TierConfig(Section):
     """Fields every tier has. ``kind`` is fixed by each subclass."""
 
     kind: str
+    """The tier kind: cpu, file, s3 or fsspec."""
     name: Annotated[str, SIMPLE_NAME]
+    """Unique within the stack; names the tier in stats, metrics and messages. Default:
+    the kind, or ``<kind><index>`` when the kind repeats."""
     admission: Literal["always", "never"] = "always"
+    """Whether chunks stored in the primary are cascaded (written through) to this tier;
+    ``never`` makes a lower tier read-only (it still serves promotions)."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -64,6 +104,24 @@ class TierConfig(Section):
         return self.kind
 
 
+#: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
+#: written without its unit (``capacity: 8`` is 8 bytes).
+MIN_CAPACITY_BYTES = 4096
+
+
+def _capacity_problem(size: int) -> str | None:
+    if size < MIN_CAPACITY_BYTES:
+        return (
+            f"{size} bytes cannot hold a single chunk (a chunk takes at least 4 KiB); a bare "
+            f"number means bytes: write the unit, e.g. {size}GiB"
+        )
+    return None
+
+
+Capacity = Annotated[Size, Check(_capacity_problem)]
+"""A tier's capacity: a :data:`~kvtiers.config.sizes.Size` of at least one 4 KiB page."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class CPUTierConfig(TierConfig):
     """Host memory: the usual primary. ``shared_memory_name`` places it in ``/dev/shm``."""
@@ -71,13 +129,24 @@ class CPUTierConfig(TierConfig):
     what: ClassVar[str] = "a cpu tier"
 
     kind: Literal["cpu"] = "cpu"
-    capacity: Size = field(metadata=example("capacity: 8GiB"))
+    capacity: Capacity = field(metadata=example("capacity: 8GiB"))
+    """Host memory reserved for chunks, allocated at start-up in slots of the largest
+    group's chunk."""
     policy: Annotated[str, Check(_policy_problem)] = "lru"
-    shared_memory_name: Annotated[str, SIMPLE_NAME] | None = None
+    """Eviction policy: lru, arc, s3fifo, or a class named as ``package.module:Class``."""
+    shared_memory_name: Annotated[str, SHM_NAME] | None = None
+    """Place the region in ``/dev/shm/<name>`` so engine processes on this host share it;
+    unset: private anonymous memory. The file is made 0600 by the tier itself; a file
+    another user or program left at the name is refused."""
 
     @property
     def can_be_primary(self) -> bool:
         return True
+
+    def _check(self) -> None:
+        problem = _policy_import_problem(self.policy)
+        if problem is not None:
+            raise ConfigError(problem, path="policy")
 
     def describe(self) -> str:
         return f"cpu {format_size(self.capacity)}, {self.policy}"
@@ -97,16 +166,32 @@ class FileTierConfig(TierConfig):
     root: Annotated[str, Matches(r"[^\x00]+", "a directory path")] = field(
         metadata=example("root: /mnt/nvme/kvtiers")
     )
-    capacity: Size | None = None
+    """Directory holding one namespace per cache identity; relative paths resolve against
+    the current directory, ``~`` is expanded."""
+    capacity: Capacity | None = None
+    """Bytes of chunk files kept; least recently used chunks are evicted beyond it. Unset:
+    bounded only by the filesystem."""
     io: Literal["auto", "posix", "kvikio"] = "auto"
+    """I/O path: posix (pread/pwrite), kvikio (GPUDirect Storage), or auto (kvikio only
+    when a CUDA driver loads and a probe succeeds)."""
     threads: Threads = 8
+    """I/O threads of the tier's mover."""
     gds: bool = False
+    """Make this tier the primary, read and written by the GPU directly through kvikio
+    (first tier only, no lower tiers)."""
     shared: bool = False
+    """Other engines write this directory too: an index miss starts a batched background
+    existence probe (the lookup answers RETRY until it resolves) instead of a miss."""
     o_direct: bool = False
+    """Bypass the page cache (O_DIRECT, aligned buffers) on the posix path."""
     file_mode: OctalMode = _OWNER_READ_WRITE
+    """Permission bits of chunk files; must include 0600. Use 0640 or 0660 to share with a
+    group."""
     dir_mode: OctalMode = _OWNER_ALL
-    # Corrupt chunk files are moved aside for inspection rather than deleted.
+    """Permission bits of directories the tier creates; must include 0700."""
     quarantine: bool = True
+    """Move corrupt chunk files to ``<namespace>/quarantine/`` for inspection instead of
+    deleting them."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -133,6 +218,13 @@ class FileTierConfig(TierConfig):
                 "gds: true needs the kvikio I/O backend; set io: auto or io: kvikio",
                 path="io",
             )
+        blocker = _non_directory_on(self.root_path)
+        if blocker is not None:
+            raise ConfigError(
+                f"{blocker} exists and is not a directory, so the root {self.root} cannot be "
+                "one; point root at a directory (it is created if missing)",
+                path="root",
+            )
 
     def describe(self) -> str:
         parts = [f"file {self.root}"]
@@ -141,6 +233,40 @@ class FileTierConfig(TierConfig):
         parts.append(f"io={self.io}")
         parts.extend(flag for flag in ("gds", "shared", "o_direct") if getattr(self, flag))
         return ", ".join(parts)
+
+
+def _non_directory_on(path: Path) -> Path | None:
+    """The nearest existing ``path`` or ancestor of it, if that is not a directory."""
+    for candidate in (path, *path.parents):
+        try:
+            if candidate.exists():
+                return None if candidate.is_dir() else candidate
+        except OSError:
+            return None  # unreadable here: the build reports what it finds
+    return None
+
+
+def _fsspec_protocol_problem(url: str) -> str | None:
+    """Why fsspec cannot open ``url`` on this machine (fsspec or the protocol's package
+    is missing, or the protocol is unknown), or ``None``; nothing is contacted."""
+    if importlib.util.find_spec("fsspec") is None:
+        return "fsspec is not installed; install kvtiers[fsspec]"
+    from fsspec.registry import known_implementations, registry
+
+    protocol = url.split("://", 1)[0].lower()
+    if protocol in registry:
+        return None
+    implementation = known_implementations.get(protocol)
+    if implementation is None:
+        return (
+            f"fsspec knows no protocol {protocol!r}; use one it lists "
+            "(fsspec.available_protocols()) such as gcs, az, memory, file"
+        )
+    package = implementation["class"].split(".", 1)[0]
+    if importlib.util.find_spec(package) is None:
+        hint = implementation.get("err") or f"install the {package!r} package"
+        return f"the {protocol!r} protocol needs the {package!r} package: {hint}"
+    return None
 
 
 def _bucket_problem(bucket: str) -> str | None:
@@ -196,18 +322,35 @@ class S3TierConfig(TierConfig):
 
     kind: Literal["s3"] = "s3"
     bucket: Annotated[str, Check(_bucket_problem)] = field(metadata=example("bucket: kv-cache"))
+    """The bucket; it must exist (except on the embedded server)."""
     prefix: Annotated[str, Check(_prefix_problem)] = ""
+    """Object key prefix under which namespaces live (no leading '/')."""
     region: Annotated[str, Matches(r"[a-z0-9-]+", "a region such as us-east-1")] | None = None
+    """The bucket's region; unset: boto3's default (``AWS_REGION``, config files)."""
     endpoint_url: Annotated[str, Check(_endpoint_problem)] | None = None
+    """An S3-compatible endpoint (MinIO, SeaweedFS, Ceph): ``http(s)://host:port``; unset:
+    AWS; ``embedded``: a local moto server in this process (demos and tests)."""
     threads: Threads = 16
-    capacity: Size | None = None
+    """Concurrent requests of the tier's mover."""
+    capacity: Capacity | None = None
+    """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
+    unbounded (use a bucket lifecycle rule instead)."""
     shared: bool = False
+    """Other engines write this prefix too: an index miss starts a batched background
+    existence probe (RETRY until it resolves) instead of a miss."""
     max_attempts: Annotated[int, Range(1)] = 5
+    """Tries per request in all, on throttling, 5xx answers and timeouts."""
     backoff_base_s: Seconds = 0.05
+    """Bound of the first backoff: each retry sleeps a random time below
+    ``min(backoff_max_s, backoff_base_s * 2**attempt)`` (full jitter)."""
     backoff_max_s: Seconds = 2.0
+    """Cap of the backoff bound; at least backoff_base_s."""
     timeout_s: Seconds = 30.0
+    """Connect and read timeout of one request."""
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
+    """Overall bound of one operation: every attempt and backoff together end by it."""
     delete_corrupt: bool = True
+    """Delete an object that fails verification (it is a miss either way)."""
 
     def _check(self) -> None:
         if self.backoff_max_s < self.backoff_base_s:
@@ -244,11 +387,35 @@ class FsspecTierConfig(TierConfig):
     url: Annotated[str, Matches(r"[A-Za-z][A-Za-z0-9+.-]*://.*", "a URL like gcs://bucket/kv")] = (
         field(metadata=example("url: gcs://bucket/kv"))
     )
+    """Where namespaces live: any fsspec URL (``gcs://bucket/kv``, ``az://container/kv``,
+    ``memory://kv``); the protocol's fsspec package must be installed."""
     threads: Threads = 16
-    capacity: Size | None = None
+    """Concurrent requests of the tier's mover."""
+    capacity: Capacity | None = None
+    """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
+    unbounded."""
     shared: bool = False
+    """Other engines write this location too: index misses are probed in the background."""
     op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
+    """Overall bound of one operation: every attempt and backoff together end by it."""
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    """Keyword arguments for the fsspec filesystem (credentials, project, ...)."""
+
+    def _check(self) -> None:
+        missing = _fsspec_protocol_problem(self.url)
+        if missing is not None:
+            raise ConfigError(missing, path="url")
+        problem = nesting_problem(
+            self.storage_options,
+            max_depth=STORAGE_OPTIONS_MAX_DEPTH,
+            max_values=STORAGE_OPTIONS_MAX_VALUES,
+        )
+        if problem is not None:
+            raise ConfigError(
+                f"{problem}; fsspec options are a few flat settings (credentials, "
+                "endpoint), so write them out plainly",
+                path="storage_options",
+            )
 
     def describe(self) -> str:
         parts = [f"fsspec {self.url}"]

@@ -9,7 +9,12 @@ hand, so that:
 * a key written twice in one mapping is an error (keys brought in through a ``<<`` merge
   may still be overridden, as YAML intends);
 * every failure (missing file, bad syntax, empty file, recursive alias) is a one-line
-  :class:`~kvtiers.errors.ConfigError`.
+  :class:`~kvtiers.errors.ConfigError`;
+* hostile input is bounded before it costs anything: a file over
+  :data:`MAX_STACK_FILE_BYTES` is refused unread, nesting deeper than :data:`MAX_DEPTH`
+  is refused while the text is scanned (before PyYAML's recursive composer sees it), and
+  a document whose aliases expand to more than :data:`MAX_VALUES` values (an "alias
+  bomb") is refused while it is converted, each naming the file and line.
 
 Scalars are constructed by PyYAML's safe constructor, so YAML 1.1 typing applies (``yes``
 is a boolean, ``0640`` an octal integer).
@@ -17,6 +22,8 @@ is a boolean, ``0640`` an octal integer).
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +32,13 @@ import yaml
 
 from kvtiers.config.paths import item_path, key_path, parent_path
 from kvtiers.errors import ConfigError
+
+#: A stack file is a few KiB; anything over this is not one.
+MAX_STACK_FILE_BYTES = 1 << 20
+#: Deepest nesting of mappings and lists; real stacks stay under 10.
+MAX_DEPTH = 64
+#: Most values (scalars, lists, mappings) a document may expand to, aliases expanded.
+MAX_VALUES = 10_000
 
 
 @dataclass(frozen=True)
@@ -47,14 +61,27 @@ def read_yaml(path: str | Path) -> YamlDocument:
     """Read and convert the YAML file at ``path``; errors name the file as their source."""
     source = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        raw = _read_bounded(Path(path))
+        if len(raw) > MAX_STACK_FILE_BYTES:
+            raise ConfigError(
+                f"is larger than {MAX_STACK_FILE_BYTES} bytes, far more than any stack file; "
+                "pass a YAML stack file",
+                source=source,
+            )
+        text = raw.decode("utf-8")
     except FileNotFoundError:
+        from kvtiers.config.examples import EXAMPLES_DIR
+
         raise ConfigError(
-            "no such file; pass the path of a YAML stack file such as configs/cpu.yaml",
+            f"no such file; pass the path of a YAML stack file (examples: {EXAMPLES_DIR})",
             source=source,
         ) from None
     except IsADirectoryError:
         raise ConfigError("is a directory; pass a YAML stack file", source=source) from None
+    except _NotRegular:
+        raise ConfigError(
+            "is not a regular file (a pipe or device); pass a YAML stack file", source=source
+        ) from None
     except UnicodeDecodeError as exc:
         raise ConfigError(
             f"is not UTF-8 text ({exc.reason} at byte {exc.start}); save it as UTF-8",
@@ -65,10 +92,33 @@ def read_yaml(path: str | Path) -> YamlDocument:
     return parse_yaml(text, source=source)
 
 
+class _NotRegular(Exception):
+    pass
+
+
+def _read_bounded(path: Path) -> bytes:
+    """At most :data:`MAX_STACK_FILE_BYTES` + 1 bytes of a regular file. Opened
+    non-blocking so a FIFO at ``path`` is refused rather than waited on."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(str(path))
+        if not stat.S_ISREG(mode):
+            raise _NotRegular(str(path))
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read(MAX_STACK_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
 def parse_yaml(text: str, *, source: str = "") -> YamlDocument:
     """Convert one YAML document; an empty document is an error (a stack needs tiers)."""
-    loader = yaml.SafeLoader(text)
+    loader: yaml.SafeLoader | None = None
     try:
+        # The reader rejects control characters as soon as it is made: inside the try.
+        loader = yaml.SafeLoader(text)
+        _check_depth(text, source)
         node = loader.get_single_node()
         if node is None:
             raise ConfigError(
@@ -86,7 +136,31 @@ def parse_yaml(text: str, *, source: str = "") -> YamlDocument:
         detail = " ".join(str(exc).split())
         raise ConfigError(f"invalid YAML: {detail}", source=source) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
+
+
+def _check_depth(text: str, source: str) -> None:
+    """Refuse nesting deeper than :data:`MAX_DEPTH`, scanning events only (PyYAML's parser
+    keeps its own stack; its composer and our converter recurse once per level)."""
+    depth = 0
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_DEPTH:
+                mark = event.start_mark
+                where = f"{source}:{mark.line + 1}" if mark is not None and source else source
+                raise ConfigError(
+                    f"nesting deeper than {MAX_DEPTH} levels of mappings and lists; a stack "
+                    "file is a few levels deep, so flatten it",
+                    source=where,
+                )
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _brief(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 class _Converter:
@@ -97,6 +171,7 @@ class _Converter:
         self._source = source
         self._active: set[int] = set()
         self._flattened: set[int] = set()
+        self._values = 0
         self.lines: dict[str, int] = {}
 
     def _error(self, message: str, path: str, node: yaml.Node) -> ConfigError:
@@ -106,9 +181,17 @@ class _Converter:
         )
 
     def convert(self, node: yaml.Node, path: str) -> object:
+        self._values += 1
+        if self._values > MAX_VALUES:
+            raise self._error(
+                f"the document expands to more than {MAX_VALUES} values (aliases repeat "
+                "what they refer to); write the values out instead of nesting aliases",
+                path,
+                node,
+            )
         self.lines.setdefault(path, node.start_mark.line + 1)
         if isinstance(node, yaml.ScalarNode):
-            return self._loader.construct_object(node, deep=True)
+            return self._scalar(node, path)
         if id(node) in self._active:
             raise self._error(
                 "an alias refers to a value that contains it; write the value out instead",
@@ -127,9 +210,22 @@ class _Converter:
         finally:
             self._active.discard(id(node))
 
+    def _scalar(self, node: yaml.ScalarNode, path: str) -> object:
+        try:
+            return self._loader.construct_object(node, deep=True)
+        except (ValueError, OverflowError) as exc:
+            # A value PyYAML's typing cannot build: an integer of thousands of digits, a
+            # timestamp like 2024-13-45.
+            detail = " ".join(str(exc).split())
+            raise self._error(
+                f"cannot read {_brief(node.value)!r} ({detail}); quote it if it is text",
+                path,
+                node,
+            ) from None
+
     def _key(self, node: yaml.Node, path: str) -> str:
         if isinstance(node, yaml.ScalarNode):
-            key = self._loader.construct_object(node, deep=True)
+            key = self._scalar(node, path)
             if isinstance(key, str):
                 return key
             shown = repr(key)

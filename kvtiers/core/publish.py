@@ -5,7 +5,10 @@ writer writes every byte (short writes are checked) → ``fsync`` the file →
 ``os.replace`` onto the final name → ``fsync`` the directory. A reader therefore sees the
 old state or the new one, never a torn file; a crash leaves at most a stale temp file,
 which :func:`cleanup_stale_temps` removes at start-up. New directories are created 0700 and
-their parent fsynced once, so the directory entry itself is durable.
+their parent fsynced once, so the directory entry itself is durable. Given the store's
+root, publishing refuses to create or write through a symbolic link between the root and
+the file (checked with ``lstat`` before the write; a link put there meanwhile by someone
+with write access to the root is beyond what this check promises).
 
 No-clobber mode (``replace=False``) links the finished temp file to the final name with
 ``os.link`` instead, which fails with :class:`FileExistsError` when the name exists: of
@@ -21,9 +24,12 @@ import contextlib
 import errno
 import os
 import secrets
+import stat
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from kvtiers.errors import SymlinkEscapeError
 
 TEMP_SUFFIX = ".kvtmp"
 DEFAULT_FILE_MODE = 0o600
@@ -94,12 +100,50 @@ def write_all(fd: int, buffers: Sequence[Buffer], offset: int = 0) -> int:
     return total
 
 
-def ensure_dir(path: Path, *, mode: int = DEFAULT_DIR_MODE, ops: FileOps = DEFAULT_OPS) -> None:
+def ensure_dir(
+    path: Path,
+    *,
+    mode: int = DEFAULT_DIR_MODE,
+    ops: FileOps = DEFAULT_OPS,
+    root: Path | None = None,
+) -> None:
     """Create ``path`` and missing parents with ``mode``, fsyncing each new directory's
-    parent once so the new entry survives a crash."""
-    if path.is_dir():
+    parent once so the new entry survives a crash.
+
+    With ``root`` (an ancestor of ``path``), every directory strictly below ``root`` on
+    the way to ``path`` must be a real directory: a symbolic link there (which could lead
+    out of the root) raises :class:`SymlinkEscapeError` and nothing is created through it.
+    ``root`` itself may be a link: the operator chose it."""
+    if root is None:
+        if path.is_dir():
+            return
+        ensure_dir(path.parent, mode=mode, ops=ops)
+        _make_dir(path, mode, ops)
         return
-    ensure_dir(path.parent, mode=mode, ops=ops)
+    relative = path.relative_to(root)
+    ensure_dir(root, mode=mode, ops=ops)
+    current = root
+    for part in relative.parts:
+        current = current / part
+        try:
+            info = os.lstat(current)
+        except FileNotFoundError:
+            _make_dir(current, mode, ops)
+            info = os.lstat(current)
+        if stat.S_ISLNK(info.st_mode):
+            raise SymlinkEscapeError(
+                f"{current} is a symbolic link inside the store rooted at {root}; kvtiers "
+                "never writes through links under its root (they may lead outside it): "
+                "remove the link"
+            )
+        if not stat.S_ISDIR(info.st_mode):
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"{current} is not a directory; remove it", str(current)
+            )
+
+
+def _make_dir(path: Path, mode: int, ops: FileOps) -> None:
+    """``mkdir`` (which never follows a link at ``path``); fsync the parent if it made it."""
     try:
         os.mkdir(path, mode)
     except FileExistsError:
@@ -116,8 +160,12 @@ def publish(
     open_flags: int = 0,
     replace: bool = True,
     ops: FileOps = DEFAULT_OPS,
+    root: Path | None = None,
 ) -> None:
     """Atomically make ``final_path`` hold exactly what ``writer`` writes.
+
+    ``root``, when given, is the store's root: no directory between it and
+    ``final_path`` may be a symbolic link (see :func:`ensure_dir`).
 
     Replaces an existing file. A failure before the rename (or link) removes the temp
     file, leaves the final path untouched, and propagates. A failure of the directory
@@ -129,7 +177,7 @@ def publish(
     temp name fail once the link is made, the error propagates with the file published
     and the temp name left for :func:`cleanup_stale_temps`.
     """
-    ensure_dir(final_path.parent, mode=dir_mode, ops=ops)
+    ensure_dir(final_path.parent, mode=dir_mode, ops=ops, root=root)
     temp = temp_path_for(final_path)
     fd = ops.open_exclusive(temp, file_mode, open_flags)
     published = False
@@ -163,6 +211,7 @@ def publish_bytes(
     dir_mode: int = DEFAULT_DIR_MODE,
     replace: bool = True,
     ops: FileOps = DEFAULT_OPS,
+    root: Path | None = None,
 ) -> None:
     """:func:`publish` of the concatenation of ``buffers``."""
     publish(
@@ -172,6 +221,7 @@ def publish_bytes(
         dir_mode=dir_mode,
         replace=replace,
         ops=ops,
+        root=root,
     )
 
 

@@ -8,14 +8,17 @@ Submission returns at once; completions are collected with :meth:`get_finished`.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtiers.core.specs import GroupTransfer
+from kvtiers.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+    from kvtiers.core.config import OffloadingConfig
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,51 @@ class KVCacheTensors:
 
     def group_bytes_per_block(self, group_idx: int) -> int:
         return sum(ref.page_bytes for ref in self.groups[group_idx])
+
+    @classmethod
+    def from_layers(
+        cls, layers: Mapping[str, torch.Tensor], config: OffloadingConfig
+    ) -> KVCacheTensors:
+        """Describe a per-layer KV cache (``{layer name: tensor}``, as engines keep it).
+
+        Each tensor's first dimension is the block index, and one block of it holds one
+        page of ``bytes_per_block / layers`` bytes of its group (rows may be padded
+        beyond). Tensors are viewed as bytes, never copied. Raises :class:`ConfigError`
+        naming the layer when one is missing or has the wrong shape."""
+        import torch
+
+        tensors: list[torch.Tensor] = []
+        groups: list[list[KVTensorRef]] = []
+        for group_idx, group in enumerate(config.groups):
+            page_bytes = group.bytes_per_block // len(group.layer_names)
+            refs = []
+            for name in group.layer_names:
+                if name not in layers:
+                    raise ConfigError(
+                        f"no KV tensor for layer {name!r} of group {group_idx}; the mapping "
+                        f"must hold every layer the configuration names (it has "
+                        f"{len(layers)}: {', '.join(sorted(layers)[:4])}…)",
+                        path="kv_caches",
+                    )
+                tensor = layers[name]
+                try:
+                    rows = tensor.view(tensor.shape[0], -1).view(torch.uint8)
+                except RuntimeError as exc:
+                    raise ConfigError(
+                        f"KV tensor of layer {name!r} (shape {tuple(tensor.shape)}) cannot be "
+                        f"viewed as (num_blocks, bytes) without a copy: {exc}",
+                        path="kv_caches",
+                    ) from None
+                if rows.shape[1] < page_bytes:
+                    raise ConfigError(
+                        f"KV tensor of layer {name!r} holds {rows.shape[1]} bytes per block; "
+                        f"group {group_idx} needs {page_bytes} (bytes_per_block / layers)",
+                        path="kv_caches",
+                    )
+                refs.append(KVTensorRef(len(tensors), page_bytes))
+                tensors.append(rows)
+            groups.append(refs)
+        return cls(tensors, groups)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,9 @@ Invariants:
   and any change to the set of fields bumps :data:`SCHEMA_VERSION`;
 - a chunk format bump (:data:`kvtiers.core.chunkformat.FORMAT_VERSION`) changes the
   digest, so it opens a new namespace (a cold miss) instead of failing on the old one;
-- the namespace name is a safe single path component: a sanitised model name followed by
-  the first 16 hex digits of the digest.
+- the namespace name is a safe single path component of at most 145 characters: a
+  sanitised model name (its first 128 characters) followed by the first 16 hex digits of
+  the digest.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from kvtiers.errors import ConfigError
 
 SCHEMA_VERSION = 2
 NAMESPACE_DIGEST_HEX_CHARS = 16
+#: The model name part of a namespace name keeps at most this many characters.
+NAMESPACE_MODEL_CHARS = 128
 
 _UNSAFE_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -247,11 +250,15 @@ class NamespaceIdentity:
 
     @property
     def namespace(self) -> str:
-        """``<safe model name>-<first 16 hex digits of the digest>``, one path component."""
+        """``<safe model name>-<first 16 hex digits of the digest>``, one path component;
+        the model name part is cut to its first :data:`NAMESPACE_MODEL_CHARS` characters
+        (the manifest and the digest keep the full name)."""
         safe = _UNSAFE_NAME_CHARS.sub("_", self.model_name.replace("/", "__"))
         if safe.startswith("."):
             safe = "_" + safe
-        return f"{safe}-{self.hexdigest[:NAMESPACE_DIGEST_HEX_CHARS]}"
+        # A file name holds 255 bytes: long model names keep their first characters here;
+        # the digest, made from the full name, keeps the namespaces apart.
+        return f"{safe[:NAMESPACE_MODEL_CHARS]}-{self.hexdigest[:NAMESPACE_DIGEST_HEX_CHARS]}"
 
 
 # Field name -> expected type; ``object`` means "checked by the caller".

@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtiers.core import chunkformat
+from kvtiers.core.bounded import load_json
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
 from kvtiers.core.regular import read_regular
-from kvtiers.errors import ConfigError, NamespaceMismatchError
+from kvtiers.errors import ConfigError, NamespaceMismatchError, SymlinkEscapeError
 from kvtiers.filemapper.identity import NamespaceIdentity
 
 MANIFEST_NAME = "manifest.json"
@@ -65,17 +66,12 @@ def check_manifest(data: bytes, identity: NamespaceIdentity, *, where: str) -> N
     fields (``format_version``, ``digest``, ...) and the identity's, dotted
     (``groups[0].tokens_per_block``, ``len(groups)``, ``parallel.tp_size``).
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise NamespaceMismatchError(
-            where,
-            {"manifest": (f"unreadable (over {MAX_MANIFEST_BYTES} bytes)", _EXPECTED_MANIFEST)},
-        )
     try:
-        document = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        document = load_json(data, max_bytes=MAX_MANIFEST_BYTES)
+    except ValueError as exc:
         raise NamespaceMismatchError(
             where, {"manifest": (f"unreadable ({exc})", _EXPECTED_MANIFEST)}
-        ) from exc
+        ) from None
     if not isinstance(document, dict) or not isinstance(document.get("identity"), dict):
         raise NamespaceMismatchError(
             where, {"manifest": ("unreadable (not a kvtiers manifest)", _EXPECTED_MANIFEST)}
@@ -104,7 +100,9 @@ def open_namespace(
 ) -> Path:
     """The directory of ``identity``'s namespace under ``root``, its manifest checked.
 
-    An existing manifest must match (see :func:`check_manifest`). A missing one is
+    A namespace directory that is a symbolic link raises
+    :class:`~kvtiers.errors.SymlinkEscapeError`. An existing manifest must match (see
+    :func:`check_manifest`). A missing one is
     published when ``create`` is true, racing safely with other processes doing the same;
     otherwise :class:`FileNotFoundError` is raised. A manifest that cannot be written
     raises :class:`~kvtiers.errors.ConfigError` (path ``root``), and a namespace
@@ -112,6 +110,11 @@ def open_namespace(
     """
     namespace_dir = Path(root) / identity.namespace
     path = namespace_dir / MANIFEST_NAME
+    if namespace_dir.is_symlink():
+        raise SymlinkEscapeError(
+            f"{namespace_dir} is a symbolic link; a namespace must be a real directory under "
+            "its root (a link may lead outside it): remove the link"
+        )
     try:
         data = _read_manifest(path)
     except FileNotFoundError:
@@ -149,6 +152,7 @@ def _create(namespace_dir: Path, identity: NamespaceIdentity, *, file_mode: int,
             file_mode=file_mode,
             dir_mode=dir_mode,
             replace=False,
+            root=namespace_dir.parent,
         )
     except FileExistsError:
         raise

@@ -102,9 +102,11 @@ def load_policy(name: str) -> type[EvictionPolicy]:
         )
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
+    except Exception as exc:  # a user's module may raise anything while it is imported
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())
         raise ConfigError(
-            f"cannot import module {module_name!r} for eviction policy {name!r}: {exc}",
+            f"cannot import module {module_name!r} for eviction policy {name!r} ({detail}); "
+            "install it or fix the path",
             path="policy",
         ) from exc
     cls = getattr(module, class_name, None)

@@ -21,6 +21,8 @@ from kvtiers.stack.composite import TieredManager
 from kvtiers.tiers.base import BuiltTier
 
 if TYPE_CHECKING:
+    import torch
+
     from kvtiers.stack.metrics import MetricsServer
 
 
@@ -35,12 +37,23 @@ class Stack:
     #: The Prometheus exporter, when the stack file has a ``metrics:`` section.
     metrics: MetricsServer | None = None
 
-    def make_worker(self, kv_caches: KVCacheTensors) -> OffloadingWorker:
-        """The primary's GPU ⇄ primary worker over the engine's KV tensors."""
+    def make_worker(
+        self, kv_caches: KVCacheTensors | Mapping[str, torch.Tensor]
+    ) -> OffloadingWorker:
+        """The primary's GPU ⇄ primary worker over the engine's KV tensors: a
+        :class:`KVCacheTensors`, or ``{layer name: tensor}`` (see
+        :meth:`KVCacheTensors.from_layers`)."""
+        if isinstance(kv_caches, Mapping):
+            kv_caches = KVCacheTensors.from_layers(kv_caches, self.offloading)
         primary = self.tiers[0]
         if primary.make_worker is None:
             raise ConfigError(f"tier {primary.name!r} cannot be a primary", path="tiers[0]")
-        return primary.make_worker(kv_caches)
+        worker = primary.make_worker(kv_caches)
+        if self.manager.latency is not None:
+            from kvtiers.stack.metrics_latency import TimedWorker
+
+            return TimedWorker(worker, self.manager.latency)
+        return worker
 
     def shutdown(self) -> None:
         """Drain movers and release every tier. Idempotent."""
@@ -74,6 +87,11 @@ def load_stack(
     primary's host region; if one fails, the ones already built are shut down.
     """
     config = source if isinstance(source, StackConfig) else load_stack_config(source)
+    if config.metrics is not None:
+        # Checked before any tier is built: a missing package should cost nothing.
+        from kvtiers.optional import require
+
+        require("prometheus_client", purpose="the metrics: section")
     if identity is None:
         if config.model is None:
             raise ConfigError(
@@ -103,8 +121,18 @@ def load_stack(
     stack = Stack(config, identity, tiers, manager)
     if config.metrics is not None:
         from kvtiers.stack.metrics import serve_metrics
+        from kvtiers.stack.metrics_latency import LatencyHistograms
 
         manager.stats_refresh_s = config.metrics.refresh_s
+        manager.latency = LatencyHistograms()
         manager.refresh_stats_snapshot()
-        stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port)
+        try:
+            stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,
+                                          manager.latency)
+        except BaseException as exc:
+            # Nothing built may outlive a failed start; the error says where in the file.
+            stack.shutdown()
+            if isinstance(exc, ConfigError):
+                raise exc.with_source(config.source) from None
+            raise
     return stack

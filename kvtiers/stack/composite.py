@@ -46,6 +46,7 @@ from kvtiers.core.manager import (
 from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.errors import ConfigError
+from kvtiers.stack.metrics_latency import LatencyHistograms
 from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
@@ -123,6 +124,8 @@ class TieredManager(OffloadingManager):
         #: large tier's chunks is not free, so a stack without metrics never does it).
         self.stats_snapshot: Mapping[str, float] = {}
         self.stats_refresh_s: float | None = None
+        #: Promotion and cascade job latencies, counted only when metrics are exported.
+        self.latency: LatencyHistograms | None = None
         self._snapshot_at = -math.inf
 
     @property
@@ -220,6 +223,9 @@ class TieredManager(OffloadingManager):
         self._stats[moved] += result.transfer_bytes
         self._stats[seconds] += result.transfer_s
         self._add(f"{tier_name}.{per_tier}", len(job.succeeded), result)
+        if self.latency is not None:
+            self.latency.observe("promote" if job.load else "cascade", tier_name,
+                                 result.transfer_s)
 
     def _add(self, prefix: str, chunks: int, result: MoverResult) -> None:
         """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` (chunks),

@@ -1,11 +1,16 @@
-"""Prometheus export of a manager's stats (``metrics: {port: …}`` in a stack file).
+"""Prometheus export of a stack's stats and latencies (``metrics:`` in a stack file).
 
-Each stat ``<tier>.<name>`` becomes the metric ``kvtiers_<name>`` with label
-``tier="<tier>"``; the composite's own counters carry ``tier="stack"``. Gauges (sizes,
-chunk counts) keep their name; everything else is a counter and gets ``_total``. A scrape
-reads the composite's ``stats_snapshot``, taken on the scheduler thread at the end of
-each step, so the HTTP thread never touches tier state. prometheus-client is imported
-only here.
+Names, types, labels and HELP text come from :mod:`kvtiers.stack.metrics_catalog`: the
+composite's counters are ``kvtiers_stack_*`` (no ``tier`` label), each tier's are
+``kvtiers_tier_*{tier="<name>"}``, so summing one metric never mixes the two levels.
+Promotion, cascade and (for a worker in this process) GPU transfer latencies are
+histograms. A scrape reads the composite's ``stats_snapshot``, taken on the scheduler
+thread at most every ``refresh_s`` seconds, and a locked copy of the histograms, so the
+HTTP thread never touches tier state. prometheus-client is imported only here.
+
+The exporter listens on ``addr`` (default ``127.0.0.1``: this host only; ``0.0.0.0`` for
+a scraper on another host or pod) and ``port`` (default
+:data:`~kvtiers.config.stack.DEFAULT_METRICS_PORT`, 8471).
 """
 
 from __future__ import annotations
@@ -14,31 +19,84 @@ from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
 
+from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
+from kvtiers.stack.metrics_catalog import (
+    HISTOGRAMS,
+    IO_BACKENDS,
+    STACK,
+    TIER,
+    MetricSpec,
+    tier_fallback,
+)
+from kvtiers.stack.metrics_latency import LatencyHistograms
 
-GAUGES = frozenset({"chunks", "usage_bytes", "capacity_bytes", "capacity_chunks",
-                    "pinned_chunks", "io_backend"})
+
+def _family(spec: MetricSpec, labels: list[str]) -> Any:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        InfoMetricFamily,
+    )
+
+    if spec.kind == "counter":
+        return CounterMetricFamily(spec.name, spec.help, labels=labels)
+    if spec.kind == "info":
+        return InfoMetricFamily(spec.name, spec.help, labels=labels)
+    return GaugeMetricFamily(spec.name, spec.help, labels=labels)
 
 
 class _StatsCollector:
-    def __init__(self, manager: TieredManager) -> None:
+    def __init__(self, manager: TieredManager, latency: LatencyHistograms | None) -> None:
         self.manager = manager
+        self.latency = latency
 
     def collect(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        # name → (spec, label names, samples of (label values, value))
+        families: dict[str, tuple[MetricSpec, list[str], list[tuple[list[str], float]]]] = {}
 
-        by_name: dict[str, list[tuple[str, float]]] = defaultdict(list)
+        def add(spec: MetricSpec, labels: dict[str, str], value: float) -> None:
+            names = sorted({**spec.labels, **labels})
+            entry = families.setdefault(spec.name, (spec, names, []))
+            merged = {**spec.labels, **labels}
+            entry[2].append(([merged[n] for n in entry[1]], value))
+
         for full_name, value in self.manager.stats_snapshot.items():
-            tier, _, name = full_name.rpartition(".")
-            by_name[name].append((tier or "stack", float(value)))
-        for name, samples in sorted(by_name.items()):
-            family: GaugeMetricFamily | CounterMetricFamily
-            if name in GAUGES:
-                family = GaugeMetricFamily(f"kvtiers_{name}", f"kvtiers {name}", labels=["tier"])
+            tier, _, stat = full_name.rpartition(".")
+            if not tier:
+                spec = STACK.get(stat) or tier_fallback(stat)
+                add(spec, {} if stat in STACK else {"tier": "stack"}, float(value))
+            elif stat == "io_backend":
+                backend = IO_BACKENDS.get(int(value), f"code{int(value)}")
+                add(TIER[stat], {"tier": tier, "backend": backend}, 1.0)
             else:
-                family = CounterMetricFamily(f"kvtiers_{name}", f"kvtiers {name}", labels=["tier"])
-            for tier, value in samples:
-                family.add_metric([tier], value)
+                add(TIER.get(stat) or tier_fallback(stat), {"tier": tier}, float(value))
+        for spec, labels, samples in families.values():
+            family = _family(spec, labels)
+            for values, value in samples:
+                if spec.kind == "info":
+                    family.add_metric(values[:1], dict(zip(labels[1:], values[1:], strict=True)))
+                else:
+                    family.add_metric(values, value)
+            yield family
+        if self.latency is not None:
+            yield from self._histograms(self.latency)
+
+    @staticmethod
+    def _histograms(latency: LatencyHistograms) -> Iterator[Any]:
+        from prometheus_client.core import HistogramMetricFamily
+
+        grouped: dict[str, list[tuple[str, str, Any]]] = defaultdict(list)
+        for (kind, label), counts in sorted(latency.snapshot().items()):
+            grouped[HISTOGRAMS[kind][0]].append((kind, label, counts))
+        bounds = [f"{b:g}" for b in latency.bounds] + ["+Inf"]
+        for name in sorted({n for n, _ in HISTOGRAMS.values()}):
+            kind_of = {n: (k, h) for k, (n, h) in HISTOGRAMS.items()}
+            label = "direction" if kind_of[name][0] in ("load", "store") else "tier"
+            family = HistogramMetricFamily(name, kind_of[name][1], labels=[label])
+            for _kind, value, counts in grouped.get(name, []):
+                family.add_metric([value], list(zip(bounds, counts.cumulative(), strict=True)),
+                                  counts.sum_s)
             yield family
 
 
@@ -54,11 +112,25 @@ class MetricsServer:
         self._server.server_close()
 
 
-def serve_metrics(manager: TieredManager, addr: str, port: int) -> MetricsServer:
-    """Serve ``manager``'s stats on ``http://addr:port/metrics`` (port 0: any free port)."""
+def serve_metrics(
+    manager: TieredManager,
+    addr: str,
+    port: int,
+    latency: LatencyHistograms | None = None,
+) -> MetricsServer:
+    """Serve ``manager``'s stats on ``http://addr:port/metrics`` (port 0: any free port).
+
+    Raises :class:`ConfigError` (path ``metrics.port``) when the address cannot be bound."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
-    registry.register(_StatsCollector(manager))
-    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    registry.register(_StatsCollector(manager, latency))
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError(
+            f"the metrics exporter cannot listen on {addr}:{port}: {exc.strerror or exc}; "
+            "choose another metrics.port (0 picks a free one) or metrics.addr",
+            path="metrics.port",
+        ) from None
     return MetricsServer(server, server.server_address[1])

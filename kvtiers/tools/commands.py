@@ -1,29 +1,46 @@
 """``kvtiers inspect | verify | gc``: offline tools over a file root or an S3 prefix.
 
 They read manifests and chunk headers directly (no tier, no identity needed) and print
-plain text. ``verify`` checks every chunk exactly as a load would (header, namespace,
-key, length, xxh3_128) and with ``--fix`` quarantines what fails; ``gc`` removes whole
-namespaces (named, or stale), old chunks, chunks beyond a size, and interrupted temp
-files — and nothing else.
+plain text of at most :data:`WIDTH` columns, or JSON (``--json``) for scripts. Reports go
+to the output stream; a location that holds no kvtiers namespace, or a named namespace
+that does not exist, is an error (:class:`~kvtiers.errors.LocationError`, exit status 1).
+
+Reads are bounded (a manifest up to its size limit, a chunk's payload streamed in
+:data:`VERIFY_BLOCK_BYTES` blocks), and a malformed manifest or chunk is one line of
+output, never a traceback. ``verify`` checks every chunk exactly as a load would (header,
+namespace, key, length, xxh3_128) and with ``--fix`` quarantines what fails; ``gc``
+removes whole namespaces (named, or stale), old chunks, chunks beyond a size, and
+interrupted temp files — and nothing else.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TextIO
 
+import xxhash
+
 from kvtiers.config.sizes import format_size
-from kvtiers.core.chunkformat import decode
-from kvtiers.errors import CorruptChunkError
+from kvtiers.core.bounded import load_json
+from kvtiers.core.chunkformat import HEADER_BYTES, ChunkHeader, decode_header
+from kvtiers.errors import CorruptChunkError, LocationError
 from kvtiers.filemapper import key_from_chunk_name
+from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
 
 DAY_S = 86400.0
+#: Text reports wrap at this many columns.
+WIDTH = 80
+#: ``verify`` reads a chunk's payload in blocks of this size.
+VERIFY_BLOCK_BYTES = 4 << 20
+_DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def _age(mtime: float, now: float) -> str:
@@ -35,11 +52,60 @@ def _age(mtime: float, now: float) -> str:
 
 
 def _manifest(location: Location, namespace: str) -> dict[str, Any] | None:
+    """The manifest as a mapping, or ``None`` when it cannot be read or parsed (bounded:
+    see :func:`~kvtiers.core.bounded.load_json`)."""
     try:
-        document = json.loads(location.manifest(namespace))
+        document = load_json(location.manifest(namespace), max_bytes=MAX_MANIFEST_BYTES)
     except (OSError, ValueError, KeyError, ObjectMissing):
         return None
     return document if isinstance(document, dict) else None
+
+
+def _manifest_lines(manifest: dict[str, Any]) -> list[str]:
+    """What :func:`inspect` prints of a manifest; :class:`_Malformed` names the first
+    field that is not what kvtiers writes."""
+    ident = _typed(manifest, "identity", dict)
+    groups = []
+    for index, group in enumerate(_typed(ident, "groups", list)):
+        if not isinstance(group, dict):
+            raise _Malformed(f"identity.groups[{index}] is not a mapping")
+        size = _typed(group, "bytes_per_block", int, f"identity.groups[{index}]")
+        layers = _typed(group, "layer_names", list, f"identity.groups[{index}]")
+        groups.append(f"{group.get('tokens_per_block')} tok/block x {len(layers)} "
+                      f"layers ({format_size(size)}/block)")
+    parallel = ident.get("parallel")
+    layout = "parallelism-agnostic"
+    if isinstance(parallel, dict):
+        layout = " ".join(f"{str(k).removesuffix('_size')}={v}"
+                          for k, v in sorted(parallel.items()))
+    elif parallel is not None:
+        raise _Malformed("identity.parallel is not a mapping")
+    return [
+        f"  model {ident.get('model_name')}@{ident.get('model_revision')}, engine "
+        f"{ident.get('engine')}, kv {ident.get('kv_dtype')} {ident.get('kv_layout')}, "
+        f"hash {ident.get('hash_algorithm')}",
+        f"  tokens_per_hash {ident.get('tokens_per_hash')}, blocks_per_chunk "
+        f"{ident.get('blocks_per_chunk')}, groups: {', '.join(groups)}",
+        f"  parallel: {layout}; created {manifest.get('created_at')}; "
+        f"format {manifest.get('format_version')}/{manifest.get('chunk_format_version')}",
+    ]
+
+
+class _Malformed(Exception):
+    """A manifest field is not of the kind kvtiers writes."""
+
+
+def _typed(mapping: dict[str, Any], name: str, kind: type, where: str = "") -> Any:
+    value = mapping.get(name)
+    # bool is an int to Python, never a size or a count here.
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        dotted = f"{where}.{name}" if where else name
+        raise _Malformed(f"{dotted} is {_shorten(repr(value))}, not a {kind.__name__}")
+    return value
+
+
+def _shorten(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclass
@@ -65,45 +131,74 @@ class _Census:
         return census
 
 
-def inspect(location: Location, out: TextIO) -> int:
+def require_namespaces(location: Location) -> list[str]:
+    """The location's namespaces; :class:`LocationError` when it holds none, so a typo in a
+    path or prefix is an error rather than an empty, successful report."""
+    namespaces = location.namespaces()
+    if not namespaces:
+        raise LocationError(
+            f"{location.describe()} holds no kvtiers namespace (a directory or prefix with a "
+            "manifest.json): give a file tier's root or an S3 tier's bucket/prefix"
+        )
+    return namespaces
+
+
+def _say(out: TextIO, line: str) -> None:
+    """Print ``line`` wrapped to :data:`WIDTH` columns, continuation lines indented."""
+    indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
+    print(textwrap.fill(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False,
+                        break_long_words=False), file=out)
+
+
+def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
     """Namespaces with their manifest fields, chunk counts, bytes and ages."""
     now = time.time()
-    namespaces = location.namespaces()
-    print(f"{location.describe()}: {len(namespaces)} namespace(s)", file=out)
+    namespaces = require_namespaces(location)
+    report: list[dict[str, Any]] = []
     for namespace in namespaces:
         census = _Census.of(location.entries(namespace))
-        print(f"\n{namespace}", file=out)
         manifest = _manifest(location, namespace)
         if manifest is None:
-            print("  manifest: unreadable (every chunk here reads as a miss)", file=out)
+            lines = ["  manifest: unreadable (every chunk here reads as a miss)"]
         else:
-            ident = manifest.get("identity", {})
-            groups = ", ".join(
-                f"{g.get('tokens_per_block')} tok/block x {len(g.get('layer_names', []))} "
-                f"layers ({format_size(int(g.get('bytes_per_block', 0)))}/block)"
-                for g in ident.get("groups", [])
-            )
-            parallel = ident.get("parallel")
-            layout = "parallelism-agnostic"
-            if parallel is not None:
-                layout = " ".join(f"{k.removesuffix('_size')}={v}"
-                                  for k, v in sorted(parallel.items()))
-            print(f"  model {ident.get('model_name')}@{ident.get('model_revision')}, engine "
-                  f"{ident.get('engine')}, kv {ident.get('kv_dtype')} {ident.get('kv_layout')}, "
-                  f"hash {ident.get('hash_algorithm')}", file=out)
-            print(f"  tokens_per_hash {ident.get('tokens_per_hash')}, blocks_per_chunk "
-                  f"{ident.get('blocks_per_chunk')}, groups: {groups}", file=out)
-            print(f"  parallel: {layout}; created {manifest.get('created_at')}; "
-                  f"format {manifest.get('format_version')}/"
-                  f"{manifest.get('chunk_format_version')}", file=out)
+            try:
+                lines = _manifest_lines(manifest)
+            except _Malformed as exc:
+                lines = [f"  manifest: malformed ({exc}; every chunk here reads as a miss)"]
         chunks = census.chunks
-        total = sum(e.size for e in chunks)
-        ages = (f", newest {_age(max(e.mtime for e in chunks), now)} old, oldest "
-                f"{_age(min(e.mtime for e in chunks), now)} old") if chunks else ""
-        print(f"  chunks {len(chunks):,} ({format_size(total)}){ages}; temp files "
-              f"{len(census.temps)}; other files {len(census.other)}"
-              + (f"; not regular files {len(census.irregular)}" if census.irregular else ""),
-              file=out)
+        report.append({
+            "namespace": namespace,
+            "manifest": manifest,
+            "chunks": len(chunks),
+            "chunk_bytes": sum(e.size for e in chunks),
+            "newest_mtime": max((e.mtime for e in chunks), default=None),
+            "oldest_mtime": min((e.mtime for e in chunks), default=None),
+            "temp_files": len(census.temps),
+            "other_files": len(census.other),
+            "not_regular_files": len(census.irregular),
+            "lines": lines,
+        })
+    if as_json:
+        json.dump({"location": location.describe(),
+                   "namespaces": [{k: v for k, v in r.items() if k != "lines"}
+                                  for r in report]},
+                  out, indent=2, default=str)
+        print(file=out)
+        return 0
+    _say(out, f"{location.describe()}: {len(namespaces)} namespace(s)")
+    for r in report:
+        print(file=out)
+        _say(out, r["namespace"])
+        for line in r["lines"]:
+            _say(out, line)
+        ages = ""
+        if r["chunks"]:
+            ages = (f", newest {_age(r['newest_mtime'], now)} old, oldest "
+                    f"{_age(r['oldest_mtime'], now)} old")
+        _say(out, f"  chunks {r['chunks']:,} ({format_size(r['chunk_bytes'])}){ages}; temp "
+                  f"files {r['temp_files']}; other files {r['other_files']}"
+                  + (f"; not regular files {r['not_regular_files']}"
+                     if r["not_regular_files"] else ""))
     return 0
 
 
@@ -117,20 +212,25 @@ def _progress(entries: list[Entry], show: bool) -> Iterator[Entry]:
 
 
 def verify(location: Location, out: TextIO, *, fix: bool = False,
-           progress: bool = False) -> int:
+           progress: bool = False, as_json: bool = False) -> int:
     """Check every chunk; 0 when all are good (or were quarantined with ``fix``), else 1.
 
     Entries under a chunk's name that are not regular files (FIFOs, directories,
     symlinks) and chunks that cannot be read are reported as unreadable, never opened in
     a way that could block, and make the answer 1 (``fix`` leaves them to the operator)."""
     bad_total = 0
-    for namespace in location.namespaces():
+    report: list[dict[str, Any]] = []
+    for namespace in require_namespaces(location):
         census = _Census.of(location.entries(namespace))
         manifest = _manifest(location, namespace)
         digest_hex = manifest.get("digest") if manifest else None
-        if not isinstance(digest_hex, str):
-            print(f"{namespace}: manifest unreadable; its {len(census.chunks)} chunks cannot "
-                  "be verified (remove the namespace with kvtiers gc --namespace)", file=out)
+        if not isinstance(digest_hex, str) or not _DIGEST_HEX.fullmatch(digest_hex):
+            report.append({"namespace": namespace, "manifest_readable": False,
+                           "chunks": len(census.chunks)})
+            if not as_json:
+                _say(out, f"{namespace}: manifest unreadable; its {len(census.chunks)} chunks "
+                          "cannot be verified (remove the namespace with kvtiers gc "
+                          "--namespace)")
             bad_total += 1
             continue
         digest = bytes.fromhex(digest_hex)
@@ -140,7 +240,7 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             key = key_from_chunk_name(entry.base)
             assert key is not None
             try:
-                decode(location.read(entry.name), namespace_digest=digest, key=key)
+                _verify_chunk(location, entry.name, digest, key)
             except CorruptChunkError as exc:
                 bad.append((entry, exc.check))
             except (FileNotFoundError, ObjectMissing):
@@ -149,20 +249,64 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
                 unreadable.append((entry, exc.strerror or str(exc)))
         ok = len(census.chunks) - len(bad) - len(unreadable)
         unreadable += [(e, f"{e.irregular}, not a regular file") for e in census.irregular]
-        print(f"{namespace}: {ok:,} chunks ok, {len(bad)} corrupt, {len(unreadable)} unreadable",
-              file=out)
-        for entry, check in bad:
+        for entry, _check in bad:
             if fix:
                 location.quarantine(namespace, entry.name)
-            print(f"  corrupt: {entry.name}: {check} check failed"
-                  + (" (quarantined)" if fix else ""), file=out)
-        for entry, why in unreadable:
-            print(f"  unreadable: {entry.name}: {why} (not a chunk any tier loads; remove it)",
-                  file=out)
+        report.append({
+            "namespace": namespace, "manifest_readable": True, "ok": ok,
+            "corrupt": [{"name": e.name, "check": check, "quarantined": fix}
+                        for e, check in bad],
+            "unreadable": [{"name": e.name, "why": why} for e, why in unreadable],
+        })
+        if not as_json:
+            _say(out, f"{namespace}: {ok:,} chunks ok, {len(bad)} corrupt, "
+                      f"{len(unreadable)} unreadable")
+            # The reason first, the name last: a long name then wraps onto a line of its
+            # own and stays whole (copyable).
+            for entry, check in bad:
+                _say(out, f"  corrupt ({check} check failed"
+                          + ("; quarantined" if fix else "") + f"): {entry.name}")
+            for entry, why in unreadable:
+                _say(out, f"  unreadable ({why}; not a chunk any tier loads, remove it): "
+                          f"{entry.name}")
         bad_total += len(unreadable)
         if not fix:
             bad_total += len(bad)
+    if as_json:
+        json.dump({"location": location.describe(), "ok": not bad_total,
+                   "namespaces": report}, out, indent=2)
+        print(file=out)
     return 1 if bad_total else 0
+
+
+def _verify_chunk(location: Location, name: str, digest: bytes, key: bytes) -> None:
+    """Check one chunk as a load would, in one pass, holding at most about one
+    :data:`VERIFY_BLOCK_BYTES` block of it at a time."""
+    head = bytearray()
+    header: ChunkHeader | None = None
+    hasher = xxhash.xxh3_128()
+    size = 0
+    for block in location.stream(name, 0, VERIFY_BLOCK_BYTES):
+        if header is None:
+            head += block
+            if len(head) < HEADER_BYTES:
+                continue
+            header = decode_header(head, namespace_digest=digest, key=key)
+            block = bytes(head[HEADER_BYTES:])
+        size += len(block)
+        if size > header.payload_bytes:
+            break
+        hasher.update(block)
+    if header is None:
+        header = decode_header(head, namespace_digest=digest, key=key)  # raises: too short
+    if size != header.payload_bytes:
+        raise CorruptChunkError(
+            "payload length",
+            f"{'more than ' if size > header.payload_bytes else ''}{size} bytes, "
+            f"header says {header.payload_bytes}",
+        )
+    if hasher.digest() != header.checksum:
+        raise CorruptChunkError("payload checksum")
 
 
 @dataclass(frozen=True)
@@ -178,14 +322,21 @@ class GcPolicy:
 
 
 def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
-    """Remove what ``policy`` names; print one line per namespace touched."""
+    """Remove what ``policy`` names; print one line per namespace touched and a closing
+    total. A named namespace that does not exist is a :class:`LocationError` (nothing is
+    removed then)."""
     now = time.time()
     verb = "would remove" if policy.dry_run else "removed"
     act: Callable[[str], None] = (lambda name: None) if policy.dry_run else location.delete
-    existing = location.namespaces()
+    existing = require_namespaces(location)
     unknown = [n for n in policy.namespaces if n not in existing]
     if unknown:
-        print(f"no such namespace(s): {', '.join(unknown)}", file=out)
+        raise LocationError(
+            f"no namespace {', '.join(map(repr, unknown))} under {location.describe()}; "
+            "`kvtiers inspect` lists the namespaces there"
+        )
+    files = namespaces_gone = 0
+    freed = 0
     for namespace in existing:
         census = _Census.of(location.entries(namespace))
         newest = max((e.mtime for e in census.chunks), default=_created(location, namespace))
@@ -195,7 +346,8 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
                 f"newest chunk {_age(newest, now)} old")
             count = (len(census.chunks) + len(census.temps) + len(census.other) + 1
                      if policy.dry_run else location.remove_namespace(namespace))
-            print(f"{namespace}: {verb} the namespace ({why}; {count} entries)", file=out)
+            _say(out, f"{namespace}: {verb} the namespace ({why}; {count} entries)")
+            namespaces_gone += 1
             continue
         doomed = [e for e in census.temps if now - e.mtime > policy.temp_age_s]
         keep = sorted(census.chunks, key=lambda e: e.mtime, reverse=True)
@@ -213,8 +365,17 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
         for entry in doomed:
             act(entry.name)
         if doomed:
-            print(f"{namespace}: {verb} {len(doomed)} files "
-                  f"({format_size(sum(e.size for e in doomed))})", file=out)
+            size = sum(e.size for e in doomed)
+            _say(out, f"{namespace}: {verb} {len(doomed)} files ({format_size(size)})")
+            files += len(doomed)
+            freed += size
+    if namespaces_gone or files:
+        _say(out, f"gc: {verb} {namespaces_gone} namespace(s) and {files} file(s) "
+                  f"({format_size(freed)}) of {len(existing)} namespace(s)")
+    else:
+        _say(out, f"gc: nothing to remove in {len(existing)} namespace(s) (temp files older "
+                  f"than {policy.temp_age_s:g} s always go; --namespace, --stale-days, "
+                  "--older-than-days and --max-bytes choose more)")
     return 0
 
 

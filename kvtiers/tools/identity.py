@@ -13,9 +13,10 @@ import json
 from collections.abc import Iterator
 from typing import Any, TextIO
 
+from kvtiers.core.bounded import load_json
 from kvtiers.errors import ConfigError, KVTiersError
 from kvtiers.filemapper.identity import NamespaceIdentity
-from kvtiers.filemapper.manifest import differences
+from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES, differences
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Location
 
@@ -64,7 +65,7 @@ def stored_identity(location: Location, namespace: str) -> dict[str, Any]:
             path=namespace,
         )
     try:
-        document = json.loads(location.manifest(namespace))
+        document = load_json(location.manifest(namespace), max_bytes=MAX_MANIFEST_BYTES)
     except (OSError, ValueError, KeyError, ObjectMissing) as exc:
         raise KVTiersError(f"{namespace}: manifest unreadable ({exc})") from None
     identity = document.get("identity") if isinstance(document, dict) else None

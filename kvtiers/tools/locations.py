@@ -5,10 +5,17 @@ A :class:`Location` lists namespaces (directories or prefixes holding a
 and deletes them, and quarantines a corrupt chunk. Names are ``/``-separated and relative
 to the location. File roots are walked with ``os.scandir``; S3 goes through the S3 tier's
 own store (boto3, imported only then).
+
+A file root is never left through a symbolic link: a link is never a namespace, walks do
+not descend into links, and files are opened with ``O_NOFOLLOW`` (and must be regular
+files), so ``gc`` never deletes and ``verify``/``inspect`` never read outside the root.
+Reads are bounded: :meth:`Location.read` takes a limit, :meth:`Location.stream` yields
+bounded blocks.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
@@ -19,14 +26,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtiers.core.publish import ensure_dir, is_temp_name
-from kvtiers.core.regular import describe_mode, read_regular
-from kvtiers.errors import ConfigError
+from kvtiers.core.regular import describe_mode, open_regular
+from kvtiers.errors import ConfigError, SymlinkEscapeError
 from kvtiers.filemapper import MANIFEST_NAME
+from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
     from kvtiers.tiers.object.store import ObjectStore
 
 QUARANTINE_DIR = "quarantine"
+_READ_BLOCK_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,13 @@ class Location(ABC):
         """Every entry of ``namespace`` except its manifest and its quarantine."""
 
     @abstractmethod
-    def read(self, name: str) -> bytes: ...
+    def read(self, name: str, limit: int) -> bytes:
+        """The first ``limit`` + 1 bytes of ``name`` at most (more than ``limit`` bytes back
+        means the entry is larger than the caller accepts)."""
+
+    @abstractmethod
+    def stream(self, name: str, offset: int, block_bytes: int) -> Iterator[bytes]:
+        """``name``'s bytes from ``offset`` to its end, in pieces of ``block_bytes`` at most."""
 
     @abstractmethod
     def delete(self, name: str) -> None: ...
@@ -74,7 +89,8 @@ class Location(ABC):
         """Delete a whole namespace; returns how many entries went."""
 
     def manifest(self, namespace: str) -> bytes:
-        return self.read(f"{namespace}/{MANIFEST_NAME}")
+        """The manifest's bytes, at most :data:`MAX_MANIFEST_BYTES` + 1 of them."""
+        return self.read(f"{namespace}/{MANIFEST_NAME}", MAX_MANIFEST_BYTES)
 
     def close(self) -> None:
         """Release connections."""
@@ -91,8 +107,11 @@ class FileLocation(Location):
         return str(self.root)
 
     def namespaces(self) -> list[str]:
-        return sorted(e.name for e in os.scandir(self.root)
-                      if e.is_dir() and (Path(e.path) / MANIFEST_NAME).is_file())
+        # Links are never namespaces: one may lead out of the root, where gc would delete.
+        with os.scandir(self.root) as it:
+            return sorted(e.name for e in it
+                          if e.is_dir(follow_symlinks=False) and _is_regular(
+                              Path(e.path) / MANIFEST_NAME))
 
     def entries(self, namespace: str) -> Iterator[Entry]:
         stack = [self.root / namespace]
@@ -110,20 +129,49 @@ class FileLocation(Location):
                 irregular = None if stat.S_ISREG(st.st_mode) else describe_mode(st.st_mode)
                 yield Entry(name, st.st_size, st.st_mtime, irregular)
 
-    def read(self, name: str) -> bytes:
-        """The whole file; anything but a regular file raises ``OSError`` at once."""
-        return read_regular(self.root / name, 1 << 40)
+    def _open(self, name: str) -> int:
+        """A read descriptor of the regular file ``name``, never through a link at its
+        name (directories above it are never links: :meth:`entries` does not follow them)."""
+        path = self.root / name
+        try:
+            return open_regular(path)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise SymlinkEscapeError(
+                    errno.ELOOP, "a symbolic link, not followed", str(path)
+                ) from None
+            raise
 
-    def manifest(self, namespace: str) -> bytes:
-        # As the tiers read it: a symlink to a regular manifest is followed.
-        return read_regular(self.root / namespace / MANIFEST_NAME, 1 << 40, follow_symlinks=True)
+    def read(self, name: str, limit: int) -> bytes:
+        fd = self._open(name)
+        try:
+            parts: list[bytes] = []
+            wanted = limit + 1
+            while wanted > 0:
+                part = os.read(fd, min(wanted, _READ_BLOCK_BYTES))
+                if not part:
+                    break
+                parts.append(part)
+                wanted -= len(part)
+            return b"".join(parts)
+        finally:
+            os.close(fd)
+
+    def stream(self, name: str, offset: int, block_bytes: int) -> Iterator[bytes]:
+        fd = self._open(name)
+        try:
+            while part := os.pread(fd, block_bytes, offset):
+                offset += len(part)
+                yield part
+        finally:
+            os.close(fd)
 
     def delete(self, name: str) -> None:
         (self.root / name).unlink(missing_ok=True)
 
     def quarantine(self, namespace: str, name: str) -> None:
         target = self.root / namespace / QUARANTINE_DIR
-        ensure_dir(target)
+        ensure_dir(target, root=self.root)
         os.replace(self.root / name, target / Path(name).name)
 
     def remove_namespace(self, namespace: str) -> int:
@@ -162,14 +210,22 @@ class ObjectLocation(Location):
             if name not in skip and not name.startswith(quarantine):
                 yield Entry(name, info.size, info.mtime)
 
-    def read(self, name: str) -> bytes:
-        return self.store.read(self._full(name), 1 << 40)
+    def read(self, name: str, limit: int) -> bytes:
+        # The store reads an object only whole; keep the bytes the caller accepts.
+        return self.store.read(self._full(name), 1 << 40)[: limit + 1]
+
+    def stream(self, name: str, offset: int, block_bytes: int) -> Iterator[bytes]:
+        # The object store interface reads whole objects: an object is held in memory once
+        # here (file roots stream in bounded blocks).
+        data = memoryview(self.store.read(self._full(name), 1 << 40))[offset:]
+        for start in range(0, len(data), block_bytes):
+            yield bytes(data[start : start + block_bytes])
 
     def delete(self, name: str) -> None:
         self.store.delete(self._full(name))
 
     def quarantine(self, namespace: str, name: str) -> None:
-        data = self.read(name)
+        data = self.store.read(self._full(name), 1 << 40)
         base = name.rsplit("/", 1)[-1]
         self.store.put_if_absent(self._full(f"{namespace}/{QUARANTINE_DIR}/{base}"), [data])
         self.delete(name)
@@ -202,6 +258,14 @@ def open_location(spec: str, *, endpoint_url: str | None = None,
         raise ConfigError(f"{spec!r}: only file roots and s3:// locations are supported",
                           path="location")
     return FileLocation(Path(spec).expanduser())
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether ``path`` is a regular file, not a link to one."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
 
 
 def is_temp(entry: Entry) -> bool:

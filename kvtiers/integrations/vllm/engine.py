@@ -179,7 +179,9 @@ def group_attention(engine: EngineConfigs | None, group: Any, tokens_per_chunk: 
         if isinstance(spec, FullAttentionSpec):
             return "full"
         return type(spec).__name__
-    window = group.sliding_window_size_in_chunks
+    # vLLM 0.33 carries the window on the offloading config; 0.32's has no such field (and
+    # its engine config, read above, is then the only source).
+    window = getattr(group, "sliding_window_size_in_chunks", None)
     if window is None:
         return "full"
     return f"window:{window * tokens_per_chunk}"

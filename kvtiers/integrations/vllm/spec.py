@@ -30,17 +30,19 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   drives the primary tier's kvtiers worker over the engine's KV tensors viewed as bytes.
 
 Scheduler and worker may run in different processes. Both must see the same primary
-memory, so a ``cpu`` primary without ``shared_memory_name`` is given
-``kvtiers-<engine_id>`` (a ``/dev/shm`` file both processes map). A worker process builds
-only the primary tier. One worker per engine (``world_size`` 1) is supported: with
-tensor or pipeline parallelism every rank would need its own primary memory.
+memory, so a ``cpu`` primary without ``shared_memory_name`` is given a ``/dev/shm`` file
+both processes map, named after the user and the engine id (:func:`shared_memory_name`).
+A worker process builds only the primary tier. One worker per engine (``world_size`` 1)
+is supported: with tensor or pipeline parallelism every rank would need its own primary
+memory.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import re
+import hashlib
+import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +80,6 @@ _PERSISTENT_KINDS = frozenset({"file", "s3", "fsspec"})
 _CONFIG_INFO_KEYS = (
     "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "kvtiers_tiers"
 )
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
 class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
@@ -406,12 +407,21 @@ def _read_stack(extra_config: Any) -> StackConfig:
     return load_stack_config(path if path is not None else inline)
 
 
+def shared_memory_name(engine_id: str) -> str:
+    """The ``/dev/shm`` name both of an engine's processes derive for its cpu primary:
+    ``kvtiers-<uid>-<sha256 of the engine id, 16 hex digits>``. Scoped to the user and the
+    engine (vLLM's default engine id is a random UUID, so the name is not guessable), and
+    short whatever the id; the region itself refuses a file it did not make."""
+    digest = hashlib.sha256(engine_id.encode("utf-8", "surrogatepass")).hexdigest()
+    return f"kvtiers-{os.geteuid()}-{digest[:16]}"
+
+
 def _share_primary(stack: StackConfig, engine_id: str) -> StackConfig:
     """``stack`` with a cpu primary placed in ``/dev/shm`` under a per-engine name."""
     primary = stack.tiers[0]
     if not isinstance(primary, CPUTierConfig) or primary.shared_memory_name is not None:
         return stack
-    name = "kvtiers-" + _UNSAFE.sub("_", engine_id)
+    name = shared_memory_name(engine_id)
     shared = dataclasses.replace(primary, shared_memory_name=name)
     return dataclasses.replace(stack, tiers=(shared, *stack.tiers[1:]))
 

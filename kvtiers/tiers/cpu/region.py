@@ -1,9 +1,19 @@
 """The CPU tier's host memory: one contiguous region of ``num_slots x slot_bytes``.
 
 The region is an anonymous ``mmap`` by default, or a named file under ``/dev/shm`` when
-engine processes must share it (the process that creates the file removes it on
-:meth:`SlotRegion.close`; others attach to it, with a warning naming the file, since a
-file left by a crashed process is attached to the same way and never removed). It implements
+engine processes must share it. The shared file is private to the user running kvtiers:
+
+* it is made exclusively under a temp name (``O_CREAT | O_EXCL | O_NOFOLLOW``, mode 0600),
+  sized and locked, then linked to its name, so it never appears half made;
+* attaching opens it with ``O_NOFOLLOW`` and refuses (:class:`~kvtiers.errors.ConfigError`)
+  anything but a regular file owned by this user with no group or other permissions:
+  a file another user planted, or a symbolic link, is never written into;
+* every process mapping it holds a shared ``flock`` while it does. A file nobody holds is
+  a left-over of a crashed process; once it passed the checks above it is ours, and it is
+  removed (with a warning) and replaced, never reused. The last process to
+  :meth:`SlotRegion.close` it removes it, if the name still refers to it.
+
+It implements
 :class:`~kvtiers.core.mover.HostRegion`: movers get zero-copy ``memoryview`` slots, the
 GPU worker a torch ``uint8`` view of the whole region (:meth:`SlotRegion.tensor`).
 
@@ -14,10 +24,14 @@ copies run at full DMA speed. Nothing is pinned on machines without CUDA: torch'
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
 import logging
 import mmap
 import os
+import secrets
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -29,6 +43,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
+_TEMP_SUFFIX = ".kvtmp"
+_OPEN_ATTEMPTS = 8
 
 
 def _lock_alone(fd: int) -> bool:
@@ -39,6 +55,43 @@ def _lock_alone(fd: int) -> bool:
     except BlockingIOError:
         return False
     return True
+
+
+def _refusal(path: Path, why: str) -> ConfigError:
+    return ConfigError(
+        f"{path} {why}; the CPU tier maps only a regular file of this user (uid "
+        f"{os.geteuid()}) with mode 0600, which it creates itself. Another user or program "
+        "may have placed it there: remove it, or choose another shared_memory_name",
+        path="shared_memory_name",
+    )
+
+
+def _check_private(path: Path, info: os.stat_result) -> None:
+    """Refuse a region file that is not a regular file of this user with mode 0600."""
+    if not stat.S_ISREG(info.st_mode):
+        raise _refusal(path, "is not a regular file")
+    if info.st_uid != os.geteuid():
+        raise _refusal(path, f"is owned by uid {info.st_uid}")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise _refusal(
+            path, f"has mode {stat.S_IMODE(info.st_mode):04o} (group or others may use it)"
+        )
+
+
+def _names_same_file(path: Path, fd: int) -> bool:
+    """Whether ``path`` (not followed) still names the file open as ``fd``."""
+    try:
+        named = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def _remove_if_same(path: Path, fd: int) -> None:
+    """Unlink ``path`` if it still names ``fd``'s file (never another file put there)."""
+    if _names_same_file(path, fd):
+        path.unlink(missing_ok=True)
 
 
 def _format_bytes(n: int) -> str:
@@ -62,7 +115,6 @@ class SlotRegion:
         self._slot_bytes = slot_bytes
         self.nbytes = num_slots * slot_bytes
         self.path: Path | None = None
-        self._owns_file = False
         self._lock_fd: int | None = None
         if shared_memory_name is None:
             self._mmap = mmap.mmap(-1, self.nbytes)
@@ -74,49 +126,108 @@ class SlotRegion:
         self._pin_if_cuda()
 
     def _map_shared(self, shm_dir: Path, name: str) -> mmap.mmap:
-        if not name or "/" in name or name in (".", ".."):
+        if not name or "/" in name or name in (".", "..") or name.startswith("."):
             raise ConfigError(
                 f"{name!r} is not a plain file name; use e.g. 'kvtiers-cpu'",
                 path="shared_memory_name",
             )
         path = shm_dir / name
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            created = True
-        except FileExistsError:
-            fd = os.open(path, os.O_RDWR)
-            created = False
-        try:
-            size = os.fstat(fd).st_size
-            if not created and size != self.nbytes:
-                raise CapacityError(
-                    f"{path} exists with {size} bytes but this CPU tier needs {self.nbytes}; "
-                    "give every sharing process the same capacity and geometry, or remove it"
+        # A race with another process creating or removing the file sends us round again;
+        # each round either maps the file or sees a change another process made.
+        for _ in range(_OPEN_ATTEMPTS):
+            fd = self._open_existing(path)
+            created = fd is None
+            if fd is None:
+                fd = self._create(path)
+                if fd is None:
+                    continue  # another process linked its file in first: attach to it
+            elif _lock_alone(fd):
+                # Every user holds a shared lock for as long as it maps the file: a file
+                # nobody locks, that passed the owner and mode checks, is a crashed
+                # process's left-over of ours. Replace it rather than reuse stale bytes.
+                _remove_if_same(path, fd)
+                os.close(fd)
+                logger.warning(
+                    "CPU tier: removed %s, left by a process of this user that ended "
+                    "without removing it; a fresh region replaces it", path,
                 )
-            if created:
-                self._reserve(fd, path)
-            mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
-            # Every process using the region holds a shared lock on it while it does. An
-            # attacher that can take the lock exclusively is alone: the file was left by a
-            # process that ended without removing it (a crash).
-            left_over = not created and _lock_alone(fd)
-            fcntl.flock(fd, fcntl.LOCK_SH)
+                continue
+            else:
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                if not _names_same_file(path, fd):
+                    os.close(fd)  # removed as a left-over while we waited for the lock
+                    continue
+            try:
+                size = os.fstat(fd).st_size
+                if size != self.nbytes:
+                    raise CapacityError(
+                        f"{path} exists with {size} bytes but this CPU tier needs "
+                        f"{self.nbytes}; give every sharing process the same capacity and "
+                        "geometry, or stop them all and remove it"
+                    )
+                mapping = mmap.mmap(fd, self.nbytes, mmap.MAP_SHARED)
+            except BaseException:
+                if created:
+                    _remove_if_same(path, fd)
+                os.close(fd)
+                raise
+            self._lock_fd = fd
+            self.path = path
+            return mapping
+        raise CapacityError(
+            f"{path} kept being created and removed by other processes while this CPU tier "
+            "tried to attach to it; check which processes use that shared_memory_name"
+        )
+
+    def _open_existing(self, path: Path) -> int | None:
+        """An open, checked descriptor of the existing region file; ``None`` when absent.
+
+        The file must be a regular file (not a symbolic link: ``O_NOFOLLOW``) owned by
+        this user with no group or other permission bits, so no other user can have
+        planted it or read the KV written into it."""
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except IsADirectoryError:
+            raise _refusal(path, "is not a regular file") from None
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _refusal(path, "is a symbolic link") from None
+            raise
+        try:
+            _check_private(path, os.fstat(fd))
         except BaseException:
             os.close(fd)
-            if created:
-                path.unlink(missing_ok=True)
             raise
-        self._lock_fd = fd
-        if left_over:
-            logger.warning(
-                "CPU tier: %s was left by a process that ended without removing it; its "
-                "contents are reused and it is left in place on close. To start clean, "
-                "stop the engine and remove it (rm %s)",
-                path, path,
-            )
-        self.path = path
-        self._owns_file = created
-        return mapping
+        return fd
+
+    def _create(self, path: Path) -> int | None:
+        """A new region file at ``path``, sized, owned by this user, mode 0600 and held
+        with a shared lock; ``None`` when another process created ``path`` first.
+
+        The file is made under a private temp name (``O_CREAT | O_EXCL | O_NOFOLLOW``),
+        filled and locked there, and only then linked to ``path``, which fails if the name
+        exists: nobody ever sees it half made, unlocked, or under another owner or mode."""
+        temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}{_TEMP_SUFFIX}")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(temp, flags, 0o600)
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask left
+            self._reserve(fd, path)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            try:
+                os.link(temp, path, follow_symlinks=False)
+            except FileExistsError:
+                os.close(fd)
+                return None
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+            raise
+        finally:
+            temp.unlink(missing_ok=True)
+        return fd
 
     def _reserve(self, fd: int, path: Path) -> None:
         stats = os.statvfs(path.parent)
@@ -179,7 +290,8 @@ class SlotRegion:
         return self._tensor
 
     def close(self) -> None:
-        """Unpin, unmap and (for the creator) remove the ``/dev/shm`` file. Idempotent.
+        """Unpin, unmap and, if no other process maps it, remove the ``/dev/shm`` file.
+        Idempotent.
 
         Views handed out must be released first; while one is alive the mapping stays
         until it is garbage-collected.
@@ -197,9 +309,10 @@ class SlotRegion:
             # A view is still alive (a tensor or an exported buffer): the mapping goes
             # away when the last one is collected.
             pass
-        if self._owns_file and self.path is not None:
-            self.path.unlink(missing_ok=True)
-            self._owns_file = False
         if self._lock_fd is not None:
+            if self.path is not None and _lock_alone(self._lock_fd):
+                # The last process out removes the file; the name may meanwhile have been
+                # taken by a new region, which stays.
+                _remove_if_same(self.path, self._lock_fd)
             os.close(self._lock_fd)  # releases this process's shared lock
             self._lock_fd = None

@@ -6,8 +6,14 @@ group's layer tensors follow each other in order, each as ``blocks_per_chunk`` p
 sub-block ``p = skip + k`` of the chunk list, with ``skip = gpu_block_offset %
 blocks_per_chunk``: chunk ``p // F``, sub-block ``p % F``. The last chunk may be partial.
 
-Copies are vectorised: every (GPU block, slot page) pair of a tensor is computed at once
-with numpy, and bytes move with ``index_select`` (gather) and ``index_copy_`` (scatter)
+CPU copies go through the fused page-copy kernel of :mod:`kvtiers.tiers.cpu.pagecopy` when
+it builds: every (source, destination) page address of the job is computed at once with
+numpy, bounds-checked, and one call moves each page once, in any layout, with the GIL
+released, over up to ``copy_threads`` threads (one per ``MIN_BYTES_PER_THREAD``), and with
+non-temporal stores for jobs of ``STREAMING_BYTES`` or more.
+
+Without the kernel (no C compiler, ``kernel=False``, or KV tensors on a GPU), copies are
+vectorised in torch: bytes move with ``index_select`` (gather) and ``index_copy_`` (scatter)
 on the widest view the alignment allows (16-, 8-, 4-, 2- or 1-byte elements):
 ``index_copy_`` on ``uint8`` runs at a fraction of memory speed. When either side is evenly
 spaced (consecutive GPU blocks, or slot pages at a constant stride) one indexed copy moves
@@ -47,12 +53,21 @@ from kvtiers.tiers.queued_worker import (
 if TYPE_CHECKING:
     import torch
 
+    from kvtiers.tiers.cpu.pagecopy import PageCopier
     from kvtiers.tiers.cpu.region import SlotRegion
 
 
 #: Bytes gathered or scattered per step: large enough to amortise call overhead, small
 #: enough that the staging buffer stays in cache between the two halves of a copy.
 DEFAULT_BATCH_BYTES = 1 << 20
+#: Bytes a job must move per extra kernel thread: starting a thread costs about as much
+#: as copying a few hundred KiB.
+MIN_BYTES_PER_THREAD = 1 << 20
+#: Threads past this add no bandwidth to a host memory copy.
+MAX_COPY_THREADS = 8
+#: Jobs moving at least this many bytes write with non-temporal stores: far larger than a
+#: core's share of the last-level cache, their destination would only evict useful lines.
+STREAMING_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -61,7 +76,9 @@ class _TensorPlan:
 
     ``pages`` is the tensor as ``(num_blocks, page_elems)`` rows; ``slot_rows`` is the
     region as overlapping rows of ``page_elems`` starting every ``row_step`` elements from
-    the tensor's offset inside a slot.
+    the tensor's offset inside a slot. The kernel path addresses the same pages by bytes:
+    block ``b`` starts at ``pages_addr + b * block_stride``, and its page in slot ``s``,
+    sub-block ``f`` at ``region address + s * slot_bytes + slot_offset + f * page_bytes``.
     """
 
     pages: torch.Tensor
@@ -70,13 +87,21 @@ class _TensorPlan:
     page_elems: int
     slot_elems: int
     row_step: int
+    pages_addr: int
+    block_stride: int
+    num_blocks: int
+    slot_offset: int
 
 
 class CpuWorker(QueuedWorker):
     """Asynchronous copies between ``kv``'s tensors and ``region``'s slots.
 
     ``geometry`` must describe ``kv``: same number of groups, and group ``g``'s bytes per
-    block equal to the sum of its tensors' page bytes.
+    block equal to the sum of its tensors' page bytes. ``kernel``: ``None`` uses the fused
+    page-copy kernel for host tensors when it builds, ``True`` requires it
+    (:class:`~kvtiers.errors.ConfigError` if it cannot be built, or the tensors are on a
+    GPU), ``False`` keeps the torch path. ``copy_threads`` caps the kernel's threads
+    (default: torch's intra-op thread count, at most ``MAX_COPY_THREADS``).
     """
 
     thread_name = "kvtiers-cpu-worker"
@@ -88,6 +113,8 @@ class CpuWorker(QueuedWorker):
         geometry: ChunkGeometry,
         *,
         batch_bytes: int = DEFAULT_BATCH_BYTES,
+        kernel: bool | None = None,
+        copy_threads: int | None = None,
     ) -> None:
         import torch
 
@@ -110,7 +137,43 @@ class CpuWorker(QueuedWorker):
             else None
         )
         self._intra_op_threads = torch.get_num_threads()
+        if copy_threads is not None and copy_threads < 1:
+            raise ConfigError(
+                f"copy_threads must be at least 1, got {copy_threads}", path="copy_threads"
+            )
+        self._copy_threads = copy_threads or min(self._intra_op_threads, MAX_COPY_THREADS)
+        self._region_addr = flat.data_ptr()
+        self._num_slots = region.num_slots
+        self._slot_bytes = region.slot_bytes
+        self._copier = self._load_kernel(kernel)
         super().__init__()
+
+    def _load_kernel(self, wanted: bool | None) -> PageCopier | None:
+        if wanted is False:
+            return None
+        if self._cuda:
+            if wanted:
+                raise ConfigError(
+                    "the page-copy kernel copies host memory only; these KV tensors are on "
+                    f"{self._device}",
+                    path="kernel",
+                )
+            return None
+        from kvtiers.tiers.cpu.pagecopy import load_page_copier
+
+        copier = load_page_copier()
+        if copier is None and wanted:
+            raise ConfigError(
+                "the CPU page-copy kernel could not be built (see the warning above); "
+                "install a C compiler or set CC",
+                path="kernel",
+            )
+        return copier
+
+    @property
+    def uses_kernel(self) -> bool:
+        """Whether copies go through the fused page-copy kernel."""
+        return self._copier is not None
 
     # -- construction ---------------------------------------------------------------
     @staticmethod
@@ -150,7 +213,18 @@ class CpuWorker(QueuedWorker):
             num_rows = (wide.numel() - start - page_elems) // row_step + 1
             slot_rows = torch.as_strided(wide, (num_rows, page_elems), (row_step, 1), start)
             plans.append(
-                _TensorPlan(pages, slot_rows, ref.page_bytes, page_elems, slot_elems, row_step)
+                _TensorPlan(
+                    pages,
+                    slot_rows,
+                    ref.page_bytes,
+                    page_elems,
+                    slot_elems,
+                    row_step,
+                    pages_addr=tensor.data_ptr(),
+                    block_stride=tensor.stride(0) * tensor.element_size(),
+                    num_blocks=tensor.shape[0],
+                    slot_offset=offset,
+                )
             )
             offset += ref.page_bytes * self._blocks_per_chunk
         return plans
@@ -197,6 +271,8 @@ class CpuWorker(QueuedWorker):
         torch.set_num_threads(self._intra_op_threads)
 
     def _execute(self, job: QueuedJob) -> int:
+        if self._copier is not None:
+            return self._execute_fused(job, self._copier)
         if job.ready is not None:
             self._stream.wait_event(job.ready)
         moved = 0
@@ -204,6 +280,50 @@ class CpuWorker(QueuedWorker):
             self._transfer_group(g, transfer, job.store)
             moved += len(transfer.gpu_spec) * self.geometry.group_bytes_per_block[g]
         return moved
+
+    def _execute_fused(self, job: QueuedJob, copier: PageCopier) -> int:
+        """Every page of the job in one kernel call, after checking every id is in range
+        (the kernel copies whatever addresses it is given)."""
+        per_chunk = self._blocks_per_chunk
+        gpu: list[npt.NDArray[np.int64]] = []
+        host: list[npt.NDArray[np.int64]] = []
+        sizes: list[npt.NDArray[np.int64]] = []
+        moved = 0
+        for g, transfer in enumerate(job.groups):
+            block_ids = transfer.gpu_spec.block_ids
+            if block_ids.size == 0:
+                continue
+            spec = transfer.offload_spec
+            assert isinstance(spec, CPULoadStoreSpec)
+            skip = spec.gpu_block_offset % per_chunk
+            positions = np.arange(block_ids.size, dtype=np.int64) + skip
+            slots = spec.slot_ids[positions // per_chunk]
+            subs = positions % per_chunk
+            plans = self._plans[g]
+            self._check_ids(g, block_ids, min(plan.num_blocks for plan in plans), "GPU block")
+            self._check_ids(g, slots, self._num_slots, "slot")
+            slot_addrs = self._region_addr + slots * self._slot_bytes
+            for plan in plans:
+                gpu.append(plan.pages_addr + block_ids * plan.block_stride)
+                host.append(slot_addrs + (plan.slot_offset + subs * plan.page_bytes))
+                sizes.append(np.full(block_ids.size, plan.page_bytes, dtype=np.int64))
+            moved += block_ids.size * self.geometry.group_bytes_per_block[g]
+        if gpu:
+            src, dst = np.concatenate(gpu), np.concatenate(host)
+            if not job.store:
+                src, dst = dst, src
+            threads = max(1, min(self._copy_threads, moved // MIN_BYTES_PER_THREAD))
+            streaming = moved >= STREAMING_BYTES
+            copier.copy(dst, src, np.concatenate(sizes), threads, streaming=streaming)
+        return moved
+
+    @staticmethod
+    def _check_ids(group: int, ids: npt.NDArray[np.int64], limit: int, what: str) -> None:
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= limit:
+            raise IndexError(
+                f"group {group}: {what} ids must lie in [0, {limit}), got {low}..{high}"
+            )
 
     def _transfer_group(self, group: int, transfer: GroupTransfer, store: bool) -> None:
         import torch

@@ -68,7 +68,9 @@ def build_tier(
         io_backend_name=backend.name,
         space=space,
     )
-    settings = PublishSettings(file_mode=config.file_mode, dir_mode=config.dir_mode)
+    settings = PublishSettings(
+        file_mode=config.file_mode, dir_mode=config.dir_mode, root=mapper.root
+    )
     bad_chunks = BadChunkHandler(
         manager, manager.quarantine_dir if config.quarantine else None, config.dir_mode
     )

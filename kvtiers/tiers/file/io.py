@@ -56,6 +56,8 @@ class PublishSettings:
     file_mode: int = 0o600
     dir_mode: int = 0o700
     ops: FileOps = DEFAULT_OPS
+    #: The store's root: no directory below it on a chunk's path may be a symbolic link.
+    root: Path | None = None
 
 
 class IOBackend(ABC):
@@ -134,6 +136,7 @@ class PosixBackend(IOBackend):
             dir_mode=settings.dir_mode,
             open_flags=flags,
             ops=settings.ops,
+            root=settings.root,
         )
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
@@ -286,6 +289,7 @@ class KvikioBackend(IOBackend):
             file_mode=settings.file_mode,
             dir_mode=settings.dir_mode,
             ops=settings.ops,
+            root=settings.root,
         )
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:

@@ -41,7 +41,7 @@ from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header,
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, ChunkReporter, HostRegion
-from kvtiers.core.publish import FileOps
+from kvtiers.core.publish import FileOps, ensure_dir
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
@@ -74,7 +74,10 @@ class BadChunkHandler:
             if self.quarantine_dir is None:
                 os.unlink(path)
             else:
-                os.makedirs(self.quarantine_dir, mode=self._dir_mode, exist_ok=True)
+                # Not through a link: the quarantine sits in the namespace, under the root.
+                ensure_dir(
+                    self.quarantine_dir, mode=self._dir_mode, root=self.quarantine_dir.parent
+                )
                 os.replace(path, self.quarantine_dir / f"{path.name}.{secrets.token_hex(4)}")
         except FileNotFoundError:
             pass

@@ -1,0 +1,600 @@
+"""kvtiers' CPU tier against vLLM 0.33.0's ``CPUOffloadingManager``, side by side in one process.
+
+Three sides see the same keys in the same order, their rounds interleaved (the order of the
+sides rotates every round), so all three meet the same machine load:
+
+* ``vllm``: vLLM's ``CPUOffloadingManager`` with its ``lru`` or ``arc`` policy;
+* ``direct``: kvtiers' :class:`~kvtiers.tiers.cpu.manager.CpuTierManager` called with
+  kvtiers keys (no translation);
+* ``route1``: the manager vLLM gets from ``KVTiersOffloadingSpec`` (a one-tier CPU stack
+  behind the vLLM-facing adapter), built by vLLM's ``OffloadingSpecFactory`` and called with
+  vLLM's keys and request contexts, exactly as vLLM's connector calls it.
+
+Each tier holds ``--chunks`` chunks (100,000 by default; 400,000 as well with ``--chunks
+100000 400000``) of random keys. A round is one request of 1,024 keys, split into calls of
+1, 16 or 1,024 keys:
+
+* lookup HIT / MISS: one ``lookup`` per key, resident / never-stored keys drawn at random;
+* load: ``prepare_load`` + ``complete_load`` of resident keys drawn at random (kvtiers
+  direct adds ``get_spec``, which vLLM's ``prepare_load`` does inside);
+* store+evict: ``prepare_store`` + ``complete_store`` of fresh keys on a full tier, so every
+  call evicts as many chunks as it stores (direct adds ``get_spec``);
+* finish: ``on_request_finished`` and ``take_events`` once per round, per key of the round.
+
+Reported per metric: the median over rounds of microseconds per key, each kvtiers side's
+ratio to vLLM (below 1 is faster), and the worst single call of each side (per call for
+load, store and finish; lookups are timed per round, so their worst is the worst round).
+Memory per tracked chunk is measured with tracemalloc for each side alone: after filling
+the tier, and again after a full turnover (as many evicting stores as the tier holds); the
+key objects themselves, created by the caller, are not counted.
+
+Run: ``.venv/bin/python benchmarks/bench_vs_vllm.py [--quick] [--chunks N ...]``. Writes
+``benchmarks/results/vs_vllm.md`` and ``vs_vllm.json`` unless ``--no-write``. vLLM 0.33.0
+must be importable (it is installed without its dependencies in the project's venv).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import platform
+import random
+import statistics
+import time
+import tracemalloc
+import uuid
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from machine import cores, cpu_model
+
+from kvtiers.core.keys import make_offload_key
+from kvtiers.core.manager import ReqContext
+from kvtiers.policies import load_policy
+from kvtiers.tiers.cpu.manager import CpuTierManager
+
+RESULTS = Path(__file__).parent / "results"
+ROUND_KEYS = 1024
+BATCHES = (1, 16, 1024)
+POLICIES = ("lru", "arc")
+SIDES = ("vllm", "direct", "route1")
+METRICS = ("lookup_hit", "lookup_miss", "load", "store_evict", "finish")
+#: The slot of the one-group geometry below: the CPU tier rounds a chunk up to 4096 bytes.
+SLOT_BYTES = 4096
+
+
+class Side:
+    """One manager behind a uniform driver (keys come from :func:`key_maker`)."""
+
+    name: str
+
+    def begin(self, req_id: str) -> Any:
+        raise NotImplementedError
+
+    def lookup(self, key: Any, ctx: Any) -> Any:
+        raise NotImplementedError
+
+    def load(self, keys: list[Any], ctx: Any) -> None:
+        raise NotImplementedError
+
+    def store(self, keys: list[Any], ctx: Any) -> None:
+        raise NotImplementedError
+
+    def finish(self, ctx: Any) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        """Release what the side holds (default: nothing)."""
+
+
+class VllmSide(Side):
+    """vLLM's ``CPUOffloadingManager``, or (``route1``) any vLLM-facing manager."""
+
+    def __init__(self, name: str, manager: Any, on_shutdown: Callable[[], None] = lambda: None):
+        from vllm.v1.kv_offload import base as vbase
+
+        self.name = name
+        self.manager = manager
+        self._vbase = vbase
+        self._on_shutdown = on_shutdown
+
+    def begin(self, req_id: str) -> Any:
+        ctx = self._vbase.ReqContext(req_id=req_id)
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def lookup(self, key: Any, ctx: Any) -> Any:
+        return self.manager.lookup(key, ctx)
+
+    def load(self, keys: list[Any], ctx: Any) -> None:
+        self.manager.prepare_load(keys, ctx)
+        self.manager.complete_load(keys, ctx)
+
+    def store(self, keys: list[Any], ctx: Any) -> None:
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None, f"{self.name}: a store on a full tier of idle chunks failed"
+        self.manager.complete_store(out.keys_to_store, ctx)
+
+    def finish(self, ctx: Any) -> None:
+        self.manager.on_request_finished(ctx)
+        self.manager.take_events()
+
+    def shutdown(self) -> None:
+        self._on_shutdown()
+
+
+class DirectSide(Side):
+    """kvtiers' ``CpuTierManager`` with kvtiers keys and contexts."""
+
+    name = "direct"
+
+    def __init__(self, chunks: int, policy: str) -> None:
+        self.manager = CpuTierManager(chunks, SLOT_BYTES, load_policy(policy)(chunks))
+
+    def begin(self, req_id: str) -> Any:
+        ctx = ReqContext(req_id=req_id)
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def lookup(self, key: Any, ctx: Any) -> Any:
+        return self.manager.lookup(key, ctx)
+
+    def load(self, keys: list[Any], ctx: Any) -> None:
+        self.manager.prepare_load(keys, ctx)
+        self.manager.get_spec(keys)
+        self.manager.complete_load(keys, ctx)
+
+    def store(self, keys: list[Any], ctx: Any) -> None:
+        accepted = self.manager.prepare_store(keys, ctx)
+        assert accepted is not None, "direct: a store on a full tier of idle chunks failed"
+        self.manager.get_spec(accepted)
+        self.manager.complete_store(accepted, ctx)
+
+    def finish(self, ctx: Any) -> None:
+        self.manager.on_request_finished(ctx)
+        self.manager.take_events()
+
+
+def vllm_side(chunks: int, policy: str) -> Side:
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    return VllmSide("vllm", CPUOffloadingManager(chunks, cache_policy=policy))
+
+
+def route1_side(chunks: int, policy: str) -> Side:
+    """The manager of a ``KVTiersOffloadingSpec`` over one CPU tier of ``chunks`` slots."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    stack = {"tiers": [{"kind": "cpu", "capacity": chunks * SLOT_BYTES, "policy": policy}]}
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=64,
+        enable_kv_cache_events=False,
+        extra_config={
+            "spec_name": "KVTiersOffloadingSpec",
+            "spec_module_path": "kvtiers.integrations.vllm",
+            "kvtiers": stack,
+        },
+        engine_id=f"bench-{uuid.uuid4().hex}",
+        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0,
+            world_size=1,
+            tp_size=1,
+            pp_size=1,
+            pcp_size=1,
+            dcp_size=1,
+            data_parallel_index=0,
+            data_parallel_size=1,
+            data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    return VllmSide("route1", manager, manager.shutdown)
+
+
+FACTORIES: dict[str, Callable[[int, str], Side]] = {
+    "vllm": vllm_side,
+    "direct": lambda chunks, policy: DirectSide(chunks, policy),
+    "route1": route1_side,
+}
+
+
+def hashes(count: int, rng: random.Random) -> list[bytes]:
+    return [rng.randbytes(16) for _ in range(count)]
+
+
+def fill(side: Side, keys: Sequence[Any], request: str) -> None:
+    for begin in range(0, len(keys), ROUND_KEYS):
+        ctx = side.begin(f"{request}-{begin}")
+        side.store(list(keys[begin : begin + ROUND_KEYS]), ctx)
+        side.finish(ctx)
+
+
+# -- timing --------------------------------------------------------------------------
+class Collections:
+    """Counts the interpreter's full (generation 2) garbage collections, so a call that one
+    happened to land in can be told apart from one that is slow by itself. Young
+    collections run every few hundred allocations, inside most batch calls, and are cheap."""
+
+    count = 0
+
+    @classmethod
+    def on_gc(cls, phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            cls.count += 1
+
+
+gc.callbacks.append(Collections.on_gc)
+
+
+class Recorder:
+    """Per side and metric: microseconds per key of every round, the worst call, and the
+    worst call no garbage collection ran in."""
+
+    def __init__(self) -> None:
+        self.per_key: dict[tuple[str, str], list[float]] = {}
+        self.worst: dict[tuple[str, str], float] = {}
+        self.worst_no_gc: dict[tuple[str, str], float] = {}
+
+    def add(
+        self, side: str, metric: str, round_s: float, keys: int, worst: tuple[float, float]
+    ) -> None:
+        self.per_key.setdefault((side, metric), []).append(round_s / keys * 1e6)
+        self.worst[side, metric] = max(self.worst.get((side, metric), 0.0), worst[0])
+        self.worst_no_gc[side, metric] = max(self.worst_no_gc.get((side, metric), 0.0), worst[1])
+
+    def median(self, side: str, metric: str) -> float:
+        return statistics.median(self.per_key[side, metric])
+
+
+def timed_calls(
+    call: Callable[[list[Any], Any], None], parts: list[list[Any]], ctx: Any
+) -> tuple[float, tuple[float, float]]:
+    """Total seconds of ``call(part, ctx)`` over ``parts``, and the worst call: overall and
+    among calls no garbage collection ran in."""
+    clock = time.perf_counter
+    total = worst = worst_no_gc = 0.0
+    for part in parts:
+        collections = Collections.count
+        start = clock()
+        call(part, ctx)
+        spent = clock() - start
+        total += spent
+        worst = max(worst, spent)
+        if Collections.count == collections:
+            worst_no_gc = max(worst_no_gc, spent)
+    return total, (worst, worst_no_gc)
+
+
+def rotated(sides: list[Side], r: int) -> list[Side]:
+    shift = r % len(sides)
+    return sides[shift:] + sides[:shift]
+
+
+def split(keys: list[int], batch: int) -> list[list[int]]:
+    return [keys[i : i + batch] for i in range(0, len(keys), batch)]
+
+
+def bench_policy(chunks: int, policy: str, rounds: int, seed: int) -> dict[str, Any]:
+    """Every metric for ``policy`` at ``chunks`` chunks; see the module docstring."""
+    rng = random.Random(seed)
+    stored = hashes(chunks, rng)
+    sides = [FACTORIES[name](chunks, policy) for name in SIDES]
+    makers = {side.name: key_maker(side.name) for side in sides}
+    keys = {side.name: [makers[side.name](h) for h in stored] for side in sides}
+    for side in sides:
+        fill(side, keys[side.name], "fill")
+    results: dict[str, Any] = {"chunks": chunks, "policy": policy, "rows": []}
+    try:
+        # Lookups: per key, batch size plays no part.
+        record = Recorder()
+        for r in range(rounds):
+            hits = rng.sample(range(chunks), ROUND_KEYS)
+            misses = hashes(ROUND_KEYS, rng)
+            for side in rotated(sides, r):
+                hit_keys = [keys[side.name][i] for i in hits]
+                miss_keys = [makers[side.name](h) for h in misses]
+                ctx = side.begin(f"lookup-{r}")
+                lookup = side.lookup
+                start = time.perf_counter()
+                for key in hit_keys:
+                    lookup(key, ctx)
+                hit_s = time.perf_counter() - start
+                start = time.perf_counter()
+                for key in miss_keys:
+                    lookup(key, ctx)
+                miss_s = time.perf_counter() - start
+                start = time.perf_counter()
+                side.finish(ctx)
+                finish_s = time.perf_counter() - start
+                record.add(side.name, "lookup_hit", hit_s, ROUND_KEYS, (hit_s, hit_s))
+                record.add(side.name, "lookup_miss", miss_s, ROUND_KEYS, (miss_s, miss_s))
+                record.add(side.name, "finish", finish_s, ROUND_KEYS, (finish_s, finish_s))
+        results["rows"] += rows(record, ("lookup_hit", "lookup_miss", "finish"), batch=None)
+
+        # Loads of resident chunks, then evicting stores of fresh ones: loads never evict,
+        # so every side still holds every filled chunk when the loads run.
+        for metric in ("load", "store_evict"):
+            for batch in BATCHES:
+                record = Recorder()
+                for r in range(rounds):
+                    if metric == "load":
+                        chosen = rng.sample(range(chunks), ROUND_KEYS)
+                    else:
+                        fresh = hashes(ROUND_KEYS, rng)
+                    for side in rotated(sides, r):
+                        if metric == "load":
+                            own = [keys[side.name][i] for i in chosen]
+                        else:
+                            own = [makers[side.name](h) for h in fresh]
+                        ctx = side.begin(f"{metric}-{batch}-{r}")
+                        call = side.load if metric == "load" else side.store
+                        total, worst = timed_calls(call, split(own, batch), ctx)
+                        side.finish(ctx)
+                        record.add(side.name, metric, total, ROUND_KEYS, worst)
+                results["rows"] += rows(record, (metric,), batch)
+    finally:
+        for side in sides:
+            side.shutdown()
+    return results
+
+
+def rows(record: Recorder, metrics: Sequence[str], batch: int | None) -> list[dict[str, Any]]:
+    out = []
+    for metric in metrics:
+        row: dict[str, Any] = {"metric": metric, "batch": batch}
+        for side in SIDES:
+            row[f"{side}_us"] = record.median(side, metric)
+            row[f"{side}_worst_ms"] = record.worst[side, metric] * 1e3
+            row[f"{side}_worst_no_gc_ms"] = record.worst_no_gc[side, metric] * 1e3
+        for side in SIDES[1:]:
+            row[f"{side}_ratio"] = row[f"{side}_us"] / row["vllm_us"]
+        out.append(row)
+    return out
+
+
+# -- memory --------------------------------------------------------------------------
+def key_maker(side_name: str) -> Callable[[bytes], Any]:
+    """How ``side_name`` spells a key (vLLM's packing for vLLM-facing sides)."""
+    if side_name == "direct":
+        return lambda block_hash: make_offload_key(block_hash, 0)
+    from vllm.v1.kv_offload import base as vbase
+
+    return lambda block_hash: vbase.make_offload_key(block_hash, 0)
+
+
+def bench_memory(chunks: int, policy: str, side_name: str, seed: int) -> dict[str, Any]:
+    """Bytes per tracked chunk after a fill and after a full turnover (tracemalloc, from
+    before the manager is built); the keys are made before tracing starts."""
+    rng = random.Random(seed)
+    make = key_maker(side_name)
+    first = [make(h) for h in hashes(chunks, rng)]
+    second = [make(h) for h in hashes(chunks, rng)]
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        side = FACTORIES[side_name](chunks, policy)
+        fill(side, first, "fill")
+        gc.collect()
+        filled = tracemalloc.get_traced_memory()[0]
+        fill(side, second, "turnover")
+        gc.collect()
+        turned = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    side.shutdown()
+    return {
+        "chunks": chunks,
+        "policy": policy,
+        "side": side_name,
+        "filled_bytes_per_chunk": (filled - base) / chunks,
+        "turnover_bytes_per_chunk": (turned - base) / chunks,
+    }
+
+
+# -- report --------------------------------------------------------------------------
+def machine_note() -> dict[str, str]:
+    import torch
+    import vllm
+
+    return {
+        "cpu": cpu_model(),
+        "cores": cores(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "vllm": vllm.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    }
+
+
+LABELS = {
+    "lookup_hit": "lookup HIT",
+    "lookup_miss": "lookup MISS",
+    "load": "load",
+    "store_evict": "store+evict",
+    "finish": "request finish",
+}
+
+
+def render(results: dict[str, Any]) -> str:
+    note = results["machine"]
+    lines = [
+        "# kvtiers' CPU tier vs vLLM's CPUOffloadingManager",
+        "",
+        f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, torch "
+        f"{note['torch']}, vLLM {note['vllm']}, {note['date']}.",
+        f"Command: `.venv/bin/python benchmarks/bench_vs_vllm.py {results['args']}`",
+        "",
+        f"Microseconds per key, median of {results['rounds']} interleaved rounds of "
+        f"{ROUND_KEYS} keys (one request each); ratio = kvtiers / vLLM (target <= 0.8 for "
+        "route 1); worst = the slowest single call in ms, in brackets the slowest that no "
+        "full garbage collection ran in (lookups and finish: the slowest round of "
+        f"{ROUND_KEYS}, GC not separated). `direct` is `CpuTierManager` with kvtiers keys; "
+        "`route1` is the manager of `KVTiersOffloadingSpec` called as vLLM calls it.",
+        "",
+    ]
+    for run in results["runs"]:
+        lines += [
+            f"## {run['policy']}, {run['chunks']:,} chunks",
+            "",
+            "| metric | batch | vLLM | direct | direct ratio | route1 | route1 ratio "
+            "| worst vLLM | worst direct | worst route1 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in run["rows"]:
+            lines.append(
+                f"| {LABELS[r['metric']]} | {r['batch'] or '-'} | {r['vllm_us']:.2f} "
+                f"| {r['direct_us']:.2f} | {r['direct_ratio']:.2f}x | {r['route1_us']:.2f} "
+                f"| {r['route1_ratio']:.2f}x | "
+                + " | ".join(
+                    f"{r[f'{side}_worst_ms']:.1f} ({r[f'{side}_worst_no_gc_ms']:.1f})"
+                    for side in SIDES
+                )
+                + " |"
+            )
+        lines.append("")
+    lines += [
+        "## Memory per tracked chunk (tracemalloc; target <= 200 B for route 1)",
+        "",
+        "Everything the manager allocates from before it is built, excluding the key objects "
+        "(the caller's). `after turnover`: once as many evicting stores as the tier holds "
+        "have replaced every chunk.",
+        "",
+        "| policy | chunks | side | after fill (B) | after turnover (B) |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for m in results["memory"]:
+        lines.append(
+            f"| {m['policy']} | {m['chunks']:,} | {m['side']} | "
+            f"{m['filled_bytes_per_chunk']:.0f} | {m['turnover_bytes_per_chunk']:.0f} |"
+        )
+    lines += ["", "## Reading the numbers", "", *summary(results)]
+    return "\n".join(lines) + "\n"
+
+
+def summary(results: dict[str, Any]) -> list[str]:
+    """Every route-1 ratio against its 0.8 target, and the worst calls side by side."""
+    out = []
+    for side in ("route1", "direct"):
+        misses = []
+        ratios = []
+        for run in results["runs"]:
+            for r in run["rows"]:
+                ratios.append(r[f"{side}_ratio"])
+                if r[f"{side}_ratio"] > 0.8:
+                    batch = f" batch {r['batch']}" if r["batch"] else ""
+                    misses.append(
+                        f"{run['policy']} {run['chunks'] // 1000}k {LABELS[r['metric']]}"
+                        f"{batch} {r[f'{side}_ratio']:.2f}x"
+                    )
+        out.append(
+            f"- {side}: ratios {min(ratios):.2f}x-{max(ratios):.2f}x of vLLM's per-key cost; "
+            f"{len(misses)}/{len(ratios)} above the 0.8x target"
+            + (": " + "; ".join(misses) + "." if misses else ".")
+        )
+    for run in results["runs"]:
+        store = [r for r in run["rows"] if r["metric"] == "store_evict"]
+        worst = {
+            side: (
+                max(r[f"{side}_worst_ms"] for r in store),
+                max(r[f"{side}_worst_no_gc_ms"] for r in store),
+            )
+            for side in SIDES
+        }
+        out.append(
+            f"- Worst single store+evict call, {run['policy']} at {run['chunks']:,} chunks "
+            "(in brackets: the worst no full garbage collection ran in): "
+            + ", ".join(f"{side} {w:.1f} ms ({n:.1f})" for side, (w, n) in worst.items())
+            + "."
+        )
+    out += [
+        "- What the ratios show: `direct` against `route1` isolates the vLLM-facing adapter. "
+        "Every route-1 call translates each vLLM key to a kvtiers key and looks the request "
+        "context up again, which costs more than vLLM's whole lookup (HIT and MISS rows); "
+        "closing that needs translation that costs next to nothing (kvtiers keys that are "
+        "vLLM's key objects, contexts translated once per request), work on the adapter "
+        "that this benchmark only measures.",
+        "- `direct` ARC loads of 1 and 16 keys cost more than vLLM's ARC (kvtiers' ARC "
+        "counts reuse at load, moving the chunk between its lists); not investigated here.",
+        "- Worst calls: the multi-second ones are full garbage collections over the "
+        "benchmark's millions of live objects (all three sides' keys), landing in whichever "
+        "side allocates when the threshold trips (an engine process that does not freeze "
+        "its heap with `gc.freeze` sees them too). Without them, vLLM's LRU still "
+        "has its lazy-heap rebuild inside one store, and kvtiers a single slow store at "
+        "100k chunks, after about one full turnover, whose cause is not investigated.",
+        "- The machine was shared (load average 6-8 on 2 cores): medians of 30 rounds "
+        "moved by up to 0.3 in ratio between two runs; worst calls of 10-50 ms are "
+        "preemption, on every side alike.",
+    ]
+    route1 = [m for m in results["memory"] if m["side"] == "route1"]
+    if route1:
+        heaviest = max(
+            max(m["filled_bytes_per_chunk"], m["turnover_bytes_per_chunk"]) for m in route1
+        )
+        out.append(
+            f"- Memory: route 1 at most {heaviest:.0f} B per chunk (target 200), fill or "
+            "turnover; vLLM and direct beside it in the table. The growth after a turnover is "
+            "the same for `direct`, so it lies in the CPU tier's own tables, not the adapter."
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="20,000 chunks, 10 rounds")
+    parser.add_argument("--chunks", type=int, nargs="+", help="tier sizes (default 100000)")
+    parser.add_argument("--rounds", type=int, help="rounds per metric (default 30)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    args = parser.parse_args()
+    sizes = args.chunks or ([20_000] if args.quick else [100_000])
+    rounds = args.rounds or (10 if args.quick else 30)
+    results: dict[str, Any] = {
+        "machine": machine_note(),
+        "args": " ".join(
+            part
+            for part in (
+                "--quick" if args.quick else "",
+                f"--chunks {' '.join(map(str, sizes))}",
+                f"--rounds {rounds}",
+            )
+            if part
+        ),
+        "rounds": rounds,
+        "runs": [],
+        "memory": [],
+    }
+    for chunks in sizes:
+        for policy in POLICIES:
+            results["runs"].append(bench_policy(chunks, policy, rounds, seed=chunks))
+            print(f"{policy} {chunks}: done", flush=True)
+    if not args.no_memory:
+        for chunks in sizes:
+            for policy in POLICIES:
+                for side in SIDES:
+                    results["memory"].append(bench_memory(chunks, policy, side, seed=7))
+    report = render(results)
+    print(report)
+    if not args.no_write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        name = "vs_vllm-quick" if args.quick else "vs_vllm"
+        (RESULTS / f"{name}.md").write_text(report)
+        (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

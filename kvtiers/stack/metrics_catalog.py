@@ -1,0 +1,147 @@
+"""What each stat of a stack becomes in Prometheus: name, type, labels and HELP text.
+
+A stack's ``get_stats()`` holds the composite's own counters (``hits``, ``promotions`` …)
+and each tier's (``<tier>.hits`` …). They map to two disjoint families of names, so no
+``sum()`` over one metric adds a stack-level number to per-tier ones:
+
+* ``kvtiers_stack_*`` — the composite: lookups as the scheduler sees them, promotions and
+  cascades. No ``tier`` label.
+* ``kvtiers_tier_*`` — one series per tier (label ``tier``): what that tier's manager did.
+
+Prometheus conventions: base units in names (``_seconds_total``, ``_bytes_total``),
+``_total`` on counters only, enums as label values (``result="hit"``, ``backend="posix"``,
+``outcome="failed"``), never as numbers. A stat missing from the catalogue is still
+exported (as a per-tier counter with a generic HELP); the tests require every stat the
+shipped tiers report to be catalogued. This module imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Literal
+
+# The file tier reports its I/O path as a code (kvtiers.tiers.file.io's IO_* constants).
+IO_BACKENDS: Mapping[int, str] = MappingProxyType({0: "posix", 1: "posix_o_direct",
+                                                   2: "kvikio"})
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One stat's Prometheus form: family ``name``, ``kind``, fixed ``labels`` and HELP."""
+
+    name: str
+    kind: Literal["counter", "gauge", "info"]
+    help: str
+    labels: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def family(self) -> str:
+        """The family name as exposed: counters end in ``_total``, info in ``_info``."""
+        suffix = {"counter": "_total", "gauge": "", "info": "_info"}[self.kind]
+        return self.name + suffix
+
+
+def _c(name: str, help_text: str, **labels: str) -> MetricSpec:
+    return MetricSpec(name, "counter", help_text, MappingProxyType(labels))
+
+
+def _g(name: str, help_text: str) -> MetricSpec:
+    return MetricSpec(name, "gauge", help_text)
+
+
+_LOOKUPS = "Lookups answered, by result (hit: ready or being promoted; miss)."
+_PROMOTIONS = ("Chunks copied up from a lower tier into the primary, by outcome (done, "
+               "failed, refused: no primary slot free, so the lookup missed).")
+_CASCADES = ("Chunks written through from the primary to lower tiers, by outcome (done, "
+             "failed, refused: a lower tier had no room or admission said never).")
+
+STACK: Mapping[str, MetricSpec] = MappingProxyType({
+    "hits": _c("kvtiers_stack_lookups", _LOOKUPS, result="hit"),
+    "misses": _c("kvtiers_stack_lookups", _LOOKUPS, result="miss"),
+    "promotions": _c("kvtiers_stack_promotions", _PROMOTIONS, outcome="done"),
+    "promotion_failures": _c("kvtiers_stack_promotions", _PROMOTIONS, outcome="failed"),
+    "promotions_refused": _c("kvtiers_stack_promotions", _PROMOTIONS, outcome="refused"),
+    "promoted_bytes": _c("kvtiers_stack_promoted_bytes", "Bytes copied by promotions."),
+    "promote_s": _c("kvtiers_stack_promotion_seconds",
+                    "Seconds promotion jobs took, submission to completion, summed."),
+    "cascades": _c("kvtiers_stack_cascades", _CASCADES, outcome="done"),
+    "cascade_failures": _c("kvtiers_stack_cascades", _CASCADES, outcome="failed"),
+    "cascades_refused": _c("kvtiers_stack_cascades", _CASCADES, outcome="refused"),
+    "cascaded_bytes": _c("kvtiers_stack_cascaded_bytes", "Bytes written by cascades."),
+    "cascade_s": _c("kvtiers_stack_cascade_seconds",
+                    "Seconds cascade jobs took, submission to completion, summed."),
+    "corrupt_chunks": _c("kvtiers_stack_corrupt_chunks",
+                         "Chunks a promotion found corrupt (each one a miss, never a hit)."),
+})
+"""The composite's own stats (no ``tier.`` prefix)."""
+
+_TIER_LOOKUPS = "Lookups this tier answered, by result."
+_STORES = "Chunks this tier finished storing, by outcome (done, failed)."
+
+TIER: Mapping[str, MetricSpec] = MappingProxyType({
+    "hits": _c("kvtiers_tier_lookups", _TIER_LOOKUPS, result="hit"),
+    "misses": _c("kvtiers_tier_lookups", _TIER_LOOKUPS, result="miss"),
+    "stores": _c("kvtiers_tier_stores", _STORES, outcome="done"),
+    "store_failures": _c("kvtiers_tier_stores", _STORES, outcome="failed"),
+    "loads": _c("kvtiers_tier_loads", "Chunks pinned for loading (to the GPU or a promotion)."),
+    "evictions": _c("kvtiers_tier_evictions", "Chunks evicted to make room."),
+    "corrupt_chunks": _c("kvtiers_tier_corrupt_chunks",
+                         "Chunks that failed verification on load (quarantined or removed)."),
+    "vanished_chunks": _c("kvtiers_tier_vanished_chunks",
+                          "Indexed chunks whose file had gone when read (removed elsewhere)."),
+    "probes": _c("kvtiers_tier_probes",
+                 "Existence probes for index misses (shared: true tiers)."),
+    "probe_hits": _c("kvtiers_tier_probe_hits",
+                     "Probes that found a chunk another engine wrote."),
+    "retries": _c("kvtiers_tier_retries",
+                  "Requests retried after throttling, a 5xx answer or a timeout."),
+    "forgotten": _c("kvtiers_tier_forgotten",
+                    "Index entries dropped because the object was gone when read."),
+    "promoted": _c("kvtiers_tier_promoted_chunks", "Chunks this tier served to promotions."),
+    "promoted_bytes": _c("kvtiers_tier_promoted_bytes",
+                         "Bytes this tier served to promotions."),
+    "promoted_s": _c("kvtiers_tier_promotion_seconds",
+                     "Seconds of promotion jobs this tier served, summed."),
+    "cascaded": _c("kvtiers_tier_cascaded_chunks", "Chunks cascaded into this tier."),
+    "cascaded_bytes": _c("kvtiers_tier_cascaded_bytes", "Bytes cascaded into this tier."),
+    "cascaded_s": _c("kvtiers_tier_cascade_seconds",
+                     "Seconds of cascade jobs into this tier, summed."),
+    "chunks": _g("kvtiers_tier_chunks", "Chunks held now."),
+    "pinned_chunks": _g("kvtiers_tier_pinned_chunks", "Chunks pinned now by loads or cascades."),
+    "usage_bytes": _g("kvtiers_tier_usage_bytes", "Bytes held now."),
+    "capacity_bytes": _g("kvtiers_tier_capacity_bytes",
+                         "Configured capacity in bytes (0: bounded only by the medium)."),
+    "capacity_chunks": _g("kvtiers_tier_capacity_chunks", "Capacity in chunks."),
+    "io_backend": MetricSpec("kvtiers_tier_io", "info",
+                             "The I/O path the file tier uses (label backend)."),
+})
+"""Each tier's stats (``<tier>.<stat>``)."""
+
+
+def tier_fallback(stat: str) -> MetricSpec:
+    """The spec of a per-tier stat the catalogue does not know: a counter, unit-named."""
+    name = stat[:-2] + "_seconds" if stat.endswith("_s") else stat
+    return _c(f"kvtiers_tier_{name}", f"Tier stat {stat!r} (not described in the catalogue).")
+
+
+HISTOGRAM_BUCKETS_S: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
+"""Upper bounds (seconds) of every latency histogram's buckets; ``+Inf`` is implied."""
+
+HISTOGRAMS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "promote": ("kvtiers_promotion_latency_seconds",
+                "Promotion jobs from a lower tier into the primary, submission to completion."),
+    "cascade": ("kvtiers_cascade_latency_seconds",
+                "Cascade jobs from the primary into a lower tier, submission to completion."),
+    "load": ("kvtiers_worker_transfer_latency_seconds",
+             "GPU <-> primary worker jobs, submission to completion, by direction (only "
+             "for workers in the exporter's process)."),
+    "store": ("kvtiers_worker_transfer_latency_seconds",
+              "GPU <-> primary worker jobs, submission to completion, by direction (only "
+              "for workers in the exporter's process)."),
+})
+"""Job kind → (histogram family, HELP). Promotions and cascades carry a ``tier`` label;
+worker transfers a ``direction`` label (``load`` or ``store``)."""
