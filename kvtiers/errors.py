@@ -102,3 +102,12 @@ class UnsupportedVersionError(KVTiersError, ImportError):
     An ``ImportError``: the integration module refuses to load, before any raw failure
     deep inside the other package could happen.
     """
+
+
+class InvalidKeyError(KVTiersError, ValueError):
+    """A key handed to the public API is not one of this cache's keys (not ``bytes``, the
+    wrong length, or a KV-cache group out of range); the call changed nothing."""
+
+
+class ClosedError(KVTiersError, RuntimeError):
+    """A manager was used after ``shutdown()``; the call changed nothing."""

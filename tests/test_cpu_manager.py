@@ -36,7 +36,10 @@ def payload(key: OffloadKey, generation: int) -> bytes:
 class CpuTierMachine(RuleBasedStateMachine):
     """Drives a CPU tier with stores, loads, touches and resets; the model is a dict of
     key → (state, payload, pins). Evictions are the only changes the model does not
-    predict; each one is checked to have hit a ready, unpinned key."""
+    predict; each one is checked to have hit a ready, unpinned key.
+
+    Resets follow vLLM's protocol: completions of jobs from before a reset are dropped, and
+    the fenced slots come back at ``on_reset_flushed``; ``fenced`` counts them."""
 
     policy = "lru"
     in_flight = Bundle("in_flight")
@@ -49,6 +52,7 @@ class CpuTierMachine(RuleBasedStateMachine):
         self.model: dict[OffloadKey, tuple[SlotState, bytes]] = {}
         self.pins: dict[OffloadKey, int] = {}
         self.generation = 0
+        self.fenced = 0
 
     def teardown(self) -> None:
         self.manager.shutdown()
@@ -71,12 +75,15 @@ class CpuTierMachine(RuleBasedStateMachine):
         new = set(keys) - set(self.model)
         busy = {k for k, (s, _) in self.model.items() if s is SlotState.WRITING}
         busy |= set(self.pins) | (set(keys) & set(self.model))
+        room = CAPACITY - self.fenced - len(busy)
         if accepted is None:
             assert self.observe() == before and dict(self.manager.get_stats()) == stats
-            assert len(new) > CAPACITY - len(busy), "refused a store that fits"
+            assert new and room <= 0, "refused a store that fits"
             return ()
         self.sync_evictions()
-        assert accepted == list(dict.fromkeys(k for k in keys if k not in self.model))
+        wanted = list(dict.fromkeys(k for k in keys if k not in self.model))
+        # All that fit, leading keys first.
+        assert accepted == wanted[: max(room, 0)] or accepted == wanted
         spec = self.manager.get_spec(accepted)
         assert isinstance(spec, CPULoadStoreSpec)
         self.generation += 1
@@ -123,9 +130,17 @@ class CpuTierMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         self.manager.reset_cache()
-        for key in list(self.model):
-            if self.model[key][0] is SlotState.READY and key not in self.pins:
-                del self.model[key]
+        self.fenced += sum(
+            1 for key, (state, _) in self.model.items()
+            if state is SlotState.WRITING or key in self.pins
+        )
+        self.model.clear()
+        self.pins.clear()
+
+    @rule()
+    def reset_flushed(self) -> None:
+        self.manager.on_reset_flushed()
+        self.fenced = 0
 
     @invariant()
     def matches_model(self) -> None:
@@ -144,6 +159,8 @@ class CpuTierMachine(RuleBasedStateMachine):
         assert len(set(slots)) == len(slots)
         assert all(s is not None and 0 <= s < CAPACITY for s in slots)
         assert self.manager.get_stats()["chunks"] == len(self.model)
+        assert self.manager.get_stats()["fenced_slots"] == self.fenced
+        assert len(self.model) + self.fenced <= CAPACITY
 
 
 for _name in BUILTIN_POLICIES:
@@ -276,7 +293,8 @@ def test_lookup_as_answers_like_lookup_and_counts_the_same_across_a_reset() -> N
     manager.complete_store([KEYS[0]], CTX)
     assert [lookup(key, CTX) for key in KEYS[:3]] == ["hit", "pending", "miss"]
     manager.reset_cache()  # the function keeps reading the manager's live tables
-    manager.complete_store([KEYS[1]], CTX)
-    assert [lookup(key, CTX) for key in KEYS[:2]] == ["miss", "hit"]
+    assert manager.prepare_store([KEYS[2]], CTX) == [KEYS[2]]
+    manager.complete_store([KEYS[2]], CTX)
+    assert [lookup(key, CTX) for key in KEYS[:3]] == ["miss", "miss", "hit"]
     stats = manager.get_stats()
-    assert (stats["hits"], stats["misses"]) == (2, 2)
+    assert (stats["hits"], stats["misses"]) == (2, 3)

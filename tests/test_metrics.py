@@ -167,8 +167,8 @@ def test_a_taken_port_is_one_clear_error_and_shuts_the_tiers_down(tmp_path: Path
 
     real = builder.TieredManager
 
-    def recording(tiers: Any) -> Any:
-        managers.append(real(tiers))
+    def recording(tiers: Any, **options: Any) -> Any:
+        managers.append(real(tiers, **options))
         return managers[-1]
 
     try:

@@ -97,7 +97,10 @@ def test_a_load_is_retried_then_fails_without_wrong_bytes(
     result, data = tier.load(keys)
     assert result.failed_keys == (conformance_key(0),) and result.corrupt_keys == ()
     assert data == chunk(1)
-    assert tier.manager.lookup(conformance_key(0), ReqContext("t")) is LookupResult.HIT
+    # A transient failure backs the key off (a miss for now) but keeps it indexed.
+    assert tier.manager.lookup(conformance_key(0), ReqContext("t")) is LookupResult.MISS
+    stats = tier.manager.get_stats()
+    assert stats["chunks"] == 2 and stats["unreadable_chunks"] == 0
 
     result, data = tier.load(keys)
     assert result.success and data == {**chunk(0), **chunk(1)}

@@ -29,6 +29,11 @@ from kvtiers.errors import ConfigError
 #: :data:`kvtiers.tiers.object.retry.DEFAULT_OP_DEADLINE_S`; config never imports tiers).
 DEFAULT_OP_DEADLINE_S = 30.0
 
+#: Default ``load_backoff_s`` / ``load_backoff_max_s`` of lower tiers, seconds (kept equal to
+#: :mod:`kvtiers.tiers.backoff`'s defaults).
+DEFAULT_LOAD_BACKOFF_S = 1.0
+DEFAULT_LOAD_BACKOFF_MAX_S = 60.0
+
 BUILTIN_POLICIES = ("lru", "arc", "s3fifo")
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
@@ -70,6 +75,17 @@ def _policy_import_problem(policy: str) -> str | None:
             "'package.module:ClassName'"
         )
     return None
+
+
+def _check_load_backoff(base_s: float, max_s: float) -> None:
+    """A lower tier's load back-off: a key whose load failed is a miss for ``base_s``,
+    doubled per further failure up to ``max_s`` (docs/architecture.md, "Liveness")."""
+    if max_s < base_s:
+        raise ConfigError(
+            f"load_backoff_max_s {max_s:g} is below load_backoff_s {base_s:g}; raise "
+            "load_backoff_max_s or lower load_backoff_s",
+            path="load_backoff_max_s",
+        )
 
 
 def _policy_problem(policy: str) -> str | None:
@@ -171,6 +187,10 @@ class FileTierConfig(TierConfig):
     capacity: Capacity | None = None
     """Bytes of chunk files kept; least recently used chunks are evicted beyond it. Unset:
     bounded only by the filesystem."""
+    capacity_scope: Literal["namespace", "root"] = "namespace"
+    """What ``capacity`` bounds: this namespace, or (``root``) every namespace under the
+    root together, other namespaces' chunks going first, least recently used namespace
+    first."""
     io: Literal["auto", "posix", "kvikio"] = "auto"
     """I/O path: posix (pread/pwrite), kvikio (GPUDirect Storage), or auto (kvikio only
     when a CUDA driver loads and a probe succeeds)."""
@@ -192,6 +212,11 @@ class FileTierConfig(TierConfig):
     quarantine: bool = True
     """Move corrupt chunk files to ``<namespace>/quarantine/`` for inspection instead of
     deleting them."""
+    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
+    """Seconds a chunk whose load failed is a miss before it is tried again; doubled per
+    further failure."""
+    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
+    """Cap of that back-off; also how long a chunk forgotten as unreadable stays a miss."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -203,6 +228,13 @@ class FileTierConfig(TierConfig):
         return Path(self.root).expanduser().absolute()
 
     def _check(self) -> None:
+        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        if self.capacity_scope == "root" and self.capacity is None:
+            raise ConfigError(
+                "capacity_scope: root shares the tier's capacity among the root's "
+                "namespaces; set a capacity (for example capacity: 100GiB)",
+                path="capacity_scope",
+            )
         if self.file_mode & 0o600 != 0o600:
             raise ConfigError(
                 f"file_mode {self.file_mode:#o} must let the owner read and write (include 0o600)",
@@ -351,8 +383,14 @@ class S3TierConfig(TierConfig):
     """Overall bound of one operation: every attempt and backoff together end by it."""
     delete_corrupt: bool = True
     """Delete an object that fails verification (it is a miss either way)."""
+    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
+    """Seconds an object whose load failed is a miss before it is tried again; doubled per
+    further failure."""
+    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
+    """Cap of that back-off; also how long an object forgotten as unreadable stays a miss."""
 
     def _check(self) -> None:
+        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError(
                 f"backoff_max_s {self.backoff_max_s:g} is below backoff_base_s "
@@ -400,8 +438,14 @@ class FsspecTierConfig(TierConfig):
     """Overall bound of one operation: every attempt and backoff together end by it."""
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Keyword arguments for the fsspec filesystem (credentials, project, ...)."""
+    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
+    """Seconds an object whose load failed is a miss before it is tried again; doubled per
+    further failure."""
+    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
+    """Cap of that back-off; also how long an object forgotten as unreadable stays a miss."""
 
     def _check(self) -> None:
+        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
         missing = _fsspec_protocol_problem(self.url)
         if missing is not None:
             raise ConfigError(missing, path="url")

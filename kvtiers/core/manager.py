@@ -75,6 +75,11 @@ class ReqContext:
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
     load_tier_filter: TierFilter = TierFilter.ALL
+    #: Keys no store or promotion for this request may evict: the chunks of its prefix
+    #: that its lookups found in the primary or promoted into it, kept until it loads them
+    #: (``prepare_load``) or finishes. A prefix larger than the primary then stops at what
+    #: fits instead of evicting its own head (see docs/architecture.md, "Liveness").
+    keep: set[OffloadKey] = field(default_factory=set, repr=False, init=False)
     # Per-request scratch space keyed by value type: a tier parses kv_transfer_params once
     # (in on_new_request) and reads the result back on later calls for the same request.
     _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
@@ -176,8 +181,11 @@ class OffloadingManager(ABC):
         """Reserve space for the keys that need storing and return them, in input order.
 
         Keys already present (stored, or reserved by an earlier store) are not returned.
-        May evict unpinned ready chunks to make room. Returns ``None`` when the keys cannot
-        be stored now, and then changes nothing at all.
+        May evict unpinned ready chunks to make room, never a key named in the batch nor one
+        in ``ctx.keep``. When not all keys fit, a tier may reserve the leading ones that do
+        and return just those (the CPU tier does: a prompt longer than the tier still
+        stores its head). Returns ``None`` when the keys cannot be stored now, and then
+        changes nothing at all.
         """
 
     @abstractmethod
@@ -222,7 +230,19 @@ class OffloadingManager(ABC):
         return False
 
     def reset_cache(self) -> None:
-        """Drop every chunk this manager can drop (persistent tiers keep their data)."""
+        """Drop every chunk this manager can drop (persistent tiers keep their data).
+
+        Keys being stored or pinned by a load are dropped too: they answer ``MISS`` at once
+        and a new store of them is accepted. The memory their jobs still touch is *fenced*:
+        not reused until the job's completion names the key (when no newer reservation or
+        pin of it is held) or :meth:`on_reset_flushed` says no such job runs any more.
+        Engines drop the completions of jobs from before a reset (vLLM does, and so does
+        :meth:`~kvtiers.engine.scheduler.OffloadScheduler.reset_cache`); they call
+        :meth:`on_reset_flushed` once their workers finished those jobs."""
+
+    def on_reset_flushed(self) -> None:
+        """No job from before the last :meth:`reset_cache` touches this tier's memory any
+        more: fenced memory is free again."""
 
     def get_stats(self) -> Mapping[str, float]:
         """Counters and gauges; names are documented in the README."""

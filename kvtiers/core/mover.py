@@ -49,6 +49,15 @@ class ChunkReporter(Protocol):
         manager drops them from its index on its next scheduler-thread call."""
         ...
 
+    def load_failed(self, key: OffloadKey, where: str, error: BaseException, *,
+                    lasting: bool) -> None:
+        """Thread-safe: loading ``key``'s chunk (at ``where``) failed with ``error`` —
+        neither corrupt nor vanished. ``lasting``: the error says the chunk itself cannot
+        be read (a directory in its place, no permission), so a retry fails the same way.
+        The manager answers ``MISS`` for the key for a back-off period and forgets it after
+        lasting failures (``kvtiers/tiers/backoff.py``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class MoverResult:

@@ -7,14 +7,21 @@ from token ids), and turns the manager's group-unaware answers into per-group tr
   prefix is the minimum across groups, floored to a whole number of every group's blocks.
   Lookups continue through ``HIT_PENDING`` chunks so all promotions of a prefix start in
   the same step; any pending chunk inside the usable prefix means "ask again next step".
+  A ``RETRY`` (a shared tier probing) ends a group's prefix for the step but not its
+  lookups, so all of a prefix's missing keys are probed in one batch and a prefix another
+  engine published is usable within three steps (probe, promote, load).
 * :meth:`OffloadScheduler.plan_load` — pin the prefix's chunks once (``prepare_load``),
   then one ``get_spec`` per group, each carrying the group's ``gpu_block_offset``.
 * :meth:`OffloadScheduler.plan_store` — reserve newly full chunks of every group in one
   ``prepare_store`` and describe, per group, which GPU blocks fill the accepted chunks.
 * :meth:`OffloadScheduler.complete` — route a worker's job result back to
   ``complete_load`` / ``complete_store``.
+* :meth:`OffloadScheduler.reset_cache` — vLLM's reset fence: the manager drops every chunk,
+  completions of jobs from before the reset are dropped here, and the manager hears
+  ``on_reset_flushed`` once the last of those jobs has finished.
 
-Invariant: every key pinned or reserved here is released exactly once, by ``complete``.
+Invariant: every key pinned or reserved here is released exactly once, by ``complete``, or
+by the manager's reset (for jobs in flight at a reset).
 """
 
 from __future__ import annotations
@@ -84,6 +91,8 @@ class OffloadScheduler:
         self._jobs: dict[int, TransferPlan] = {}
         self._job_ids = itertools.count()
         self._block_lcm = math.lcm(*(g.tokens_per_block for g in config.groups))
+        # Jobs in flight at the last reset_cache: their completions are dropped.
+        self._fenced_jobs: set[int] = set()
 
     # -- requests -------------------------------------------------------------------
     def add_request(
@@ -143,15 +152,22 @@ class OffloadScheduler:
             retry = False
             for key in keys[: -(-limit // tokens_per_chunk)]:
                 result = self.manager.lookup(key, request.ctx)
-                if result is LookupResult.HIT:
-                    count += 1
-                elif result is LookupResult.HIT_PENDING:
-                    ready = count if ready is None else ready
+                if result is LookupResult.MISS:
+                    break
+                if result is LookupResult.HIT_PENDING:
                     promoted += 1
+                if result is LookupResult.RETRY:
+                    # The group's prefix ends here for this step, but the lookups go on:
+                    # every key a shared tier must probe is queued now, in one batch,
+                    # instead of one key per step.
+                    retry = True
+                elif retry:
+                    continue
+                elif result is LookupResult.HIT:
                     count += 1
                 else:
-                    retry = result is LookupResult.RETRY
-                    break
+                    ready = count if ready is None else ready
+                    count += 1
             ready_tokens.append((count if ready is None else ready) * tokens_per_chunk)
             reach_tokens.append(count * tokens_per_chunk)
             retried.append(retry)
@@ -225,6 +241,9 @@ class OffloadScheduler:
             request.stored_chunks[group_idx] = max(request.stored_chunks[group_idx], full)
         if not wanted:
             return None
+        # In token order across groups: a manager that can take only the leading keys (a
+        # prompt longer than the primary) then keeps a prefix every group can load.
+        wanted.sort(key=lambda w: ((w[1] + 1) * self.config.tokens_per_chunk(w[0]), w[0]))
         accepted = self.manager.prepare_store([key for _, _, key in wanted], request.ctx)
         if not accepted:
             return None
@@ -263,6 +282,12 @@ class OffloadScheduler:
             plan = self._jobs.pop(job_id)
         except KeyError:
             raise UnknownKeyError(f"job {job_id} is not in flight") from None
+        if job_id in self._fenced_jobs:
+            # From before a reset: the manager forgot its keys (their slots are fenced).
+            self._fenced_jobs.discard(job_id)
+            if not self._fenced_jobs:
+                self.manager.on_reset_flushed()
+            return plan
         ctx = self._ctx_of(plan.req_id)
         if plan.kind == "load":
             self.manager.complete_load(plan.keys, ctx)
@@ -273,6 +298,19 @@ class OffloadScheduler:
     def _ctx_of(self, req_id: str) -> ReqContext:
         request = self._requests.get(req_id)
         return request.ctx if request is not None else ReqContext(req_id=req_id)
+
+    def reset_cache(self) -> None:
+        """Drop every chunk the manager can drop, as vLLM's connector does: jobs in flight
+        still finish on the workers, but their completions are dropped here (the manager
+        has forgotten their keys and fenced their slots) and the manager hears
+        ``on_reset_flushed`` when the last one finished (at once when none is in flight).
+        Active requests store again from their first chunk."""
+        self.manager.reset_cache()
+        self._fenced_jobs.update(self._jobs)
+        for request in self._requests.values():
+            request.stored_chunks = [0] * len(request.stored_chunks)
+        if not self._fenced_jobs:
+            self.manager.on_reset_flushed()
 
     @property
     def jobs_in_flight(self) -> int:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
 from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.keys import KeyFormat
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
@@ -113,7 +114,10 @@ def load_stack(
                     name=tier_config.name,
                 )
             )
-        manager = TieredManager(tiers)
+        manager = TieredManager(
+            tiers,
+            keys=KeyFormat.for_algorithm(len(identity.groups), identity.cache.hash_algorithm),
+        )
     except BaseException:
         for tier in reversed(tiers):
             tier.shutdown()

@@ -18,10 +18,24 @@ so the scheduler sees one manager.
   takes and gives back each job's reservations and pins. Mover completions are collected
   in ``on_schedule_end``.
 
+* **The door.** Every call that names keys checks them first (``bytes`` of this cache's
+  length, a group in range: :class:`~kvtiers.core.keys.KeyFormat`) and its context (a
+  :class:`~kvtiers.core.manager.ReqContext`); a bad batch raises
+  :class:`~kvtiers.errors.InvalidKeyError` naming the bad key before any tier sees it.
+  After :meth:`TieredManager.shutdown` every such call raises
+  :class:`~kvtiers.errors.ClosedError`.
+* **A request's own prefix.** Keys a request's lookups found in the primary or promoted
+  into it go into ``ctx.keep`` until it loads them (``prepare_load``) or finishes: the
+  primary never evicts them for that request's own promotions or stores, so a prefix
+  larger than the primary stops at what fits (the rest is a ``MISS``, recomputed) instead
+  of evicting its own head every step.
+
 Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact; a
 cascaded chunk's primary slot is never evicted or freed while a mover reads it;
-``reset_cache`` drains movers before freeing primary slots. All methods run on the
-scheduler thread; movers touch only memory the composite pinned or reserved for them.
+``reset_cache`` drains movers before freeing primary slots, and a completion of a job from
+before a reset (which releases a fenced slot, see ``OffloadingManager.reset_cache``)
+cascades nothing. All methods run on the scheduler thread; movers touch only memory the
+composite pinned or reserved for them.
 """
 
 from __future__ import annotations
@@ -33,7 +47,7 @@ import time
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvtiers.core.keys import OffloadKey
+from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
 from kvtiers.core.manager import (
     LookupResult,
     OffloadingEvent,
@@ -45,7 +59,7 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
-from kvtiers.errors import ConfigError
+from kvtiers.errors import ClosedError, ConfigError
 from kvtiers.stack.metrics_latency import LatencyHistograms
 from kvtiers.tiers.base import BuiltTier
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
@@ -89,9 +103,12 @@ class _Lower:
 
 
 class TieredManager(OffloadingManager):
-    """An ordered stack of tiers behind one ``OffloadingManager``. See the module docstring."""
+    """An ordered stack of tiers behind one ``OffloadingManager``. See the module docstring.
 
-    def __init__(self, tiers: Sequence[BuiltTier]) -> None:
+    ``keys`` is the format of this cache's keys (the stack builder derives it from the
+    identity); without it, keys are checked to be ``bytes`` of one length, any group."""
+
+    def __init__(self, tiers: Sequence[BuiltTier], *, keys: KeyFormat | None = None) -> None:
         if not tiers:
             raise ConfigError("a stack needs at least one tier", path="tiers")
         self.tiers = list(tiers)
@@ -116,6 +133,13 @@ class TieredManager(OffloadingManager):
         self._job_ids = itertools.count()
         self._stats: dict[str, float] = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        self._keys = keys if keys is not None else KeyFormat(2**32)
+        # The door's numbers, read on every lookup.
+        self._group_limit = self._keys.group_limit
+        self._key_bytes = self._keys.key_bytes
+        # Between reset_cache and on_reset_flushed a completion may name a key whose
+        # fenced slot it releases: only keys the primary then holds are cascaded.
+        self._fence = False
         # (key, lower tier) of the latest promotion a lookup started: who serves that key.
         self._promoting: tuple[OffloadKey, BuiltTier] | None = None
         #: ``get_stats()`` as taken at the end of a step, for readers on other threads (the
@@ -139,7 +163,27 @@ class TieredManager(OffloadingManager):
         )
 
     # -- lookup and promotion -------------------------------------------------------
+    def _door(self, keys: Collection[OffloadKey], ctx: ReqContext, where: str) -> None:
+        """Refuse a call before it changes anything: after shutdown, a context that is
+        not a ``ReqContext``, or a key that is not one of this cache's."""
+        if self._closed:
+            raise ClosedError(f"{where}: this stack was shut down; build a new one")
+        if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
+            raise TypeError(f"{where}: expected a ReqContext, got {type(ctx).__name__}")
+        self._keys.check_all(keys, where)
+
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        # The door, inlined: this is called once per chunk of every waiting request.
+        limit = self._group_limit
+        if (
+            self._closed or type(ctx) is not ReqContext or type(key) is not bytes
+            or len(key) != self._key_bytes
+            or (limit is not None and key[-GROUP_INDEX_BYTES:] >= limit)
+        ):
+            # The slow path: raises with the reason, or learns the key length (first key)
+            # or accepts a ReqContext subclass.
+            self._door((key,), ctx, "lookup")
+            self._key_bytes = self._keys.key_bytes
         result = self._lookup(key, ctx)
         if result is LookupResult.HIT:
             self._stats["hits"] += 1
@@ -150,6 +194,7 @@ class TieredManager(OffloadingManager):
     def _lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         result = self._primary.lookup(key, ctx)
         if result is not LookupResult.MISS:
+            ctx.keep.add(key)
             return result
         retry = False
         for lower in self._lower:
@@ -169,11 +214,12 @@ class TieredManager(OffloadingManager):
         if hold is LoadHold.REFUSED:
             self._stats["promotions_refused"] += 1
             return LookupResult.MISS
+        if hold is LoadHold.HELD:
+            ctx.keep.add(key)
+            self._promoting = (key, lower.tier)
+            return LookupResult.HIT_PENDING
         # GONE: the chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
-        if hold is not LoadHold.HELD:
-            return LookupResult.MISS
-        self._promoting = (key, lower.tier)
-        return LookupResult.HIT_PENDING
+        return LookupResult.MISS
 
     def promotion_source(self, key: OffloadKey) -> BuiltTier | None:
         """The lower tier the latest promotion-starting lookup promotes ``key`` from, when
@@ -190,6 +236,7 @@ class TieredManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
+        self._door(keys, ctx, "prepare_store")
         return self._primary.prepare_store(keys, ctx)
 
     def complete_store(
@@ -197,11 +244,17 @@ class TieredManager(OffloadingManager):
     ) -> None:
         """Finish a primary store; on success cascade ``keys`` to admitting lower tiers.
 
-        ``keys`` must be keys this manager's ``prepare_store`` returned."""
+        ``keys`` must be keys this manager's ``prepare_store`` returned (else
+        :class:`~kvtiers.errors.UnknownKeyError`, before anything changed)."""
+        self._door(keys, ctx, "complete_store")
         keys = list(keys)
         self._primary.complete_store(keys, ctx, success)
         if not success or not keys:
             return
+        if self._fence:
+            # A completion of a job from before the reset released a fenced slot: that
+            # key is not stored, so it cascades nowhere.
+            keys = [k for k in keys if self._primary.lookup(k, ctx) is LookupResult.HIT]
         for lower in self._lower:
             if lower.tier.admission == "never":
                 continue
@@ -244,25 +297,35 @@ class TieredManager(OffloadingManager):
 
     # -- the rest of the contract ---------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._door(keys, ctx, "prepare_load")
         self._primary.prepare_load(keys, ctx)
+        # Pinned now: the request's prefix no longer needs protecting by name.
+        ctx.keep.clear()
 
     def get_spec(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
+        if self._closed:
+            raise ClosedError("get_spec: this stack was shut down; build a new one")
         return self._primary.get_spec(keys)
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._door(keys, ctx, "touch")
         for tier in self.tiers:
             tier.manager.touch(keys, ctx)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._door(keys, ctx, "complete_load")
         self._primary.complete_load(keys, ctx)
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        self._door((), ctx, "on_new_request")
         result = self._primary.on_new_request(ctx)
         for lower in self._lower:
             lower.manager.on_new_request(ctx)
         return result
 
     def on_request_finished(self, ctx: ReqContext) -> None:
+        self._door((), ctx, "on_request_finished")
+        ctx.keep.clear()
         for tier in self.tiers:
             tier.manager.on_request_finished(ctx)
 
@@ -296,10 +359,23 @@ class TieredManager(OffloadingManager):
         )
 
     def reset_cache(self) -> None:
-        """Drain movers, then drop the primary's chunks; persistent tiers keep theirs."""
+        """Drain movers, then drop the primary's chunks; persistent tiers keep theirs.
+
+        Keys being stored or loaded by the engine's workers are ``MISS`` at once and may be
+        stored anew; their primary slots are fenced until the jobs end or
+        :meth:`on_reset_flushed` (see ``OffloadingManager.reset_cache``)."""
+        if self._closed:
+            raise ClosedError("reset_cache: this stack was shut down; build a new one")
         self.wait_idle()
         for tier in self.tiers:
             tier.manager.reset_cache()
+        self._fence = True
+
+    def on_reset_flushed(self) -> None:
+        """The engine's workers finished every job from before the last reset."""
+        self._fence = False
+        for tier in self.tiers:
+            tier.manager.on_reset_flushed()
 
     def get_stats(self) -> Mapping[str, float]:
         stats = dict(self._stats)

@@ -263,6 +263,16 @@ class ChunkIndex:
             self._evict(victims)
         return IndexChange(added, victims)
 
+    def evict_lru(self, nbytes: int) -> list[OffloadKey]:
+        """Evict least recently used ``READY``, unpinned keys freeing at least ``nbytes``
+        of usage, or every such key when they free less (the medium itself is full, so
+        the owner frees room below its capacity); returns them, oldest first."""
+        victims = self._pick_victims(nbytes, ())
+        if victims is None:
+            victims = [k for k, e in self._entries.items() if e.state is _READY and not e.pins]
+        self._evict(victims)
+        return victims
+
     def discard(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """Drop ``READY`` keys whose chunks were reported bad or gone (an event records
         it); a pinned one is dropped at its last :meth:`unpin`. Keys being written or not

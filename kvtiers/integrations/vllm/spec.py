@@ -24,6 +24,13 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
 * Cost: the kvtiers context of a request is translated once (``on_new_request``); when
   every KV-cache group is offloaded vLLM's keys are kvtiers' keys (no translation), and a
   one-tier ``cpu`` stack answers ``lookup`` from the primary in one call.
+* Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
+  ``reset_cache`` (0.32 and 0.33), so the stack forgets those keys at once (``MISS``, a new
+  store accepted) and fences their primary slots. vLLM 0.33 calls ``on_reset_flushed``
+  once its workers finished those jobs: the slots come back then. vLLM 0.32 has no such
+  call but flushes the jobs to its workers in the next step: the slots come back at the
+  end of the second step after the reset (:data:`RESET_GRACE_STEPS`), when even an
+  asynchronously scheduled step has run that flush.
 * The worker adapter splits each packed ``GPULoadStoreSpec(block_ids, group_sizes,
   block_indices)`` into one :class:`~kvtiers.core.specs.GroupTransfer` per group, the
   group's offloaded spec carrying ``block_indices[g]`` as its ``gpu_block_offset``, and
@@ -80,6 +87,12 @@ _PERSISTENT_KINDS = frozenset({"file", "s3", "fsspec"})
 _CONFIG_INFO_KEYS = (
     "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "kvtiers_tiers"
 )
+#: Steps after a reset at whose end the fenced slots come back when vLLM (0.32) never calls
+#: ``on_reset_flushed``: step 1 carries the flush to the workers, and with asynchronous
+#: scheduling step 2 is planned while step 1 runs.
+RESET_GRACE_STEPS = 2
+#: Whether this vLLM tells its manager when a reset's jobs have finished (0.33 does).
+_FLUSH_SIGNAL = hasattr(vbase.OffloadingManager, "on_reset_flushed")
 
 
 class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
@@ -147,6 +160,8 @@ class KVTiersManager(vbase.OffloadingManager):
         self._events: list[Any] = []
         # vLLM keys the primary removed since the last PrepareStoreOutput, in order.
         self._evicted: dict[Any, None] = {}
+        # Steps left before a reset's fenced slots come back (vLLM without a flush signal).
+        self._fence_steps: int | None = None
         self._requests: dict[str, _Request] = {}
         primary = stack.manager.tiers[0].manager
         if self._same_keys and len(stack.manager.tiers) == 1 and isinstance(
@@ -261,18 +276,28 @@ class KVTiersManager(vbase.OffloadingManager):
                 new_req_ids=context.new_req_ids, preempted_req_ids=context.preempted_req_ids
             )
         )
+        if self._fence_steps is not None:
+            self._fence_steps -= 1
+            if self._fence_steps <= 0:
+                self._fence_steps = None
+                self._tiered.on_reset_flushed()
         self._drain_events()
 
     def has_pending_work(self) -> bool:
         return self._tiered.has_pending_work()
 
     def reset_cache(self) -> None:
+        """vLLM drops the completions of jobs in flight now: their keys are forgotten and
+        their slots fenced (see the module docstring)."""
         self._tiered.reset_cache()
+        if not _FLUSH_SIGNAL:
+            self._fence_steps = RESET_GRACE_STEPS
         self._drain_events()
 
     def on_reset_flushed(self) -> None:
-        """Nothing to release: ``reset_cache`` already waited for kvtiers' own movers, and
-        the primary's freed slots are reused only by later stores."""
+        """vLLM's workers finished every job from before the last reset."""
+        self._fence_steps = None
+        self._tiered.on_reset_flushed()
 
     def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
         """One series: the primary's capacity in chunks and bytes, the blocks per chunk

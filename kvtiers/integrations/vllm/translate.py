@@ -49,7 +49,7 @@ from kvtiers.core.manager import (
     TierFilter,
     TierMatcher,
 )
-from kvtiers.errors import ConfigError
+from kvtiers.errors import ConfigError, InvalidKeyError
 from kvtiers.filemapper.fingerprint import is_immutable_revision, resolve_model
 from kvtiers.filemapper.identity import NamespaceIdentity
 from kvtiers.integrations.vllm.engine import EngineConfigs, group_attention, model_inputs
@@ -319,12 +319,17 @@ class KeyMap:
 
     def to_kvtiers(self, key: bytes) -> OffloadKey:
         if self.identity:
-            # vLLM's keys are bytes too: the same object serves (no copy, no call).
+            # vLLM's keys are bytes too: the same object serves (no copy, no call); the
+            # stack's door checks it.
             return key  # type: ignore[return-value]
+        if type(key) is not bytes or len(key) <= GROUP_INDEX_BYTES:
+            raise InvalidKeyError(
+                f"vLLM key {key!r:.80}: expected bytes (a block hash + 4-byte group id)"
+            )
         group = key[-GROUP_INDEX_BYTES:]
         position = self._to_position.get(group)
         if position is None:
-            raise ValueError(
+            raise InvalidKeyError(
                 f"key {key.hex()} names KV-cache group {int.from_bytes(group, 'big')}, "
                 "which is not offloaded"
             )

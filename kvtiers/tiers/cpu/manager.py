@@ -2,13 +2,21 @@
 
 State per slot is explicit: :class:`SlotState` ``FREE`` / ``WRITING`` (reserved by
 ``prepare_store``, bytes in flight) / ``READY`` (stored), and, separately, a pin count per
-pinned key (``prepare_load`` … ``complete_load``). Invariants:
+pinned key (``prepare_load`` … ``complete_load``). ``reset_cache`` *fences* the slots of
+keys being written or pinned: the keys are gone (``MISS``), their slots stay out of use
+until the job that holds each ends (its completion) or ``on_reset_flushed``. Invariants:
 
-- every key maps to exactly one slot and every non-free slot to exactly one key;
-- only ``READY`` keys are tracked by the policy, and pinned keys are passed to it as
-  protected, so eviction never picks a writing or pinned chunk;
-- ``prepare_store`` either reserves every key it returns or returns ``None`` and changes
-  nothing (the policy's ``evict`` is atomic, and it is the only step that can fail);
+- every key maps to exactly one slot; every non-free slot belongs to exactly one key or
+  is fenced (held for a job from before a reset);
+- only ``READY`` keys are tracked by the policy, and pinned keys, the batch's present keys
+  and the request's ``ctx.keep`` keys are passed to it as protected, so eviction never
+  picks a writing or pinned chunk, nor a chunk of the prefix the storing request holds;
+- ``prepare_store`` reserves every key it returns and changes nothing else but the
+  evictions that make room for them; when not all fit it reserves the leading keys that
+  do, and when none fits it returns ``None`` and changes nothing (the policy's ``evict``
+  is atomic);
+- ``complete_store`` / ``complete_load`` of a key this tier never reserved or pinned raise
+  :class:`~kvtiers.errors.UnknownKeyError` before changing anything;
 - the number of non-free slots never exceeds ``num_slots``.
 
 Recency follows prefix order: a request's prompt head is shared by the most requests, so
@@ -52,6 +60,11 @@ if TYPE_CHECKING:
     from kvtiers.tiers.cpu.region import SlotRegion
 
 
+def _shown(key: object) -> str:
+    """A key for an error message."""
+    return key.hex() if isinstance(key, bytes) else repr(key)
+
+
 class SlotState(IntEnum):
     """State of one slot of the host region."""
 
@@ -70,25 +83,23 @@ _R = TypeVar("_R")
 
 
 class _Protected(Collection[OffloadKey]):
-    """The union of three key collections, without building it (membership is what
-    eviction asks; iteration, rarely needed, yields each key once)."""
+    """The union of key collections, without building it (membership is what eviction
+    asks; iteration, rarely needed, yields each key once)."""
 
-    __slots__ = ("_a", "_b", "_c")
+    __slots__ = ("_parts",)
 
-    def __init__(
-        self, a: Collection[OffloadKey], b: Collection[OffloadKey], c: Collection[OffloadKey]
-    ) -> None:
-        self._a, self._b, self._c = a, b, c
+    def __init__(self, *parts: Collection[OffloadKey]) -> None:
+        self._parts = parts
 
     def __contains__(self, key: object) -> bool:
-        return key in self._a or key in self._b or key in self._c
+        return any(key in part for part in self._parts)
 
     def __iter__(self) -> Iterator[OffloadKey]:
-        return iter(set(self._a).union(self._b, self._c))
+        return iter(set().union(*self._parts))
 
     def __len__(self) -> int:
         """An upper bound: keys named by more than one part count once per part."""
-        return len(self._a) + len(self._b) + len(self._c)
+        return sum(map(len, self._parts))
 
 
 @dataclass(slots=True)
@@ -107,8 +118,8 @@ class CpuTierManager(OffloadingManager):
 
     ``policy`` is a fresh :class:`~kvtiers.policies.base.EvictionPolicy` sized for
     ``num_slots``. ``region``, when given, is closed by :meth:`shutdown`. Keys passed to
-    ``complete_store`` that are not being written are ignored, and a key named twice
-    counts once.
+    ``complete_store`` that are stored already are ignored, and a key named twice counts
+    once; a key neither reserved, stored nor fenced raises.
 
     The rules are those of :class:`~kvtiers.tiers.index.ChunkIndex`, which the other
     tiers use (this tier keeps its own arrays for its pluggable policies; see
@@ -144,6 +155,10 @@ class CpuTierManager(OffloadingManager):
         # Popped from the end, so slots are handed out in ascending order at first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._pins: dict[OffloadKey, int] = {}
+        # The reset fence: key → its fenced slots, oldest first; slot → completions it
+        # still waits for (1 for a store, the pin count for a load).
+        self._fenced: dict[OffloadKey, list[int]] = {}
+        self._fence_holds: dict[int, int] = {}
         self._events: list[OffloadingEvent] = []
         # Bumped by reset_cache: a request's access state from before a reset is stale.
         self._generation = 0
@@ -214,13 +229,26 @@ class CpuTierManager(OffloadingManager):
             # first; frequency policies keep their scan resistance (a long prompt evicts
             # its own once-used keys first).
             access = self._access(ctx) if self.policy.recency else None
-            if present or access is not None:
-                # Keys the caller counts as stored must survive the store that names them.
-                protected = _Protected(self._pins, present, () if access is None else access.seen)
+            if present or ctx.keep or access is not None:
+                # Keys the caller counts as stored must survive the store that names them,
+                # and the request's own prefix must survive its own stores and promotions.
+                protected = _Protected(
+                    self._pins, present, ctx.keep, () if access is None else access.seen
+                )
             victims = self.policy.evict(shortfall, protected)
             if victims is None:
-                return None
-            self._drop(victims)
+                # Not all fit: reserve the leading keys that do (a prompt longer than the
+                # tier still stores its head, which then cascades to the lower tiers).
+                policy = self.policy
+                evictable = len(policy) - sum(1 for key in protected if key in policy)
+                fit = len(self._free) + evictable
+                if fit <= 0:
+                    return None
+                del accepted[fit:]
+                victims = policy.evict(fit - len(self._free), protected)
+                assert victims is not None
+            if victims:
+                self._drop(victims)
         free = self._free
         state = self._state
         for key in accepted:
@@ -241,6 +269,13 @@ class CpuTierManager(OffloadingManager):
     ) -> None:
         slots = self._slots
         state = self._state
+        fenced = self._fenced
+        for key in keys:
+            if key not in slots and key not in fenced:
+                raise UnknownKeyError(
+                    f"complete_store: key {_shown(key)} was never reserved by prepare_store "
+                    "in the CPU tier (complete only the keys prepare_store returned)"
+                )
         # One pass that changes each slot's state as it goes, so a key named twice is
         # no longer WRITING (or no longer present) the second time: it counts once.
         done = []
@@ -252,6 +287,8 @@ class CpuTierManager(OffloadingManager):
                     state[slot] = _READY
                     insert(key)
                     done.append(key)
+                elif fenced:
+                    self._release_fenced(key, _WRITING)
             self._stores += len(done)
             if done:
                 self._events.append(self._event(done, removed=False))
@@ -264,6 +301,8 @@ class CpuTierManager(OffloadingManager):
                     state[slot] = _FREE
                     free.append(slot)
                     done.append(key)
+                elif fenced:
+                    self._release_fenced(key, _WRITING)
             self._store_failures += len(done)
             if done:
                 event = self._event(done, removed=True)
@@ -303,18 +342,27 @@ class CpuTierManager(OffloadingManager):
         drops: dict[OffloadKey, int] = {}
         for key in keys:
             drops[key] = drops.get(key, 0) + 1
+        fenced = self._fenced
         for key, count in drops.items():
-            if pins.get(key, 0) < count:
+            held = pins.get(key, 0)
+            if held < count and fenced:
+                held += self._fenced_pins(key)
+            if held < count:
                 raise UnknownKeyError(
-                    f"complete_load: key {key.hex()} is pinned {pins.get(key, 0)} times in "
-                    f"the CPU tier but released {count} times (complete each prepare_load once)"
+                    f"complete_load: key {_shown(key)} is pinned {held} times in the CPU "
+                    f"tier but released {count} times (complete each prepare_load once)"
                 )
         for key, count in drops.items():
-            left = pins[key] - count
-            if left:
-                pins[key] = left
-            else:
+            held = pins.get(key, 0)
+            if held > count:
+                pins[key] = held - count
+            elif held == count:
                 del pins[key]
+            else:
+                # Pins beyond the live ones are those of loads from before a reset.
+                pins.pop(key, None)
+                for _ in range(count - held):
+                    self._release_fenced(key, _READY)
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         # Earliest keys last, so a prompt's first chunks (shared by the most requests)
@@ -354,17 +402,38 @@ class CpuTierManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Drop every ready, unpinned chunk; writing and pinned chunks stay."""
-        victims = [
-            key for key, slot in self._slots.items()
-            if self._state[slot] == _READY and key not in self._pins
-        ]
-        for key in victims:
-            self.policy.remove(key)
-        self._free_slots(victims)
+        """Drop every chunk: ready, unpinned slots are free at once; the slots of keys
+        being written or pinned are fenced (see the module docstring)."""
+        state = self._state
+        pins = self._pins
+        remove = self.policy.remove
+        removed = []
+        for key, slot in self._slots.items():
+            if state[slot] == _READY:
+                remove(key)
+                removed.append(key)
+                held = pins.get(key, 0)
+                if not held:
+                    state[slot] = _FREE
+                    self._free.append(slot)
+                    continue
+            else:
+                held = 1
+            self._fenced.setdefault(key, []).append(slot)
+            self._fence_holds[slot] = held
+        self._slots.clear()
+        pins.clear()
         self._generation += 1
-        if victims:
-            self._events.append(self._event(victims, removed=True))
+        if removed:
+            self._events.append(self._event(removed, removed=True))
+
+    def on_reset_flushed(self) -> None:
+        """Free every fenced slot: no job from before the last reset touches them."""
+        for slot in self._fence_holds:
+            self._state[slot] = _FREE
+            self._free.append(slot)
+        self._fence_holds.clear()
+        self._fenced.clear()
 
     def get_stats(self) -> Mapping[str, float]:
         chunks = len(self._slots)
@@ -377,6 +446,7 @@ class CpuTierManager(OffloadingManager):
             "loads": self._loads,
             "chunks": chunks,
             "pinned_chunks": len(self._pins),
+            "fenced_slots": len(self._fence_holds),
             "usage_bytes": chunks * self.slot_bytes,
             "capacity_bytes": self.num_slots * self.slot_bytes,
         }
@@ -399,6 +469,35 @@ class CpuTierManager(OffloadingManager):
             slot = slots.pop(key)
             state[slot] = _FREE
             free.append(slot)
+
+    def _fenced_pins(self, key: OffloadKey) -> int:
+        """Pins the fenced slots of ``key`` still wait for."""
+        return sum(
+            self._fence_holds[slot] for slot in self._fenced.get(key, ())
+            if self._state[slot] == _READY
+        )
+
+    def _release_fenced(self, key: OffloadKey, kind: int) -> None:
+        """One completion of a job from before the reset that holds a fenced slot of
+        ``key`` (a store's for ``kind`` WRITING, a load's for READY), oldest first; the
+        slot is free when its last completion came. No such slot: nothing happens."""
+        slots = self._fenced.get(key)
+        if not slots:
+            return
+        index = next((i for i, slot in enumerate(slots) if self._state[slot] == kind), None)
+        if index is None:
+            return
+        slot = slots[index]
+        holds = self._fence_holds[slot] - 1
+        if holds:
+            self._fence_holds[slot] = holds
+            return
+        del self._fence_holds[slot]
+        del slots[index]
+        if not slots:
+            del self._fenced[key]
+        self._state[slot] = _FREE
+        self._free.append(slot)
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
         return OffloadingEvent(

@@ -67,6 +67,9 @@ def build_tier(
         io_backend=backend.code,
         io_backend_name=backend.name,
         space=space,
+        load_backoff_s=config.load_backoff_s,
+        load_backoff_max_s=config.load_backoff_max_s,
+        capacity_scope=config.capacity_scope,
     )
     settings = PublishSettings(
         file_mode=config.file_mode, dir_mode=config.dir_mode, root=mapper.root

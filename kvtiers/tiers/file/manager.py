@@ -21,7 +21,26 @@ Invariants:
   deleter executor (dropped from the index at once), shared-directory existence probes
   run as batches on a one-thread probe executor, and movers report corrupt or vanished
   chunks through :meth:`forget`, a thread-safe queue drained on the next
-  scheduler-thread call.
+  scheduler-thread call;
+- a key whose load failed otherwise is a ``MISS`` while its
+  :class:`~kvtiers.tiers.backoff.LoadBackoff` says so, and is forgotten (counted in
+  ``unreadable_chunks``) after lasting failures, so no lookup answers ``HIT`` for a chunk
+  that fails every time.
+
+A cascade that finds the disk full (the :class:`~kvtiers.tiers.file.space.SpaceLatch` begins
+an episode) makes room once per episode: :data:`ROOM_CHUNKS` least recently used chunks
+(or more, as many as the episode refused) are evicted, stores are refused until their files
+are unlinked, then one store tries at once; if it fails too, the latch keeps the tier full
+as before.
+
+With ``capacity_scope="root"`` the capacity is one budget for every namespace under the
+root (other identities, old configurations): at start the other namespaces' chunk files
+are measured (one walk, ``stat`` only) and held as *foreign* chunks, least recently used
+namespace first (by its newest chunk), oldest chunk first within one. Foreign bytes count
+against the budget and go before this namespace's own chunks whenever room is needed:
+at start if the root is over budget, then by each ``prepare_store`` that needs room. The
+budget is settled by the namespaces that open; ones that keep writing meanwhile are
+trimmed when the next namespace opens.
 
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
@@ -40,6 +59,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
+from typing import Literal
 
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.geometry import ChunkGeometry
@@ -58,6 +78,9 @@ from kvtiers.core.manager import (
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, is_temp_name
 from kvtiers.core.specs import FileLoadStoreSpec
 from kvtiers.filemapper import FileMapper, open_namespace
+from kvtiers.filemapper.manifest import MANIFEST_NAME
+from kvtiers.filemapper.mapper import key_from_chunk_name
+from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S, LoadBackoff
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.index import ChunkIndex
@@ -68,6 +91,8 @@ logger = logging.getLogger(__name__)
 #: On a shared directory, temp files younger than this may belong to a live writer.
 SHARED_TEMP_AGE_S = 3600.0
 QUARANTINE_DIR = "quarantine"
+#: Chunks evicted to make room when a cascade finds the disk full (at least).
+ROOM_CHUNKS = 16
 
 _FANOUT = re.compile(r"[0-9a-f]{2}")
 
@@ -93,13 +118,16 @@ class _Deleter:
         self._futures: list[Future[None]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter")
 
-    def delete(self, paths: Iterable[Path]) -> None:
+    def delete(self, paths: Iterable[Path]) -> list[Future[None]]:
+        """Queue unlinks of ``paths``; their futures (done once each unlink ran)."""
         paths = list(paths)
         with self._lock:
             for path in paths:
                 self._pending[path] = self._pending.get(path, 0) + 1
         self._futures = [f for f in self._futures if not f.done()]
-        self._futures.extend(self._pool.submit(self._unlink_one, path) for path in paths)
+        batch = [self._pool.submit(self._unlink_one, path) for path in paths]
+        self._futures.extend(batch)
+        return batch
 
     def cancel(self, paths: Collection[Path]) -> list[Path] | None:
         """Keep ``paths``: their queued unlinks are skipped (the names are about to be
@@ -194,6 +222,70 @@ class _Prober:
         return found
 
 
+class _Foreign:
+    """Other namespaces' chunk files under the root, in the order they are given up:
+    least recently used namespace first, oldest chunk first within one."""
+
+    def __init__(self, root: Path, own: str) -> None:
+        self.usage = 0
+        self._chunks: list[tuple[Path, int]] = []
+        namespaces = []
+        try:
+            with os.scandir(root) as it:
+                candidates = [e for e in it if e.name != own and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            candidates = []
+        for entry in candidates:
+            if not os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+                continue
+            files = _chunk_files(entry.path)
+            newest = max((mtime for mtime, _, _ in files), default=0.0)
+            namespaces.append((newest, entry.name, sorted(files)))
+        for _, _, files in sorted(namespaces):
+            for _, path, size in files:
+                self._chunks.append((Path(path), size))
+                self.usage += size
+        self._next = 0
+
+    def take(self, nbytes: int) -> tuple[list[Path], int]:
+        """The next chunks to give up, freeing at least ``nbytes`` (or all that are
+        left), and the bytes they free."""
+        paths = []
+        freed = 0
+        chunks = self._chunks
+        while freed < nbytes and self._next < len(chunks):
+            path, size = chunks[self._next]
+            self._next += 1
+            paths.append(path)
+            freed += size
+        self.usage -= freed
+        return paths, freed
+
+
+def _chunk_files(namespace_dir: str) -> list[tuple[float, str, int]]:
+    """``(mtime, path, size)`` of the regular chunk files of one namespace directory."""
+    found = []
+    stack = [(namespace_dir, 0)]
+    while stack:
+        directory, level = stack.pop()
+        try:
+            with os.scandir(directory) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for entry in entries:
+            if level < 2 and _FANOUT.fullmatch(entry.name) and entry.is_dir(follow_symlinks=False):
+                stack.append((entry.path, level + 1))
+            elif level == 2 and key_from_chunk_name(entry.name) is not None:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    found.append((st.st_mtime, entry.path, st.st_size))
+    return found
+
+
 class FileTierManager(OffloadingManager):
     """Bookkeeping of the chunk files of one namespace; see the module docstring.
 
@@ -203,11 +295,17 @@ class FileTierManager(OffloadingManager):
     ``negative_ttl_s``). ``io_backend`` is the numeric code of the I/O path in use
     (reported in stats). ``clock`` is injectable for tests.
     ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
-    (read-only root, full disk) ``prepare_store`` answers ``None``.
+    (read-only root, full disk) ``prepare_store`` answers ``None``. ``load_backoff_s`` and
+    ``load_backoff_max_s``: how long a key whose load failed is a miss (see
+    :mod:`kvtiers.tiers.backoff`). ``capacity_scope``: ``"namespace"`` (the capacity is this
+    namespace's) or ``"root"`` (one budget for every namespace under the root; see the
+    module docstring), which needs a ``capacity_bytes``.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
-    ``corrupt_chunks`` and ``vanished_chunks`` (reported by movers), ``probes`` and
+    ``corrupt_chunks`` and ``vanished_chunks`` (reported by movers), ``load_failures``
+    (failed loads reported by movers), ``unreadable_chunks`` (keys forgotten after lasting
+    load failures), ``backing_off`` (keys with a failure record), ``probes`` and
     ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
     codes; the name is in :attr:`io_backend_name`).
     """
@@ -230,9 +328,18 @@ class FileTierManager(OffloadingManager):
         negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         space: SpaceLatch | None = None,
+        load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
+        load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
+        capacity_scope: Literal["namespace", "root"] = "namespace",
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
+        if capacity_scope not in ("namespace", "root"):
+            raise ValueError(
+                f"capacity_scope must be 'namespace' or 'root', got {capacity_scope!r}"
+            )
+        if capacity_scope == "root" and capacity_bytes is None:
+            raise ValueError("capacity_scope 'root' shares a capacity; give capacity_bytes")
         self.mapper = mapper
         self.geometry = geometry
         self.capacity_bytes = capacity_bytes
@@ -250,6 +357,13 @@ class FileTierManager(OffloadingManager):
             locality=self.locality,
         )
         self._forgotten: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
+        self._load_failed: queue.SimpleQueue[tuple[OffloadKey, str, BaseException, bool]] = (
+            queue.SimpleQueue()
+        )
+        self.backoff = LoadBackoff(
+            tier=f"file tier at {self.namespace_dir}", base_s=load_backoff_s,
+            max_s=load_backoff_max_s, clock=clock,
+        )
         self._reported_lock = threading.Lock()
         self._reported = {"corrupt_chunks": 0, "vanished_chunks": 0}
         self._probe_hits = 0
@@ -257,8 +371,16 @@ class FileTierManager(OffloadingManager):
         self._prober = _Prober(mapper) if shared else None
         self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
         self._closed = False
+        # The latch's episode this manager last made room for, and the unlinks of the
+        # chunks it evicted then (stores wait for them before one tries again).
+        self._room_for = 0
+        self._room_unlinks: list[Future[None]] = []
         start = time.perf_counter()
         removed = self._rebuild(SHARED_TEMP_AGE_S if shared else 0.0)
+        self._foreign = (
+            self._share_root(capacity_bytes)
+            if capacity_scope == "root" and capacity_bytes is not None else None
+        )
         self.rebuild_s = time.perf_counter() - start
         if removed:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
@@ -322,6 +444,35 @@ class FileTierManager(OffloadingManager):
         self._delete(self.index.add_ready((key, size) for _mtime, key, size in found).victims)
         return removed
 
+    def _share_root(self, capacity: int) -> _Foreign:
+        """Measure the other namespaces under the root, trim them to the shared budget
+        and give this namespace's index what is left."""
+        foreign = _Foreign(self.mapper.root, self.namespace_dir.name)
+        over = self.index.usage + foreign.usage - capacity
+        if over > 0:
+            paths, _ = foreign.take(over)
+            self._deleter.delete(paths)
+            logger.info(
+                "file tier %s: the root is over its shared capacity; removed %d chunks of "
+                "other namespaces, least recently used first", self.namespace_dir, len(paths),
+            )
+        self.index.capacity = capacity - foreign.usage
+        return foreign
+
+    def _room_from_foreign(self, keys: Collection[OffloadKey]) -> None:
+        """Give up other namespaces' chunks before this namespace's own for a store."""
+        foreign = self._foreign
+        if foreign is None or not foreign.usage:
+            return
+        index = self.index
+        assert index.capacity is not None
+        need = len({key for key in keys if key not in index}) * self.reserve_bytes
+        short = index.usage + need - index.capacity
+        if short > 0:
+            paths, freed = foreign.take(short)
+            self._deleter.delete(paths)
+            index.capacity += freed
+
     # -- the mover's side channel ---------------------------------------------------
     def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
         """Thread-safe: these chunks' files are gone (``corrupt``: they failed verification
@@ -332,17 +483,35 @@ class FileTierManager(OffloadingManager):
         for key in keys:
             self._forgotten.put(key)
 
+    def load_failed(
+        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
+    ) -> None:
+        """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
+        taken in on the next scheduler-thread call."""
+        self._load_failed.put((key, where, error, lasting))
+
     def _drain_forgotten(self) -> None:
-        if self._forgotten.empty():
+        if self._forgotten.empty() and self._load_failed.empty():
             return
         reported = []
         while not self._forgotten.empty():
             reported.append(self._forgotten.get())
-        self.index.discard(reported)
+        backoff = self.backoff
+        for key in reported:
+            backoff.clear(key)
+        while not self._load_failed.empty():
+            key, where, error, lasting = self._load_failed.get()
+            if backoff.failed(key, where, error, lasting=lasting):
+                reported.append(key)
+        if reported:
+            self.index.discard(reported)
 
     # -- lookup ---------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._drain_forgotten()
+        if self.backoff.blocked(key):
+            self.index.count_miss()
+            return LookupResult.MISS
         probes = self._probes
         if probes is not None and key not in self.index:
             self._take_probe_results()
@@ -394,7 +563,7 @@ class FileTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._drain_forgotten()
-        if self._space is not None and not self._space.admits():
+        if self._space is not None and not self._space_admits(self._space):
             return None  # read-only, or full until the latch lets one store try again
         index = self.index
         path = self.mapper.path
@@ -403,6 +572,7 @@ class FileTierManager(OffloadingManager):
             # The evicted file of one of these keys is being unlinked right now; waiting
             # for it would stall the scheduler on I/O, so the store is refused for now.
             return None
+        self._room_from_foreign(keys)
         change = index.reserve(keys, self.reserve_bytes)
         if change is None:
             # The names are not reused after all: their old files still go.
@@ -413,6 +583,27 @@ class FileTierManager(OffloadingManager):
             for key in change.keys:
                 self._probes.stored(key)
         return change.keys
+
+    def _space_admits(self, space: SpaceLatch) -> bool:
+        """The latch's answer, after making room once per full-disk episode."""
+        if space.full and space.wants_room and space.episodes != self._room_for:
+            self._room_for = space.episodes
+            need = max(ROOM_CHUNKS, space.refused_chunks) * self.reserve_bytes
+            victims = self.index.evict_lru(need)
+            if victims:
+                logger.info(
+                    "file tier %s: the disk is full; evicted %d least recently used chunks "
+                    "to make room", self.namespace_dir, len(victims),
+                )
+                self._room_unlinks = self._deleter.delete(
+                    self.mapper.path(key) for key in victims
+                )
+        if self._room_unlinks:
+            if not all(f.done() for f in self._room_unlinks):
+                return False
+            self._room_unlinks = []
+            space.retry_now()
+        return space.admits()
 
     def _delete(self, victims: list[OffloadKey]) -> None:
         if victims:
@@ -467,6 +658,9 @@ class FileTierManager(OffloadingManager):
         del stats["discarded"]
         with self._reported_lock:
             stats.update(self._reported)
+        stats["load_failures"] = self.backoff.failures
+        stats["unreadable_chunks"] = self.backoff.forgotten
+        stats["backing_off"] = len(self.backoff)
         stats["probes"] = 0 if self._probes is None else self._probes.probes
         stats["probe_hits"] = self._probe_hits
         stats["usage_bytes"] = self.index.usage

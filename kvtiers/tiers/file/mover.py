@@ -44,6 +44,7 @@ from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, ChunkReporter, HostRegion
 from kvtiers.core.publish import FileOps, ensure_dir
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import CorruptChunkError
+from kvtiers.tiers.backoff import lasting_os_error
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
 from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
 from kvtiers.tiers.file.space import SpaceLatch, is_no_space
@@ -91,6 +92,14 @@ class BadChunkHandler:
     def vanished(self, key: OffloadKey) -> None:
         if self._reporter is not None:
             self._reporter.forget([key], corrupt=False)
+
+    def unreadable(self, path: Path, key: OffloadKey, error: Exception) -> bool:
+        """A load of ``key`` from ``path`` failed otherwise: the manager backs the key off
+        (and logs, aggregated). False when there is no manager to tell."""
+        if self._reporter is None:
+            return False
+        self._reporter.load_failed(key, str(path), error, lasting=lasting_os_error(error))
+        return True
 
 
 class _DeferredDirSync(FileOps):
@@ -201,7 +210,8 @@ class FileMover(FanOutMover[_FileJob]):
         if job.store and self.space is not None and is_no_space(error):
             self.space.mark_full(error)
         elif not isinstance(error, FileNotFoundError):
-            super()._chunk_failed(job, chunk, error)
+            if job.store or not self.bad_chunks.unreadable(Path(chunk.address), chunk.key, error):
+                super()._chunk_failed(job, chunk, error)
         elif job.store:
             logger.warning("file tier: storing chunk %s failed: %s", chunk.address, error)
         else:

@@ -10,7 +10,10 @@ One :class:`SpaceLatch` per file tier, shared by its factory, manager and mover:
   starts the episode, later failures are only counted, and :meth:`SpaceLatch.admits`
   answers False for ``retry_s`` so the manager refuses stores instead of failing one
   cascade per chunk. After ``retry_s`` one store is let through to try; the first store
-  that succeeds ends the episode with one line saying how many chunks were refused.
+  that succeeds ends the episode with one line saying how many chunks were refused. The
+  manager may make room first: at the start of an episode it evicts least recently used
+  chunks and, once their files are gone, calls :meth:`SpaceLatch.retry_now` so a store
+  tries again at once (``episodes`` tells it a new episode began).
 
 Thread-safe: the mover marks from I/O threads, the manager asks on the scheduler thread.
 :meth:`SpaceLatch.admits` reads the clock and two fields, never the filesystem.
@@ -63,6 +66,11 @@ class SpaceLatch:
         self._full = False
         self._retry_at = 0.0
         self._episode = 0
+        #: Full-disk episodes begun over the tier's life.
+        self.episodes = 0
+        #: Whether the current episode began for want of room (``ENOSPC``, ``EDQUOT``;
+        #: not ``EROFS``), so that evicting chunks may help.
+        self.wants_room = False
         #: Chunks whose store failed for want of space, over the tier's life.
         self.refused_chunks = 0
 
@@ -94,11 +102,18 @@ class SpaceLatch:
                 return
             self._full = True
             self._episode = 1
+            self.episodes += 1
+            self.wants_room = exc.errno != errno.EROFS
         logger.warning(
             "file tier at %s: %s; no chunks are stored until space returns (tried again "
             "every %g s; further failures are counted, not logged)",
             self.where, exc.strerror or exc, self.retry_s,
         )
+
+    def retry_now(self) -> None:
+        """Room was made (chunks evicted): let one store try at once."""
+        with self._lock:
+            self._retry_at = self._clock()
 
     def mark_ok(self) -> None:
         """A store succeeded: a full-disk episode, if any, is over."""

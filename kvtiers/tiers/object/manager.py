@@ -20,6 +20,11 @@ namespaces other engines write into: an index miss is booked in a
 :meth:`on_schedule_end`) and answers ``RETRY`` until it resolves to ``HIT`` or ``MISS``;
 negative answers are remembered for ``negative_ttl_s`` so a cold key is not probed every
 step.
+
+A key whose load failed (the mover's ``load_failed``) is a ``MISS`` while its
+:class:`~kvtiers.tiers.backoff.LoadBackoff` says so and is forgotten after lasting
+failures (counted in ``unreadable_chunks``): a server that is down costs one failed
+promotion per key per back-off period, and the key is served again once it is back.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.specs import ObjectLoadStoreSpec
+from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S, LoadBackoff
 from kvtiers.tiers.index import ChunkIndex
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
@@ -56,7 +62,9 @@ class ObjectTierManager(OffloadingManager):
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``probes``, ``forgotten`` (chunks dropped on a mover's report),
     ``vanished_chunks`` (reported missing), ``chunks``, ``usage_bytes``,
-    ``capacity_bytes`` (0 when unbounded), ``corrupt_chunks`` and ``retries``.
+    ``capacity_bytes`` (0 when unbounded), ``corrupt_chunks``, ``retries``,
+    ``load_failures``, ``unreadable_chunks`` and ``backing_off`` (see
+    :mod:`kvtiers.tiers.backoff`).
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
@@ -72,6 +80,8 @@ class ObjectTierManager(OffloadingManager):
         shared: bool = False,
         negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
+        load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
     ) -> None:
         self.backend = backend
         self.reserve_bytes = HEADER_BYTES + max_chunk_bytes
@@ -83,6 +93,13 @@ class ObjectTierManager(OffloadingManager):
             locality=self.locality,
         )
         self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
+        self.backoff = LoadBackoff(
+            tier=f"object tier at {where}", base_s=load_backoff_s, max_s=load_backoff_max_s,
+            clock=clock,
+        )
+        self._load_failed: queue.SimpleQueue[tuple[OffloadKey, str, BaseException, bool]] = (
+            queue.SimpleQueue()
+        )
         # Filled on I/O threads, drained on the scheduler thread.
         self._forgotten: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
         self._deleted: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
@@ -125,12 +142,26 @@ class ObjectTierManager(OffloadingManager):
         for key in keys:
             self._forgotten.put(key)
 
+    def load_failed(
+        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
+    ) -> None:
+        """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
+        taken in on the next scheduler-thread call."""
+        self._load_failed.put((key, where, error, lasting))
+
     def _drain(self) -> None:
         while not self._deleted.empty():
             self._deleting.discard(self._deleted.get())
         reported = []
         while not self._forgotten.empty():
             reported.append(self._forgotten.get())
+        backoff = self.backoff
+        for key in reported:
+            backoff.clear(key)
+        while not self._load_failed.empty():
+            key, where, error, lasting = self._load_failed.get()
+            if backoff.failed(key, where, error, lasting=lasting):
+                reported.append(key)
         if reported:
             self.index.discard(reported)
         if self._probes is None or self._probed.empty():
@@ -149,6 +180,9 @@ class ObjectTierManager(OffloadingManager):
     # -- the contract ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         self._drain()
+        if self.backoff.blocked(key):
+            self.index.count_miss()
+            return LookupResult.MISS
         probes = self._probes
         if probes is not None and key not in self.index and not probes.known_absent(key):
             return LookupResult.RETRY
@@ -277,6 +311,9 @@ class ObjectTierManager(OffloadingManager):
         stats["capacity_bytes"] = self.capacity_bytes or 0
         stats["corrupt_chunks"] = self.backend.corrupt_chunks
         stats["retries"] = self.backend.retries
+        stats["load_failures"] = self.backoff.failures
+        stats["unreadable_chunks"] = self.backoff.forgotten
+        stats["backing_off"] = len(self.backoff)
         return stats
 
     def shutdown(self) -> None:

@@ -96,6 +96,15 @@ class ObjectMover(FanOutMover[FanOutJob]):
             if self.reporter is not None:
                 self.reporter.forget([chunk.key], corrupt=False)
             return
+        if not job.store and self.reporter is not None:
+            # The manager backs the key off and logs, aggregated. A non-transient error
+            # (access denied, a directory at a local path) is the object's own.
+            lasting = not isinstance(error, TimeoutError) and not self.backend.store.is_transient(
+                error
+            )
+            where = self.backend.store.describe(chunk.address)
+            self.reporter.load_failed(chunk.key, where, error, lasting=lasting)
+            return
         log.warning("object tier: %s failed: %s: %s",
                     self.backend.store.describe(chunk.address), type(error).__name__, error)
 

@@ -87,6 +87,8 @@ def build_tier(
             max_chunk_bytes=geometry.max_chunk_bytes,
             capacity_bytes=config.capacity,
             shared=config.shared,
+            load_backoff_s=config.load_backoff_s,
+            load_backoff_max_s=config.load_backoff_max_s,
         )
     except BaseException as exc:
         backend.close()
