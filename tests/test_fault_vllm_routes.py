@@ -28,7 +28,7 @@ import torch
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from tests.test_fault_matrix import FAULTS, MATRIX, Bench, Fault, bench
+from tests.test_fault_matrix import FAULTS, LASTING, MATRIX, Bench, Fault, bench
 from tests.test_vllm_spec import (
     NUM_BLOCKS,
     F,
@@ -57,6 +57,7 @@ __all__ = ["bench"]  # the fixture, parametrised per lower-tier kind
 BOUND_STEPS = 2
 RESOLVED = (vbase.LookupResult.HIT, vbase.LookupResult.MISS)
 ROUTE_2_MATRIX = [(kind, name) for kind, name in MATRIX if kind != "fsspec"]
+ROUTE_2_LASTING = [(kind, name) for kind, name in LASTING if kind != "fsspec"]
 
 
 def resolve(lookup: Callable[[bytes], Any], step: Callable[[], None], keys: list[bytes]) -> Any:
@@ -222,15 +223,11 @@ def _route2_config(bench: Bench) -> dict[str, Any]:
     return {"type": "KVTiersS3Tier", "module_path": "kvtiers.integrations.vllm", **options}
 
 
-@pytest.mark.parametrize(("bench", "fault_name"), ROUTE_2_MATRIX, indirect=["bench"])
-def test_route2_a_fault_resolves_backs_off_and_heals(bench: Bench, fault_name: str) -> None:
-    _, make = FAULTS[fault_name]
-    config = _route2_config(bench)
+def _route2_publish(config: dict[str, Any]) -> dict[bytes, np.ndarray]:
+    """Store four chunks through an engine that then stops; their keys and bytes."""
     rng = np.random.default_rng(11)
     keys = [vbase.make_offload_key(rng.bytes(16), 0) for _ in range(4)]
     payloads = {key: rng.integers(-128, 128, CHUNK_BYTES, dtype=np.int8) for key in keys}
-    bad = keys[1]
-
     cold = tiering_manager(config)
     try:
         request = vbase.ReqContext(req_id="publish")
@@ -244,7 +241,16 @@ def test_route2_a_fault_resolves_backs_off_and_heals(bench: Bench, fault_name: s
         settle(cold)
     finally:
         cold.shutdown()
+    return payloads
 
+
+@pytest.mark.parametrize(("bench", "fault_name"), ROUTE_2_MATRIX, indirect=["bench"])
+def test_route2_a_fault_resolves_backs_off_and_heals(bench: Bench, fault_name: str) -> None:
+    _, make = FAULTS[fault_name]
+    config = _route2_config(bench)
+    payloads = _route2_publish(config)
+    keys = list(payloads)
+    bad = keys[1]
     warm = tiering_manager(config)
     try:
         tier = warm.secondary_tiers[0]
@@ -289,6 +295,38 @@ def test_route2_a_fault_resolves_backs_off_and_heals(bench: Bench, fault_name: s
         answers, _ = resolve(lookup, step, keys)
         assert answers == [vbase.LookupResult.HIT] * len(keys)
         check_bytes(keys)
+        warm.on_request_finished(request)
+    finally:
+        warm.shutdown()
+
+
+@pytest.mark.parametrize(("bench", "fault_name"), ROUTE_2_LASTING, indirect=["bench"])
+def test_route2_a_lasting_failure_is_forgotten_after_repeated_tries(
+    bench: Bench, fault_name: str
+) -> None:
+    _, make = FAULTS[fault_name]
+    config = _route2_config(bench)
+    keys = list(_route2_publish(config))
+    bad = keys[1]
+    warm = tiering_manager(config)
+    try:
+        tier = warm.secondary_tiers[0]
+        tier.manager.backoff.clock = bench.clock
+        make(bench, _as_stack(tier.tier), tier._keys.to_kvtiers(bad)).start()
+        request = vbase.ReqContext(req_id="lasting")
+        warm.on_new_request(request)
+        for _ in range(2):
+            bench.clock.now += 3600.0  # past the back-off of the previous try
+            assert warm.lookup(bad, request) is vbase.LookupResult.HIT_PENDING
+            warm.on_schedule_end(NO_STEP_CONTEXT)
+            tier.drain_jobs()
+            assert warm.lookup(bad, request) is vbase.LookupResult.MISS
+        stats = tier.manager.get_stats()
+        assert (stats["load_failures"], stats["unreadable_chunks"]) == (2, 1)
+        # Forgotten: a miss through vLLM's manager for the longest back-off.
+        bench.clock.now += 30.0
+        assert warm.lookup(bad, request) is vbase.LookupResult.MISS
+        assert tier.lookup(bad, request) is vbase.LookupResult.MISS
         warm.on_request_finished(request)
     finally:
         warm.shutdown()
