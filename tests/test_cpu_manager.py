@@ -236,9 +236,11 @@ def test_stats_and_events() -> None:
     }
     assert (stats["usage_bytes"], stats["capacity_bytes"]) == (2 * SLOT_BYTES, 2 * SLOT_BYTES)
     events = list(manager.take_events())
-    assert [(e.keys, e.removed, e.medium) for e in events] == [
-        (KEYS[:2], False, Medium.CPU),
-        ([KEYS[0]], True, Medium.CPU),
+    # The failed store frees a reservation never announced: a bookkeeping-only removal.
+    assert [(e.keys, e.removed, e.medium, e.metadata_only) for e in events] == [
+        (KEYS[:2], False, Medium.CPU, False),
+        ([KEYS[0]], True, Medium.CPU, False),
+        ([KEYS[2]], True, Medium.CPU, True),
     ]
 
 
@@ -284,3 +286,17 @@ def test_factory_refuses_a_capacity_below_one_slot() -> None:
     with pytest.raises(ConfigError, match="holds no chunk") as info:
         build_tier(Settings(capacity=4096), OFFLOADING, primary_region=None, name="cpu0")
     assert info.value.path == "capacity"
+
+
+def test_lookup_as_answers_like_lookup_and_counts_the_same_across_a_reset() -> None:
+    manager = make_manager(capacity=2)
+    lookup = manager.lookup_as("hit", "miss", "pending")
+    manager.prepare_store(KEYS[:2], CTX)
+    manager.complete_store([KEYS[0]], CTX)
+    assert [lookup(key, CTX) for key in KEYS[:3]] == ["hit", "pending", "miss"]
+    manager.reset_cache()  # the function keeps reading the manager's live tables
+    assert manager.prepare_store([KEYS[2]], CTX) == [KEYS[2]]
+    manager.complete_store([KEYS[2]], CTX)
+    assert [lookup(key, CTX) for key in KEYS[:3]] == ["miss", "miss", "hit"]
+    stats = manager.get_stats()
+    assert (stats["hits"], stats["misses"]) == (2, 3)

@@ -137,6 +137,9 @@ class OffloadingEvent:
     locality: Locality | None = None
     # Name of the tier that owns the storage, None for the primary of a bare tier.
     ownership: str | None = None
+    # A removal of bookkeeping only (a reservation freed after a failed store or
+    # promotion): the keys were never announced as stored, so nothing was evicted.
+    metadata_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,6 @@ from typing import Any
 from kvtiers.policies.base import EvictionPolicy
 
 
-def _oldest_unprotected(order: OrderedDict[Any, None], protected: Collection[Any]) -> Any:
-    return next((key for key in order if key not in protected), None)
-
-
 class ARCPolicy(EvictionPolicy):
     """ARC with pin-aware eviction: protected keys are skipped, never demoted."""
 
@@ -57,23 +53,42 @@ class ARCPolicy(EvictionPolicy):
         elif key in self._t2:
             self._t2.move_to_end(key)
 
+    def refresh(self, key: Hashable) -> None:
+        """Most recent within its own list: a store is not a second use."""
+        if key in self._t1:
+            self._t1.move_to_end(key)
+        elif key in self._t2:
+            self._t2.move_to_end(key)
+
     def remove(self, key: Hashable) -> None:
         self._t1.pop(key, None)
         self._t2.pop(key, None)
 
     def _evict(self, n: int, protected: Collection[Any]) -> list[Any]:
-        victims: list[Any] = []
-        while len(victims) < n:
-            from_t1 = _oldest_unprotected(self._t1, protected)
-            from_t2 = _oldest_unprotected(self._t2, protected)
-            if from_t1 is not None and (len(self._t1) > self._p or from_t2 is None):
-                del self._t1[from_t1]
-                self._b1[from_t1] = None
-                victims.append(from_t1)
+        # Pick first (one pass over each list, oldest first), then move: a batch costs
+        # what its victims and the protected keys skipped cost, not a scan per victim.
+        t1_free = (key for key in self._t1 if key not in protected)
+        t2_free = (key for key in self._t2 if key not in protected)
+        next_t1, next_t2 = next(t1_free, None), next(t2_free, None)
+        t1_size = len(self._t1)
+        picks: list[tuple[Any, bool]] = []
+        while len(picks) < n:
+            if next_t1 is not None and (t1_size > self._p or next_t2 is None):
+                picks.append((next_t1, True))
+                t1_size -= 1
+                next_t1 = next(t1_free, None)
             else:
-                del self._t2[from_t2]
-                self._b2[from_t2] = None
-                victims.append(from_t2)
+                picks.append((next_t2, False))
+                next_t2 = next(t2_free, None)
+        victims: list[Any] = []
+        for key, from_t1 in picks:
+            if from_t1:
+                del self._t1[key]
+                self._b1[key] = None
+            else:
+                del self._t2[key]
+                self._b2[key] = None
+            victims.append(key)
         self._trim_ghosts()
         return victims
 

@@ -1,7 +1,8 @@
 """The eviction-policy interface and the resolver that loads a policy by name or dotted path.
 
 A policy orders the *evictable* keys of one tier and nothing else: the tier inserts a key
-when its chunk becomes ready, touches it on use, removes it when the chunk is dropped for
+when its chunk becomes ready, touches it on use, refreshes it (recency without a use)
+when the request that stored it ends, removes it when the chunk is dropped for
 another reason, and asks for victims when it needs room. Invariants every policy keeps:
 
 - a key is tracked once between :meth:`EvictionPolicy.insert` and its removal (by
@@ -63,6 +64,11 @@ class EvictionPolicy(ABC):
     def touch(self, key: Hashable) -> None:
         """``key`` was used. Untracked keys are ignored."""
 
+    def refresh(self, key: Hashable) -> None:
+        """Make ``key`` the most recent of the keys it ranks with, without counting a use
+        (a chunk a request stored and did not reuse). Untracked keys are ignored. The
+        default does nothing: a policy without a recency order has nothing to move."""
+
     @abstractmethod
     def remove(self, key: Hashable) -> None:
         """Stop tracking ``key`` without counting it as evicted. Untracked keys are ignored."""
@@ -71,9 +77,12 @@ class EvictionPolicy(ABC):
         """Exactly ``n`` victims, none of them in ``protected``, or ``None`` (no change)."""
         if n <= 0:
             return []
-        evictable = len(self) - sum(1 for key in protected if key in self)
-        if evictable < n:
-            return None
+        # len(protected) bounds the protected keys tracked here: count them only when the
+        # bound leaves the answer open.
+        if len(self) - len(protected) < n:
+            evictable = len(self) - sum(1 for key in set(protected) if key in self)
+            if evictable < n:
+                return None
         victims = self._evict(n, protected)
         assert len(victims) == n, f"{type(self).__name__} returned {len(victims)} of {n}"
         return victims

@@ -32,6 +32,9 @@ class LRUPolicy(EvictionPolicy):
         if key in self._order:
             self._order.move_to_end(key)
 
+    def refresh(self, key: Hashable) -> None:
+        self.touch(key)
+
     def remove(self, key: Hashable) -> None:
         self._order.pop(key, None)
 

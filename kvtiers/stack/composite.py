@@ -140,6 +140,8 @@ class TieredManager(OffloadingManager):
         # Between reset_cache and on_reset_flushed a completion may name a key whose
         # fenced slot it releases: only keys the primary then holds are cascaded.
         self._fence = False
+        # (key, lower tier) of the latest promotion a lookup started: who serves that key.
+        self._promoting: tuple[OffloadKey, BuiltTier] | None = None
         #: ``get_stats()`` as taken at the end of a step, for readers on other threads (the
         #: metrics exporter): tiers' state belongs to the scheduler thread alone. Refreshed
         #: at most every ``stats_refresh_s`` seconds, and only when that is set (counting a
@@ -214,9 +216,16 @@ class TieredManager(OffloadingManager):
             return LookupResult.MISS
         if hold is LoadHold.HELD:
             ctx.keep.add(key)
+            self._promoting = (key, lower.tier)
             return LookupResult.HIT_PENDING
         # GONE: the chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
         return LookupResult.MISS
+
+    def promotion_source(self, key: OffloadKey) -> BuiltTier | None:
+        """The lower tier the latest promotion-starting lookup promotes ``key`` from, when
+        that lookup was of ``key``; else ``None``. Ask right after the lookup."""
+        promoting = self._promoting
+        return promoting[1] if promoting is not None and promoting[0] == key else None
 
     def _flush_promotions(self) -> None:
         for lower in self._lower:
@@ -373,6 +382,12 @@ class TieredManager(OffloadingManager):
         for tier in self.tiers:
             for name, value in tier.manager.get_stats().items():
                 stats[f"{tier.name}.{name}"] = value
+        if not self._lower:
+            # A one-tier stack's hits are its primary's, whose lookups an adapter may call
+            # directly (the vLLM adapter does).
+            primary = self.tiers[0].name
+            for name in ("hits", "misses"):
+                stats[name] = stats.get(f"{primary}.{name}", stats[name])
         return stats
 
     def shutdown(self) -> None:

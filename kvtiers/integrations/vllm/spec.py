@@ -13,7 +13,17 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   previous output and not stored again (evictions raised in ``on_schedule_end``,
   ``reset_cache`` or ``take_events`` wait for the next output), none of them among its
   keys to store; each removal is reported once. Every event is kept for ``take_events``
-  when vLLM publishes KV events, else dropped.
+  when vLLM publishes KV events, else dropped; a reservation freed after a failed store or
+  promotion is a ``metadata_only`` removal (never an eviction).
+* vLLM's contract, as its own CPU manager keeps it: a job's keys (handed back as a set)
+  enter recency tail first by the end-token positions vLLM records in the request context,
+  and an announced request's keys are refreshed, tail first, when it finishes, so a
+  prefix's tail is evicted before its head; ``get_load_source`` names the tier a promotion
+  copied a hit from (``DISK`` for a local file tier), ``HOST`` otherwise; ``config_info``
+  fills the labels :meth:`KVTiersOffloadingSpec.config_info_keys` declares.
+* Cost: the kvtiers context of a request is translated once (``on_new_request``); when
+  every KV-cache group is offloaded vLLM's keys are kvtiers' keys (no translation), and a
+  one-tier ``cpu`` stack answers ``lookup`` from the primary in one call.
 * Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
   ``reset_cache`` (0.32 and 0.33), so the stack forgets those keys at once (``MISS``, a new
   store accepted) and fences their primary slots. vLLM 0.33 calls ``on_reset_flushed``
@@ -40,18 +50,21 @@ import copy
 import dataclasses
 import hashlib
 import os
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.config import OffloadingConfig as VllmOffloadingConfig
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtiers.config import CPUTierConfig, StackConfig, get_kind, load_stack_config
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import OffloadKey, get_offload_group_idx
-from kvtiers.core.manager import ReqContext, ScheduleEndContext
+from kvtiers.core.manager import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import GPULoadStoreSpec, GroupTransfer, LoadStoreSpec
+from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm.engine import find_engine_configs
@@ -68,7 +81,11 @@ from kvtiers.integrations.vllm.translate import (
     warn_unstable_hashes,
 )
 from kvtiers.stack.builder import Stack, build_primary_worker, load_stack
+from kvtiers.tiers.cpu.manager import CpuTierManager
 
+_CONFIG_INFO_KEYS = (
+    "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "kvtiers_tiers"
+)
 #: Steps after a reset at whose end the fenced slots come back when vLLM (0.32) never calls
 #: ``on_reset_flushed``: step 1 carries the flush to the workers, and with asynchronous
 #: scheduling step 2 is planned while step 1 runs.
@@ -91,6 +108,43 @@ class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
         return f"KVTiersLoadStoreSpec({list(self.groups)!r})"
 
 
+@dataclass(slots=True)
+class _Request:
+    """The adapter's state of one request: its kvtiers context (translated once) and the
+    load source of each key a promotion serves it."""
+
+    ctx: ReqContext
+    sources: dict[Any, CacheHitSource] = field(default_factory=dict)
+
+
+_HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+_VHIT, _VMISS = vbase.LookupResult.HIT, vbase.LookupResult.MISS
+
+
+def _tail_first(keys: Collection[Any], req_context: Any) -> list[Any]:
+    """``keys`` ordered by the end-token positions vLLM records in ``req_context``, tail
+    first (so the head enters recency last, the most recent); as given when a position is
+    missing (vLLM before 0.33 records none)."""
+    ordered = list(keys)
+    position = getattr(req_context, "get_offload_key_position", None)
+    if len(ordered) < 2 or position is None:
+        return ordered
+    positions = [position(key) for key in ordered]
+    if None in positions:
+        return ordered
+    order = sorted(range(len(ordered)), key=positions.__getitem__, reverse=True)
+    return [ordered[i] for i in order]
+
+
+def _hit_source(tier: BuiltTier | None) -> CacheHitSource:
+    """Where a hit served by ``tier`` (``None``: the primary) came from, in vLLM's terms."""
+    if tier is None or tier.manager.medium is Medium.CPU:
+        return CacheHitSource.HOST
+    if tier.manager.locality is Locality.LOCAL:
+        return CacheHitSource.DISK
+    return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
 class KVTiersManager(vbase.OffloadingManager):
     """vLLM's manager API over a kvtiers stack's composite (see the module docstring)."""
 
@@ -98,39 +152,71 @@ class KVTiersManager(vbase.OffloadingManager):
         self.stack = stack
         self._tiered = stack.manager
         self._keys = keys
+        # vLLM's keys are kvtiers' keys when every KV-cache group is offloaded.
+        self._same_keys = keys.identity
         self._num_groups = len(stack.offloading.groups)
         self._events_enabled = events_enabled
         self._events: list[Any] = []
         # vLLM keys the primary removed since the last PrepareStoreOutput, in order.
         self._evicted: dict[Any, None] = {}
-        self._contexts: dict[str, ReqContext] = {}
         # Steps left before a reset's fenced slots come back (vLLM without a flush signal).
         self._fence_steps: int | None = None
+        self._requests: dict[str, _Request] = {}
+        primary = stack.manager.tiers[0].manager
+        if self._same_keys and len(stack.manager.tiers) == 1 and isinstance(
+            primary, CpuTierManager
+        ):
+            # Nothing to translate and nowhere to promote from: the primary answers.
+            self.lookup = primary.lookup_as(  # type: ignore[method-assign,assignment]
+                _VHIT, _VMISS, vbase.LookupResult.HIT_PENDING
+            )
 
     def _ctx(self, ctx: Any) -> ReqContext:
-        known = self._contexts.get(ctx.req_id)
-        return known if known is not None else kvtiers_context(ctx)
+        known = self._requests.get(ctx.req_id)
+        return known.ctx if known is not None else kvtiers_context(ctx)
 
     def _spec(self, keys: Iterable[OffloadKey]) -> KVTiersLoadStoreSpec:
+        if self._num_groups == 1:
+            return KVTiersLoadStoreSpec([self._tiered.get_spec(list(keys))])
         by_group: list[list[OffloadKey]] = [[] for _ in range(self._num_groups)]
         for key in keys:
             by_group[get_offload_group_idx(key)].append(key)
         return KVTiersLoadStoreSpec([self._tiered.get_spec(group) for group in by_group])
 
     def _drain_events(self) -> None:
-        """Move the stack's events into the buffer and track the primary's removals."""
+        """Move the stack's events into the buffer and track the primary's evictions."""
         for event in self._tiered.take_events():
-            if event.ownership is None:
-                for key in self._keys.all_to_vllm(event.keys):
+            if event.ownership is None and not event.metadata_only:
+                for key in event.keys if self._same_keys else self._keys.all_to_vllm(event.keys):
                     if event.removed:
                         self._evicted[key] = None
                     else:
                         self._evicted.pop(key, None)
             if self._events_enabled:
-                self._events.append(vllm_event(event, self._keys))
+                translated = vllm_event(event, self._keys)
+                if translated is not None:
+                    self._events.append(translated)
 
     def lookup(self, key: Any, req_context: Any) -> Any:
-        return vllm_lookup(self._tiered.lookup(self._keys.to_kvtiers(key), self._ctx(req_context)))
+        request = self._requests.get(req_context.req_id)
+        ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        ours = key if self._same_keys else self._keys.to_kvtiers(key)
+        result = self._tiered.lookup(ours, ctx)
+        if result is _HIT:
+            return _VHIT
+        if result is _MISS:
+            return _VMISS
+        if result is _PENDING and request is not None and key not in request.sources:
+            request.sources[key] = _hit_source(self._tiered.promotion_source(ours))
+        return vllm_lookup(result)
+
+    def get_load_source(self, key: Any, req_context: Any) -> CacheHitSource:
+        """The tier that served ``key``'s hit: the lower tier a promotion this request's
+        lookup started copied it from, else the CPU primary (``HOST``)."""
+        request = self._requests.get(req_context.req_id)
+        if request is None:
+            return CacheHitSource.HOST
+        return request.sources.get(key, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[Any], req_context: Any) -> KVTiersLoadStoreSpec:
         ours = self._keys.all_to_kvtiers(keys)
@@ -151,26 +237,32 @@ class KVTiersManager(vbase.OffloadingManager):
         if accepted is None:
             return None
         to_store = self._keys.all_to_vllm(accepted)
-        for key in to_store:
-            self._evicted.pop(key, None)
-        evicted, self._evicted = list(self._evicted), {}
+        evicted = self._evicted
+        if evicted:
+            for key in to_store:
+                evicted.pop(key, None)
+            self._evicted = {}
         return vbase.PrepareStoreOutput(
-            keys_to_store=to_store, store_spec=self._spec(accepted), evicted_keys=evicted
+            keys_to_store=to_store, store_spec=self._spec(accepted), evicted_keys=list(evicted)
         )
 
     def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
+        """vLLM hands a job's keys as a set: they enter recency tail first by the positions
+        vLLM recorded, so the prefix head is the last to be evicted."""
         self._tiered.complete_store(
-            self._keys.all_to_kvtiers(keys), self._ctx(req_context), success
+            self._keys.all_to_kvtiers(_tail_first(keys, req_context)),
+            self._ctx(req_context),
+            success,
         )
 
     def on_new_request(self, req_context: Any) -> Any:
         ctx = kvtiers_context(req_context)
-        self._contexts[req_context.req_id] = ctx
+        self._requests[req_context.req_id] = _Request(ctx)
         return vllm_request_context(self._tiered.on_new_request(ctx))
 
     def on_request_finished(self, req_context: Any) -> None:
         self._tiered.on_request_finished(self._ctx(req_context))
-        self._contexts.pop(req_context.req_id, None)
+        self._requests.pop(req_context.req_id, None)
 
     def take_events(self) -> Iterable[Any]:
         self._drain_events()
@@ -205,6 +297,22 @@ class KVTiersManager(vbase.OffloadingManager):
         """vLLM's workers finished every job from before the last reset."""
         self._fence_steps = None
         self._tiered.on_reset_flushed()
+
+    def config_info(self) -> Sequence[Mapping[str, str | int | float | bool]]:
+        """One series: the primary's capacity in chunks and bytes, the blocks per chunk
+        and the stack's tiers (``name:kind``, top first); see :meth:`KVTiersOffloadingSpec.
+        config_info_keys`."""
+        primary = self._tiered.tiers[0].manager.get_stats()
+        return [
+            {
+                "cpu_num_chunks": int(getattr(self._tiered.tiers[0].manager, "num_slots", 0)),
+                "cpu_blocks_per_chunk": self.stack.offloading.cache.blocks_per_chunk,
+                "cpu_kv_cache_size_bytes": int(primary.get("capacity_bytes", 0)),
+                "kvtiers_tiers": ",".join(
+                    f"{tier.name}:{tier.kind}" for tier in self.stack.config.tiers
+                ),
+            }
+        ]
 
     def get_stats(self) -> None:
         """``None``: vLLM's stats type needs its full install; kvtiers' counters are served
@@ -353,6 +461,11 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
     input is read from the configs of the vLLM connector building the spec (see
     :mod:`kvtiers.integrations.vllm.engine`).
     """
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """The labels :meth:`KVTiersManager.config_info` fills (vLLM's info metric)."""
+        return _CONFIG_INFO_KEYS
 
     def __init__(self, config: VllmOffloadingConfig) -> None:
         super().__init__(config)

@@ -21,6 +21,12 @@ rows vLLM allocated, a job with missing or corrupt chunks reporting the keys tha
 arrive. A :class:`~kvtiers.tiers.jobs.JobDriver` (without a primary manager: the rows are
 vLLM's) runs the copies and releases every reservation and pin. Results are collected in
 ``get_finished_jobs``; ``drain_jobs`` blocks until no copy touches the primary memory.
+
+Events: only with the tier's ``enable_kv_events`` AND vLLM's global KV-events flag (off,
+vLLM never drains ``take_events``, so the tier drops its own events every step); they
+carry the configured ``locality`` (the tier kind's when none is configured), and the keys
+of a failed store come back as a ``metadata_only`` removal. ``shutdown`` releases every
+view of vLLM's primary memory, so vLLM can unmap it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from kvtiers.core.mover import MoverResult
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm.engine import find_engine_configs
 from kvtiers.integrations.vllm.translate import (
+    HAS_METADATA_ONLY,
     KeyMap,
     block_hash_algorithm,
     kvtiers_context,
@@ -93,6 +100,12 @@ class MemoryviewRegion:
     def slot_bytes(self) -> int:
         return self._slot_bytes
 
+    def release(self) -> None:
+        """Let go of vLLM's memory: after this no view of it is held here, so vLLM can
+        unmap it. Views handed out earlier must be gone (every copy drained)."""
+        self._flat.release()
+        self._num_slots = 0
+
     def view(self, slot_id: int) -> memoryview:
         if not 0 <= slot_id < self._num_slots:
             raise IndexError(f"chunk {slot_id} outside [0, {self._num_slots})")
@@ -132,6 +145,7 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
                 ) from None
         config = offloading_spec.config
         region = MemoryviewRegion(primary_kv_view)
+        self._region = region
         copies = 1 if getattr(offloading_spec, "replicated_layout", False) else (
             config.parallel.world_size
         )
@@ -163,7 +177,11 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         self.manager = self.tier.manager
         self._mover = self.tier.mover
         self._keys = KeyMap([group.group_id for group in config.groups])
-        self._events_enabled = enable_kv_events
+        # vLLM drains take_events only when its global KV-events flag is on; off, capture
+        # stays inert (the tier's own events are dropped every step).
+        self._events_enabled = enable_kv_events and bool(config.enable_kv_cache_events)
+        # Bookkeeping-only removals (keys of failed stores) for take_events.
+        self._failed_store_events: list[Any] = []
         self._jobs: JobDriver[_KeyPairs] = JobDriver(
             self.manager, self._mover, self._finished, ctx=ReqContext(req_id="kvtiers-vllm-tier")
         )
@@ -197,6 +215,7 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         slot_of = dict(zip(ours, (int(c) for c in job_metadata.chunk_ids), strict=True))
         accepted = self._jobs.store(job_id, ours, ctx, pairs, slots=slot_of)
         if accepted is None:
+            self._store_failed([vkey for vkey, _ in pairs])
             self._results.append(JobResult(job_id=job_id, success=False))
         elif not accepted:
             self._results.append(JobResult(job_id=job_id, success=True))
@@ -219,6 +238,9 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         if job.load:
             self._results.append(_load_result(job.job_id, job.tag, result))
             return
+        if job.failed:
+            failed = set(job.failed)
+            self._store_failed([vkey for vkey, key in job.tag if key in failed])
         self._results.append(
             JobResult(
                 job_id=job.job_id,
@@ -227,6 +249,21 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
                 transfer_bytes=result.transfer_bytes,
             )
         )
+
+    def _store_failed(self, vllm_keys: list[Any]) -> None:
+        """Queue a bookkeeping-only removal of keys a store did not land (vLLM's event
+        tracker then drops what it recorded for them here)."""
+        if vllm_keys and self._events_enabled and HAS_METADATA_ONLY:
+            self._failed_store_events.append(
+                vbase.OffloadingEvent(
+                    keys=vllm_keys,
+                    medium=self.medium,
+                    removed=True,
+                    locality=self.locality,
+                    ownership=self.tier_type,
+                    metadata_only=True,
+                )
+            )
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._jobs.poll()
@@ -241,10 +278,17 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
 
     # -- the rest ---------------------------------------------------------------------
     def take_events(self) -> Iterable[Any]:
+        """The tier's events, with the configured ``locality`` (the kind's when none is
+        configured), and a ``metadata_only`` removal for the keys of each failed store.
+        Nothing when events are off (see ``__init__``)."""
         events = self.manager.take_events()
         if not self._events_enabled:
             return ()
-        return [vllm_event(event, self._keys, self.tier_type) for event in events]
+        translated = [
+            vllm_event(event, self._keys, self.tier_type, self.locality) for event in events
+        ]
+        failed, self._failed_store_events = self._failed_store_events, []
+        return [event for event in translated if event is not None] + failed
 
     def on_schedule_end(self, context: Any) -> None:
         self.manager.on_schedule_end(
@@ -252,13 +296,18 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
                 new_req_ids=context.new_req_ids, preempted_req_ids=context.preempted_req_ids
             )
         )
+        if not self._events_enabled:
+            self.manager.take_events()
 
     def get_stats(self) -> None:
         """``None``: vLLM's stats type needs its full install (see ``manager.get_stats()``)."""
         return None
 
     def shutdown(self) -> None:
+        """Stop the tier (its mover drained), then release every view of vLLM's memory so
+        vLLM can unmap it."""
         self.tier.shutdown()
+        self._region.release()
 
 
 def _load_result(job_id: int, pairs: _KeyPairs, result: MoverResult) -> JobResult:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload import base as vbase
@@ -319,7 +319,9 @@ class KeyMap:
 
     def to_kvtiers(self, key: bytes) -> OffloadKey:
         if self.identity:
-            return OffloadKey(key)  # the stack's door checks it
+            # vLLM's keys are bytes too: the same object serves (no copy, no call); the
+            # stack's door checks it.
+            return key  # type: ignore[return-value]
         if type(key) is not bytes or len(key) <= GROUP_INDEX_BYTES:
             raise InvalidKeyError(
                 f"vLLM key {key!r:.80}: expected bytes (a block hash + 4-byte group id)"
@@ -340,9 +342,10 @@ class KeyMap:
             key[:-GROUP_INDEX_BYTES] + self._to_id[key[-GROUP_INDEX_BYTES:]]
         )
 
-    def all_to_kvtiers(self, keys: Iterable[bytes]) -> list[OffloadKey]:
+    def all_to_kvtiers(self, keys: Collection[bytes]) -> Collection[OffloadKey]:
+        """``keys`` as kvtiers keys: the same collection when nothing needs rewriting."""
         if self.identity:
-            return [OffloadKey(key) for key in keys]
+            return keys  # type: ignore[return-value]
         return [self.to_kvtiers(key) for key in keys]
 
     def all_to_vllm(self, keys: Iterable[OffloadKey]) -> list[Any]:
@@ -392,12 +395,29 @@ def vllm_request_context(ctx: RequestOffloadingContext) -> Any:
     return vbase.RequestOffloadingContext(policy=policy)
 
 
-def vllm_event(event: OffloadingEvent, keys: KeyMap, ownership: str | None = None) -> Any:
-    """vLLM's ``OffloadingEvent`` for a kvtiers event (``ownership`` fills a missing one)."""
+#: Whether this vLLM's events can say a removal is of bookkeeping only (0.33 can).
+HAS_METADATA_ONLY = "metadata_only" in getattr(vbase.OffloadingEvent, "__dataclass_fields__", {})
+
+
+def vllm_event(
+    event: OffloadingEvent,
+    keys: KeyMap,
+    ownership: str | None = None,
+    locality: Any = None,
+) -> Any | None:
+    """vLLM's ``OffloadingEvent`` for a kvtiers event (``ownership`` fills a missing one;
+    ``locality``, a vLLM ``Locality``, replaces the tier kind's). ``None`` for a
+    bookkeeping-only removal this vLLM cannot express."""
+    if event.metadata_only and not HAS_METADATA_ONLY:
+        return None
+    if locality is None and event.locality is not None:
+        locality = vbase.Locality(event.locality.value)
+    extra = {"metadata_only": True} if event.metadata_only else {}
     return vbase.OffloadingEvent(
         keys=keys.all_to_vllm(event.keys),
         medium=vbase.Medium(event.medium.value),
         removed=event.removed,
-        locality=None if event.locality is None else vbase.Locality(event.locality.value),
+        locality=locality,
         ownership=event.ownership if event.ownership is not None else ownership,
+        **extra,
     )

@@ -19,16 +19,26 @@ until the job that holds each ends (its completion) or ``on_reset_flushed``. Inv
   :class:`~kvtiers.errors.UnknownKeyError` before changing anything;
 - the number of non-free slots never exceeds ``num_slots``.
 
+Recency follows prefix order: a request's prompt head is shared by the most requests, so
+within one batch of keys (given head to tail) the tail is made less recent than the head
+— on ``touch``, and on ``prepare_load`` of a request not announced by ``on_new_request``
+— and when an announced request finishes, every key it stored or loaded is made recent
+again, tail first, the loaded ones as a use (``touch``) and the stored-only ones without
+one (``refresh``). Under a recency policy (``lru``), while an announced request runs its
+stores never evict its own earlier keys (nearer its head). The keys a request saw are
+kept in its context's state, never in the manager.
+
 Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
 per slot, the policy's own entry; pin counts exist only for pinned keys.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Collection, Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -70,6 +80,38 @@ _FREE = int(SlotState.FREE)
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
+_R = TypeVar("_R")
+
+
+class _Protected(Collection[OffloadKey]):
+    """The union of key collections, without building it (membership is what eviction
+    asks; iteration, rarely needed, yields each key once)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, *parts: Collection[OffloadKey]) -> None:
+        self._parts = parts
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in part for part in self._parts)
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(set().union(*self._parts))
+
+    def __len__(self) -> int:
+        """An upper bound: keys named by more than one part count once per part."""
+        return sum(map(len, self._parts))
+
+
+@dataclass(slots=True)
+class _RequestAccess:
+    """The keys one request stored or reused in one manager (and cache generation), in the
+    order first seen; ``reused`` are those it found ready."""
+
+    owner: object
+    generation: int
+    seen: dict[OffloadKey, None] = field(default_factory=dict)
+    reused: set[OffloadKey] = field(default_factory=set)
 
 
 class CpuTierManager(OffloadingManager):
@@ -119,6 +161,8 @@ class CpuTierManager(OffloadingManager):
         self._fenced: dict[OffloadKey, list[int]] = {}
         self._fence_holds: dict[int, int] = {}
         self._events: list[OffloadingEvent] = []
+        # Bumped by reset_cache: a request's access state from before a reset is stale.
+        self._generation = 0
         self._hits = 0
         self._misses = 0
         self._stores = 0
@@ -136,6 +180,27 @@ class CpuTierManager(OffloadingManager):
             self._hits += 1
             return _HIT
         return _PENDING
+
+    def lookup_as(self, hit: _R, miss: _R, pending: _R) -> Callable[[Any, Any], _R]:
+        """:meth:`lookup` as one plain function answering ``hit`` / ``miss`` / ``pending``
+        (an engine's own result values), counted the same: for an adapter whose keys are
+        this tier's keys, so a lookup costs one call. (The manager never rebinds the
+        tables it reads.)"""
+        manager = self
+        slot_of = self._slots.get
+        state = self._state
+
+        def lookup(key: Any, ctx: Any) -> _R:
+            slot = slot_of(key)
+            if slot is None:
+                manager._misses += 1
+                return miss
+            if state[slot] == _READY:
+                manager._hits += 1
+                return hit
+            return pending
+
+        return lookup
 
     def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
         slots = self._slots
@@ -160,10 +225,17 @@ class CpuTierManager(OffloadingManager):
         if shortfall > 0:
             protected: Collection[OffloadKey] = self._pins
             present = [key for key in keys if key in slots]
-            if present or ctx.keep:
+            # Under a recency policy an announced request's earlier keys (nearer its head)
+            # outlive its later ones, as in vLLM, where a running request's keys rank tail
+            # first; frequency policies keep their scan resistance (a long prompt evicts
+            # its own once-used keys first).
+            access = self._access(ctx) if self.policy.recency else None
+            if present or ctx.keep or access is not None:
                 # Keys the caller counts as stored must survive the store that names them,
                 # and the request's own prefix must survive its own stores and promotions.
-                protected = set(self._pins).union(present, ctx.keep)
+                protected = _Protected(
+                    self._pins, present, ctx.keep, () if access is None else access.seen
+                )
             victims = self.policy.evict(shortfall, protected)
             if victims is None:
                 # Not all fit: reserve the leading keys that do (a prompt longer than the
@@ -184,6 +256,13 @@ class CpuTierManager(OffloadingManager):
             slot = free.pop()
             slots[key] = slot
             state[slot] = _WRITING
+        access = self._access(ctx)
+        if access is not None:
+            access.seen.update(dict.fromkeys(keys))
+            if len(accepted) < len(keys):
+                access.reused.update(
+                    key for key in keys if key in slots and state[slots[key]] == _READY
+                )
         return accepted
 
     def complete_store(
@@ -226,6 +305,10 @@ class CpuTierManager(OffloadingManager):
                 elif fenced:
                     self._release_fenced(key, _WRITING)
             self._store_failures += len(done)
+            if done:
+                self._events.append(dataclasses.replace(
+                    self._event(done, removed=True), metadata_only=True
+                ))
 
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
@@ -239,17 +322,27 @@ class CpuTierManager(OffloadingManager):
                     "(look it up first; only HIT keys can be loaded)"
                 )
         pins = self._pins
-        touch = self.policy.touch
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
-            touch(key)
         self._loads += len(keys)
+        access = self._access(ctx)
+        if access is not None:
+            # Counted as a use when the request finishes, in prefix order.
+            access.seen.update(dict.fromkeys(keys))
+            access.reused.update(keys)
+            return
+        # Earliest keys last (see touch).
+        touch = self.policy.touch
+        for key in reversed(list(keys)):
+            touch(key)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         """Drop one pin per occurrence of each key. Raises, changing nothing, when a key
         would drop more pins than it holds."""
         pins = self._pins
-        drops = Counter(keys)
+        drops: dict[OffloadKey, int] = {}
+        for key in keys:
+            drops[key] = drops.get(key, 0) + 1
         fenced = self._fenced
         for key, count in drops.items():
             held = pins.get(key, 0)
@@ -281,7 +374,29 @@ class CpuTierManager(OffloadingManager):
 
     # -- lifecycle ------------------------------------------------------------------
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        ctx.set_state(_RequestAccess(self, self._generation))
         return RequestOffloadingContext()
+
+    def on_request_finished(self, ctx: ReqContext) -> None:
+        """Make the request's keys recent again, tail first (see the module docstring)."""
+        access = self._access(ctx)
+        if access is None:
+            return
+        access.owner = None
+        policy = self.policy
+        reused = access.reused
+        for key in reversed(list(access.seen)):
+            if key in reused:
+                policy.touch(key)
+            else:
+                policy.refresh(key)
+
+    def _access(self, ctx: ReqContext) -> _RequestAccess | None:
+        """The live access state of a request announced to this manager, else ``None``."""
+        access = ctx.get_state(_RequestAccess)
+        if access is None or access.owner is not self or access.generation != self._generation:
+            return None
+        return access
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
@@ -309,6 +424,7 @@ class CpuTierManager(OffloadingManager):
             self._fence_holds[slot] = held
         self._slots.clear()
         pins.clear()
+        self._generation += 1
         if removed:
             self._events.append(self._event(removed, removed=True))
 
