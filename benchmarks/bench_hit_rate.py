@@ -38,7 +38,6 @@ import hashlib
 import json
 import platform
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 
 import numpy as np
 from machine import cores, cpu_model
+from route1 import SLOT_BYTES, route1_manager
 
 from kvtiers.core.keys import make_offload_key
 from kvtiers.core.manager import ReqContext
@@ -56,7 +56,6 @@ from kvtiers.tiers.cpu.manager import CpuTierManager
 RESULTS = Path(__file__).parent / "results"
 TOKENS_PER_CHUNK = 32
 STORE_BATCH = 16
-SLOT_BYTES = 4096
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 POLICIES = ("lru", "arc", "s3fifo")
 VLLM_POLICIES = ("lru", "arc")
@@ -224,35 +223,9 @@ def vllm_side(chunks: int, policy: str) -> Side:
 
 def route1_side(chunks: int, policy: str) -> Side:
     """The manager of a ``KVTiersOffloadingSpec`` over one CPU tier of ``chunks`` slots."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
+    return VllmSide(
+        "route1", route1_manager(chunks, policy, blocks_per_chunk=2, label="hitrate")
     )
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    stack = {"tiers": [{"kind": "cpu", "capacity": chunks * SLOT_BYTES, "policy": policy}]}
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=64,
-        enable_kv_cache_events=False,
-        extra_config={
-            "spec_name": "KVTiersOffloadingSpec",
-            "spec_module_path": "kvtiers.integrations.vllm",
-            "kvtiers": stack,
-        },
-        engine_id=f"hitrate-{uuid.uuid4().hex}",
-        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=2),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
-    return VllmSide("route1", OffloadingSpecFactory.create_spec(config).get_manager())
 
 
 # -- the run -------------------------------------------------------------------------------

@@ -44,12 +44,12 @@ import random
 import statistics
 import time
 import tracemalloc
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from machine import cores, cpu_model
+from route1 import SLOT_BYTES, route1_manager
 
 from kvtiers.core.keys import make_offload_key
 from kvtiers.core.manager import ReqContext
@@ -63,7 +63,6 @@ POLICIES = ("lru", "arc")
 SIDES = ("vllm", "direct", "route1")
 METRICS = ("lookup_hit", "lookup_miss", "load", "store_evict", "finish")
 #: The slot of the one-group geometry below: the CPU tier rounds a chunk up to 4096 bytes.
-SLOT_BYTES = 4096
 
 
 class Side:
@@ -166,42 +165,7 @@ def vllm_side(chunks: int, policy: str) -> Side:
 
 def route1_side(chunks: int, policy: str) -> Side:
     """The manager of a ``KVTiersOffloadingSpec`` over one CPU tier of ``chunks`` slots."""
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-
-    stack = {"tiers": [{"kind": "cpu", "capacity": chunks * SLOT_BYTES, "policy": policy}]}
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=64,
-        enable_kv_cache_events=False,
-        extra_config={
-            "spec_name": "KVTiersOffloadingSpec",
-            "spec_module_path": "kvtiers.integrations.vllm",
-            "kvtiers": stack,
-        },
-        engine_id=f"bench-{uuid.uuid4().hex}",
-        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=1,
-            tp_size=1,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=False,
-        ),
-    )
-    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    manager = route1_manager(chunks, policy, blocks_per_chunk=1, label="bench")
     return VllmSide("route1", manager, manager.shutdown)
 
 

@@ -1,0 +1,44 @@
+"""The route-1 manager the vLLM comparisons measure: the scheduler-side manager of a
+``KVTiersOffloadingSpec`` over one CPU tier, built through vLLM's own spec factory."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+#: The CPU tier's slot in these benchmarks: one small chunk rounded up to a page.
+SLOT_BYTES = 4096
+
+
+def route1_manager(chunks: int, policy: str, *, blocks_per_chunk: int, label: str) -> Any:
+    """The manager over ``chunks`` slots evicting by ``policy``; ``label`` starts the
+    engine id (each call gets its own shared-memory region)."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    stack = {"tiers": [{"kind": "cpu", "capacity": chunks * SLOT_BYTES, "policy": policy}]}
+    config = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=64,
+        enable_kv_cache_events=False,
+        extra_config={
+            "spec_name": "KVTiersOffloadingSpec",
+            "spec_module_path": "kvtiers.integrations.vllm",
+            "kvtiers": stack,
+        },
+        engine_id=f"{label}-{uuid.uuid4().hex}",
+        model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+    return OffloadingSpecFactory.create_spec(config).get_manager()
