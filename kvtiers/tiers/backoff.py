@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import errno
 import logging
+import queue
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvtiers.core.keys import OffloadKey
@@ -167,3 +168,42 @@ class LoadBackoff:
             return
         self._unlogged += 1
         self._last = f"{where}: {what}"
+
+
+class MoverReports:
+    """A persistent tier manager's inbox for what its mover reports from I/O threads:
+    chunks found corrupt or gone (:meth:`forget`) and loads that failed
+    (:meth:`load_failed`). Both are thread-safe; :meth:`drain`, on the scheduler thread,
+    hands failures to ``backoff`` and answers the keys the index must drop."""
+
+    def __init__(self, backoff: LoadBackoff) -> None:
+        self.backoff = backoff
+        self._forgotten: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
+        self._failed: queue.SimpleQueue[tuple[OffloadKey, str, BaseException, bool]] = (
+            queue.SimpleQueue()
+        )
+
+    def forget(self, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            self._forgotten.put(key)
+
+    def load_failed(
+        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
+    ) -> None:
+        self._failed.put((key, where, error, lasting))
+
+    def drain(self) -> list[OffloadKey]:
+        """Keys to drop from the index: every forgotten one (its back-off record goes
+        too), and those whose failures the back-off says to forget."""
+        if self._forgotten.empty() and self._failed.empty():
+            return []
+        dropped = []
+        while not self._forgotten.empty():
+            key = self._forgotten.get()
+            self.backoff.clear(key)
+            dropped.append(key)
+        while not self._failed.empty():
+            key, where, error, lasting = self._failed.get()
+            if self.backoff.failed(key, where, error, lasting=lasting):
+                dropped.append(key)
+        return dropped

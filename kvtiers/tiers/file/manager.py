@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import stat
 import threading
 import time
@@ -83,7 +82,12 @@ from kvtiers.filemapper import (
     scan_namespace,
 )
 from kvtiers.filemapper.manifest import MANIFEST_NAME
-from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S, LoadBackoff
+from kvtiers.tiers.backoff import (
+    DEFAULT_LOAD_BACKOFF_MAX_S,
+    DEFAULT_LOAD_BACKOFF_S,
+    LoadBackoff,
+    MoverReports,
+)
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.index import ChunkIndex
@@ -351,14 +355,11 @@ class FileTierManager(OffloadingManager):
             capacity_bytes, tier=f"the file tier at {self.namespace_dir}", medium=self.medium,
             locality=self.locality,
         )
-        self._forgotten: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
-        self._load_failed: queue.SimpleQueue[tuple[OffloadKey, str, BaseException, bool]] = (
-            queue.SimpleQueue()
-        )
         self.backoff = LoadBackoff(
             tier=f"file tier at {self.namespace_dir}", base_s=load_backoff_s,
             max_s=load_backoff_max_s, clock=clock,
         )
+        self._reports = MoverReports(self.backoff)
         self._reported_lock = threading.Lock()
         self._reported = {"corrupt_chunks": 0, "vanished_chunks": 0}
         self._probe_hits = 0
@@ -462,29 +463,17 @@ class FileTierManager(OffloadingManager):
         once; the index drops them on its next scheduler-thread call once unpinned."""
         with self._reported_lock:
             self._reported["corrupt_chunks" if corrupt else "vanished_chunks"] += len(keys)
-        for key in keys:
-            self._forgotten.put(key)
+        self._reports.forget(keys)
 
     def load_failed(
         self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
     ) -> None:
         """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
         taken in on the next scheduler-thread call."""
-        self._load_failed.put((key, where, error, lasting))
+        self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain_forgotten(self) -> None:
-        if self._forgotten.empty() and self._load_failed.empty():
-            return
-        reported = []
-        while not self._forgotten.empty():
-            reported.append(self._forgotten.get())
-        backoff = self.backoff
-        for key in reported:
-            backoff.clear(key)
-        while not self._load_failed.empty():
-            key, where, error, lasting = self._load_failed.get()
-            if backoff.failed(key, where, error, lasting=lasting):
-                reported.append(key)
+        reported = self._reports.drain()
         if reported:
             self.index.discard(reported)
 

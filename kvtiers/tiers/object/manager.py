@@ -50,7 +50,12 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.specs import ObjectLoadStoreSpec
-from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S, LoadBackoff
+from kvtiers.tiers.backoff import (
+    DEFAULT_LOAD_BACKOFF_MAX_S,
+    DEFAULT_LOAD_BACKOFF_S,
+    LoadBackoff,
+    MoverReports,
+)
 from kvtiers.tiers.index import ChunkIndex
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
@@ -97,11 +102,8 @@ class ObjectTierManager(OffloadingManager):
             tier=f"object tier at {where}", base_s=load_backoff_s, max_s=load_backoff_max_s,
             clock=clock,
         )
-        self._load_failed: queue.SimpleQueue[tuple[OffloadKey, str, BaseException, bool]] = (
-            queue.SimpleQueue()
-        )
+        self._reports = MoverReports(self.backoff)
         # Filled on I/O threads, drained on the scheduler thread.
-        self._forgotten: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
         self._deleted: queue.SimpleQueue[OffloadKey] = queue.SimpleQueue()
         self._probed: queue.SimpleQueue[tuple[OffloadKey, int | None]] = queue.SimpleQueue()
         self._vanished = 0
@@ -139,29 +141,19 @@ class ObjectTierManager(OffloadingManager):
         if not corrupt:
             with self._vanished_lock:
                 self._vanished += len(keys)
-        for key in keys:
-            self._forgotten.put(key)
+        self._reports.forget(keys)
 
     def load_failed(
         self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
     ) -> None:
         """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
         taken in on the next scheduler-thread call."""
-        self._load_failed.put((key, where, error, lasting))
+        self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain(self) -> None:
         while not self._deleted.empty():
             self._deleting.discard(self._deleted.get())
-        reported = []
-        while not self._forgotten.empty():
-            reported.append(self._forgotten.get())
-        backoff = self.backoff
-        for key in reported:
-            backoff.clear(key)
-        while not self._load_failed.empty():
-            key, where, error, lasting = self._load_failed.get()
-            if backoff.failed(key, where, error, lasting=lasting):
-                reported.append(key)
+        reported = self._reports.drain()
         if reported:
             self.index.discard(reported)
         if self._probes is None or self._probed.empty():
