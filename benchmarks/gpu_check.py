@@ -57,6 +57,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+# The benchmarks' shared machine note, also when this file is loaded by path (the tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import cpu_model  # noqa: E402
+
 SCRIPT = Path(__file__).resolve()
 DEFAULT_WHEELS = REPO / ".whl"
 DEFAULT_RESULTS = REPO / "benchmarks" / "results"
@@ -229,7 +233,7 @@ def machine_note() -> dict[str, str]:
     note = {
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": str(os.cpu_count()),
         "memory": _memory_total(),
     }
@@ -249,16 +253,6 @@ def machine_note() -> dict[str, str]:
     note["driver"] = _nvidia_smi("driver_version")
     note["cufile"] = _cufile_note()
     return note
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _memory_total() -> str:
