@@ -348,7 +348,26 @@ BAD_STACKS = [
         "unknown-key-lists-known",
         "tiers:\n  - kind: cpu\n    capacity: 1GiB\n    fast: 1  # <-\n",
         "tiers[0].fast",
-        "known keys: kind, name, admission, capacity, policy",
+        "known keys: kind, name, admission, write, write_after_hits, write_promoted, capacity, "
+        "policy",
+    ),
+    (
+        "write-policy-on-primary",
+        "tiers:\n  - kind: cpu\n    capacity: 1GiB\n    write: back  # <-\n",
+        "tiers[0].write",
+        "write is a lower tier's write policy",
+    ),
+    (
+        "write-policy-unknown",
+        f"tiers:\n{CPU}  - kind: file\n    root: /d\n    write: behind  # <-\n",
+        "tiers[1].write",
+        "expected one of through, back, got 'behind'",
+    ),
+    (
+        "write-after-hits-negative",
+        f"tiers:\n{CPU}  - kind: file\n    root: /d\n    write_after_hits: -1  # <-\n",
+        "tiers[1].write_after_hits",
+        "expected a value of at least 0, got -1",
     ),
     (
         "wrong-type",

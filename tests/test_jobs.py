@@ -242,7 +242,7 @@ def test_without_a_primary_the_callers_slots_address_the_copy() -> None:
 def test_slots_go_with_the_driver_that_has_no_primary() -> None:
     with_primary, without = Stack(), Stack(with_primary=False)
     with pytest.raises(ValueError, match="pass none"):
-        with_primary.jobs.store(1, [K0], CTX, "store", slots={K0: 0})
+        with_primary.jobs.hold_for_load(K0, CTX, slot=0)
     with pytest.raises(ValueError, match="must name each key's slot"):
         without.jobs.store(1, [K0], CTX, "store")
     with pytest.raises(ValueError, match="must name each key's slot"):
@@ -273,3 +273,17 @@ def test_a_result_for_no_job_in_flight_is_an_error() -> None:
     stack.mover.finish(9, ())
     with pytest.raises(RuntimeError, match="job 9, which is not in flight"):
         stack.jobs.poll()
+
+
+def test_a_store_from_held_slots_leaves_the_primary_alone() -> None:
+    """A demotion copies slots the caller holds outside the primary's bookkeeping: the
+    primary is neither pinned nor released, the tier's side is, exactly once."""
+    stack = Stack()
+    assert stack.jobs.store(1, [K0, K1], CTX, "demote", slots={K0: 7, K1: 4}) == [K0, K1]
+    [(_, src, _)] = stack.mover.submitted
+    assert isinstance(src, CPULoadStoreSpec) and src.slot_ids.tolist() == [7, 4]
+    stack.mover.finish(1, (K1,))
+    stack.jobs.poll()
+    assert stack.primary.calls == []
+    assert stack.lower.calls == [("store", [K1], True), ("store", [K0], False)]
+    stack.settled()

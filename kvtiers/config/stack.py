@@ -87,6 +87,7 @@ class StackConfig:
                 f"at least one tier is required, e.g. `{_TIERS_EXAMPLE}`", path="tiers"
             )
         self._check_primary()
+        _check_primary_writes(self.tiers[0])
         first_use: dict[str, int] = {}
         first_place: dict[tuple[str, ...], int] = {}
         for idx, tier in enumerate(self.tiers):
@@ -170,6 +171,22 @@ class StackConfig:
         if self.metrics is not None:
             line += f"; metrics on {self.metrics.addr}:{self.metrics.port}"
         return line
+
+
+# A write policy says how chunks reach a lower tier from the primary: on the primary it
+# would have no meaning.
+_WRITE_DEFAULTS = (("write", "through"), ("write_after_hits", 0), ("write_promoted", False))
+
+
+def _check_primary_writes(primary: TierConfig) -> None:
+    for key, default in _WRITE_DEFAULTS:
+        if getattr(primary, key) != default:
+            raise ConfigError(
+                f"{key} is a lower tier's write policy (how chunks reach it from the "
+                "primary); the first tier is the primary: remove it here, or set it on a "
+                "lower tier",
+                path=key_path(item_path("tiers", 0), key),
+            )
 
 
 def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:

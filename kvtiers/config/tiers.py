@@ -1,8 +1,9 @@
 """The configuration of each tier kind: ``cpu``, ``file``, ``s3``, ``fsspec``.
 
 Every tier has a ``kind``, a ``name`` (unique within a stack; the stack parser defaults it
-to its kind, or ``<kind><index>`` when the kind repeats) and an ``admission`` rule for
-chunks cascaded to it. The classes here only describe and check values; building a tier
+to its kind, or ``<kind><index>`` when the kind repeats) and a write policy (``admission``,
+``write``, ``write_after_hits``, ``write_promoted``) for chunks written to it from the
+primary. The classes here only describe and check values; building a tier
 from them is the job of the kind's factory (see :mod:`kvtiers.config.kinds`). Sizes are
 bytes; ``*_s`` fields are seconds.
 """
@@ -70,8 +71,23 @@ class TierConfig(Section):
     """Unique within the stack; names the tier in stats, metrics and messages. Default:
     the kind, or ``<kind><index>`` when the kind repeats."""
     admission: Literal["always", "never"] = "always"
-    """Whether chunks stored in the primary are cascaded (written through) to this tier;
-    ``never`` makes a lower tier read-only (it still serves promotions)."""
+    """Whether chunks are written into this tier at all; ``never`` makes a lower tier
+    read-only (it still serves promotions). ``write``, ``write_after_hits`` and
+    ``write_promoted`` say when and which."""
+    write: Literal["through", "back"] = "through"
+    """When a lower tier receives a chunk. through: as soon as it is stored in the
+    primary (every stored chunk is written). back: when the primary evicts it (a
+    demotion, copied out of the primary's slot before the slot is reused; a chunk the
+    primary must drop before its copy could start, or whose copy fails, is simply not
+    written). Lower tiers only."""
+    write_after_hits: Annotated[int, Range(0)] = 0
+    """Frequency admission: write only chunks loaded from the primary at least this many
+    times (0: every chunk). Under write: through the chunk is written at the load that
+    reaches the count. Lower tiers only."""
+    write_promoted: bool = False
+    """Also write chunks promoted from a tier below this one (an S3 hit lands in the
+    primary and, with this, in this file tier too): under write: through when the
+    promotion lands, under write: back when the primary evicts it. Lower tiers only."""
 
     @property
     def can_be_primary(self) -> bool:

@@ -9,7 +9,7 @@ way to make the GPU worker; a lower tier provides a mover.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, Protocol, TypeVar
 
 from kvtiers.core.config import OffloadingConfig
@@ -20,12 +20,35 @@ from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 M = TypeVar("M", bound=OffloadingManager)
 
 
+@dataclass(frozen=True)
+class WritePolicy:
+    """When the composite writes a chunk into a lower tier (docs/architecture.md,
+    "Placement").
+
+    ``mode`` ``through``: as soon as the chunk is stored in the primary; ``back``: when
+    the primary evicts it (a *demotion*, copied out of the primary's slot before the slot
+    is reused). ``after_hits``: only chunks loaded from the primary at least that many
+    times (0: every chunk); under ``through`` a chunk is written at the load that reaches
+    the count. ``promoted``: chunks promoted from a tier below this one are written into
+    it too (under ``through`` when the promotion lands, under ``back`` at eviction).
+    """
+
+    mode: Literal["through", "back"] = "through"
+    after_hits: int = 0
+    promoted: bool = False
+
+    def __post_init__(self) -> None:
+        if self.after_hits < 0:
+            raise ValueError(f"WritePolicy.after_hits must be at least 0, got {self.after_hits}")
+
+
 @dataclass
 class BuiltTier(Generic[M]):
     """A ready tier: its manager (an ``M``), and its mover (lower tiers) or worker factory
     (primary).
 
-    ``admission`` says whether the composite cascades newly stored chunks into this tier.
+    ``admission`` says whether the composite writes chunks into this tier at all (``never``:
+    read-only); ``write`` says when and which (a lower tier's :class:`WritePolicy`).
     """
 
     name: str
@@ -34,6 +57,7 @@ class BuiltTier(Generic[M]):
     region: HostRegion | None = None
     make_worker: Callable[[KVCacheTensors], OffloadingWorker] | None = None
     admission: Literal["always", "never"] = "always"
+    write: WritePolicy = field(default_factory=WritePolicy)
 
     def shutdown(self) -> None:
         """Stop the mover (draining it), then the manager. Idempotent."""

@@ -17,7 +17,7 @@ from kvtiers.config import StackConfig, load_stack_config, resolve_factory
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import KeyFormat
 from kvtiers.core.mover import HostRegion
-from kvtiers.core.tier import BuiltTier
+from kvtiers.core.tier import BuiltTier, WritePolicy
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
@@ -151,7 +151,12 @@ def _build_tier(
 ) -> BuiltTier:
     tier_config = config.tiers[index]
     factory = resolve_factory(tier_config.kind, path=f"tiers[{index}].kind")
-    return factory(tier_config, identity, primary_region=primary_region, name=tier_config.name)
+    tier = factory(tier_config, identity, primary_region=primary_region, name=tier_config.name)
+    # The write policy is the composite's business, the same for every kind: set here
+    # rather than by each factory.
+    tier.write = WritePolicy(tier_config.write, tier_config.write_after_hits,
+                             tier_config.write_promoted)
+    return tier
 
 
 def _primary_worker(primary: BuiltTier, kv_caches: KVCacheTensors) -> OffloadingWorker:

@@ -14,7 +14,9 @@ and the sending side drops its pins (``complete_load``).
 
 Without a primary manager (vLLM's own CPU tier, a test's bytearray) the caller owns the
 primary memory: it names each key's slot, and the driver holds and releases the tier's
-side only.
+side only. A store may name slots with a primary manager too: slots the caller holds
+outside the primary's bookkeeping (a demotion's, see ``CpuTierManager.evict_held``); the
+primary is then neither pinned nor released for that job.
 
 Invariants: every reservation and pin a job took is released exactly once, however the job
 ends; ``on_finished`` is called exactly once per job, after the release; a key counts as
@@ -73,6 +75,8 @@ class _Job(Generic[T]):
     load: bool
     keys: list[OffloadKey]
     tag: T
+    #: Whether the primary manager holds the job's primary side (not the caller's slots).
+    pinned: bool = True
 
 
 class JobDriver(Generic[T]):
@@ -133,17 +137,18 @@ class JobDriver(Generic[T]):
     ) -> list[OffloadKey] | None:
         """Copy the keys the tier accepts into it, as job ``job_id``.
 
-        ``slots`` gives the primary slot of every key when the driver has no primary
-        manager (and must be omitted when it has one). Returns the accepted keys, in the
-        tier's order: an empty list submits no job; ``None`` means the tier refused the
-        keys and nothing is held.
+        ``slots`` gives the primary slot of every key: required when the driver has no
+        primary manager; with one, slots the caller holds itself (the primary is left
+        alone). Returns the accepted keys, in the tier's order: an empty list submits no
+        job; ``None`` means the tier refused the keys and nothing is held.
         """
-        self._check_slots(slots is not None, "store")
+        if slots is None:
+            self._check_slots(False, "store")
         self._check_new(job_id)
         accepted = self.tier.prepare_store(keys, ctx)
         if not accepted:
             return accepted
-        if self.primary is not None:
+        if self.primary is not None and slots is None:
             try:
                 self.primary.prepare_load(accepted, ctx)
             except Exception:
@@ -154,7 +159,7 @@ class JobDriver(Generic[T]):
             rows = None if slots is None else [slots[key] for key in accepted]
             return self._primary_spec(accepted, rows), self.tier.get_spec(accepted)
 
-        self._submit(_Job(job_id, False, accepted, tag), specs)
+        self._submit(_Job(job_id, False, accepted, tag, pinned=slots is None), specs)
         return accepted
 
     # -- loads: tier → primary memory -----------------------------------------------
@@ -185,9 +190,10 @@ class JobDriver(Generic[T]):
         in hold order (an empty list: nothing was held, no job was submitted)."""
         self._check_new(job_id)
         keys, self._held = self._held, []
-        rows, self._held_slots = self._held_slots, []
+        held_slots, self._held_slots = self._held_slots, []
         if not keys:
             return keys
+        rows = held_slots if self.primary is None else None
 
         def specs() -> tuple[LoadStoreSpec, LoadStoreSpec]:
             return self.tier.get_spec(keys), self._primary_spec(keys, rows)
@@ -233,12 +239,12 @@ class JobDriver(Generic[T]):
     def _primary_spec(
         self, keys: list[OffloadKey], rows: Sequence[int] | None
     ) -> LoadStoreSpec:
-        """The primary side of a job over ``keys``: the primary manager's spec, or the
-        caller's slots ``rows`` (one per key)."""
-        if self.primary is not None:
-            return self.primary.get_spec(keys)
-        assert rows is not None
-        return CPULoadStoreSpec(rows)
+        """The primary side of a job over ``keys``: the caller's slots ``rows`` (one per
+        key) when given, else the primary manager's spec."""
+        if rows is not None:
+            return CPULoadStoreSpec(rows)
+        assert self.primary is not None
+        return self.primary.get_spec(keys)
 
     def _submit(
         self, job: _Job[T], specs: Callable[[], tuple[LoadStoreSpec, LoadStoreSpec]]
@@ -259,7 +265,8 @@ class JobDriver(Generic[T]):
         arrived = set(result.succeeded_keys)
         succeeded = [key for key in job.keys if key in arrived]
         failed = [key for key in job.keys if key not in arrived]
-        receiver, sender = (self.primary, self.tier) if job.load else (self.tier, self.primary)
+        primary = self.primary if job.pinned else None
+        receiver, sender = (primary, self.tier) if job.load else (self.tier, primary)
         if receiver is not None:
             receiver.complete_store(succeeded, self._ctx, success=True)
             receiver.complete_store(failed, self._ctx, success=False)

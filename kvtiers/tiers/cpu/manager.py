@@ -4,10 +4,13 @@ State per slot is explicit: :class:`SlotState` ``FREE`` / ``WRITING`` (reserved 
 ``prepare_store``, bytes in flight) / ``READY`` (stored), and, separately, a pin count per
 pinned key (``prepare_load`` … ``complete_load``). ``reset_cache`` *fences* the slots of
 keys being written or pinned: the keys are gone (``MISS``), their slots stay out of use
-until the job that holds each ends (its completion) or ``on_reset_flushed``. Invariants:
+until the job that holds each ends (its completion) or ``on_reset_flushed``.
+:meth:`CpuTierManager.evict_held` evicts chunks but *holds* their slots for the caller (the
+composite copies them to a write-back tier: a demotion) until :meth:`release_held`.
+Invariants:
 
-- every key maps to exactly one slot; every non-free slot belongs to exactly one key or
-  is fenced (held for a job from before a reset);
+- every key maps to exactly one slot; every non-free slot belongs to exactly one key, is
+  fenced (held for a job from before a reset) or is held for a demotion;
 - only ``READY`` keys are tracked by the policy, and pinned keys, the batch's present keys
   and the request's ``ctx.keep`` keys are passed to it as protected, so eviction never
   picks a writing or pinned chunk, nor a chunk of the prefix the storing request holds;
@@ -160,6 +163,8 @@ class CpuTierManager(OffloadingManager):
         # still waits for (1 for a store, the pin count for a load).
         self._fenced: dict[OffloadKey, list[int]] = {}
         self._fence_holds: dict[int, int] = {}
+        # Slots of evicted chunks held for the caller of evict_held until release_held.
+        self._held: set[int] = set()
         self._events: list[OffloadingEvent] = []
         # Bumped by reset_cache: a request's access state from before a reset is stale.
         self._generation = 0
@@ -310,6 +315,49 @@ class CpuTierManager(OffloadingManager):
                     self._event(done, removed=True), metadata_only=True
                 ))
 
+    # -- demotion -------------------------------------------------------------------
+    def evict_held(
+        self, count: int, protected: Collection[OffloadKey] = ()
+    ) -> dict[OffloadKey, int]:
+        """Evict up to ``count`` ready chunks now, the policy's choice among those neither
+        pinned nor in ``protected``, and hold their slots: the keys are gone (``MISS``,
+        removal events), the slots keep their bytes and are not reused until
+        :meth:`release_held` names them. Returns key → held slot (empty: nothing
+        evictable)."""
+        guard = _Protected(self._pins, protected)
+        policy = self.policy
+        evictable = len(policy) - sum(1 for key in guard if key in policy)
+        count = min(count, evictable)
+        if count <= 0:
+            return {}
+        victims = policy.evict(count, guard)
+        assert victims is not None, "the policy refused victims it counted as evictable"
+        held = {key: self._slots.pop(key) for key in victims}
+        self._held.update(held.values())
+        self._evictions += len(victims)
+        self._events.append(self._event(victims, removed=True))
+        return held
+
+    def release_held(self, slots: Iterable[int]) -> None:
+        """Free slots :meth:`evict_held` held. Raises, changing nothing, for a slot not
+        held."""
+        slots = list(dict.fromkeys(slots))
+        unknown = [slot for slot in slots if slot not in self._held]
+        if unknown:
+            raise UnknownKeyError(
+                f"release_held: slots {unknown} are not held by evict_held in the CPU tier "
+                "(release each held slot once)"
+            )
+        for slot in slots:
+            self._held.remove(slot)
+            self._state[slot] = _FREE
+            self._free.append(slot)
+
+    @property
+    def free_slots(self) -> int:
+        """Slots free now (neither holding a chunk, fenced nor held)."""
+        return len(self._free)
+
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         slots = self._slots
@@ -448,6 +496,7 @@ class CpuTierManager(OffloadingManager):
             "chunks": chunks,
             "pinned_chunks": len(self._pins),
             "fenced_slots": len(self._fence_holds),
+            "held_slots": len(self._held),
             "usage_bytes": chunks * self.slot_bytes,
             "capacity_bytes": self.num_slots * self.slot_bytes,
         }
