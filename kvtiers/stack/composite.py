@@ -11,8 +11,19 @@ so the scheduler sees one manager.
   answer is ``MISS`` (recompute rather than stall). ``RETRY`` from a lower tier propagates
   unless a later tier hits.
 * **Store** goes to the primary. On ``complete_store(success=True)`` each chunk is
-  *cascaded* to every lower tier whose admission accepts it; the primary slot stays pinned
-  while the mover reads it.
+  *cascaded* to every lower tier whose write policy (``BuiltTier.write``) says
+  ``through`` and whose frequency admission it passes; the primary slot stays pinned
+  while the mover reads it. A ``through`` tier with ``after_hits`` N gets a chunk at the
+  load (``prepare_load``) that makes its count N.
+* **Demotion** (``back`` tiers): at the end of each step the composite keeps as many
+  primary slots free as the primary reserved in its busiest recent step, by evicting
+  chunks through ``evict_held``: the evicted chunks' slots stay held, and readable, while
+  the ``back`` tiers' movers copy them out; a slot is released once every copy of it
+  ended, succeeded or failed. A chunk the primary evicts by itself (a step that needed
+  more than the free room) is not written back: it is simply gone.
+* **Promotions** land in the primary; a lower tier above the source with
+  ``write.promoted`` also receives the chunk (``through``: when it lands; ``back``: when
+  it is demoted). Without it a tier never receives chunks promoted from below it.
 * Every tier-to-tier copy uses the tiers' own ``prepare_* / get_spec / complete_*`` and
   their movers, through one :class:`~kvtiers.tiers.jobs.JobDriver` per lower tier, which
   takes and gives back each job's reservations and pins. Mover completions are collected
@@ -31,7 +42,9 @@ so the scheduler sees one manager.
   of evicting its own head every step.
 
 Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact; a
-cascaded chunk's primary slot is never evicted or freed while a mover reads it;
+cascaded chunk's primary slot is never evicted or freed while a mover reads it, nor a
+demoted chunk's slot reused before every copy of it ended (a failed demotion leaves
+nothing in the lower tier: its reservation is freed);
 ``reset_cache`` drains movers before freeing primary slots, and a completion of a job from
 before a reset (which releases a fenced slot, see ``OffloadingManager.reset_cache``)
 cascades nothing. All methods run on the scheduler thread; movers touch only memory the
@@ -44,7 +57,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
@@ -59,9 +72,10 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
-from kvtiers.core.tier import BuiltTier
+from kvtiers.core.tier import BuiltTier, WritePolicy
 from kvtiers.errors import ClosedError, ConfigError
 from kvtiers.stack.metrics_latency import LatencyHistograms
+from kvtiers.stack.placement import BoundedTable, Headroom, HoldingPrimary, holding
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -79,27 +93,51 @@ _COUNTERS = (
     "cascades_refused",
     "cascaded_bytes",
     "cascade_s",
+    "demotions",
+    "demotion_failures",
+    "demotions_refused",
+    "demoted_bytes",
+    "demote_s",
     "corrupt_chunks",
 )
+
+#: How many chunks per primary slot the placement tables remember (load counts, where a
+#: promoted chunk came from).
+TABLE_CHUNKS_PER_SLOT = 4
 
 
 # Per direction (a promotion is a load from the lower tier, a cascade a store into it): the
 # composite's counters for chunks done, chunks failed, bytes and seconds, and the per-tier
 # counter's name.
+_PROMOTE, _CASCADE, _DEMOTE = "promote", "cascade", "demote"
 _JOB_STATS = {
-    True: ("promotions", "promotion_failures", "promoted_bytes", "promote_s", "promoted"),
-    False: ("cascades", "cascade_failures", "cascaded_bytes", "cascade_s", "cascaded"),
+    _PROMOTE: ("promotions", "promotion_failures", "promoted_bytes", "promote_s", "promoted"),
+    _CASCADE: ("cascades", "cascade_failures", "cascaded_bytes", "cascade_s", "cascaded"),
+    _DEMOTE: ("demotions", "demotion_failures", "demoted_bytes", "demote_s", "demoted"),
 }
+
+#: A job's tag: the held primary slot of each key of a demotion, ``None`` for the rest.
+_Slots = Mapping[OffloadKey, int] | None
 
 
 @dataclass
 class _Lower:
     tier: BuiltTier
-    jobs: JobDriver[None]
+    jobs: JobDriver[_Slots]
+    #: Position in the stack (1 for the first lower tier).
+    index: int
 
     @property
     def manager(self) -> OffloadingManager:
         return self.tier.manager
+
+    @property
+    def write(self) -> WritePolicy:
+        return self.tier.write
+
+    @property
+    def writes(self) -> bool:
+        return self.tier.admission != "never"
 
 
 class TieredManager(OffloadingManager):
@@ -117,17 +155,42 @@ class TieredManager(OffloadingManager):
         for index, tier in enumerate(tiers[1:], start=1):
             if tier.mover is None:
                 raise ConfigError(f"tier {tier.name!r} has no mover", path=f"tiers[{index}]")
-            jobs: JobDriver[None] = JobDriver(
-                tier.manager, tier.mover, functools.partial(self._finished, tier.name),
+            jobs: JobDriver[_Slots] = JobDriver(
+                tier.manager, tier.mover, functools.partial(self._finished, index),
                 primary=self._primary, ctx=_INTERNAL,
             )
-            self._lower.append(_Lower(tier, jobs))
-        if self._lower and tiers[0].region is None:
+            self._lower.append(_Lower(tier, jobs, index))
+        region = tiers[0].region
+        if self._lower and region is None:
             raise ConfigError(
                 f"primary tier {tiers[0].name!r} has no host memory for lower tiers to copy "
                 "through; put a cpu tier first",
                 path="tiers[0]",
             )
+        # Placement (docs/architecture.md, "Placement").
+        self._through = [lo for lo in self._lower if lo.writes and lo.write.mode == "through"]
+        self._back = [lo for lo in self._lower if lo.writes and lo.write.mode == "back"]
+        self._counted = [lo for lo in self._through if lo.write.after_hits > 0]
+        self._holder: HoldingPrimary | None = None
+        if self._back:
+            self._holder = holding(self._primary)
+            if self._holder is None:
+                raise ConfigError(
+                    f"tier {self._back[0].tier.name!r} has write: back, which needs a primary "
+                    "that can hold an evicted chunk's slot while it is copied (a cpu tier); "
+                    f"{tiers[0].name!r} cannot: use write: through",
+                    path=f"tiers[{self._back[0].index}].write",
+                )
+        table = TABLE_CHUNKS_PER_SLOT * (region.num_slots if region is not None else 1)
+        #: Loads from the primary per key (frequency admission).
+        self._loads = BoundedTable(table)
+        #: Key in the primary → position of the lower tier it was promoted from.
+        self._promoted = BoundedTable(table)
+        self._headroom = Headroom()
+        #: Held slot → demotion copies of it not yet ended.
+        self._held: dict[int, int] = {}
+        #: Requests whose ``ctx.keep`` names keys: demotions never evict those.
+        self._keepers: dict[int, ReqContext] = {}
         self.medium = self._primary.medium
         self.locality = self._primary.locality
         self._job_ids = itertools.count()
@@ -195,6 +258,7 @@ class TieredManager(OffloadingManager):
         result = self._primary.lookup(key, ctx)
         if result is not LookupResult.MISS:
             ctx.keep.add(key)
+            self._keepers[id(ctx)] = ctx
             return result
         retry = False
         for lower in self._lower:
@@ -216,6 +280,8 @@ class TieredManager(OffloadingManager):
             return LookupResult.MISS
         if hold is LoadHold.HELD:
             ctx.keep.add(key)
+            self._keepers[id(ctx)] = ctx
+            self._headroom.reserved(1)
             self._promoting = (key, lower.tier)
             return LookupResult.HIT_PENDING
         # GONE: the chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
@@ -237,7 +303,10 @@ class TieredManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._door(keys, ctx, "prepare_store")
-        return self._primary.prepare_store(keys, ctx)
+        accepted = self._primary.prepare_store(keys, ctx)
+        if accepted:
+            self._headroom.reserved(len(accepted))
+        return accepted
 
     def complete_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
@@ -255,34 +324,109 @@ class TieredManager(OffloadingManager):
             # A completion of a job from before the reset released a fenced slot: that
             # key is not stored, so it cascades nowhere.
             keys = [k for k in keys if self._primary.lookup(k, ctx) is LookupResult.HIT]
-        for lower in self._lower:
-            if lower.tier.admission == "never":
+        for key in keys:
+            # Stored anew: no longer a promoted copy.
+            self._promoted.pop(key)
+        for lower in self._through:
+            self._cascade(lower, keys, ctx)
+
+    def _admits(self, lower: _Lower, key: OffloadKey) -> bool:
+        """Whether ``lower``'s write policy takes ``key`` (in the primary) now: loaded
+        often enough, and not promoted from below ``lower`` unless it takes those."""
+        write = lower.write
+        if write.after_hits and self._loads.get(key) < write.after_hits:
+            return False
+        source = self._promoted.get(key, 0)
+        return source == 0 or source < lower.index or (write.promoted and source > lower.index)
+
+    def _cascade(self, lower: _Lower, keys: list[OffloadKey], ctx: ReqContext) -> None:
+        """Write the keys ``lower`` admits from their primary slots (pinned meanwhile)."""
+        admitted = [key for key in keys if self._admits(lower, key)]
+        if admitted and lower.jobs.store(next(self._job_ids), admitted, ctx, None) is None:
+            self._stats["cascades_refused"] += len(admitted)
+
+    # -- demotion -------------------------------------------------------------------
+    def _demote(self) -> None:
+        """Keep the primary's free room (see the module docstring): evict with held slots
+        and copy each victim to the ``back`` tiers that admit it."""
+        holder = self._holder
+        target = self._headroom.end_step()
+        if holder is None:
+            return
+        want = target - holder.free_slots - len(self._held)
+        if want <= 0:
+            return
+        keep = [ctx.keep for ctx in self._keepers.values()]
+        victims = holder.evict_held(want, _Union(keep))
+        if not victims:
+            return
+        for lower in self._back:
+            admitted = [key for key in victims if self._admits(lower, key)]
+            if not admitted:
                 continue
-            if lower.jobs.store(next(self._job_ids), keys, ctx, None) is None:
-                self._stats["cascades_refused"] += len(keys)
+            slots = {key: victims[key] for key in admitted}
+            accepted = lower.jobs.store(next(self._job_ids), admitted, _INTERNAL, slots,
+                                        slots=slots)
+            if accepted is None:
+                self._stats["demotions_refused"] += len(admitted)
+                continue
+            for key in accepted:
+                self._held[victims[key]] = self._held.get(victims[key], 0) + 1
+        for key, slot in victims.items():
+            self._promoted.pop(key)
+            if slot not in self._held:
+                holder.release_held([slot])
+
+    def _demotion_ended(self, slots: Mapping[OffloadKey, int], keys: Sequence[OffloadKey]) -> None:
+        """A demotion job over ``keys`` ended: release the slots no other copy reads."""
+        assert self._holder is not None
+        released = []
+        for key in keys:
+            slot = slots[key]
+            left = self._held[slot] - 1
+            if left:
+                self._held[slot] = left
+            else:
+                del self._held[slot]
+                released.append(slot)
+        if released:
+            self._holder.release_held(released)
 
     # -- completions ----------------------------------------------------------------
     def _poll(self) -> None:
         for lower in self._lower:
             lower.jobs.poll()
 
-    def _finished(self, tier_name: str, job: FinishedJob[None]) -> None:
-        """Count a finished promotion or cascade (the driver released what it held)."""
+    def _finished(self, index: int, job: FinishedJob[_Slots]) -> None:
+        """Count a finished promotion, cascade or demotion (the driver released what it
+        held); a demotion's held slots are released, a landed promotion written into the
+        tiers above its source that take promoted chunks."""
+        lower = self._lower[index - 1]
+        tier_name = lower.tier.name
         result = job.result
         self._stats["corrupt_chunks"] += len(result.corrupt_keys)
-        done, failures, moved, seconds, per_tier = _JOB_STATS[job.load]
+        kind = _PROMOTE if job.load else _CASCADE if job.tag is None else _DEMOTE
+        if job.tag is not None:
+            self._demotion_ended(job.tag, job.keys)
+        if job.load and job.succeeded:
+            landed = list(job.succeeded)
+            for key in landed:
+                self._promoted.set(key, index)
+            for above in self._through:
+                if above.index < index and above.write.promoted:
+                    self._cascade(above, landed, _INTERNAL)
+        done, failures, moved, seconds, per_tier = _JOB_STATS[kind]
         self._stats[done] += len(job.succeeded)
         self._stats[failures] += len(job.failed)
         self._stats[moved] += result.transfer_bytes
         self._stats[seconds] += result.transfer_s
         self._add(f"{tier_name}.{per_tier}", len(job.succeeded), result)
-        if self.latency is not None:
-            self.latency.observe("promote" if job.load else "cascade", tier_name,
-                                 result.transfer_s)
+        if self.latency is not None and kind != _DEMOTE:
+            self.latency.observe(kind, tier_name, result.transfer_s)
 
     def _add(self, prefix: str, chunks: int, result: MoverResult) -> None:
-        """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` (chunks),
-        with ``_bytes`` and ``_s`` companions."""
+        """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` /
+        ``<tier>.demoted`` (chunks), with ``_bytes`` and ``_s`` companions."""
         for suffix, value in (("", chunks), ("_bytes", result.transfer_bytes),
                               ("_s", result.transfer_s)):
             self._stats[prefix + suffix] = self._stats.get(prefix + suffix, 0) + value
@@ -301,6 +445,15 @@ class TieredManager(OffloadingManager):
         self._primary.prepare_load(keys, ctx)
         # Pinned now: the request's prefix no longer needs protecting by name.
         ctx.keep.clear()
+        self._keepers.pop(id(ctx), None)
+        keys = list(dict.fromkeys(keys))
+        counts = self._loads.add(keys)
+        for lower in self._counted:
+            # Written at the load that reaches the tier's count (pinned now, so ready).
+            due = [key for key, count in zip(keys, counts, strict=True)
+                   if count == lower.write.after_hits]
+            if due:
+                self._cascade(lower, due, ctx)
 
     def get_spec(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
         if self._closed:
@@ -326,6 +479,7 @@ class TieredManager(OffloadingManager):
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._door((), ctx, "on_request_finished")
         ctx.keep.clear()
+        self._keepers.pop(id(ctx), None)
         for tier in self.tiers:
             tier.manager.on_request_finished(ctx)
 
@@ -341,6 +495,7 @@ class TieredManager(OffloadingManager):
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._flush_promotions()
         self._poll()
+        self._demote()
         for tier in self.tiers:
             tier.manager.on_schedule_end(ctx)
         if self.stats_refresh_s is not None:
@@ -370,6 +525,7 @@ class TieredManager(OffloadingManager):
         for tier in self.tiers:
             tier.manager.reset_cache()
         self._fence = True
+        self._promoted.clear()
 
     def on_reset_flushed(self) -> None:
         """The engine's workers finished every job from before the last reset."""
@@ -397,3 +553,23 @@ class TieredManager(OffloadingManager):
         self.wait_idle()
         for tier in reversed(self.tiers):
             tier.shutdown()
+
+
+class _Union(Collection[OffloadKey]):
+    """Several key collections seen as one, without building it (eviction asks
+    membership; iteration yields each key once)."""
+
+    __slots__ = ("_parts",)
+
+    def __init__(self, parts: Sequence[Collection[OffloadKey]]) -> None:
+        self._parts = parts
+
+    def __contains__(self, key: object) -> bool:
+        return any(key in part for part in self._parts)
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        return iter(set().union(*self._parts))
+
+    def __len__(self) -> int:
+        """An upper bound: a key in several parts counts once per part."""
+        return sum(map(len, self._parts))

@@ -56,6 +56,8 @@ _PROMOTIONS = ("Chunks copied up from a lower tier into the primary, by outcome 
                "failed, refused: no primary slot free, so the lookup missed).")
 _CASCADES = ("Chunks written through from the primary to lower tiers, by outcome (done, "
              "failed, refused: a lower tier had no room or admission said never).")
+_DEMOTIONS = ("Chunks the primary evicted and wrote to write-back lower tiers, by outcome "
+              "(done, failed, refused: a lower tier had no room).")
 
 STACK: Mapping[str, MetricSpec] = MappingProxyType({
     "hits": _c("kvtiers_stack_lookups", _LOOKUPS, result="hit"),
@@ -72,6 +74,12 @@ STACK: Mapping[str, MetricSpec] = MappingProxyType({
     "cascaded_bytes": _c("kvtiers_stack_cascaded_bytes", "Bytes written by cascades."),
     "cascade_s": _c("kvtiers_stack_cascade_seconds",
                     "Seconds cascade jobs took, submission to completion, summed."),
+    "demotions": _c("kvtiers_stack_demotions", _DEMOTIONS, outcome="done"),
+    "demotion_failures": _c("kvtiers_stack_demotions", _DEMOTIONS, outcome="failed"),
+    "demotions_refused": _c("kvtiers_stack_demotions", _DEMOTIONS, outcome="refused"),
+    "demoted_bytes": _c("kvtiers_stack_demoted_bytes", "Bytes written by demotions."),
+    "demote_s": _c("kvtiers_stack_demotion_seconds",
+                   "Seconds demotion jobs took, submission to completion, summed."),
     "corrupt_chunks": _c("kvtiers_stack_corrupt_chunks",
                          "Chunks a promotion found corrupt (each one a miss, never a hit)."),
 })
@@ -114,8 +122,15 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
     "cascaded_bytes": _c("kvtiers_tier_cascaded_bytes", "Bytes cascaded into this tier."),
     "cascaded_s": _c("kvtiers_tier_cascade_seconds",
                      "Seconds of cascade jobs into this tier, summed."),
+    "demoted": _c("kvtiers_tier_demoted_chunks",
+                  "Chunks written into this tier when the primary evicted them."),
+    "demoted_bytes": _c("kvtiers_tier_demoted_bytes", "Bytes demoted into this tier."),
+    "demoted_s": _c("kvtiers_tier_demotion_seconds",
+                    "Seconds of demotion jobs into this tier, summed."),
     "chunks": _g("kvtiers_tier_chunks", "Chunks held now."),
     "pinned_chunks": _g("kvtiers_tier_pinned_chunks", "Chunks pinned now by loads or cascades."),
+    "held_slots": _g("kvtiers_tier_held_slots",
+                     "Slots of evicted chunks held while their demotion copies them."),
     "fenced_slots": _g("kvtiers_tier_fenced_slots",
                        "Slots held for jobs from before a reset until the engine's flush."),
     "usage_bytes": _g("kvtiers_tier_usage_bytes", "Bytes held now."),
