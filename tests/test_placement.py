@@ -1,0 +1,236 @@
+"""Write policies of lower tiers (docs/architecture.md, "Placement"): write-through,
+write-back by demotion, frequency admission, promoted chunks written into the tiers above
+their source; over a CPU primary and in-memory lower tiers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvtiers.config import load_stack_config
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.keys import KeyFormat, OffloadKey
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.core.tier import BuiltTier, WritePolicy
+from kvtiers.errors import ConfigError
+from kvtiers.policies import load_policy
+from kvtiers.stack.composite import TieredManager
+from kvtiers.stack.placement import BoundedTable, Headroom
+from kvtiers.testing.conformance import conformance_key, conformance_payload
+from kvtiers.testing.doubles import (
+    BytearrayRegion,
+    MemoryMover,
+    MemoryObjectStore,
+    MemoryObjectTier,
+)
+from kvtiers.testing.reference import InMemoryTier
+from kvtiers.tiers.cpu.manager import CpuTierManager
+
+GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))
+CHUNK = GEOMETRY.chunk_bytes(0)
+CTX = ReqContext(req_id="r")
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+def key(i: int) -> OffloadKey:
+    return conformance_key(i)
+
+
+class Stack:
+    """A CPU primary of ``slots`` slots over a bytearray and in-memory lower tiers, one per
+    write policy given (over ``stores``, when given, which they index at start)."""
+
+    def __init__(
+        self, *writes: WritePolicy, slots: int = 4,
+        stores: list[MemoryObjectStore] | None = None,
+    ) -> None:
+        self.region = BytearrayRegion(slots, GEOMETRY.slot_bytes)
+        self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy("lru")(slots))
+        self.lower: list[MemoryObjectTier] = []
+        self.movers: list[MemoryMover] = []
+        tiers: list[BuiltTier] = [BuiltTier("cpu", self.primary, region=self.region)]
+        for index, write in enumerate(writes):
+            lower = MemoryObjectTier(64, stores[index] if stores else MemoryObjectStore())
+            mover = MemoryMover(self.region, GEOMETRY, lower)
+            self.lower.append(lower)
+            self.movers.append(mover)
+            tiers.append(BuiltTier(f"mem{index}", lower, mover=mover, write=write))
+        self.manager = TieredManager(tiers)
+
+    def store(self, *ids: int) -> None:
+        keys = [key(i) for i in ids]
+        accepted = self.manager.prepare_store(keys, CTX)
+        assert accepted == keys
+        spec = self.manager.get_spec(keys)
+        assert isinstance(spec, CPULoadStoreSpec)
+        for i, slot in zip(ids, spec.slot_ids, strict=True):
+            self.region.view(int(slot))[:CHUNK] = conformance_payload(i, CHUNK)
+        self.manager.complete_store(keys, CTX)
+
+    def load(self, i: int) -> bytes:
+        assert self.manager.lookup(key(i), CTX) is HIT
+        self.manager.prepare_load([key(i)], CTX)
+        spec = self.manager.get_spec([key(i)])
+        assert isinstance(spec, CPULoadStoreSpec)
+        data = bytes(self.region.view(int(spec.slot_ids[0]))[:CHUNK])
+        self.manager.complete_load([key(i)], CTX)
+        return data
+
+    def step(self) -> None:
+        self.manager.on_schedule_end(ScheduleEndContext())
+        self.manager.wait_idle()
+
+    def held(self, tier: int) -> set[int]:
+        """Ids 0..15 of the chunks lower tier ``tier`` holds, each checked byte for byte."""
+        found = set()
+        for i in range(16):
+            stored = self.lower[tier].store.objects.get(key(i))
+            if stored is not None:
+                assert stored[0] == conformance_payload(i, CHUNK), f"wrong bytes for {i}"
+                found.add(i)
+        return found
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Stack]]:
+    made: list[Stack] = []
+    yield made
+    for stack in made:
+        for mover in stack.movers:
+            mover.gate.set()
+        stack.manager.shutdown()
+
+
+def test_write_through_writes_every_stored_chunk(stacks: list[Stack]) -> None:
+    stacks.append(stack := Stack(WritePolicy()))
+    stack.store(0, 1)
+    stack.manager.wait_idle()
+    assert stack.held(0) == {0, 1}
+
+
+def test_write_back_writes_a_chunk_when_the_primary_evicts_it(stacks: list[Stack]) -> None:
+    stacks.append(stack := Stack(WritePolicy("back")))
+    stack.store(0, 1)
+    stack.manager.wait_idle()
+    assert stack.held(0) == set(), "write-back wrote before any eviction"
+    stack.step()  # the step reserved 2 slots, 2 are free: nothing to evict
+    assert stack.held(0) == set()
+    stack.store(2, 3)
+    stack.step()  # 2 slots kept free: the 2 least recent chunks are demoted
+    assert stack.held(0) == {0, 1}
+    assert stack.primary.slot_of(key(0)) is None and stack.primary.slot_of(key(1)) is None
+    stats = stack.manager.get_stats()
+    assert (stats["demotions"], stats["mem0.demoted"], stats["cascades"]) == (2, 2, 0)
+    assert stats["cpu.held_slots"] == 0 and stack.primary.free_slots == 2
+    # A demoted chunk comes back by promotion, intact.
+    assert stack.manager.lookup(key(0), ReqContext(req_id="p")) is PENDING
+    stack.step()
+    assert stack.load(0) == conformance_payload(0, CHUNK)
+
+
+def test_a_demoted_slot_is_not_reused_until_its_copy_ended(stacks: list[Stack]) -> None:
+    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stack.store(0, 1)
+    stack.movers[0].gate.clear()  # the demotion's copy waits before reading
+    stack.manager.on_schedule_end(ScheduleEndContext())
+    assert stack.primary.get_stats()["held_slots"] == 2
+    # Every slot is either held or free: a store cannot take a held one.
+    assert stack.manager.prepare_store([key(5), key(6), key(7)], CTX) is None
+    stack.movers[0].gate.set()
+    stack.manager.wait_idle()
+    assert stack.held(0) == {0, 1}
+    assert stack.primary.get_stats()["held_slots"] == 0 and stack.primary.free_slots == 2
+
+
+def test_a_failed_demotion_leaves_the_chunk_simply_gone(stacks: list[Stack]) -> None:
+    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stack.store(0, 1)
+    stack.movers[0].fail_keys.add(key(0))
+    stack.step()
+    assert stack.held(0) == {1}
+    assert stack.lower[0].lookup(key(0), CTX) is MISS
+    assert stack.manager.lookup(key(0), CTX) is MISS
+    stats = stack.manager.get_stats()
+    assert (stats["demotions"], stats["demotion_failures"], stats["cpu.held_slots"]) == (1, 1, 0)
+
+
+def test_frequency_admission_writes_at_the_load_that_reaches_the_count(
+    stacks: list[Stack],
+) -> None:
+    stacks.append(stack := Stack(WritePolicy(after_hits=2)))
+    stack.store(0, 1)
+    stack.manager.wait_idle()
+    assert stack.held(0) == set()
+    assert stack.load(0) == conformance_payload(0, CHUNK)
+    stack.manager.wait_idle()
+    assert stack.held(0) == set(), "written after one load of two"
+    stack.load(0)
+    stack.manager.wait_idle()
+    assert stack.held(0) == {0}
+    assert stack.manager.get_stats()["mem0.cascaded"] == 1
+
+
+def test_frequency_admission_under_write_back(stacks: list[Stack]) -> None:
+    stacks.append(stack := Stack(WritePolicy("back", after_hits=1), slots=2))
+    stack.store(0, 1)
+    stack.load(1)
+    stack.step()  # both evicted to keep 2 free; only the loaded one is written
+    assert stack.held(0) == {1}
+
+
+@pytest.mark.parametrize("promoted", [True, False])
+def test_promoted_chunks_reach_the_tiers_above_that_take_them(
+    stacks: list[Stack], promoted: bool
+) -> None:
+    below = MemoryObjectStore()
+    below.put(key(3), conformance_payload(3, CHUNK))
+    stacks.append(stack := Stack(WritePolicy(promoted=promoted), WritePolicy(),
+                                 stores=[MemoryObjectStore(), below]))
+    assert stack.manager.lookup(key(3), CTX) is PENDING
+    stack.step()
+    assert stack.load(3) == conformance_payload(3, CHUNK)
+    stack.manager.wait_idle()
+    assert stack.held(0) == ({3} if promoted else set())
+
+
+def test_write_back_needs_a_primary_that_holds_slots() -> None:
+    region = BytearrayRegion(2, GEOMETRY.slot_bytes)
+    lower = MemoryObjectTier(4, MemoryObjectStore())
+    mover = MemoryMover(region, GEOMETRY, lower)
+    with pytest.raises(ConfigError, match="needs a primary that can hold") as caught:
+        TieredManager([BuiltTier("cpu", InMemoryTier(2), region=region),
+                       BuiltTier("mem", lower, mover=mover, write=WritePolicy("back"))],
+                      keys=KeyFormat(1, 16))
+    assert caught.value.path == "tiers[1].write"
+    mover.shutdown()
+
+
+def test_the_yaml_write_policy_parses() -> None:
+    config = load_stack_config({"tiers": [
+        {"kind": "cpu", "capacity": "1MiB"},
+        {"kind": "fsspec", "url": "memory://placement", "write": "back",
+         "write_after_hits": 2, "write_promoted": True},
+    ]})
+    lower = config.tiers[1]
+    assert (lower.write, lower.write_after_hits, lower.write_promoted) == ("back", 2, True)
+
+
+def test_bounded_table_forgets_the_oldest() -> None:
+    table = BoundedTable(2)
+    assert table.add([key(0), key(0), key(1)]) == [1, 1]
+    assert table.add([key(0)]) == [2]
+    table.add([key(2)])  # key 1 was set longest ago
+    assert (table.get(key(0)), table.get(key(1)), table.get(key(2))) == (2, 0, 1)
+    with pytest.raises(ValueError, match="at least 1"):
+        BoundedTable(0)
+
+
+def test_headroom_is_the_busiest_recent_step() -> None:
+    headroom = Headroom(steps=2)
+    headroom.reserved(5)
+    assert headroom.end_step() == 5
+    headroom.reserved(1)
+    assert headroom.end_step() == 5
+    assert headroom.end_step() == 1
