@@ -131,6 +131,15 @@ class PlacementMachine(RuleBasedStateMachine):
         """The end of a scheduler step: completions polled, demotions started."""
         self.manager.on_schedule_end(ScheduleEndContext())
 
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=3), r=st.integers(0, 1))
+    def slow_step_then_store(self, keys: list[OffloadKey], r: int) -> None:
+        """A step's demotions wait in slow movers while the next step's stores write every
+        slot they get: a held slot handed out here would send these bytes down."""
+        for mover in self.movers:
+            mover.gate.clear()
+        self.manager.on_schedule_end(ScheduleEndContext())
+        self.begin_store(keys, r)
+
     @rule(tier=st.integers(0, len(WRITES) - 1), key=st.sampled_from(KEYS), fail=st.booleans())
     def fault(self, tier: int, key: OffloadKey, fail: bool) -> None:
         if fail:
@@ -159,10 +168,21 @@ class PlacementMachine(RuleBasedStateMachine):
         assert stats["pinned_chunks"] <= len(self.loads), "a pin was lost"
         for lower in self.lower:
             assert all(not e.pins for _, e in lower.index.items()), "lower tier pinned"
+        # Keys whose copies still fail may be promoted anew each time (backing off from
+        # a failed promotion is a real lower tier's business); once the faults end, every
+        # key resolves.
+        self._resolve(skip={k for mover in self.movers for k in mover.fail_keys})
+        for mover in self.movers:
+            mover.fail_keys.clear()
+        self._resolve(skip=set())
+
+    def _resolve(self, skip: set[OffloadKey]) -> None:
+        """Every key not being stored by a live job and not in ``skip`` resolves to HIT
+        or MISS within :data:`PENDING_STEPS` steps."""
         being_stored = {k for j in self.stores for k in j.keys}
         probe = ReqContext(req_id="probe")
         for key in KEYS:
-            if key in being_stored:
+            if key in being_stored or key in skip:
                 continue
             # A key may be pending twice: its demotion is in flight, then the promotion
             # its next lookup starts (which keeps it in the primary for this request).
