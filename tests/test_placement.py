@@ -4,7 +4,9 @@ their source; over a CPU primary and in-memory lower tiers."""
 
 from __future__ import annotations
 
+import io
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -234,3 +236,28 @@ def test_headroom_is_the_busiest_recent_step() -> None:
     headroom.reserved(1)
     assert headroom.end_step() == 5
     assert headroom.end_step() == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["cpu-file-s3-writeback", "cpu-file-s3-frequency"])
+def test_the_demo_runs_each_write_policy_and_shows_writes_per_tier(
+    tmp_path: Path, example: str
+) -> None:
+    """``kvtiers demo --config <example>``: every loaded byte verified, and the table's
+    writes column counts each tier's chunks written (S3 fewer than the file tier)."""
+    from kvtiers.engine.demo import run_demo
+    from kvtiers.engine.workload import WorkloadSpec
+
+    out = io.StringIO()
+    phases = run_demo(example, out_dir=tmp_path / "out", workload=WorkloadSpec(
+        conversations=6, turns=3), plot=None, out=out, show_progress=False)
+    text = out.getvalue()
+    assert text.splitlines()[-1].startswith("verdict: ok: "), text
+    header = next(line for line in text.splitlines() if line.strip().startswith("tier "))
+    assert header.split()[:4] == ["tier", "chunks", "tokens", "writes"]
+    cold = phases[0].stats
+    file_writes = cold["file.cascaded"] + cold.get("file.demoted", 0)
+    s3_writes = cold.get("s3.cascaded", 0) + cold.get("s3.demoted", 0)
+    assert 0 < s3_writes < file_writes, (s3_writes, file_writes)
+    row = next(line for line in text.splitlines() if line.strip().startswith("s3 "))
+    assert int(row.split()[3].replace(",", "")) == s3_writes

@@ -81,9 +81,10 @@ class TierConfig(Section):
     primary must drop before its copy could start, or whose copy fails, is simply not
     written). Lower tiers only."""
     write_after_hits: Annotated[int, Range(0)] = 0
-    """Frequency admission: write only chunks loaded from the primary at least this many
-    times (0: every chunk). Under write: through the chunk is written at the load that
-    reaches the count. Lower tiers only."""
+    """Frequency admission: write only chunks referenced at least this many times — loaded
+    from the primary, or stored again after the primary lost them (0: every chunk). Under
+    write: through the chunk is written at the reference that reaches the count. Lower
+    tiers only."""
     write_promoted: bool = False
     """Also write chunks promoted from a tier below this one (an S3 hit lands in the
     primary and, with this, in this file tier too): under write: through when the

@@ -27,10 +27,11 @@ class WritePolicy:
 
     ``mode`` ``through``: as soon as the chunk is stored in the primary; ``back``: when
     the primary evicts it (a *demotion*, copied out of the primary's slot before the slot
-    is reused). ``after_hits``: only chunks loaded from the primary at least that many
-    times (0: every chunk); under ``through`` a chunk is written at the load that reaches
-    the count. ``promoted``: chunks promoted from a tier below this one are written into
-    it too (under ``through`` when the promotion lands, under ``back`` at eviction).
+    is reused). ``after_hits``: only chunks referenced at least that many times (loaded
+    from the primary, or stored again after the primary lost them; 0: every chunk); under
+    ``through`` a chunk is written at the reference that reaches the count. ``promoted``:
+    chunks promoted from a tier below this one are written into it too (under ``through``
+    when the promotion lands, under ``back`` at eviction).
     """
 
     mode: Literal["through", "back"] = "through"

@@ -227,11 +227,12 @@ def _rate(num_bytes: float, seconds: float) -> str:
 def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
     """A plain-text summary of one phase, within 80 columns.
 
-    Per tier: chunks held at the end, prompt tokens it served, bytes written into and read
-    out of it, those bytes as an average rate over the phase's wall time (lower tiers work
-    in the background, so a per-job rate would count queueing), and errors (corrupt
-    chunks plus failed transfers). The GPU ⇄ primary worker's own rate per transfer is
-    given on its own line."""
+    Per tier: chunks held at the end, prompt tokens it served, chunks written into it (the
+    primary's stores; a lower tier's cascades and demotions, as its write policy decides),
+    bytes written into and read out of it, those bytes as an average rate over the phase's
+    wall time (lower tiers work in the background, so a per-job rate would count
+    queueing), and errors (corrupt chunks plus failed transfers). The GPU ⇄ primary
+    worker's own rate per transfer is given on its own line."""
     reports = phase.reports
     prompt, reused = phase.prompt_tokens, phase.reused_tokens
     stats = phase.stats
@@ -248,25 +249,28 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         f"  GPU ⇄ {stack_names[0]} worker, per transfer: store {_rate(store_bytes, store_s)}, "
         f"load {_rate(load_bytes, load_s)}",
         "",
-        f"  {'tier':<6}{'chunks':>7}{'tokens':>8}{'written':>11}{'read':>11}"
-        f"{'write/s':>13}{'read/s':>13}{'errors':>7}",
+        f"  {'tier':<6}{'chunks':>7}{'tokens':>8}{'writes':>7}{'written':>11}{'read':>11}"
+        f"{'write/s':>11}{'read/s':>11}{'errors':>7}",
     ]
     written: float
     read: float
     for index, name in enumerate(stack_names):
         if index == 0:
             written, read = store_bytes, load_bytes
+            writes = stats.get(f"{name}.stores", 0)
             failed = sum(r.load_failures + r.store_failures for r in reports)
         else:
-            written = stats.get(f"{name}.cascaded_bytes", 0)
+            written = (stats.get(f"{name}.cascaded_bytes", 0)
+                       + stats.get(f"{name}.demoted_bytes", 0))
+            writes = stats.get(f"{name}.cascaded", 0) + stats.get(f"{name}.demoted", 0)
             read = stats.get(f"{name}.promoted_bytes", 0)
             failed = int(stats.get(f"{name}.store_failures", 0))
         errors = failed + int(stats.get(f"{name}.corrupt_chunks", 0))
         lines.append(
             f"  {name[:6]:<6}{int(stats.get(f'{name}.chunks', 0)):>7,}"
-            f"{phase.served_tokens(name):>8,}{format_size(int(written)):>11}"
-            f"{format_size(int(read)):>11}{_rate(written, phase.seconds):>13}"
-            f"{_rate(read, phase.seconds):>13}{errors:>7}"
+            f"{phase.served_tokens(name):>8,}{int(writes):>7,}{format_size(int(written)):>11}"
+            f"{format_size(int(read)):>11}{_rate(written, phase.seconds):>11}"
+            f"{_rate(read, phase.seconds):>11}{errors:>7}"
         )
     lines += [
         "  (rates: bytes over the phase's wall time; errors: corrupt chunks and failed",
@@ -275,6 +279,9 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         f"{int(stats.get('promotion_failures', 0))}, refused "
         f"{int(stats.get('promotions_refused', 0))}), cascades "
         f"{int(stats.get('cascades', 0)):,} (failed {int(stats.get('cascade_failures', 0))})",
+        f"  demotions {int(stats.get('demotions', 0)):,} (failed "
+        f"{int(stats.get('demotion_failures', 0))}, refused "
+        f"{int(stats.get('demotions_refused', 0))})",
     ]
     return "\n".join(lines)
 

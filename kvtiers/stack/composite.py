@@ -13,8 +13,9 @@ so the scheduler sees one manager.
 * **Store** goes to the primary. On ``complete_store(success=True)`` each chunk is
   *cascaded* to every lower tier whose write policy (``BuiltTier.write``) says
   ``through`` and whose frequency admission it passes; the primary slot stays pinned
-  while the mover reads it. A ``through`` tier with ``after_hits`` N gets a chunk at the
-  load (``prepare_load``) that makes its count N.
+  while the mover reads it. ``after_hits`` N admits a chunk once it was referenced N
+  times: loaded (``prepare_load``), or stored again after the primary lost it; a
+  ``through`` tier gets it at the reference that makes the count N.
 * **Demotion** (``back`` tiers): at the end of each step the composite keeps as many
   primary slots free as the primary reserved in its busiest recent step, by evicting
   chunks through ``evict_held``: the evicted chunks' slots stay held, and readable, while
@@ -182,7 +183,8 @@ class TieredManager(OffloadingManager):
                     path=f"tiers[{self._back[0].index}].write",
                 )
         table = TABLE_CHUNKS_PER_SLOT * (region.num_slots if region is not None else 1)
-        #: Loads from the primary per key (frequency admission).
+        #: References per key (frequency admission): loads from the primary, and stores
+        #: of a key stored before.
         self._loads = BoundedTable(table)
         #: Key in the primary → position of the lower tier it was promoted from.
         self._promoted = BoundedTable(table)
@@ -324,14 +326,17 @@ class TieredManager(OffloadingManager):
             # A completion of a job from before the reset released a fenced slot: that
             # key is not stored, so it cascades nowhere.
             keys = [k for k in keys if self._primary.lookup(k, ctx) is LookupResult.HIT]
+        loads = self._loads
         for key in keys:
-            # Stored anew: no longer a promoted copy.
+            # Stored anew: no longer a promoted copy; and stored again after the primary
+            # lost it (it was computed anew): one more reference.
             self._promoted.pop(key)
+            loads.set(key, loads.get(key) + 1 if key in loads else 0)
         for lower in self._through:
             self._cascade(lower, keys, ctx)
 
     def _admits(self, lower: _Lower, key: OffloadKey) -> bool:
-        """Whether ``lower``'s write policy takes ``key`` (in the primary) now: loaded
+        """Whether ``lower``'s write policy takes ``key`` (in the primary) now: referenced
         often enough, and not promoted from below ``lower`` unless it takes those."""
         write = lower.write
         if write.after_hits and self._loads.get(key) < write.after_hits:

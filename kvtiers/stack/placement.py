@@ -1,6 +1,7 @@
 """What the composite needs to decide where chunks are written (docs/architecture.md,
-"Placement"): how often each chunk was loaded, which tier a chunk in the primary was
-promoted from, and how much free room the primary keeps for demotions.
+"Placement"): how often each chunk was referenced (loaded, or stored again), which tier
+a chunk in the primary was promoted from, and how much free room the primary keeps for
+demotions.
 
 All three are small bounded tables on the scheduler thread: no I/O, no threads. The
 tables forget their oldest entries beyond a limit, so memory stays bounded however many
@@ -49,6 +50,9 @@ class BoundedTable:
         value = self._values.get(key, 0) + 1
         self.set(key, value)
         return value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._values
 
     def pop(self, key: OffloadKey) -> None:
         self._values.pop(key, None)
