@@ -249,8 +249,8 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         f"  GPU ⇄ {stack_names[0]} worker, per transfer: store {_rate(store_bytes, store_s)}, "
         f"load {_rate(load_bytes, load_s)}",
         "",
-        f"  {'tier':<6}{'chunks':>7}{'tokens':>8}{'writes':>7}{'written':>11}{'read':>11}"
-        f"{'write/s':>11}{'read/s':>11}{'errors':>7}",
+        f"  {'tier':<6}{'chunks':>7}{'tokens':>7}{'writes':>7}{'written':>10}{'read':>10}"
+        f"{'write/s':>12}{'read/s':>12}{'errors':>7}",
     ]
     written: float
     read: float
@@ -268,9 +268,9 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         errors = failed + int(stats.get(f"{name}.corrupt_chunks", 0))
         lines.append(
             f"  {name[:6]:<6}{int(stats.get(f'{name}.chunks', 0)):>7,}"
-            f"{phase.served_tokens(name):>8,}{int(writes):>7,}{format_size(int(written)):>11}"
-            f"{format_size(int(read)):>11}{_rate(written, phase.seconds):>11}"
-            f"{_rate(read, phase.seconds):>11}{errors:>7}"
+            f"{phase.served_tokens(name):>7,}{int(writes):>7,}{format_size(int(written)):>10}"
+            f"{format_size(int(read)):>10}{_rate(written, phase.seconds):>12}"
+            f"{_rate(read, phase.seconds):>12}{errors:>7}"
         )
     lines += [
         "  (rates: bytes over the phase's wall time; errors: corrupt chunks and failed",
