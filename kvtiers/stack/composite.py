@@ -172,6 +172,9 @@ class TieredManager(OffloadingManager):
         self._through = [lo for lo in self._lower if lo.writes and lo.write.mode == "through"]
         self._back = [lo for lo in self._lower if lo.writes and lo.write.mode == "back"]
         self._counted = [lo for lo in self._through if lo.write.after_hits > 0]
+        # Whether any tier admits by frequency: only then are references counted (a stack
+        # of write-through tiers pays nothing for it on the scheduler path).
+        self._counting = any(lo.write.after_hits > 0 for lo in self._lower if lo.writes)
         self._holder: HoldingPrimary | None = None
         if self._back:
             self._holder = holding(self._primary)
@@ -331,7 +334,8 @@ class TieredManager(OffloadingManager):
             # Stored anew: no longer a promoted copy; and stored again after the primary
             # lost it (it was computed anew): one more reference.
             self._promoted.pop(key)
-            loads.set(key, loads.get(key) + 1 if key in loads else 0)
+            if self._counting:
+                loads.set(key, loads.get(key) + 1 if key in loads else 0)
         for lower in self._through:
             self._cascade(lower, keys, ctx)
 
@@ -451,6 +455,8 @@ class TieredManager(OffloadingManager):
         # Pinned now: the request's prefix no longer needs protecting by name.
         ctx.keep.clear()
         self._keepers.pop(id(ctx), None)
+        if not self._counting:
+            return
         keys = list(dict.fromkeys(keys))
         counts = self._loads.add(keys)
         for lower in self._counted:
