@@ -297,10 +297,13 @@ class KVTiersManager(vbase.OffloadingManager):
         are freed (see the module docstring)."""
         ours = self._keys.all_to_kvtiers(_tail_first(keys, req_context))
         ctx = self._ctx(req_context)
-        if self._ledger is None or not success:
-            for key in ours if self._ledger is not None else ():
-                self._stamps.pop(key, None)
+        if self._ledger is None:
             self._tiered.complete_store(ours, ctx, success)
+            return
+        if not success:
+            for key in ours:
+                self._stamps.pop(key, None)
+            self._tiered.complete_store(ours, ctx, False)
             return
         whole, torn = self._check_shards(ours)
         if whole:
@@ -697,8 +700,11 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         return KVTiersWorker(worker, num_groups, primary.shutdown)
 
     def _ledger(self, region: SlotRegion) -> ShardLedger:
-        name = self.stack_config.tiers[0].shared_memory_name  # type: ignore[attr-defined]
-        return ShardLedger(region.num_slots, self.ranks, ledger_name(name))
+        """The shard ledger beside the shared primary ``region`` (see the module docstring)."""
+        primary = self.stack_config.tiers[0]
+        # __init__ made sure of both for a sharded engine.
+        assert isinstance(primary, CPUTierConfig) and primary.shared_memory_name is not None
+        return ShardLedger(region.num_slots, self.ranks, ledger_name(primary.shared_memory_name))
 
     def _rank_worker(self, kv: KVCacheTensors) -> KVTiersWorker:
         """This rank's worker: its pages go to its place in the shared primary's slots
