@@ -163,3 +163,19 @@ def test_ranks_on_several_nodes_are_refused_naming_route_2() -> None:
     with pytest.raises(ConfigError, match="span 2 nodes; use route 2") as caught:
         _check_one_node(engine(2), 4)
     assert "\n" not in str(caught.value)
+
+
+def test_the_spec_refuses_ranks_on_several_nodes_at_start_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from kvtiers.integrations.vllm import spec
+    from tests.test_vllm_spec import vllm_config
+
+    engine = SimpleNamespace(vllm=SimpleNamespace(
+        parallel_config=SimpleNamespace(nnodes_within_dp=2)
+    ))
+    monkeypatch.setattr(spec, "find_engine_configs", lambda: engine)
+    with pytest.raises(ConfigError, match="span 2 nodes; use route 2"):
+        OffloadingSpecFactory.create_spec(vllm_config(tmp_path, world_size=2))
