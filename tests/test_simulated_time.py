@@ -122,9 +122,13 @@ def test_promotion_section_and_load_seeds_are_checked() -> None:
     with pytest.raises(ConfigError) as error:
         load_stack_config({"tiers": tiers, "promotion": {}})
     assert error.value.path == "promotion.prefill_tokens_per_s"
-    with pytest.raises(ConfigError, match="primary is never promoted from") as error:
+    with pytest.raises(ConfigError, match="unknown key 'load_latency_s'") as error:
         load_stack_config({"tiers": [{**tiers[0], "load_latency_s": 0.1}]})
     assert error.value.path == "tiers[0].load_latency_s"
+    with pytest.raises(ConfigError, match="primary is never promoted from") as error:
+        load_stack_config({"tiers": [{"kind": "file", "root": "/tmp/x", "gds": True,
+                                      "load_bytes_per_s": "1GB"}]})
+    assert error.value.path == "tiers[0].load_bytes_per_s"
     with pytest.raises(ConfigError) as error:
         load_stack_config({"tiers": [*tiers, {"kind": "file", "root": "/tmp/x",
                                               "load_bytes_per_s": "fast"}]})

@@ -114,6 +114,8 @@ def _type_text(spec: FieldSpec) -> str:
 
 
 def _unit(name: str, spec: FieldSpec) -> str:
+    if name.endswith("_per_s"):
+        return f"{name.removesuffix('_per_s').rpartition('_')[2]} per second"
     if spec.type is Size:
         return "bytes"
     if name.endswith("_s"):

@@ -38,6 +38,7 @@ from kvtiers.config.schema import (
 from kvtiers.config.tiers import (
     FileTierConfig,
     FsspecTierConfig,
+    LowerTierConfig,
     S3TierConfig,
     TierConfig,
     redact_url,
@@ -109,7 +110,9 @@ class StackConfig:
             where = item_path("tiers", idx)
             if idx > 0:
                 self._check_lower(tier, where)
-            elif tier.load_latency_s is not None or tier.load_bytes_per_s is not None:
+            elif isinstance(tier, LowerTierConfig) and (
+                tier.load_latency_s is not None or tier.load_bytes_per_s is not None
+            ):
                 raise ConfigError(
                     "load_latency_s and load_bytes_per_s describe promotions from a lower "
                     "tier; the primary is never promoted from: remove them here",

@@ -72,13 +72,6 @@ class TierConfig(Section):
     admission: Literal["always", "never"] = "always"
     """Whether chunks stored in the primary are cascaded (written through) to this tier;
     ``never`` makes a lower tier read-only (it still serves promotions)."""
-    load_latency_s: Annotated[float, Range(0)] | None = None
-    """Expected fixed cost of one promotion job from this lower tier, seconds: seeds the
-    cost model (``promotion:``) until the tier's own jobs are measured. Unset with
-    ``load_bytes_per_s`` unset too: promotions from it are not held back until measured."""
-    load_bytes_per_s: Size | None = None
-    """Expected promotion bandwidth of this lower tier, a size per second (``50MB``):
-    seeds the cost model with ``load_latency_s``."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -88,6 +81,19 @@ class TierConfig(Section):
     def describe(self) -> str:
         """A short description for one-line summaries: ``cpu 8.0 GiB, arc``."""
         return self.kind
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowerTierConfig(TierConfig):
+    """Fields of the kinds that can be a lower tier (promoted from): file, s3, fsspec."""
+
+    load_latency_s: Annotated[float, Range(0)] | None = None
+    """Expected fixed cost of one promotion job from this lower tier, seconds: seeds the
+    cost model (``promotion:``) until the tier's own jobs are measured. Unset with
+    ``load_bytes_per_s`` unset too: promotions from it are not held back until measured."""
+    load_bytes_per_s: Size | None = None
+    """Expected promotion bandwidth of this lower tier, a size per second (``50MB``):
+    seeds the cost model with ``load_latency_s``."""
 
 
 #: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
@@ -139,7 +145,7 @@ class CPUTierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FileTierConfig(TierConfig):
+class FileTierConfig(LowerTierConfig):
     """A directory on local or shared storage; with ``gds: true`` it is a GDS primary.
 
     ``root`` may be relative (to the current directory when the tier is built) and may
@@ -326,7 +332,7 @@ def _prefix_problem(prefix: str) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class S3TierConfig(TierConfig):
+class S3TierConfig(LowerTierConfig):
     """An S3-compatible bucket. ``endpoint_url: embedded`` starts a local test server.
 
     Requests go through botocore's ``retry_mode`` (``standard``, or ``adaptive`` which
@@ -417,7 +423,7 @@ class S3TierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FsspecTierConfig(TierConfig):
+class FsspecTierConfig(LowerTierConfig):
     """Any fsspec URL (``gcs://``, ``az://``, ``memory://`` …) as an object tier.
 
     ``op_deadline_s`` bounds one operation (attempts and back-off together; on

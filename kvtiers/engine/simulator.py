@@ -114,11 +114,14 @@ class TimeModel:
             rate = config.promotion.prefill_tokens_per_s
         if rate is None:
             return None
+        from kvtiers.config.tiers import LowerTierConfig
+
         tiers = {
             tier.name: TierTime(tier.load_latency_s or 0.0,
                                 float(tier.load_bytes_per_s or float("inf")))
             for tier in config.tiers[1:]
-            if tier.load_latency_s is not None or tier.load_bytes_per_s is not None
+            if isinstance(tier, LowerTierConfig)
+            and (tier.load_latency_s is not None or tier.load_bytes_per_s is not None)
         }
         return cls(rate, tiers)
 

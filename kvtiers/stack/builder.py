@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
+from kvtiers.config.tiers import LowerTierConfig
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import KeyFormat
 from kvtiers.core.mover import HostRegion
@@ -146,6 +147,7 @@ def build_cost_model(config: StackConfig, identity: OffloadingConfig) -> CostMod
         tier.name: TransferEstimate(tier.load_latency_s, tier.load_bytes_per_s,
                                     weight=promotion.estimate_weight)
         for tier in config.tiers[1:]
+        if isinstance(tier, LowerTierConfig)
     }
     return CostModel(prefill_tokens_per_s=promotion.prefill_tokens_per_s, shapes=shapes,
                      tiers=estimates)
