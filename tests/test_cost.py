@@ -12,11 +12,17 @@ from hypothesis import strategies as st
 
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.core.tier import BuiltTier
 from kvtiers.stack.composite import TieredManager
-from kvtiers.stack.cost import DEADLINE_PARAM, ChunkShape, CostModel, TransferEstimate
+from kvtiers.stack.cost import (
+    DEADLINE_PARAM,
+    MAX_REPLANS,
+    ChunkShape,
+    CostModel,
+    TransferEstimate,
+)
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import (
     BytearrayRegion,
@@ -96,8 +102,9 @@ def key(i: int, group: int = 0) -> OffloadKey:
 
 def run_pass(cost: CostModel, layout: Sequence[str | None], ctx: ReqContext,
              group: int = 0) -> list[LookupResult]:
-    """One lookup pass as the composite makes it: ``layout[i]`` is where chunk ``i`` is
-    (``"cpu"``: the primary, a lower tier's name, ``None``: nowhere); stops at a MISS."""
+    """One scheduler step's lookups as the composite makes them: ``layout[i]`` is where
+    chunk ``i`` is (``"cpu"``: the primary, a lower tier's name, ``None``: nowhere); stops
+    at a MISS."""
     answers = []
     for i, where in enumerate(layout):
         k = key(i, group)
@@ -112,6 +119,7 @@ def run_pass(cost: CostModel, layout: Sequence[str | None], ctx: ReqContext,
         answers.append(result)
         if result is MISS:
             break
+    cost.end_step()
     return answers
 
 
@@ -190,6 +198,36 @@ def test_a_group_that_misses_early_limits_every_group() -> None:
     # Group 1 reaches 64 tokens: two s3 chunks of group 0 cannot pay 0.2 s.
     assert answers == [HIT, MISS]
     assert cost.decisions["r"].cut_tokens == 0
+
+
+def test_a_chunk_that_appears_past_the_cut_opens_the_plan_again() -> None:
+    cost = model()
+    ctx = ReqContext("r")
+    # Decided while the head was nowhere: the cut is 0.
+    run_pass(cost, [None], ctx)
+    run_pass(cost, ["s3", None], ctx)
+    assert run_pass(cost, ["s3", None], ctx) == [MISS]
+    # Another request stored the prefix meanwhile: 40 chunks, which pay.
+    layout = ["s3"] * 40
+    assert run_pass(cost, layout, ctx)[0] is MISS  # chunk 0 was in s3 at the last cut
+    cost.forget(ctx)
+    run_pass(cost, [None] * 1, ctx)
+    assert run_pass(cost, layout, ctx) == [PENDING] * 40  # first seen: deferred
+    assert run_pass(cost, layout, ctx) == [PENDING] * 40  # decided: promoted
+    assert cost.decisions["r"].cut_tokens == 40 * TOKENS
+
+
+def test_a_plan_opens_again_a_bounded_number_of_times() -> None:
+    cost = model()
+    ctx = ReqContext("r")
+    run_pass(cost, ["cpu", None], ctx)
+    answers = []
+    for _ in range(2 * (MAX_REPLANS + 2)):
+        # Chunk 1 comes and goes: each time it is back past the cut, the plan reopens.
+        answers.append(run_pass(cost, ["cpu", "s3", None], ctx)[1])
+        run_pass(cost, ["cpu", None], ctx)
+    assert answers.count(PENDING) <= 1 + MAX_REPLANS
+    assert answers[-1] is MISS
 
 
 def test_a_finished_request_plans_afresh() -> None:
@@ -282,6 +320,7 @@ class Stack:
             answers.append(self.manager.lookup(key(i), ctx))
             if answers[-1] is MISS:
                 break
+        self.manager.on_schedule_end(ScheduleEndContext())
         return answers
 
 

@@ -11,8 +11,9 @@ so the scheduler sees one manager.
   answer is ``MISS`` (recompute rather than stall). ``RETRY`` from a lower tier propagates
   unless a later tier hits. With a cost model (``promotion:`` in the stack file) a
   lower-tier hit is promoted only when the request's plan says it pays
-  (:mod:`kvtiers.stack.cost`): the first lookup pass answers ``HIT_PENDING`` without
-  promoting, the next promotes chunks before the cut and answers ``MISS`` past it.
+  (:mod:`kvtiers.stack.cost`): in the step a request first meets one the answer is
+  ``HIT_PENDING`` without promoting; in later steps chunks before the cut are promoted
+  and the answer past it is ``MISS``.
 * **Store** goes to the primary. On ``complete_store(success=True)`` each chunk is
   *cascaded* to every lower tier whose admission accepts it; the primary slot stays pinned
   while the mover reads it.
@@ -357,6 +358,8 @@ class TieredManager(OffloadingManager):
         return events
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        if self.cost is not None:
+            self.cost.end_step()
         self._flush_promotions()
         self._poll()
         for tier in self.tiers:

@@ -7,18 +7,22 @@ Two parts (the formula is in docs/architecture.md, "Cost-aware promotion"):
   job takes, ``seconds(bytes) = latency_s + bytes / bytes_per_s``, fitted by exponentially
   weighted least squares over the tier's own completed jobs and seeded from the stack
   file (``load_latency_s``, ``load_bytes_per_s``) while there is no history.
-* :class:`CostModel` — per request, a plan: the first lookup pass records where each of
-  the request's chunks is (primary, a lower tier, nowhere) and answers ``HIT_PENDING`` for
-  lower-tier hits without starting a promotion; at the first lookup of the next pass the
-  model picks the usable prefix length (the *cut*, in tokens) that minimises
-  time-to-first-token, and from then on a lower-tier hit is promoted only if its chunk
-  starts before the cut (``MISS`` otherwise).
+* :class:`CostModel` — per request, a plan: the lookups of the step in which a request
+  first meets a lower-tier hit record where each of its chunks is (primary, a lower tier,
+  nowhere) and answer ``HIT_PENDING`` for lower-tier hits without starting a promotion;
+  at its first lower-tier hit in a later scheduler step the model picks the usable
+  prefix length (the *cut*, in tokens) that minimises time-to-first-token, and from then
+  on a lower-tier hit is promoted only if its chunk starts before the cut (``MISS``
+  otherwise). A chunk past the cut that was in no lower tier when the cut was made
+  (stored or moved since) opens the plan again (at most :data:`MAX_REPLANS` times per
+  request).
 
 Invariants: the answer for a request is monotone — per group, every chunk before the cut
 may be promoted and none after it, so the usable prefix never has a hole; the chosen cut
 never predicts a slower first token than using the primary's chunks alone and recomputing
-the rest (the empty promotion is always a candidate); a plan is decided after at most one
-extra lookup pass, so a deferred ``HIT_PENDING`` resolves in one engine step (liveness).
+the rest (the empty promotion is always a candidate); a plan is decided in the step after it
+opened, so a deferred ``HIT_PENDING`` resolves in one engine step, and a request plans at
+most ``1 + MAX_REPLANS`` times (liveness).
 Everything runs on the scheduler thread; nothing here sleeps or reads a clock.
 """
 
@@ -40,6 +44,10 @@ DEADLINE_PARAM = "kvtiers_promotion_deadline_s"
 
 #: Plans held at most; beyond it the oldest is dropped (its request plans again: one step).
 MAX_PLANS = 65536
+
+#: How often a request's plan is made again because a chunk past its cut appeared in a
+#: lower tier after the cut was made (each costs the request one engine step).
+MAX_REPLANS = 4
 
 # A fit's bytes must spread by at least this fraction of their mean before its slope is
 # trusted; below it (jobs all of one size) only the level is refitted.
@@ -121,14 +129,23 @@ class ChunkShape:
 @dataclass
 class _Plan:
     """One request's lookups: each key's position in its group (first-seen order), where
-    its chunk was found, and, once decided, the cut in tokens."""
+    its chunk was found, when the plan opened, and, once decided, the cut in tokens."""
 
     position: dict[OffloadKey, int] = field(default_factory=dict)
     seen_per_group: dict[int, int] = field(default_factory=dict)
     # Key → the lower tier holding it, or None: in the primary (or arriving there).
     found: dict[OffloadKey, str | None] = field(default_factory=dict)
-    lower_hits: int = 0
     cut_tokens: float | None = None
+    replans: int = 0
+    # The scheduler step in which the plan was (re)opened: it is decided at the first
+    # lower-tier hit of a later step, when the whole prefix has been looked up.
+    opened: int | None = None
+
+    def place(self, key: OffloadKey) -> None:
+        if key not in self.position:
+            group = _group(key)
+            self.position[key] = self.seen_per_group.get(group, 0)
+            self.seen_per_group[group] = self.position[key] + 1
 
 
 @dataclass(frozen=True)
@@ -165,6 +182,7 @@ class CostModel:
         self.tiers = dict(tiers)
         self.transfer_time = transfer_time
         self._plans: dict[str, _Plan] = {}
+        self._step = 0
         self.decisions: dict[str, Decision] = {}
         self.stats: dict[str, int] = {"promotion_plans": 0, "promotions_declined": 0}
 
@@ -184,20 +202,27 @@ class CostModel:
         answer instead (``HIT_PENDING`` while the plan is being formed, ``MISS`` when the
         chunk lies past the cut)."""
         plan = self._plan(ctx)
-        known = key in plan.found
-        self._place(plan, key)
-        if plan.cut_tokens is None:
-            if not known:
-                plan.found[key] = tier
-                plan.lower_hits += 1
-                return LookupResult.HIT_PENDING
-            # Seen in an earlier pass: every chunk of the prefix has been located.
-            self._decide(ctx, plan)
+        plan.place(key)
+        was = plan.found.get(key, _MISSING)
         plan.found[key] = tier
-        group = _group(key)
-        start = plan.position[key] * self.shapes[group].tokens
+        if plan.cut_tokens is None:
+            if plan.opened is None:
+                plan.opened = self._step
+            if plan.opened == self._step:
+                return LookupResult.HIT_PENDING
+            # A later step: every chunk of the prefix has been looked up.
+            self._decide(ctx, plan)
+            was = tier
+        start = plan.position[key] * self.shapes[_group(key)].tokens
         if start < plan.cut_tokens:  # type: ignore[operator]
             return None
+        if (was is _MISSING or was is None) and plan.replans < MAX_REPLANS:
+            # Past the cut, and not in a lower tier when the cut was made: the prefix
+            # changed since (a chunk was stored or moved), so plan again, a few times.
+            plan.replans += 1
+            plan.cut_tokens = None
+            plan.opened = self._step
+            return LookupResult.HIT_PENDING
         self.stats["promotions_declined"] += 1
         return LookupResult.MISS
 
@@ -206,13 +231,18 @@ class CostModel:
         found: ``HIT`` and ``HIT_PENDING`` are; a key :meth:`hold` placed in a lower tier
         stays there unless the answer is ``MISS`` or ``RETRY``)."""
         plan = self._plan(ctx)
-        self._place(plan, key)
+        plan.place(key)
         if result is LookupResult.MISS or result is LookupResult.RETRY:
             if key in plan.found and plan.cut_tokens is None:
                 # Not declined by the cut: the chunk is gone.
                 plan.found.pop(key)
         elif key not in plan.found:
             plan.found[key] = None
+
+    def end_step(self) -> None:
+        """The scheduler step ended: plans opened in it are decided at their next
+        lower-tier hit."""
+        self._step += 1
 
     def forget(self, ctx: ReqContext) -> None:
         """The request finished: drop its plan."""
@@ -232,13 +262,6 @@ class CostModel:
                 self._plans.pop(next(iter(self._plans)))
             plan = self._plans[ctx.req_id] = _Plan()
         return plan
-
-    @staticmethod
-    def _place(plan: _Plan, key: OffloadKey) -> None:
-        if key not in plan.position:
-            group = _group(key)
-            plan.position[key] = plan.seen_per_group.get(group, 0)
-            plan.seen_per_group[group] = plan.position[key] + 1
 
     def _decide(self, ctx: ReqContext, plan: _Plan) -> None:
         decision = self.decide(plan, deadline_s=_deadline(ctx))
