@@ -227,17 +227,18 @@ class CostModel:
         return LookupResult.MISS
 
     def looked_up(self, key: OffloadKey, ctx: ReqContext, result: LookupResult) -> None:
-        """Record the composite's answer for ``key`` (its position, and whether it is
-        found: ``HIT`` and ``HIT_PENDING`` are; a key :meth:`hold` placed in a lower tier
-        stays there unless the answer is ``MISS`` or ``RETRY``)."""
+        """Record the composite's answer for ``key``: its position, and where it is. A
+        ``HIT`` is in the primary; a ``HIT_PENDING`` is where :meth:`hold` placed it (a
+        lower tier), else arriving in the primary; ``MISS`` and ``RETRY`` are nowhere,
+        unless the key is a lower-tier hit a decided cut declined."""
         plan = self._plan(ctx)
         plan.place(key)
-        if result is LookupResult.MISS or result is LookupResult.RETRY:
-            if key in plan.found and plan.cut_tokens is None:
-                # Not declined by the cut: the chunk is gone.
-                plan.found.pop(key)
-        elif key not in plan.found:
+        if result is LookupResult.HIT:
             plan.found[key] = None
+        elif result is LookupResult.HIT_PENDING:
+            plan.found.setdefault(key, None)
+        elif plan.cut_tokens is None:
+            plan.found.pop(key, None)
 
     def end_step(self) -> None:
         """The scheduler step ended: plans opened in it are decided at their next
@@ -259,7 +260,9 @@ class CostModel:
         plan = self._plans.get(ctx.req_id)
         if plan is None:
             if len(self._plans) >= MAX_PLANS:
-                self._plans.pop(next(iter(self._plans)))
+                oldest = next(iter(self._plans))
+                del self._plans[oldest]
+                self.decisions.pop(oldest, None)
             plan = self._plans[ctx.req_id] = _Plan()
         return plan
 
