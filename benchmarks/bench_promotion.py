@@ -112,6 +112,28 @@ def summarise(reports: list[RequestReport]) -> dict[str, float]:
     }
 
 
+def acceptance(rows: list[dict[str, object]]) -> list[str]:
+    """Issue 19's acceptance over every (trace, rate, phase): ``cost`` is never slower
+    than recompute on any request, and its mean TTFT is below ``promote-all``'s."""
+    cells: dict[tuple[object, ...], dict[str, dict[str, float]]] = {}
+    for row in rows:
+        summary = row["summary"]
+        assert isinstance(summary, dict)
+        cell = (row["trace"], row["rate"], row["phase"])
+        cells.setdefault(cell, {})[str(row["mode"])] = summary
+    modes = list(cells.values())
+    slower = sum(m["cost"]["slower_than_recompute"] for m in modes)
+    requests = sum(m["cost"]["requests"] for m in modes)
+    better = [m for m in modes if m["cost"]["mean"] < m["promote-all"]["mean"]]
+    gains = [1 - m["cost"]["mean"] / m["promote-all"]["mean"] for m in modes]
+    return [
+        f"Acceptance: `cost` was slower than recomputing on {slower:.0f} of {requests:.0f} "
+        f"requests; its mean TTFT was below `promote-all`'s in {len(better)} of "
+        f"{len(modes)} (trace, rate, phase) cells, by {100 * min(gains):.1f}% to "
+        f"{100 * max(gains):.1f}% (median {100 * statistics.median(gains):.1f}%).",
+    ]
+
+
 def render(rows: list[dict[str, object]], seconds: float) -> str:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
@@ -132,6 +154,7 @@ def render(rows: list[dict[str, object]], seconds: float) -> str:
         "reused | promoted |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    lines[4:4] = [*acceptance(rows), ""]
     for row in rows:
         s = row["summary"]
         assert isinstance(s, dict)
