@@ -348,12 +348,11 @@ BAD_STACKS = [
         "unknown-key-lists-known",
         "tiers:\n  - kind: cpu\n    capacity: 1GiB\n    fast: 1  # <-\n",
         "tiers[0].fast",
-        "known keys: kind, name, admission, write, write_after_hits, write_promoted, capacity, "
-        "policy",
+        "known keys: kind, name, admission, capacity, policy",
     ),
     (
         "write-policy-on-primary",
-        "tiers:\n  - kind: cpu\n    capacity: 1GiB\n    write: back  # <-\n",
+        "tiers:\n  - kind: file\n    root: /d\n    gds: true\n    write: back  # <-\n",
         "tiers[0].write",
         "write is a lower tier's write policy",
     ),

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtiers.config import load_stack_config
+from kvtiers.config.tiers import LowerTierConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import KeyFormat, OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
@@ -216,6 +217,7 @@ def test_the_yaml_write_policy_parses() -> None:
          "write_after_hits": 2, "write_promoted": True},
     ]})
     lower = config.tiers[1]
+    assert isinstance(lower, LowerTierConfig)
     assert (lower.write, lower.write_after_hits, lower.write_promoted) == ("back", 2, True)
 
 

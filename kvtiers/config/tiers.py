@@ -1,11 +1,12 @@
 """The configuration of each tier kind: ``cpu``, ``file``, ``s3``, ``fsspec``.
 
 Every tier has a ``kind``, a ``name`` (unique within a stack; the stack parser defaults it
-to its kind, or ``<kind><index>`` when the kind repeats) and a write policy (``admission``,
-``write``, ``write_after_hits``, ``write_promoted``) for chunks written to it from the
-primary. The classes here only describe and check values; building a tier
-from them is the job of the kind's factory (see :mod:`kvtiers.config.kinds`). Sizes are
-bytes; ``*_s`` fields are seconds.
+to its kind, or ``<kind><index>`` when the kind repeats) and an ``admission`` rule for
+chunks written to it; the kinds that can be lower tiers add their write policy
+(``write``, ``write_after_hits``, ``write_promoted``) and the cost model's seeds. The
+classes here only describe and check values; building a tier from them is the job of the
+kind's factory (see :mod:`kvtiers.config.kinds`). Sizes are bytes; ``*_s`` fields are
+seconds.
 """
 
 from __future__ import annotations
@@ -72,23 +73,8 @@ class TierConfig(Section):
     the kind, or ``<kind><index>`` when the kind repeats."""
     admission: Literal["always", "never"] = "always"
     """Whether chunks are written into this tier at all; ``never`` makes a lower tier
-    read-only (it still serves promotions). ``write``, ``write_after_hits`` and
-    ``write_promoted`` say when and which."""
-    write: Literal["through", "back"] = "through"
-    """When a lower tier receives a chunk. through: as soon as it is stored in the
-    primary (every stored chunk is written). back: when the primary evicts it (a
-    demotion, copied out of the primary's slot before the slot is reused; a chunk the
-    primary must drop before its copy could start, or whose copy fails, is simply not
-    written). Lower tiers only."""
-    write_after_hits: Annotated[int, Range(0)] = 0
-    """Frequency admission: write only chunks referenced at least this many times — loaded
-    from the primary, or stored again after the primary lost them (0: every chunk). Under
-    write: through the chunk is written at the reference that reaches the count. Lower
-    tiers only."""
-    write_promoted: bool = False
-    """Also write chunks promoted from a tier below this one (an S3 hit lands in the
-    primary and, with this, in this file tier too): under write: through when the
-    promotion lands, under write: back when the primary evicts it. Lower tiers only."""
+    read-only (it still serves promotions). On a file, s3 or fsspec tier, ``write``,
+    ``write_after_hits`` and ``write_promoted`` say when and which."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -98,6 +84,33 @@ class TierConfig(Section):
     def describe(self) -> str:
         """A short description for one-line summaries: ``cpu 8.0 GiB, arc``."""
         return self.kind
+
+
+@dataclass(frozen=True, kw_only=True)
+class LowerTierConfig(TierConfig):
+    """Fields of the kinds that can be a lower tier (promoted from): file, s3, fsspec."""
+
+    write: Literal["through", "back"] = "through"
+    """When a lower tier receives a chunk. through: as soon as it is stored in the
+    primary (every stored chunk is written). back: when the primary evicts it (a
+    demotion, copied out of the primary's slot before the slot is reused; a chunk the
+    primary must drop before its copy could start, or whose copy fails, is simply not
+    written)."""
+    write_after_hits: Annotated[int, Range(0)] = 0
+    """Frequency admission: write only chunks referenced at least this many times — loaded
+    from the primary, or stored again after the primary lost them (0: every chunk). Under
+    write: through the chunk is written at the reference that reaches the count."""
+    write_promoted: bool = False
+    """Also write chunks promoted from a tier below this one (an S3 hit lands in the
+    primary and, with this, in this file tier too): under write: through when the
+    promotion lands, under write: back when the primary evicts it."""
+    load_latency_s: Annotated[float, Range(0)] | None = None
+    """Expected fixed cost of one promotion job from this lower tier, seconds: seeds the
+    cost model (``promotion:``) until the tier's own jobs are measured. Unset with
+    ``load_bytes_per_s`` unset too: promotions from it are not held back until measured."""
+    load_bytes_per_s: Size | None = None
+    """Expected promotion bandwidth of this lower tier, a size per second (``50MB``):
+    seeds the cost model with ``load_latency_s``."""
 
 
 #: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
@@ -149,7 +162,7 @@ class CPUTierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FileTierConfig(TierConfig):
+class FileTierConfig(LowerTierConfig):
     """A directory on local or shared storage; with ``gds: true`` it is a GDS primary.
 
     ``root`` may be relative (to the current directory when the tier is built) and may
@@ -336,7 +349,7 @@ def _prefix_problem(prefix: str) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class S3TierConfig(TierConfig):
+class S3TierConfig(LowerTierConfig):
     """An S3-compatible bucket. ``endpoint_url: embedded`` starts a local test server.
 
     Requests go through botocore's ``retry_mode`` (``standard``, or ``adaptive`` which
@@ -427,7 +440,7 @@ class S3TierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FsspecTierConfig(TierConfig):
+class FsspecTierConfig(LowerTierConfig):
     """Any fsspec URL (``gcs://``, ``az://``, ``memory://`` …) as an object tier.
 
     ``op_deadline_s`` bounds one operation (attempts and back-off together; on

@@ -9,7 +9,11 @@ so the scheduler sees one manager.
   reserved and the lower tier's chunk pinned (``HIT_PENDING``); the copy is submitted to
   the lower tier's mover at the end of the step. If the primary cannot reserve a slot the
   answer is ``MISS`` (recompute rather than stall). ``RETRY`` from a lower tier propagates
-  unless a later tier hits.
+  unless a later tier hits. With a cost model (``promotion:`` in the stack file) a
+  lower-tier hit is promoted only when the request's plan says it pays
+  (:mod:`kvtiers.stack.cost`): in the step a request first meets one the answer is
+  ``HIT_PENDING`` without promoting; in later steps chunks before the cut are promoted
+  and the answer past it is ``MISS``.
 * **Store** goes to the primary. On ``complete_store(success=True)`` each chunk is
   *cascaded* to every lower tier whose write policy (``BuiltTier.write``) says
   ``through`` and whose frequency admission it passes; the primary slot stays pinned
@@ -75,6 +79,7 @@ from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.core.tier import BuiltTier, WritePolicy
 from kvtiers.errors import ClosedError, ConfigError
+from kvtiers.stack.cost import CostModel
 from kvtiers.stack.metrics_latency import LatencyHistograms
 from kvtiers.stack.placement import BoundedTable, Headroom, HoldingPrimary, holding
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
@@ -219,6 +224,9 @@ class TieredManager(OffloadingManager):
         #: Promotion and cascade job latencies, counted only when metrics are exported.
         self.latency: LatencyHistograms | None = None
         self._snapshot_at = -math.inf
+        #: Cost-aware promotion (``promotion:`` in the stack file): ``None`` promotes every
+        #: lower-tier hit; see :mod:`kvtiers.stack.cost`.
+        self.cost: CostModel | None = None
 
     @property
     def capabilities(self) -> TierCapabilities:  # type: ignore[override]
@@ -253,6 +261,8 @@ class TieredManager(OffloadingManager):
             self._door((key,), ctx, "lookup")
             self._key_bytes = self._keys.key_bytes
         result = self._lookup(key, ctx)
+        if self.cost is not None:
+            self.cost.looked_up(key, ctx, result)
         if result is LookupResult.HIT:
             self._stats["hits"] += 1
         elif result is LookupResult.MISS:
@@ -272,6 +282,11 @@ class TieredManager(OffloadingManager):
                 continue
             result = manager.lookup(key, ctx)
             if result is LookupResult.HIT:
+                if self.cost is not None:
+                    # Promote only what arrives before recomputing it would finish.
+                    held = self.cost.hold(key, lower.tier.name, ctx)
+                    if held is not None:
+                        return held
                 return self._start_promotion(lower, key, ctx)
             if result is LookupResult.HIT_PENDING:
                 return result
@@ -430,6 +445,8 @@ class TieredManager(OffloadingManager):
         self._stats[moved] += result.transfer_bytes
         self._stats[seconds] += result.transfer_s
         self._add(f"{tier_name}.{per_tier}", len(job.succeeded), result)
+        if job.load and self.cost is not None and job.succeeded:
+            self.cost.observe_load(tier_name, result.transfer_bytes, result.transfer_s)
         if self.latency is not None and kind != _DEMOTE:
             self.latency.observe(kind, tier_name, result.transfer_s)
 
@@ -491,6 +508,8 @@ class TieredManager(OffloadingManager):
         self._door((), ctx, "on_request_finished")
         ctx.keep.clear()
         self._keepers.pop(id(ctx), None)
+        if self.cost is not None:
+            self.cost.forget(ctx)
         for tier in self.tiers:
             tier.manager.on_request_finished(ctx)
 
@@ -504,6 +523,8 @@ class TieredManager(OffloadingManager):
         return events
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        if self.cost is not None:
+            self.cost.end_step()
         self._flush_promotions()
         self._poll()
         self._demote()
@@ -535,6 +556,8 @@ class TieredManager(OffloadingManager):
         self.wait_idle()
         for tier in self.tiers:
             tier.manager.reset_cache()
+        if self.cost is not None:
+            self.cost.reset()
         self._fence = True
         self._promoted.clear()
 
@@ -546,6 +569,8 @@ class TieredManager(OffloadingManager):
 
     def get_stats(self) -> Mapping[str, float]:
         stats = dict(self._stats)
+        if self.cost is not None:
+            stats.update(self.cost.stats)
         for tier in self.tiers:
             for name, value in tier.manager.get_stats().items():
                 stats[f"{tier.name}.{name}"] = value
