@@ -273,3 +273,21 @@ def test_the_demo_runs_each_write_policy_and_shows_writes_per_tier(
     assert 0 < s3_writes < file_writes, (s3_writes, file_writes)
     row = next(line for line in text.splitlines() if line.strip().startswith("s3 "))
     assert int(row.split()[3].replace(",", "")) == s3_writes
+
+
+def test_a_finished_request_no_longer_shields_its_keys_from_demotion(
+    stacks: list[Stack],
+) -> None:
+    """A request's looked-up keys are never demoted while it runs; once it finishes (even
+    named by another context object of the same id, as an adapter may pass) they are."""
+    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stack.store(0, 1)
+    stack.manager.wait_idle()
+    running = ReqContext(req_id="running")
+    assert stack.manager.lookup(key(0), running) is HIT
+    assert stack.manager.lookup(key(1), running) is HIT
+    stack.step()  # 2 slots to keep free, but both chunks are the running request's
+    assert stack.held(0) == set()
+    stack.manager.on_request_finished(ReqContext(req_id="running"))
+    stack.step()
+    assert stack.held(0) == {0, 1}

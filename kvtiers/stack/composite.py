@@ -199,8 +199,9 @@ class TieredManager(OffloadingManager):
         self._headroom = Headroom()
         #: Held slot → demotion copies of it not yet ended.
         self._held: dict[int, int] = {}
-        #: Requests whose ``ctx.keep`` names keys: demotions never evict those.
-        self._keepers: dict[int, ReqContext] = {}
+        #: Requests (by id: an adapter may hand a new context object per call) whose
+        #: ``ctx.keep`` names keys: demotions never evict those.
+        self._keepers: dict[str, ReqContext] = {}
         self.medium = self._primary.medium
         self.locality = self._primary.locality
         self._job_ids = itertools.count()
@@ -273,7 +274,7 @@ class TieredManager(OffloadingManager):
         result = self._primary.lookup(key, ctx)
         if result is not LookupResult.MISS:
             ctx.keep.add(key)
-            self._keepers[id(ctx)] = ctx
+            self._keepers[ctx.req_id] = ctx
             return result
         retry = False
         for lower in self._lower:
@@ -300,7 +301,7 @@ class TieredManager(OffloadingManager):
             return LookupResult.MISS
         if hold is LoadHold.HELD:
             ctx.keep.add(key)
-            self._keepers[id(ctx)] = ctx
+            self._keepers[ctx.req_id] = ctx
             self._headroom.reserved(1)
             self._promoting = (key, lower.tier)
             return LookupResult.HIT_PENDING
@@ -471,7 +472,7 @@ class TieredManager(OffloadingManager):
         self._primary.prepare_load(keys, ctx)
         # Pinned now: the request's prefix no longer needs protecting by name.
         ctx.keep.clear()
-        self._keepers.pop(id(ctx), None)
+        self._keepers.pop(ctx.req_id, None)
         if not self._counting:
             return
         keys = list(dict.fromkeys(keys))
@@ -507,7 +508,7 @@ class TieredManager(OffloadingManager):
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._door((), ctx, "on_request_finished")
         ctx.keep.clear()
-        self._keepers.pop(id(ctx), None)
+        self._keepers.pop(ctx.req_id, None)
         if self.cost is not None:
             self.cost.forget(ctx)
         for tier in self.tiers:
