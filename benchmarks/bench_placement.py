@@ -19,8 +19,8 @@ for other machines and for losing the disk).
 
 Reported per stack and policy: chunks written to S3 and to the file tier, the baseline's S3 writes
 over this policy's, and prompt tokens reused in each phase and both together, with the
-change against the baseline. Counts only: the machine's load does not change them (every
-request settles its copies before the next, as the demo does). Run from the repository
+change against the baseline. Counts, not timings (every request settles its copies before
+the next, as the demo does); repeated runs differed by a few file-tier writes. Run from the repository
 root: ``.venv/bin/python benchmarks/bench_placement.py [--conversations N] [--turns N]
 [--no-write]``;
 writes ``benchmarks/results/placement.md`` and ``placement.json``.
@@ -112,8 +112,8 @@ def render(rows: list[Row], spec: WorkloadSpec, note: dict[str, str]) -> str:
         "# Write policies: chunks written per tier vs tokens reused",
         "",
         f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}; "
-        f"{note['date']}; `{note['command']}`. Counts only: the machine's load does not "
-        "change them.",
+        f"{note['date']}; `{note['command']}`. Counts, not timings; two runs differed by "
+        "a few file-tier writes (the order mover threads finish copies in).",
         "",
         "The demo's stack (cpu 16 MiB arc, file writing through, s3 on the embedded "
         f"server) and traces ({spec.conversations} conversations of {spec.turns} turns over "
