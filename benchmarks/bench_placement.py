@@ -20,9 +20,9 @@ for other machines and for losing the disk).
 Reported per stack and policy: chunks written to S3 and to the file tier, the baseline's S3 writes
 over this policy's, and prompt tokens reused in each phase and both together, with the
 change against the baseline. Counts, not timings (every request settles its copies before
-the next, as the demo does); repeated runs differed by a few file-tier writes. Run from the repository
-root: ``.venv/bin/python benchmarks/bench_placement.py [--conversations N] [--turns N]
-[--no-write]``;
+the next, as the demo does); repeated runs differed by a few file-tier writes. Run from
+the repository root: ``.venv/bin/python benchmarks/bench_placement.py [--conversations N]
+[--turns N] [--no-write]``;
 writes ``benchmarks/results/placement.md`` and ``placement.json``.
 """
 
