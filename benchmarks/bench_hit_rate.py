@@ -25,9 +25,12 @@ larger), ``system-prompt`` (many requests behind a few shared system prompts),
 
 Reported: tokens reused as a share of all prompt tokens, per trace, capacity and policy
 (``lru``, ``arc``; ``s3fifo`` for kvtiers only: vLLM has none), with kvtiers minus vLLM in
-percentage points. Run from the repository root: ``.venv/bin/python
-benchmarks/bench_hit_rate.py [--quick] [--no-write]``; writes
-``benchmarks/results/hit_rate.md`` and ``hit_rate.json``.
+percentage points. Then each of kvtiers' ARC choices (``kvtiers/policies/arc.py``) against
+its alternative, natively: the same ARC with that one choice undone, and kvtiers' ARC as it
+was before them all, so the rows show on which traces each choice wins. Run from the
+repository root: ``.venv/bin/python benchmarks/bench_hit_rate.py [--quick] [--no-write]
+[--seeds N]``; ``lru`` and ``arc`` are checked again on the traces drawn with ``N`` other
+seeds (default 5). Writes ``benchmarks/results/hit_rate.md`` and ``hit_rate.json``.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from route1 import SLOT_BYTES, route1_manager
 from kvtiers.core.keys import make_offload_key
 from kvtiers.core.manager import ReqContext
 from kvtiers.engine.workload import WorkloadSpec, conversation_requests
-from kvtiers.policies import load_policy
+from kvtiers.policies import ARCPolicy, EvictionPolicy, load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
 RESULTS = Path(__file__).parent / "results"
@@ -59,6 +62,8 @@ STORE_BATCH = 16
 FRACTIONS = (0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0)
 POLICIES = ("lru", "arc", "s3fifo")
 VLLM_POLICIES = ("lru", "arc")
+#: Seed ``n`` of a trace draws from its own seed plus ``SEED_STRIDE * n``.
+SEED_STRIDE = 1000
 
 
 # -- traces --------------------------------------------------------------------------------
@@ -79,13 +84,15 @@ def _tokens(rng: np.random.Generator, count: int) -> list[int]:
     return [int(t) for t in rng.integers(0, 32000, size=count)]
 
 
-def conversations(scale: int) -> list[list[int]]:
-    spec = WorkloadSpec(conversations=12 * scale, system_prompts=4, turns=6, seed=1)
+def conversations(scale: int, seed: int = 0) -> list[list[int]]:
+    spec = WorkloadSpec(
+        conversations=12 * scale, system_prompts=4, turns=6, seed=1 + SEED_STRIDE * seed
+    )
     return [list(request.token_ids) for request in conversation_requests(spec)]
 
 
-def system_prompt(scale: int) -> list[list[int]]:
-    rng = np.random.default_rng(2)
+def system_prompt(scale: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(2 + SEED_STRIDE * seed)
     systems = [_tokens(rng, int(rng.integers(1024, 2048))) for _ in range(6)]
     weights = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
     prompts = []
@@ -95,8 +102,8 @@ def system_prompt(scale: int) -> list[list[int]]:
     return prompts
 
 
-def document_qa(scale: int) -> list[list[int]]:
-    rng = np.random.default_rng(3)
+def document_qa(scale: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(3 + SEED_STRIDE * seed)
     documents = [_tokens(rng, int(rng.integers(2048, 8192))) for _ in range(40 * scale)]
     ranks = np.arange(1, len(documents) + 1, dtype=np.float64)
     weights = ranks**-1.1
@@ -108,8 +115,8 @@ def document_qa(scale: int) -> list[list[int]]:
     return prompts
 
 
-def scan_polluted(scale: int) -> list[list[int]]:
-    rng = np.random.default_rng(4)
+def scan_polluted(scale: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(4 + SEED_STRIDE * seed)
     hot = [_tokens(rng, int(rng.integers(1024, 3072))) for _ in range(8)]
     prompts = []
     for index in range(240 * scale):
@@ -120,11 +127,64 @@ def scan_polluted(scale: int) -> list[list[int]]:
     return prompts
 
 
-TRACES: dict[str, Callable[[int], list[list[int]]]] = {
+TRACES: dict[str, Callable[[int, int], list[list[int]]]] = {
     "conversations": conversations,
     "system-prompt": system_prompt,
     "document-qa": document_qa,
     "scan-polluted": scan_polluted,
+}
+
+
+# -- kvtiers' ARC with one choice undone --------------------------------------------------
+
+
+class GhostToT2(ARCPolicy):
+    """A re-stored ghost goes to T2, as in the ARC paper (it enters T1, then moves)."""
+
+    def insert(self, key: Any) -> None:
+        ghost = key in self._b1 or key in self._b2
+        super().insert(key)
+        if ghost:
+            self.touch(key)
+
+
+class StepPerChunk(ARCPolicy):
+    """p moves one step per re-stored ghost, as in the ARC paper."""
+
+    def insert(self, key: Any) -> None:
+        self._grown = self._shrunk = False
+        super().insert(key)
+
+
+class NoShield(ARCPolicy):
+    """A request's later stores may evict its own head."""
+
+    shields_request_head = False
+
+
+class T2Fallback(ARCPolicy):
+    """The head is shielded, but T2 gives the victims when T1 holds only shielded keys (what
+    vLLM's ARC does when T1 has no victim left)."""
+
+    def evict(self, n: int, protected: Any = (), shielded: Any = ()) -> list[Any] | None:
+        return super().evict(n, protected)
+
+    def evictable(self, protected: Any = (), shielded: Any = ()) -> int:
+        return super().evictable(protected)
+
+
+class Before(GhostToT2, StepPerChunk, NoShield):
+    """kvtiers' ARC before these choices: ghosts to T2, a step per chunk, no shield."""
+
+
+#: Column → (the choice it undoes, the policy).
+ABLATIONS: dict[str, tuple[str, type[EvictionPolicy]]] = {
+    "ghost→T2": ("a re-stored ghost enters T1 (a store is not a use)", GhostToT2),
+    "p per chunk": ("p moves one step each way per eviction round", StepPerChunk),
+    "no shield": ("a running request's head is shielded from its own stores", NoShield),
+    "T2 fallback": ("no T2 key is taken while T1 is over target and holds the head",
+                    T2Fallback),
+    "before": ("all four", Before),
 }
 
 
@@ -196,12 +256,11 @@ class NativeSide(Side):
 
     name = "native"
 
-    def __init__(self, chunks: int, policy: str) -> None:
+    def __init__(self, chunks: int, policy: str | type[EvictionPolicy]) -> None:
         from kvtiers.core.manager import LookupResult
 
-        super().__init__(
-            CpuTierManager(chunks, SLOT_BYTES, load_policy(policy)(chunks)), LookupResult.HIT
-        )
+        cls = load_policy(policy) if isinstance(policy, str) else policy
+        super().__init__(CpuTierManager(chunks, SLOT_BYTES, cls(chunks)), LookupResult.HIT)
 
     def context(self, req_id: str, keys: list[bytes]) -> Any:
         return ReqContext(req_id=req_id)
@@ -237,7 +296,7 @@ class Point:
     policy: str
     fraction: float
     chunks: int
-    reused: dict[str, float]  # side -> share of prompt tokens reused, in percent
+    reused: dict[str, float]  # side (or ablation) -> share of prompt tokens reused, in percent
 
 
 def replay(side: Side, requests: list[list[bytes]]) -> float:
@@ -250,27 +309,32 @@ def replay(side: Side, requests: list[list[bytes]]) -> float:
     return 100.0 * reused / total if total else 0.0
 
 
-def run(scale: int, traces: Sequence[str]) -> list[Point]:
+def run(
+    scale: int, traces: Sequence[str], seed: int = 0, policies: Sequence[str] = POLICIES
+) -> list[Point]:
     points = []
     for trace in traces:
-        requests = [chunk_keys(prompt) for prompt in TRACES[trace](scale)]
+        requests = [chunk_keys(prompt) for prompt in TRACES[trace](scale, seed)]
         distinct = len({key for keys in requests for key in keys})
-        for policy in POLICIES:
+        for policy in policies:
             for fraction in FRACTIONS:
                 chunks = max(1, round(distinct * fraction))
                 reused = {"native": replay(NativeSide(chunks, policy), requests)}
                 if policy in VLLM_POLICIES:
                     reused["vllm"] = replay(vllm_side(chunks, policy), requests)
                     reused["route1"] = replay(route1_side(chunks, policy), requests)
+                if policy == "arc":
+                    for column, (_, cls) in ABLATIONS.items():
+                        reused[column] = replay(NativeSide(chunks, cls), requests)
                 points.append(Point(trace, policy, fraction, chunks, reused))
-            print(f"{trace} {policy}: done", flush=True)
+            print(f"{trace} {policy} (seed {seed}): done", flush=True)
     return points
 
 
 def trace_sizes(scale: int, traces: Sequence[str]) -> dict[str, dict[str, int]]:
     sizes = {}
     for trace in traces:
-        requests = [chunk_keys(prompt) for prompt in TRACES[trace](scale)]
+        requests = [chunk_keys(prompt) for prompt in TRACES[trace](scale, 0)]
         sizes[trace] = {
             "requests": len(requests),
             "chunks": sum(map(len, requests)),
@@ -279,7 +343,12 @@ def trace_sizes(scale: int, traces: Sequence[str]) -> dict[str, dict[str, int]]:
     return sizes
 
 
-def render(points: list[Point], sizes: dict[str, dict[str, int]], note: dict[str, str]) -> str:
+def render(
+    points: list[Point],
+    sizes: dict[str, dict[str, int]],
+    note: dict[str, str],
+    other_seeds: dict[int, list[Point]],
+) -> str:
     lines = [
         "# Tokens reused: vLLM 0.33.0's CPU manager vs kvtiers' CPU tier",
         "",
@@ -321,7 +390,70 @@ def render(points: list[Point], sizes: dict[str, dict[str, int]], note: dict[str
     lines += ["", "## Against the target (kvtiers ≥ vLLM at every point, lru and arc)", ""]
     lines += summary(points)
     lines += ["", "## Where the policies differ", "", *DIFFERENCES]
+    lines += ["", "## kvtiers' ARC: each choice against its alternative (native)", ""]
+    lines += ablations(points)
+    if other_seeds:
+        lines += [
+            "",
+            "## The same traces drawn with other seeds (lru and arc)",
+            "",
+            f"Seed n draws each trace from its own seed plus {SEED_STRIDE} times n: other "
+            "prompts, same shapes, same capacities as shares of the distinct chunks. Last "
+            "line of each: the points where kvtiers' ARC with one choice undone (native) "
+            "is below vLLM's.",
+            "",
+        ]
+        for seed, seed_points in other_seeds.items():
+            lines += [f"- seed {seed}: " + line[2:] for line in summary(seed_points)]
+            arc = [p for p in seed_points if p.policy == "arc"]
+            below = {
+                column: sum(1 for p in arc if p.reused[column] - p.reused["vllm"] < -0.05)
+                for column in ABLATIONS
+            }
+            lines.append(
+                f"- seed {seed}: points below vLLM with one arc choice undone: "
+                + ", ".join(f"`{column}` {count}" for column, count in below.items())
+            )
     return "\n".join(lines) + "\n"
+
+
+def ablations(points: list[Point]) -> list[str]:
+    """The arc rows again, each column kvtiers' ARC with one choice undone, in percentage
+    points against kvtiers' ARC as it is (negative: the choice wins there)."""
+    columns = list(ABLATIONS)
+    lines = [
+        "Each column undoes one choice of `kvtiers/policies/arc.py` (`before`: all of them, "
+        "kvtiers' ARC before this cycle) and gives its reuse minus kvtiers' ARC's: "
+        "negative where the choice wins.",
+        "",
+        "| trace | capacity | vLLM | kvtiers | " + " | ".join(columns) + " |",
+        "|---|---:|---:|---:|" + "---:|" * len(columns),
+    ]
+    arc = [p for p in points if p.policy == "arc"]
+    for p in arc:
+        r = p.reused
+        cells = " | ".join(f"{r[c] - r['native']:+.1f}" for c in columns)
+        lines.append(
+            f"| {p.trace} | {p.fraction:.0%} | {r['vllm']:.1f} | {r['native']:.1f} | {cells} |"
+        )
+    lines.append("")
+    for column, (choice, _) in ABLATIONS.items():
+        deltas = [(p.reused[column] - p.reused["native"], p) for p in arc]
+        wins = [p for d, p in deltas if d < -0.05]
+        losses = [(d, p) for d, p in deltas if d > 0.05]
+        below = sum(1 for p in arc if p.reused[column] - p.reused["vllm"] < -0.05)
+        text = (
+            f"- `{column}` undoes: {choice}. The choice wins at {len(wins)} points "
+            f"({', '.join(sorted({p.trace for p in wins})) or 'none'}), loses at "
+            f"{len(losses)}"
+        )
+        if losses:
+            text += " (" + ", ".join(f"{p.trace} {p.fraction:.0%} {d:+.1f}" for d, p in losses)
+            text += ")"
+        mean = sum(d for d, _ in deltas) / len(deltas)
+        text += f"; mean {mean:+.2f} pp; without it {below}/{len(arc)} points are below vLLM."
+        lines.append(text)
+    return lines
 
 
 DIFFERENCES = [
@@ -329,11 +461,16 @@ DIFFERENCES = [
     "vLLM ranks a running request's keys above older ones, kvtiers shields them from that "
     "request's own later stores, so when a prompt outgrows the cache kvtiers keeps its "
     "head (what a later prompt can reuse) and may refuse the rest.",
-    "- ARC, on purpose: kvtiers re-inserts a ghost (B1/B2) hit straight into T2 and adapts "
-    "its target at insertion; vLLM inserts into T1 and adapts once per request at "
-    "`prepare_store`. kvtiers evicts from T1 when it is larger than the target, vLLM when "
-    "at least as large; kvtiers bounds its ghosts as in the ARC paper (T1+B1 and all four "
-    "lists), vLLM each ghost list to the capacity. Rows above name the traces each wins.",
+    "- ARC: both count a request's reuse when it finishes (kvtiers at load for a request "
+    "never announced), and a re-stored ghost enters T1 on both sides (a store is not a "
+    "use; kvtiers sent it to T2 before this cycle). They differ on purpose: kvtiers shields "
+    "a running request's head from its own stores, as its LRU does, and while T1 is over "
+    "its target and holds that head it stores no more of the prompt rather than evict T2 "
+    "(vLLM evicts T2 when T1 has no victim left); kvtiers moves p one step each way per "
+    "eviction round, vLLM one step per re-stored ghost (at `prepare_store`). Smaller: "
+    "kvtiers evicts T1 when it is larger than p (vLLM: at least as large) and bounds its "
+    "ghosts as the ARC paper does (T1+B1 and all four lists; vLLM each ghost list to the "
+    "capacity). The last section shows on which traces each of kvtiers' choices wins.",
 ]
 
 
@@ -375,14 +512,21 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="smaller traces")
     parser.add_argument("--trace", choices=sorted(TRACES), nargs="+", help="default: all")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument(
+        "--seeds", type=int, default=5, help="other trace seeds to check lru and arc on"
+    )
     args = parser.parse_args()
     scale = 1 if args.quick else 2
     traces = args.trace or list(TRACES)
     started = time.perf_counter()
     points = run(scale, traces)
+    other_seeds = {
+        seed: run(scale, traces, seed, policies=VLLM_POLICIES)
+        for seed in range(1, args.seeds + 1)
+    }
     command = "benchmarks/bench_hit_rate.py" + (" --quick" if args.quick else "")
     note = machine_note(command)
-    report = render(points, trace_sizes(scale, traces), note)
+    report = render(points, trace_sizes(scale, traces), note, other_seeds)
     print(report)
     print(f"({time.perf_counter() - started:.0f} s)")
     if not args.no_write:
@@ -394,6 +538,10 @@ def main() -> None:
             "tokens_per_chunk": TOKENS_PER_CHUNK,
             "store_batch": STORE_BATCH,
             "points": [p.__dict__ for p in points],
+            "other_seeds": {
+                str(seed): [p.__dict__ for p in seed_points]
+                for seed, seed_points in other_seeds.items()
+            },
         }
         (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
 

@@ -218,6 +218,32 @@ def test_present_keys_of_a_batch_survive_the_eviction_it_causes() -> None:
     assert manager.prepare_store([KEYS[0], KEYS[3]], CTX) is None
 
 
+def test_under_arc_a_long_once_seen_prompt_keeps_its_head_and_the_reused_prefix() -> None:
+    manager = make_manager(capacity=8, policy="arc")
+    keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(100, 112)]
+    reused, prompt = keys[:4], keys[4:]
+
+    def request(req_id: str, load: list[OffloadKey], store: list[OffloadKey]) -> None:
+        ctx = ReqContext(req_id=req_id)
+        manager.on_new_request(ctx)
+        if load:
+            manager.prepare_load(load, ctx)
+            manager.complete_load(load, ctx)
+        for start in range(0, len(store), 2):
+            accepted = manager.prepare_store(store[start : start + 2], ctx)
+            if accepted:
+                manager.complete_store(accepted, ctx)
+        manager.on_request_finished(ctx)
+
+    request("a", [], reused)
+    request("b", reused, [])  # loaded again: ARC's frequent list
+    request("c", [], prompt)  # 8 once-seen keys, room for 4
+    hits = [manager.lookup(key, CTX) is LookupResult.HIT for key in keys]
+    # The prompt stores its head and then nothing: its later stores neither evict its own
+    # head (the tail alone is of no use) nor the prefix used again (scan resistance).
+    assert hits == [True] * 4 + [True] * 4 + [False] * 4
+
+
 def test_stats_and_events() -> None:
     manager = make_manager(capacity=2)
     manager.prepare_store(KEYS[:2], CTX)

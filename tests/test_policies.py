@@ -91,6 +91,17 @@ class PolicyTests:
             policy.insert(key)
         assert len(policy) == 4 and all(key in policy for key in range(4))
 
+    def test_evictable_is_the_most_one_evict_takes(self) -> None:
+        for protected, shielded in [(set(), set()), ({0, 3}, set()), ({4, 5}, {4, 5})]:
+            policy = self.make(range(6))
+            for key in (0, 1):
+                policy.touch(key)
+            most = policy.evictable(protected, shielded)
+            assert policy.evict(most + 1, protected, shielded) is None
+            victims = policy.evict(most, protected, shielded)
+            assert victims is not None and len(victims) == most
+            assert not set(victims) & protected
+
     def test_long_run_respects_capacity_and_protection(self) -> None:
         capacity = 16
         policy = self.make(capacity=capacity)
@@ -129,20 +140,46 @@ class TestARC(PolicyTests):
         policy.touch(1)
         assert policy.evict(2) == [2, 3]
 
-    def test_a_ghost_hit_comes_back_as_frequent(self) -> None:
+    def test_a_ghost_hit_comes_back_seen_once_and_grows_p(self) -> None:
         policy = self.make(range(4), capacity=4)
         assert isinstance(policy, ARCPolicy)
         assert policy.evict(1) == [0]
         policy.insert(0)
-        policy.insert(4)
-        # 0 came back from the B1 ghost list: it goes to T2 (not T1) and the B1 hit grows
-        # T1's target size p from 0 to 1.
-        assert 0 in policy._t2 and 0 not in policy._t1
+        # 0 came back from the B1 ghost list: a store is not a use, so it enters T1 (the
+        # paper's T2 is for keys loaded again), and the B1 hit grows T1's target p to 1.
+        assert list(policy._t1) == [1, 2, 3, 0] and not policy._t2
         assert policy._p == 1
-        # So T1 is evicted only down to p before T2 gives up 0, and 4 (in T1) outlives it;
-        # with p still 0, T1 would be emptied first: [1, 2, 3, 4].
-        assert policy.evict(4) == [1, 2, 3, 0]
-        assert 4 in policy
+
+    def test_p_moves_one_step_per_eviction_round(self) -> None:
+        policy = self.make(range(4), capacity=4)
+        assert isinstance(policy, ARCPolicy)
+        assert policy.evict(2) == [0, 1]
+        policy.insert(0)
+        policy.insert(1)
+        # Two ghosts of one batch re-stored: one miss of one prompt, so one step (a step
+        # per key would make p 2).
+        assert policy._p == 1
+        assert policy.evict(1) == [2]  # a new round
+        policy.insert(2)
+        assert policy._p == 2
+
+    def test_a_prompt_that_holds_t1_takes_no_t2_key(self) -> None:
+        policy = self.make(capacity=4)
+        for key in (0, 1):
+            policy.insert(key)
+            policy.touch(key)  # loaded again: T2
+        policy.insert(2)
+        policy.insert(3)
+        # T1 (2, 3) is over its target p = 0 and holds the storing request's own keys:
+        # they stay, and T2's keys are not taken in their place.
+        assert policy.evict(1, {2, 3}, shielded={2, 3}) is None
+        assert policy.evictable({2, 3}, shielded={2, 3}) == 0
+        assert len(policy) == 4
+        # Keys protected for another reason (pins) do not stop T2 from giving a victim.
+        assert policy.evict(1, {2, 3}) == [0]
+        # A T1 key the request does not hold goes first.
+        policy.insert(4)
+        assert policy.evict(1, {2, 3}, shielded={2, 3}) == [4]
 
 
 class TestS3FIFO(PolicyTests):

@@ -1,10 +1,22 @@
 """Adaptive Replacement Cache (Megiddo & Modha, FAST 2003) over a tier's evictable keys.
 
-Two resident lists: ``T1`` (seen once since insertion) and ``T2`` (used again), each oldest
-first, plus ghost lists ``B1`` / ``B2`` remembering keys recently evicted from each. A key
-re-inserted while in a ghost list goes straight to ``T2`` and moves the target size ``p``
-of ``T1``: a ``B1`` hit grows it (recency pays), a ``B2`` hit shrinks it (frequency pays).
-Ghosts hold keys only; together the four lists never exceed twice the capacity.
+Two resident lists: ``T1`` (not used since insertion) and ``T2`` (used again: touched), each
+oldest first, plus ghost lists ``B1`` / ``B2`` remembering keys recently evicted from each.
+A key re-inserted while in a ghost list moves the target size ``p`` of ``T1``: a ``B1`` hit
+grows it (recency pays), a ``B2`` hit shrinks it (frequency pays). Ghosts hold keys only;
+together the four lists never exceed twice the capacity.
+
+Where a tier's chunks differ from the paper's pages (each choice measured against the
+paper's in ``benchmarks/results/hit_rate.md``):
+
+- a re-inserted ghost enters ``T1`` like any stored key: a store is not a use; only
+  ``touch`` (a load) moves a key to ``T2``;
+- ``p`` moves at most one step each way per eviction round (from one :meth:`evict` call to
+  the next): a prompt re-storing a run of remembered chunks is one miss, not one per chunk;
+- the storing request's own keys (``shielded``, see ``shields_request_head``) stay, and
+  while ``T1`` is over its target and holds them, no ``T2`` key is taken instead: a long
+  once-seen prompt stores what ``T1`` has room for and keeps its head, and never flushes
+  the keys that are used again.
 """
 
 from __future__ import annotations
@@ -19,6 +31,8 @@ from kvtiers.policies.base import EvictionPolicy
 class ARCPolicy(EvictionPolicy):
     """ARC with pin-aware eviction: protected keys are skipped, never demoted."""
 
+    shields_request_head = True
+
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)
         self._t1: OrderedDict[Any, None] = OrderedDict()
@@ -26,6 +40,9 @@ class ARCPolicy(EvictionPolicy):
         self._b1: OrderedDict[Any, None] = OrderedDict()
         self._b2: OrderedDict[Any, None] = OrderedDict()
         self._p = 0
+        # Whether p has grown / shrunk in this eviction round.
+        self._grown = False
+        self._shrunk = False
 
     def __len__(self) -> int:
         return len(self._t1) + len(self._t2)
@@ -35,15 +52,16 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, key: Hashable) -> None:
         if key in self._b1:
-            self._p = min(self.capacity, self._p + max(len(self._b2) // len(self._b1), 1))
+            if not self._grown:
+                self._grown = True
+                self._p = min(self.capacity, self._p + max(len(self._b2) // len(self._b1), 1))
             del self._b1[key]
-            self._t2[key] = None
         elif key in self._b2:
-            self._p = max(0, self._p - max(len(self._b1) // len(self._b2), 1))
+            if not self._shrunk:
+                self._shrunk = True
+                self._p = max(0, self._p - max(len(self._b1) // len(self._b2), 1))
             del self._b2[key]
-            self._t2[key] = None
-        else:
-            self._t1[key] = None
+        self._t1[key] = None
         self._trim_ghosts()
 
     def touch(self, key: Hashable) -> None:
@@ -64,22 +82,58 @@ class ARCPolicy(EvictionPolicy):
         self._t1.pop(key, None)
         self._t2.pop(key, None)
 
+    def evict(
+        self, n: int, protected: Collection[Any] = (), shielded: Collection[Any] = ()
+    ) -> list[Any] | None:
+        self._grown = self._shrunk = False
+        if not shielded:
+            return super().evict(n, protected)
+        if n <= 0:
+            return []
+        picks = self._pick(n, protected, shielded)
+        return self._take(picks) if len(picks) == n else None
+
+    def evictable(self, protected: Collection[Any] = (), shielded: Collection[Any] = ()) -> int:
+        if not shielded:
+            return super().evictable(protected)
+        return len(self._pick(len(self), protected, shielded))
+
     def _evict(self, n: int, protected: Collection[Any]) -> list[Any]:
-        # Pick first (one pass over each list, oldest first), then move: a batch costs
-        # what its victims and the protected keys skipped cost, not a scan per victim.
+        return self._take(self._pick(n, protected, ()))
+
+    def _pick(
+        self, n: int, protected: Collection[Any], shielded: Collection[Any]
+    ) -> list[tuple[Any, bool]]:
+        """Up to ``n`` victims in eviction order, each with whether it comes from ``T1``;
+        fewer where ``T1`` is over its target and every key left in it is protected, one of
+        them ``shielded``. One pass over each list, oldest first: a batch costs what its
+        victims and the protected keys skipped cost, not a scan per victim."""
         t1_free = (key for key in self._t1 if key not in protected)
         t2_free = (key for key in self._t2 if key not in protected)
         next_t1, next_t2 = next(t1_free, None), next(t2_free, None)
         t1_size = len(self._t1)
+        # Whether T1 holds a shielded key: asked once, when T1 first runs out of victims.
+        holds_shielded: bool | None = None
         picks: list[tuple[Any, bool]] = []
         while len(picks) < n:
             if next_t1 is not None and (t1_size > self._p or next_t2 is None):
                 picks.append((next_t1, True))
                 t1_size -= 1
                 next_t1 = next(t1_free, None)
-            else:
-                picks.append((next_t2, False))
-                next_t2 = next(t2_free, None)
+                continue
+            if next_t2 is None:
+                break
+            if t1_size > self._p:
+                if holds_shielded is None:
+                    holds_shielded = any(key in self._t1 for key in shielded)
+                if holds_shielded:
+                    break
+            picks.append((next_t2, False))
+            next_t2 = next(t2_free, None)
+        return picks
+
+    def _take(self, picks: list[tuple[Any, bool]]) -> list[Any]:
+        """Stop tracking the picked keys, remembering each in its list's ghost list."""
         victims: list[Any] = []
         for key, from_t1 in picks:
             if from_t1:

@@ -8,7 +8,9 @@ another reason, and asks for victims when it needs room. Invariants every policy
 - a key is tracked once between :meth:`EvictionPolicy.insert` and its removal (by
   :meth:`~EvictionPolicy.remove` or by being returned from :meth:`~EvictionPolicy.evict`);
 - :meth:`EvictionPolicy.evict` is atomic: it returns exactly ``n`` tracked, unprotected keys
-  (and stops tracking them), or ``None`` and changes nothing.
+  (and stops tracking them), or ``None`` and changes nothing;
+- :meth:`EvictionPolicy.evictable` is the largest ``n`` for which ``evict`` succeeds with
+  the same arguments.
 
 Atomicity is enforced here, once: :meth:`EvictionPolicy.evict` checks that enough unprotected
 keys exist before it calls the policy's own :meth:`EvictionPolicy._evict`, which may then
@@ -38,10 +40,14 @@ class EvictionPolicy(ABC):
     """Orders a tier's evictable keys. ``capacity`` is the most keys the tier can hold.
 
     ``recency`` declares whether victims always come in least-recently-used order (what
-    the conformance suite's LRU-order test expects).
+    the conformance suite's LRU-order test expects). ``shields_request_head`` asks the tier
+    to keep a running request's earlier keys (nearer its prompt's head) from that request's
+    own later stores: a prompt longer than the room left keeps its head, which later
+    prompts can reuse, instead of its tail, which none can without the head.
     """
 
     recency: bool = False
+    shields_request_head: bool = False
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -73,8 +79,15 @@ class EvictionPolicy(ABC):
     def remove(self, key: Hashable) -> None:
         """Stop tracking ``key`` without counting it as evicted. Untracked keys are ignored."""
 
-    def evict(self, n: int, protected: Collection[Any] = ()) -> list[Any] | None:
-        """Exactly ``n`` victims, none of them in ``protected``, or ``None`` (no change)."""
+    def evict(
+        self, n: int, protected: Collection[Any] = (), shielded: Collection[Any] = ()
+    ) -> list[Any] | None:
+        """Exactly ``n`` victims, none of them in ``protected``, or ``None`` (no change).
+
+        ``shielded`` names those of ``protected`` that the storing request itself holds (its
+        prompt's head, see ``shields_request_head``): a policy may refuse to make room past
+        them (ARC: it takes no ``T2`` key while ``T1`` is over its target and holds them).
+        The default ignores it."""
         if n <= 0:
             return []
         # len(protected) bounds the protected keys tracked here: count them only when the
@@ -86,6 +99,12 @@ class EvictionPolicy(ABC):
         victims = self._evict(n, protected)
         assert len(victims) == n, f"{type(self).__name__} returned {len(victims)} of {n}"
         return victims
+
+    def evictable(self, protected: Collection[Any] = (), shielded: Collection[Any] = ()) -> int:
+        """The most victims one :meth:`evict` call with these arguments could take (how much
+        of a batch fits when not all of it does). The default: every tracked key that is
+        not protected."""
+        return len(self) - sum(1 for key in set(protected) if key in self)
 
     @abstractmethod
     def _evict(self, n: int, protected: Collection[Any]) -> list[Any]:

@@ -14,6 +14,7 @@ class LRUPolicy(EvictionPolicy):
     """Classic LRU over an ordered dict (oldest first)."""
 
     recency = True
+    shields_request_head = True
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)

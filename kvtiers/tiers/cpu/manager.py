@@ -17,7 +17,7 @@ Invariants:
 - ``prepare_store`` reserves every key it returns and changes nothing else but the
   evictions that make room for them; when not all fit it reserves the leading keys that
   do, and when none fits it returns ``None`` and changes nothing (the policy's ``evict``
-  is atomic);
+  is atomic; what fits is the policy's to say, ``EvictionPolicy.evictable``);
 - ``complete_store`` / ``complete_load`` of a key this tier never reserved or pinned raise
   :class:`~kvtiers.errors.UnknownKeyError` before changing anything;
 - the number of non-free slots never exceeds ``num_slots``.
@@ -27,9 +27,10 @@ within one batch of keys (given head to tail) the tail is made less recent than 
 — on ``touch``, and on ``prepare_load`` of a request not announced by ``on_new_request``
 — and when an announced request finishes, every key it stored or loaded is made recent
 again, tail first, the loaded ones as a use (``touch``) and the stored-only ones without
-one (``refresh``). Under a recency policy (``lru``), while an announced request runs its
-stores never evict its own earlier keys (nearer its head). The keys a request saw are
-kept in its context's state, never in the manager.
+one (``refresh``). Under a policy that shields a request's head (``lru``, ``arc``: see
+``EvictionPolicy.shields_request_head``), while an announced request runs its stores never
+evict its own earlier keys (nearer its head). The keys a request saw are kept in its
+context's state, never in the manager.
 
 Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
 per slot, the policy's own entry; pin counts exist only for pinned keys.
@@ -230,28 +231,26 @@ class CpuTierManager(OffloadingManager):
         if shortfall > 0:
             protected: Collection[OffloadKey] = self._pins
             present = [key for key in keys if key in slots]
-            # Under a recency policy an announced request's earlier keys (nearer its head)
-            # outlive its later ones, as in vLLM, where a running request's keys rank tail
-            # first; frequency policies keep their scan resistance (a long prompt evicts
-            # its own once-used keys first).
-            access = self._access(ctx) if self.policy.recency else None
-            if present or ctx.keep or access is not None:
+            # An announced request's earlier keys (nearer its head) outlive its later ones
+            # where the policy asks (as in vLLM's LRU, where a running request's keys rank
+            # tail first); a policy's own rule keeps it scan-resistant (ARC: a long prompt
+            # does not take T2's keys, it stores what T1 has room for).
+            access = self._access(ctx) if self.policy.shields_request_head else None
+            shielded: Collection[OffloadKey] = () if access is None else access.seen
+            if present or ctx.keep or shielded:
                 # Keys the caller counts as stored must survive the store that names them,
                 # and the request's own prefix must survive its own stores and promotions.
-                protected = _Protected(
-                    self._pins, present, ctx.keep, () if access is None else access.seen
-                )
-            victims = self.policy.evict(shortfall, protected)
+                protected = _Protected(self._pins, present, ctx.keep, shielded)
+            victims = self.policy.evict(shortfall, protected, shielded)
             if victims is None:
                 # Not all fit: reserve the leading keys that do (a prompt longer than the
                 # tier still stores its head, which then cascades to the lower tiers).
                 policy = self.policy
-                evictable = len(policy) - sum(1 for key in protected if key in policy)
-                fit = len(self._free) + evictable
+                fit = len(self._free) + policy.evictable(protected, shielded)
                 if fit <= 0:
                     return None
                 del accepted[fit:]
-                victims = policy.evict(fit - len(self._free), protected)
+                victims = policy.evict(fit - len(self._free), protected, shielded)
                 assert victims is not None
             if victims:
                 self._drop(victims)
