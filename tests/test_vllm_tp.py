@@ -46,6 +46,10 @@ RANKS = 2
 #: vLLM); a guard against a hung rank, never a measurement.
 RANK_REPLY_S = 300
 
+# A test starts rank processes up to twice, each importing torch and vLLM: on a loaded
+# 2-core machine that alone has taken longer than the suite's 300 s default per test.
+pytestmark = pytest.mark.timeout(3 * RANK_REPLY_S)
+
 
 def rank_kv(rank: int) -> list[torch.Tensor]:
     """Rank ``rank``'s KV tensors: the same bytes in every process, different per rank."""
