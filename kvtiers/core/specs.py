@@ -46,7 +46,9 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
 
     def __init__(self, block_ids: Iterable[int] | npt.NDArray[np.int64]) -> None:
         super().__init__()
-        self.block_ids: npt.NDArray[np.int64] = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        # A reshape makes a new view even of a flat array: on the scheduler's path per call.
+        self.block_ids: npt.NDArray[np.int64] = ids if ids.ndim == 1 else ids.reshape(-1)
 
     def __len__(self) -> int:
         return int(self.block_ids.shape[0])
