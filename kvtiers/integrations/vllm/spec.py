@@ -197,13 +197,15 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def _drain_events(self) -> None:
         """Move the stack's events into the buffer and track the primary's evictions."""
+        evicted = self._evicted
         for event in self._tiered.take_events():
             if event.ownership is None and not event.metadata_only:
-                for key in event.keys if self._same_keys else self._keys.all_to_vllm(event.keys):
-                    if event.removed:
-                        self._evicted[key] = None
-                    else:
-                        self._evicted.pop(key, None)
+                keys = event.keys if self._same_keys else self._keys.all_to_vllm(event.keys)
+                if event.removed:
+                    evicted.update(dict.fromkeys(keys))
+                elif evicted:  # a key stored again is no longer evicted
+                    for key in keys:
+                        evicted.pop(key, None)
             if self._events_enabled:
                 translated = vllm_event(event, self._keys)
                 if translated is not None:
@@ -231,24 +233,33 @@ class KVTiersManager(vbase.OffloadingManager):
         return request.sources.get(key, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[Any], req_context: Any) -> KVTiersLoadStoreSpec:
-        ours = self._keys.all_to_kvtiers(keys)
-        self._tiered.prepare_load(ours, self._ctx(req_context))
+        ours = keys if self._same_keys else self._keys.all_to_kvtiers(keys)
+        request = self._requests.get(req_context.req_id)
+        self._tiered.prepare_load(
+            ours, request.ctx if request is not None else kvtiers_context(req_context)
+        )
         return self._spec(ours)
 
     def touch(self, keys: Collection[Any], req_context: Any) -> None:
         self._tiered.touch(self._keys.all_to_kvtiers(keys), self._ctx(req_context))
 
     def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
-        self._tiered.complete_load(self._keys.all_to_kvtiers(keys), self._ctx(req_context))
+        request = self._requests.get(req_context.req_id)
+        self._tiered.complete_load(
+            keys if self._same_keys else self._keys.all_to_kvtiers(keys),
+            request.ctx if request is not None else kvtiers_context(req_context),
+        )
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
+        request = self._requests.get(req_context.req_id)
         accepted = self._tiered.prepare_store(
-            self._keys.all_to_kvtiers(keys), self._ctx(req_context)
+            keys if self._same_keys else self._keys.all_to_kvtiers(keys),
+            request.ctx if request is not None else kvtiers_context(req_context),
         )
         self._drain_events()
         if accepted is None:
             return None
-        to_store = self._keys.all_to_vllm(accepted)
+        to_store = accepted if self._same_keys else self._keys.all_to_vllm(accepted)
         evicted = self._evicted
         if evicted:
             for key in to_store:
@@ -261,9 +272,11 @@ class KVTiersManager(vbase.OffloadingManager):
     def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
         """vLLM hands a job's keys as a set: they enter recency tail first by the positions
         vLLM recorded, so the prefix head is the last to be evicted."""
+        ordered = _tail_first(keys, req_context)
+        request = self._requests.get(req_context.req_id)
         self._tiered.complete_store(
-            self._keys.all_to_kvtiers(_tail_first(keys, req_context)),
-            self._ctx(req_context),
+            ordered if self._same_keys else self._keys.all_to_kvtiers(ordered),
+            request.ctx if request is not None else kvtiers_context(req_context),
             success,
         )
 

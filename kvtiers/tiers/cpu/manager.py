@@ -100,7 +100,11 @@ class _Protected(Collection[OffloadKey]):
         self._parts = parts
 
     def __contains__(self, key: object) -> bool:
-        return any(key in part for part in self._parts)
+        # A loop, not any() over a generator: eviction asks once per candidate.
+        for part in self._parts:
+            if key in part:
+                return True
+        return False
 
     def __iter__(self) -> Iterator[OffloadKey]:
         return iter(set().union(*self._parts))
@@ -304,7 +308,9 @@ class CpuTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         slots = self._slots
-        accepted = list(dict.fromkeys(key for key in keys if key not in slots))
+        accepted = [key for key in keys if key not in slots]
+        if len(accepted) > 1:
+            accepted = list(dict.fromkeys(accepted))  # a key named twice is reserved once
         shortfall = len(accepted) - len(self._free)
         if shortfall > 0:
             protected: Collection[OffloadKey] = self._pins
@@ -413,8 +419,9 @@ class CpuTierManager(OffloadingManager):
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
         self._loads += len(keys)
-        access = self._access(ctx)
-        if access is not None:
+        # _access(ctx), inlined: once per load on the scheduler's path.
+        access = ctx.get_state(_RequestAccess)
+        if access is not None and access.owner is self and access.generation == self._generation:
             # Counted as a use when the request finishes, in prefix order.
             access.seen.update(dict.fromkeys(keys))
             access.reused.update(keys)
