@@ -237,6 +237,7 @@ class CpuTierManager(OffloadingManager):
         key_bytes = fmt.key_bytes
         # Past every 4-byte group when any group is valid, so one comparison serves.
         limit = fmt.group_limit or b"\xff" * (GROUP_INDEX_BYTES + 1)
+        group = slice(-GROUP_INDEX_BYTES, None)  # built once, not per lookup
         keep_of = (keeps if keeps is not None else {}).get
 
         def refuse(key: Any) -> None:
@@ -267,7 +268,7 @@ class CpuTierManager(OffloadingManager):
             if slot is None:
                 if (
                     type(key) is not bytes or len(key) != key_bytes
-                    or key[-GROUP_INDEX_BYTES:] >= limit
+                    or key[group] >= limit
                 ):
                     refuse(key)
                 manager._misses += 1
