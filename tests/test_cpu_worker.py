@@ -38,11 +38,16 @@ HAS_COMPILER = shutil.which(compiler()[0]) is not None
 
 
 def make_worker(
-    setup: Setup, path: str, monkeypatch: pytest.MonkeyPatch, **options: int
+    setup: Setup,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,
+    batch_bytes: int = worker_module.DEFAULT_BATCH_BYTES,
 ) -> CpuWorker:
     """A worker on copy path ``path`` (one of ``COPY_PATHS``)."""
     if path == "torch":
-        worker = CpuWorker(setup.kv, setup.region, setup.geometry, kernel=False, **options)
+        worker = CpuWorker(
+            setup.kv, setup.region, setup.geometry, kernel=False, batch_bytes=batch_bytes
+        )
         assert not worker.uses_kernel
         return worker
     if not HAS_COMPILER:
@@ -53,7 +58,12 @@ def make_worker(
         monkeypatch.setattr(worker_module, "STREAMING_BYTES", 1)
         threads = 3
     worker = CpuWorker(
-        setup.kv, setup.region, setup.geometry, kernel=True, copy_threads=threads, **options
+        setup.kv,
+        setup.region,
+        setup.geometry,
+        kernel=True,
+        copy_threads=threads,
+        batch_bytes=batch_bytes,
     )
     assert worker.uses_kernel
     return worker

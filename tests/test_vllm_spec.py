@@ -376,7 +376,12 @@ def test_worker_rejects_tensors_the_scheduler_did_not_expect(
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"world_size": 2}, "one worker per engine"),
+        (
+            {"world_size": 2, "kvtiers": {"tiers": [
+                {"kind": "file", "root": "/nonexistent/kv", "gds": True}
+            ]}},
+            "with 2 ranks .* the first tier must be a cpu tier",
+        ),
         ({"kvtiers_config": "stack.yaml"}, "exactly one of kvtiers_config"),
         ({"prefix_caching_hash_algo": "md5"}, "unknown block-hash algorithm"),
         ({"kvtiers_group_bytes_per_block": [1]}, "expected 2 positive integers"),

@@ -2,8 +2,9 @@
 
 They are package data, so they exist in every install (a clone, a wheel, a site-packages
 tree), and each is addressable by its name without the ``.yaml`` suffix: ``cpu``,
-``cpu-file``, ``cpu-file-s3``, ``file-gds`` and ``demo`` (the stack ``kvtiers demo`` runs by
-default). Nothing here reads a file; callers do.
+``cpu-file``, ``cpu-file-s3``, ``cpu-slow-s3`` (cost-aware promotion), ``file-gds`` and
+``demo`` (the stack ``kvtiers demo`` runs by default). Nothing here reads a file; callers
+do.
 """
 
 from __future__ import annotations

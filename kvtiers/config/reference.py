@@ -26,7 +26,7 @@ from kvtiers.config.kinds import TIER_KINDS
 from kvtiers.config.model import GroupSection, ModelSection, ParallelSection
 from kvtiers.config.schema import FieldSpec, OctalMode, Range, Section, field_specs
 from kvtiers.config.sizes import Size, format_size
-from kvtiers.config.stack import MetricsConfig
+from kvtiers.config.stack import MetricsConfig, PromotionConfig
 from kvtiers.config.tiers import TierConfig
 
 HEADER = """\
@@ -37,7 +37,8 @@ schema in kvtiers/config/; edit the field docstrings there, not this page. -->
 
 A stack file is YAML with a `tiers:` list (fastest first; the first is the primary), an
 optional `model:` section (the cache identity when no engine supplies one: the demo,
-tests and tools) and an optional `metrics:` section. Check a file with
+tests and tools), an optional `metrics:` section and an optional `promotion:` section
+(cost-aware promotion). Check a file with
 `kvtiers validate FILE`. Sizes take binary or decimal units (`8GiB`, `512MiB`, `500GB`)
 or a number of bytes; `*_s` keys are seconds. Keys not listed here are errors.
 Example stacks ship with the package (`kvtiers demo --config NAME` runs one):
@@ -113,6 +114,8 @@ def _type_text(spec: FieldSpec) -> str:
 
 
 def _unit(name: str, spec: FieldSpec) -> str:
+    if name.endswith("_per_s"):
+        return f"{name.removesuffix('_per_s').rpartition('_')[2]} per second"
     if spec.type is Size:
         return "bytes"
     if name.endswith("_s"):
@@ -182,6 +185,7 @@ def render_reference() -> str:
     parts.append(render_section("`model.groups[]`", GroupSection))
     parts.append(render_section("`model.parallel`", ParallelSection))
     parts.append(render_section("`metrics:`", MetricsConfig))
+    parts.append(render_section("`promotion:`", PromotionConfig))
     return "\n".join(parts)
 
 
@@ -191,6 +195,7 @@ def missing_meanings() -> list[str]:
         *((kind.name, kind.config_type) for kind in TIER_KINDS.values()),
         ("model", ModelSection), ("model.groups[]", GroupSection),
         ("model.parallel", ParallelSection), ("metrics", MetricsConfig),
+        ("promotion", PromotionConfig),
     ]
     return [f"{title}.{spec.name}" for title, cls in sections for spec in field_specs(cls)
             if not meaning(cls, spec.name)]

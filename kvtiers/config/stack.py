@@ -38,6 +38,7 @@ from kvtiers.config.schema import (
 from kvtiers.config.tiers import (
     FileTierConfig,
     FsspecTierConfig,
+    LowerTierConfig,
     S3TierConfig,
     TierConfig,
     redact_url,
@@ -45,7 +46,7 @@ from kvtiers.config.tiers import (
 from kvtiers.config.yamlfile import read_yaml
 from kvtiers.errors import ConfigError
 
-TOP_LEVEL_KEYS = ("tiers", "model", "metrics")
+TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion")
 _TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
 
 
@@ -69,6 +70,21 @@ class MetricsConfig(Section):
     """How often the scheduler refreshes the numbers a scrape reads (0: every step)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class PromotionConfig(Section):
+    """Cost-aware promotion: a lower-tier chunk is promoted only when it arrives before
+    recomputing it would finish (docs/architecture.md, "Cost-aware promotion")."""
+
+    what: ClassVar[str] = "the promotion section"
+
+    prefill_tokens_per_s: Annotated[float, Range(0, above=True)]
+    """The engine's prefill rate, tokens per second: recomputing ``n`` prompt tokens is
+    taken to cost ``n / prefill_tokens_per_s`` seconds."""
+    estimate_weight: Annotated[float, Range(0, 1, above=True)] = 0.2
+    """Weight of each completed promotion job in a lower tier's running estimate of its
+    latency and bandwidth (the rest is the decayed history)."""
+
+
 @dataclass(frozen=True)
 class StackConfig:
     """An ordered stack of tiers (primary first) and its optional sections.
@@ -80,6 +96,7 @@ class StackConfig:
     model: ModelSection | None = None
     metrics: MetricsConfig | None = None
     source: str = "<mapping>"
+    promotion: PromotionConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -93,6 +110,15 @@ class StackConfig:
             where = item_path("tiers", idx)
             if idx > 0:
                 self._check_lower(tier, where)
+            elif isinstance(tier, LowerTierConfig) and (
+                tier.load_latency_s is not None or tier.load_bytes_per_s is not None
+            ):
+                raise ConfigError(
+                    "load_latency_s and load_bytes_per_s describe promotions from a lower "
+                    "tier; the primary is never promoted from: remove them here",
+                    path=key_path(where, "load_latency_s" if tier.load_latency_s is not None
+                                  else "load_bytes_per_s"),
+                )
             if tier.name in first_use:
                 raise ConfigError(
                     f"tier name {tier.name!r} is already used by tiers[{first_use[tier.name]}]; "
@@ -169,6 +195,8 @@ class StackConfig:
             line += f"; model {self.model.name} ({groups} group{'s' if groups != 1 else ''})"
         if self.metrics is not None:
             line += f"; metrics on {self.metrics.addr}:{self.metrics.port}"
+        if self.promotion is not None:
+            line += f"; cost-aware promotion at {self.promotion.prefill_tokens_per_s:g} tokens/s"
         return line
 
 
@@ -232,11 +260,14 @@ def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
         )
     model = data.get("model")
     metrics = data.get("metrics")
+    promotion = data.get("promotion")
     return StackConfig(
         tiers=_parse_tiers(data["tiers"]),
         model=None if model is None else parse_section(ModelSection, model, "model"),
         metrics=None if metrics is None else parse_section(MetricsConfig, metrics, "metrics"),
         source=source,
+        promotion=None if promotion is None else parse_section(
+            PromotionConfig, promotion, "promotion"),
     )
 
 

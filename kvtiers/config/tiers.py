@@ -83,6 +83,19 @@ class TierConfig(Section):
         return self.kind
 
 
+@dataclass(frozen=True, kw_only=True)
+class LowerTierConfig(TierConfig):
+    """Fields of the kinds that can be a lower tier (promoted from): file, s3, fsspec."""
+
+    load_latency_s: Annotated[float, Range(0)] | None = None
+    """Expected fixed cost of one promotion job from this lower tier, seconds: seeds the
+    cost model (``promotion:``) until the tier's own jobs are measured. Unset with
+    ``load_bytes_per_s`` unset too: promotions from it are not held back until measured."""
+    load_bytes_per_s: Size | None = None
+    """Expected promotion bandwidth of this lower tier, a size per second (``50MB``):
+    seeds the cost model with ``load_latency_s``."""
+
+
 #: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
 #: written without its unit (``capacity: 8`` is 8 bytes).
 MIN_CAPACITY_BYTES = 4096
@@ -132,7 +145,7 @@ class CPUTierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FileTierConfig(TierConfig):
+class FileTierConfig(LowerTierConfig):
     """A directory on local or shared storage; with ``gds: true`` it is a GDS primary.
 
     ``root`` may be relative (to the current directory when the tier is built) and may
@@ -319,7 +332,7 @@ def _prefix_problem(prefix: str) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class S3TierConfig(TierConfig):
+class S3TierConfig(LowerTierConfig):
     """An S3-compatible bucket. ``endpoint_url: embedded`` starts a local test server.
 
     Requests go through botocore's ``retry_mode`` (``standard``, or ``adaptive`` which
@@ -410,7 +423,7 @@ class S3TierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class FsspecTierConfig(TierConfig):
+class FsspecTierConfig(LowerTierConfig):
     """Any fsspec URL (``gcs://``, ``az://``, ``memory://`` …) as an object tier.
 
     ``op_deadline_s`` bounds one operation (attempts and back-off together; on

@@ -184,10 +184,11 @@ def run_phase(
     clock_start: float,
 ) -> PhaseResult:
     """Run ``requests`` through a simulated engine over ``stack``."""
-    from kvtiers.engine.simulator import SimulatedEngine
+    from kvtiers.engine.simulator import SimulatedEngine, TimeModel
 
     phase = PhaseResult(name)
-    engine = SimulatedEngine(stack, num_gpu_blocks=NUM_GPU_BLOCKS)
+    engine = SimulatedEngine(stack, num_gpu_blocks=NUM_GPU_BLOCKS,
+                             time_model=TimeModel.from_stack(stack.config))
     lower = [tier.name for tier in stack.tiers[1:]]
     primary = stack.tiers[0].name
     config = stack.offloading
@@ -245,6 +246,7 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         f"({100 * reused / max(prompt, 1):.1f}%), {prompt - reused:,} recomputed",
         f"  verified {sum(r.verified_blocks for r in reports):,} loaded blocks "
         f"({format_size(load_bytes)}): {phase.verification_failures} verification failures",
+        *_ttft_lines(reports),
         f"  GPU ⇄ {stack_names[0]} worker, per transfer: store {_rate(store_bytes, store_s)}, "
         f"load {_rate(load_bytes, load_s)}",
         "",
@@ -277,6 +279,28 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         f"{int(stats.get('cascades', 0)):,} (failed {int(stats.get('cascade_failures', 0))})",
     ]
     return "\n".join(lines)
+
+
+def _ttft_lines(reports: Sequence[RequestReport]) -> list[str]:
+    """The simulated time to first token over the phase's requests, next to recomputing
+    every prompt; nothing when the stack declares no prefill rate (``promotion:``)."""
+    if not any(r.recompute_s for r in reports):
+        return []
+
+    def spread(values: Sequence[float]) -> str:
+        ordered = sorted(values)
+        p50 = ordered[len(ordered) // 2]
+        p90 = ordered[min(len(ordered) - 1, len(ordered) * 9 // 10)]
+        return (f"mean {sum(ordered) / len(ordered):.3f} p50 {p50:.3f} p90 {p90:.3f} "
+                f"max {ordered[-1]:.3f}")
+
+    ttft = [r.ttft_s for r in reports]
+    recompute = [r.recompute_s for r in reports]
+    slower = sum(1 for r in reports if r.ttft_s > r.recompute_s)
+    return [
+        f"  simulated TTFT s: {spread(ttft)}",
+        f"    recompute all: {spread(recompute)}; {slower} requests slower than recompute",
+    ]
 
 
 def verdict(phases: Sequence[PhaseResult], names: Sequence[str]) -> tuple[bool, str]:
@@ -395,6 +419,9 @@ def run_demo(
     print("stack:", file=out)
     for tier in config.tiers:
         print(f"  {tier.name}: {tier.describe()}", file=out)
+    if config.promotion is not None:
+        print(f"  promotion: cost-aware, prefill {config.promotion.prefill_tokens_per_s:g} "
+              "tokens/s (TTFT below is simulated from the tiers' load_* numbers)", file=out)
     print(file=out)
     for phase in phases:
         print(render_phase(phase, names), file=out)

@@ -8,12 +8,19 @@ block that comes back from the tiers is checked byte for byte against what it mu
 Per request: hash the prompt, look up the longest offloaded prefix (stepping while
 promotions land), load it into freshly allocated GPU blocks and verify it, "compute" the
 rest by writing the expected content, store the newly full chunks, release the blocks.
+
+With a :class:`TimeModel` the engine also keeps simulated time: a request's
+time-to-first-token is the slowest of its promotions (each lower tier's one job:
+``latency_s + bytes / bytes_per_s``, tiers in parallel) plus the prefill of the prompt
+tokens it did not load (``tokens / prefill_tokens_per_s``). Loads from the primary and
+engine steps are taken as free. A stack with a cost model learns the modelled job times,
+not the wall-clock ones of the machine running the simulation.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +35,7 @@ from kvtiers.errors import KVTiersError
 if TYPE_CHECKING:
     import torch
 
+    from kvtiers.config import StackConfig
     from kvtiers.stack.builder import Stack
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
@@ -56,6 +64,68 @@ def page_content(seed: int, layer: int, page_bytes: int) -> np.ndarray:
     return values.view(np.uint8)[:page_bytes]
 
 
+@dataclass(frozen=True)
+class TierTime:
+    """A medium's simulated speed for one job: ``latency_s + bytes / bytes_per_s``."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or not self.bytes_per_s > 0:
+            raise ValueError(f"a tier time needs latency_s >= 0 and bytes_per_s > 0, got "
+                             f"{self.latency_s} and {self.bytes_per_s}")
+
+    def seconds(self, num_bytes: int) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s if num_bytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    """Simulated time: the engine's prefill rate and each lower tier's speed (by name;
+    a tier not named moves bytes in no time)."""
+
+    prefill_tokens_per_s: float
+    tiers: Mapping[str, TierTime] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.prefill_tokens_per_s > 0:
+            raise ValueError(
+                f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+
+    def transfer_s(self, tier: str, num_bytes: int) -> float:
+        """Seconds of one job of ``num_bytes`` from (or to) ``tier``."""
+        time = self.tiers.get(tier)
+        return 0.0 if time is None else time.seconds(num_bytes)
+
+    def prefill_s(self, tokens: int) -> float:
+        return tokens / self.prefill_tokens_per_s
+
+    @classmethod
+    def from_stack(
+        cls, config: StackConfig, prefill_tokens_per_s: float | None = None
+    ) -> TimeModel | None:
+        """The time a stack file declares: each lower tier's ``load_latency_s`` and
+        ``load_bytes_per_s`` (a tier with neither is instant; one alone takes the other
+        as 0 s or unbounded), and the ``promotion:`` section's prefill rate unless
+        ``prefill_tokens_per_s`` is given. ``None`` when there is no prefill rate."""
+        rate = prefill_tokens_per_s
+        if rate is None and config.promotion is not None:
+            rate = config.promotion.prefill_tokens_per_s
+        if rate is None:
+            return None
+        from kvtiers.config.tiers import LowerTierConfig
+
+        tiers = {
+            tier.name: TierTime(tier.load_latency_s or 0.0,
+                                float(tier.load_bytes_per_s or float("inf")))
+            for tier in config.tiers[1:]
+            if isinstance(tier, LowerTierConfig)
+            and (tier.load_latency_s is not None or tier.load_bytes_per_s is not None)
+        }
+        return cls(rate, tiers)
+
+
 @dataclass
 class RequestReport:
     """What happened to one request."""
@@ -73,6 +143,15 @@ class RequestReport:
     load_failures: int = 0
     store_failures: int = 0
     wait_steps: int = 0
+    #: Per lower tier: bytes promoted from it for this request.
+    promoted_bytes: dict[str, int] = field(default_factory=dict)
+    #: Per tier: bytes written into it while this request ran (the primary's from the
+    #: GPU, a lower tier's by cascades).
+    written_bytes: dict[str, int] = field(default_factory=dict)
+    #: Simulated time-to-first-token, seconds (with a :class:`TimeModel`, else 0).
+    ttft_s: float = 0.0
+    #: Simulated time-to-first-token had the whole prompt been recomputed.
+    recompute_s: float = 0.0
 
 
 @dataclass
@@ -84,15 +163,27 @@ class SimulatedEngine:
     """Runs requests through ``stack`` one at a time; see the module docstring."""
 
     def __init__(
-        self, stack: Stack, *, num_gpu_blocks: int, device: str = "cpu", settle: bool = True
+        self,
+        stack: Stack,
+        *,
+        num_gpu_blocks: int,
+        device: str = "cpu",
+        settle: bool = True,
+        time_model: TimeModel | None = None,
     ) -> None:
         """``settle``: after each request wait until cascades have landed, as an engine
         with time between requests would; ``False`` runs requests back to back, so stores
-        meet primary slots still pinned by cascades (back-pressure)."""
+        meet primary slots still pinned by cascades (back-pressure). ``time_model``: keep
+        simulated time (see the module docstring); a cost model in the stack then learns
+        from the modelled job times."""
         import torch
 
         self.stack = stack
         self.settle = settle
+        self.time_model = time_model
+        if time_model is not None and stack.manager.cost is not None:
+            stack.manager.cost.transfer_time = time_model.transfer_s
+        self._tier_names = [tier.name for tier in stack.tiers]
         self.config: OffloadingConfig = stack.offloading
         self.glue = OffloadScheduler(stack.manager, self.config)
         self.tensors: list[torch.Tensor] = []
@@ -122,6 +213,7 @@ class SimulatedEngine:
     # -- one request ------------------------------------------------------------------
     def run_request(self, req_id: str, token_ids: Sequence[int]) -> RequestReport:
         report = RequestReport(req_id, len(token_ids))
+        before = self.stack.manager.get_stats()
         self.glue.add_request(req_id, token_ids)
         allocation = self._allocate(len(token_ids))
         try:
@@ -135,7 +227,26 @@ class SimulatedEngine:
             self.glue.finish_request(req_id)
         if self.settle:
             self.stack.manager.wait_idle()
+        self._account(report, before, self.stack.manager.get_stats())
         return report
+
+    def _account(
+        self, report: RequestReport, before: Mapping[str, float], after: Mapping[str, float]
+    ) -> None:
+        """Bytes per tier from the stack's counters, and the simulated times."""
+        primary, *lower = self._tier_names
+        report.written_bytes[primary] = report.stored_bytes
+        for name in lower:
+            for counter, into in (("promoted_bytes", report.promoted_bytes),
+                                  ("cascaded_bytes", report.written_bytes)):
+                key = f"{name}.{counter}"
+                into[name] = int(after.get(key, 0) - before.get(key, 0))
+        model = self.time_model
+        if model is not None:
+            load = max((model.transfer_s(name, moved)
+                        for name, moved in report.promoted_bytes.items()), default=0.0)
+            report.ttft_s = load + model.prefill_s(report.prompt_tokens - report.reused_tokens)
+            report.recompute_s = model.prefill_s(report.prompt_tokens)
 
     def _wait_for_prefix(
         self, req_id: str, num_tokens: int, report: RequestReport

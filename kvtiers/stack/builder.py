@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
+from kvtiers.config.tiers import LowerTierConfig
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import KeyFormat
 from kvtiers.core.mover import HostRegion
@@ -21,6 +22,7 @@ from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
+from kvtiers.stack.cost import ChunkShape, CostModel, TransferEstimate
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +115,8 @@ def load_stack(
             tier.shutdown()
         raise
     stack = Stack(config, identity, tiers, manager)
+    if config.promotion is not None:
+        manager.cost = build_cost_model(config, identity)
     if config.metrics is not None:
         from kvtiers.stack.metrics import serve_metrics
         from kvtiers.stack.metrics_latency import LatencyHistograms
@@ -130,6 +134,23 @@ def load_stack(
                 raise exc.with_source(config.source) from None
             raise
     return stack
+
+
+def build_cost_model(config: StackConfig, identity: OffloadingConfig) -> CostModel:
+    """The cost model of ``config``'s ``promotion:`` section: one estimate per lower tier,
+    seeded from its ``load_latency_s`` / ``load_bytes_per_s``, and each group's chunk."""
+    promotion = config.promotion
+    assert promotion is not None, "only a stack with a promotion: section has a cost model"
+    shapes = [ChunkShape(identity.tokens_per_chunk(g), identity.chunk_bytes(g))
+              for g in range(len(identity.groups))]
+    estimates = {
+        tier.name: TransferEstimate(tier.load_latency_s, tier.load_bytes_per_s,
+                                    weight=promotion.estimate_weight)
+        for tier in config.tiers[1:]
+        if isinstance(tier, LowerTierConfig)
+    }
+    return CostModel(prefill_tokens_per_s=promotion.prefill_tokens_per_s, shapes=shapes,
+                     tiers=estimates)
 
 
 def build_primary_worker(

@@ -9,7 +9,11 @@ so the scheduler sees one manager.
   reserved and the lower tier's chunk pinned (``HIT_PENDING``); the copy is submitted to
   the lower tier's mover at the end of the step. If the primary cannot reserve a slot the
   answer is ``MISS`` (recompute rather than stall). ``RETRY`` from a lower tier propagates
-  unless a later tier hits.
+  unless a later tier hits. With a cost model (``promotion:`` in the stack file) a
+  lower-tier hit is promoted only when the request's plan says it pays
+  (:mod:`kvtiers.stack.cost`): in the step a request first meets one the answer is
+  ``HIT_PENDING`` without promoting; in later steps chunks before the cut are promoted
+  and the answer past it is ``MISS``.
 * **Store** goes to the primary. On ``complete_store(success=True)`` each chunk is
   *cascaded* to every lower tier whose admission accepts it; the primary slot stays pinned
   while the mover reads it.
@@ -61,6 +65,7 @@ from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ClosedError, ConfigError
+from kvtiers.stack.cost import CostModel
 from kvtiers.stack.metrics_latency import LatencyHistograms
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
@@ -151,6 +156,9 @@ class TieredManager(OffloadingManager):
         #: Promotion and cascade job latencies, counted only when metrics are exported.
         self.latency: LatencyHistograms | None = None
         self._snapshot_at = -math.inf
+        #: Cost-aware promotion (``promotion:`` in the stack file): ``None`` promotes every
+        #: lower-tier hit; see :mod:`kvtiers.stack.cost`.
+        self.cost: CostModel | None = None
 
     @property
     def key_format(self) -> KeyFormat:
@@ -190,6 +198,8 @@ class TieredManager(OffloadingManager):
             self._door((key,), ctx, "lookup")
             self._key_bytes = self._keys.key_bytes
         result = self._lookup(key, ctx)
+        if self.cost is not None:
+            self.cost.looked_up(key, ctx, result)
         if result is LookupResult.HIT:
             self._stats["hits"] += 1
         elif result is LookupResult.MISS:
@@ -208,6 +218,11 @@ class TieredManager(OffloadingManager):
                 continue
             result = manager.lookup(key, ctx)
             if result is LookupResult.HIT:
+                if self.cost is not None:
+                    # Promote only what arrives before recomputing it would finish.
+                    held = self.cost.hold(key, lower.tier.name, ctx)
+                    if held is not None:
+                        return held
                 return self._start_promotion(lower, key, ctx)
             if result is LookupResult.HIT_PENDING:
                 return result
@@ -281,6 +296,8 @@ class TieredManager(OffloadingManager):
         self._stats[moved] += result.transfer_bytes
         self._stats[seconds] += result.transfer_s
         self._add(f"{tier_name}.{per_tier}", len(job.succeeded), result)
+        if job.load and self.cost is not None and job.succeeded:
+            self.cost.observe_load(tier_name, result.transfer_bytes, result.transfer_s)
         if self.latency is not None:
             self.latency.observe("promote" if job.load else "cascade", tier_name,
                                  result.transfer_s)
@@ -331,6 +348,8 @@ class TieredManager(OffloadingManager):
     def on_request_finished(self, ctx: ReqContext) -> None:
         self._door((), ctx, "on_request_finished")
         ctx.keep.clear()
+        if self.cost is not None:
+            self.cost.forget(ctx)
         for tier in self.tiers:
             tier.manager.on_request_finished(ctx)
 
@@ -344,6 +363,8 @@ class TieredManager(OffloadingManager):
         return events
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        if self.cost is not None:
+            self.cost.end_step()
         self._flush_promotions()
         self._poll()
         for tier in self.tiers:
@@ -374,6 +395,8 @@ class TieredManager(OffloadingManager):
         self.wait_idle()
         for tier in self.tiers:
             tier.manager.reset_cache()
+        if self.cost is not None:
+            self.cost.reset()
         self._fence = True
 
     def on_reset_flushed(self) -> None:
@@ -384,6 +407,8 @@ class TieredManager(OffloadingManager):
 
     def get_stats(self) -> Mapping[str, float]:
         stats = dict(self._stats)
+        if self.cost is not None:
+            stats.update(self.cost.stats)
         for tier in self.tiers:
             for name, value in tier.manager.get_stats().items():
                 stats[f"{tier.name}.{name}"] = value

@@ -13,7 +13,9 @@ keeps what was measured) and ``engines``, each a mapping:
 * ``prompts`` — token-id lists, generated greedily (``max_tokens`` each) in one batch;
 * ``reset_after_steps`` (optional) — instead, submit the prompts, step the engine that
   many times, call ``reset_prefix_cache(reset_connector=True)`` and step on until every
-  request finished or ``reset_max_steps`` steps passed.
+  request finished or ``reset_max_steps`` steps passed;
+* ``tensor_parallel_size`` (optional, default 1) — ranks, each a worker process of
+  vLLM's multiprocessing executor.
 
 Each result (``out[name]``): generated tokens, the prompt tokens vLLM counted as cached
 per request, vLLM's counters and the kvtiers stack's counters (read at the end), and for
@@ -125,6 +127,10 @@ def run_engine(run: dict[str, Any]) -> dict[str, Any]:
                 "kvtiers": run["stack"],
             },
         }
+    ranks = run.get("tensor_parallel_size", 1)
+    if ranks > 1:
+        kwargs["tensor_parallel_size"] = ranks
+        kwargs["distributed_executor_backend"] = "mp"
     started = time.monotonic()
     llm = LLM(
         model=run["model"],

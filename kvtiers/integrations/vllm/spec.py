@@ -40,9 +40,20 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
 Scheduler and worker may run in different processes. Both must see the same primary
 memory, so a ``cpu`` primary without ``shared_memory_name`` is given a ``/dev/shm`` file
 both processes map, named after the user and the engine id (:func:`shared_memory_name`).
-A worker process builds only the primary tier. One worker per engine (``world_size`` 1)
-is supported: with tensor or pipeline parallelism every rank would need its own primary
-memory.
+A worker process builds only the primary tier.
+
+Tensor and pipeline parallelism on one node (``world_size`` > 1, a ``cpu`` primary): every
+rank's worker maps the same primary region and copies its own pages into the same slots,
+rank innermost (:mod:`kvtiers.tiers.cpu.worker`), so one slot holds the whole chunk and
+the scheduler's one stack (its manager, movers, cascade and promotion) handles every
+rank's shard at once: a file or object holds one blob per chunk with every shard. The
+cache identity counts a block's bytes over all ranks. vLLM completes a job once every
+rank reported it; before the manager publishes a stored chunk it checks the shard ledger
+(:mod:`kvtiers.tiers.cpu.shards`), where each rank stamped the slots it wrote for that
+job: a chunk with a shard missing or stale is freed, never published, for every rank. A
+rank's failed store is therefore reported to vLLM as finished (vLLM stops the engine on
+a failed job) and refused by the scheduler instead. Ranks on other nodes cannot map the
+region: such an engine is refused at start-up.
 """
 
 from __future__ import annotations
@@ -50,6 +61,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,13 +72,20 @@ from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.config import OffloadingConfig as VllmOffloadingConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvtiers.config import CPUTierConfig, StackConfig, get_kind, load_stack_config
+from kvtiers.config import (
+    CPUTierConfig,
+    StackConfig,
+    get_kind,
+    load_stack_config,
+    resolve_factory,
+)
 from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey, get_offload_group_idx
 from kvtiers.core.manager import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
-from kvtiers.core.specs import GPULoadStoreSpec, GroupTransfer, LoadStoreSpec
+from kvtiers.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, GroupTransfer, LoadStoreSpec
 from kvtiers.core.tier import BuiltTier
-from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker
+from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker, TransferResult
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm.engine import find_engine_configs
 from kvtiers.integrations.vllm.translate import (
@@ -83,6 +102,11 @@ from kvtiers.integrations.vllm.translate import (
 )
 from kvtiers.stack.builder import Stack, build_primary_worker, load_stack
 from kvtiers.tiers.cpu.manager import CpuTierManager
+from kvtiers.tiers.cpu.region import SlotRegion
+from kvtiers.tiers.cpu.shards import ShardLedger, ledger_name
+from kvtiers.tiers.cpu.worker import CpuWorker
+
+logger = logging.getLogger(__name__)
 
 _CONFIG_INFO_KEYS = (
     "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "kvtiers_tiers"
@@ -97,10 +121,12 @@ _FLUSH_SIGNAL = hasattr(vbase.OffloadingManager, "on_reset_flushed")
 
 class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
     """The primary tier's addressing of one job: one kvtiers spec per offloaded group,
-    by position, each addressing that group's keys in the order vLLM gave them."""
+    by position, each addressing that group's keys in the order vLLM gave them.
+    ``stamp``: a sharded engine's store job's stamp in the shard ledger (0 otherwise)."""
 
-    def __init__(self, groups: Sequence[LoadStoreSpec]) -> None:
+    def __init__(self, groups: Sequence[LoadStoreSpec], stamp: int = 0) -> None:
         self.groups: tuple[LoadStoreSpec, ...] = tuple(groups)
+        self.stamp = stamp
 
     def __len__(self) -> int:
         return sum(len(spec) for spec in self.groups)
@@ -149,9 +175,21 @@ def _hit_source(tier: BuiltTier | None) -> CacheHitSource:
 class KVTiersManager(vbase.OffloadingManager):
     """vLLM's manager API over a kvtiers stack's composite (see the module docstring)."""
 
-    def __init__(self, stack: Stack, keys: KeyMap, *, events_enabled: bool) -> None:
+    def __init__(
+        self,
+        stack: Stack,
+        keys: KeyMap,
+        *,
+        events_enabled: bool,
+        ledger: ShardLedger | None = None,
+    ) -> None:
         self.stack = stack
         self._tiered = stack.manager
+        # A sharded engine's ledger, and the stamp of every key stored and not completed.
+        self._ledger = ledger
+        self._stamps: dict[OffloadKey, int] = {}
+        #: Stored chunks refused because a rank's shard was missing or stale.
+        self.torn_chunks = 0
         self._keys = keys
         # vLLM's keys are kvtiers' keys when every KV-cache group is offloaded.
         self._same_keys = keys.identity
@@ -163,12 +201,12 @@ class KVTiersManager(vbase.OffloadingManager):
         # Steps left before a reset's fenced slots come back (vLLM without a flush signal).
         self._fence_steps: int | None = None
         self._requests: dict[str, _Request] = {}
-        self._primary = stack.manager.tiers[0].manager
+        self._primary = primary = stack.manager.tiers[0].manager
         # Each announced request's ctx.keep, by request id.
         self._keeps: dict[str, set[OffloadKey]] = {}
-        primary = stack.manager.tiers[0].manager
-        if self._same_keys and len(stack.manager.tiers) == 1 and isinstance(
-            primary, CpuTierManager
+        if (
+            self._same_keys and len(stack.manager.tiers) == 1
+            and isinstance(primary, CpuTierManager) and stack.manager.cost is None
         ):
             # Nothing to translate and nowhere to promote from: the primary answers, with
             # the composite's door and keep set.
@@ -184,16 +222,16 @@ class KVTiersManager(vbase.OffloadingManager):
         known = self._requests.get(ctx.req_id)
         return known.ctx if known is not None else kvtiers_context(ctx)
 
-    def _spec(self, keys: Collection[OffloadKey]) -> KVTiersLoadStoreSpec:
+    def _spec(self, keys: Collection[OffloadKey], stamp: int = 0) -> KVTiersLoadStoreSpec:
         """The spec of ``keys``, just reserved or pinned by a call that passed the stack's
         door: the primary's addressing, which is what the composite's ``get_spec`` gives."""
         get_spec = self._primary.get_spec
         if self._num_groups == 1:
-            return KVTiersLoadStoreSpec((get_spec(keys),))
+            return KVTiersLoadStoreSpec((get_spec(keys),), stamp)
         by_group: list[list[OffloadKey]] = [[] for _ in range(self._num_groups)]
         for key in keys:
             by_group[get_offload_group_idx(key)].append(key)
-        return KVTiersLoadStoreSpec([get_spec(group) for group in by_group])
+        return KVTiersLoadStoreSpec([get_spec(group) for group in by_group], stamp)
 
     def _drain_events(self) -> None:
         """Move the stack's events into the buffer and track the primary's evictions."""
@@ -265,20 +303,70 @@ class KVTiersManager(vbase.OffloadingManager):
             for key in to_store:
                 evicted.pop(key, None)
             self._evicted = {}
+        stamp = 0
+        if self._ledger is not None:
+            stamp = self._ledger.next_stamp()
+            self._stamps.update(dict.fromkeys(accepted, stamp))
         return vbase.PrepareStoreOutput(
-            keys_to_store=to_store, store_spec=self._spec(accepted), evicted_keys=list(evicted)
+            keys_to_store=to_store,
+            store_spec=self._spec(accepted, stamp),
+            evicted_keys=list(evicted),
         )
 
     def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
         """vLLM hands a job's keys as a set: they enter recency tail first by the positions
-        vLLM recorded, so the prefix head is the last to be evicted."""
+        vLLM recorded, so the prefix head is the last to be evicted. A sharded engine's
+        chunk is published only if every rank stamped its slot for this store; the others
+        are freed (see the module docstring)."""
         ordered = _tail_first(keys, req_context)
+        ours = ordered if self._same_keys else self._keys.all_to_kvtiers(ordered)
         request = self._requests.get(req_context.req_id)
-        self._tiered.complete_store(
-            ordered if self._same_keys else self._keys.all_to_kvtiers(ordered),
-            request.ctx if request is not None else kvtiers_context(req_context),
-            success,
-        )
+        ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        if self._ledger is None:
+            self._tiered.complete_store(ours, ctx, success)
+            return
+        if not success:
+            for key in ours:
+                self._stamps.pop(key, None)
+            self._tiered.complete_store(ours, ctx, False)
+            return
+        whole, torn = self._check_shards(ours)
+        if whole:
+            self._tiered.complete_store(whole, ctx)
+        if torn:
+            self._tiered.complete_store(torn, ctx, False)
+
+    def _check_shards(
+        self, keys: Collection[OffloadKey]
+    ) -> tuple[list[OffloadKey], list[OffloadKey]]:
+        """``keys`` split into the chunks every rank wrote for their store and the torn
+        ones. Keys with no store under way here (forgotten by a reset) pass as whole: the
+        stack completes them as it completes any late job."""
+        assert self._ledger is not None
+        primary = self._tiered.tiers[0].manager
+        assert isinstance(primary, CpuTierManager)
+        checked: list[OffloadKey] = []
+        slots: list[int] = []
+        stamps: list[int] = []
+        for key in keys:
+            stamp = self._stamps.pop(key, None)
+            slot = primary.slot_of(key)
+            if stamp is not None and slot is not None:
+                checked.append(key)
+                slots.append(slot)
+                stamps.append(stamp)
+        ok = dict(zip(checked, self._ledger.whole(slots, stamps).tolist(), strict=True))
+        whole = [key for key in keys if ok.get(key, True)]
+        torn = [key for key in keys if not ok.get(key, True)]
+        if torn:
+            self.torn_chunks += len(torn)
+            logger.warning(
+                "kvtiers: %d stored chunk(s) lack a rank's shard (a rank's store failed or "
+                "did not run); they are freed, not published (%d so far)",
+                len(torn),
+                self.torn_chunks,
+            )
+        return whole, torn
 
     def on_new_request(self, req_context: Any) -> Any:
         ctx = kvtiers_context(req_context)
@@ -316,6 +404,7 @@ class KVTiersManager(vbase.OffloadingManager):
         """vLLM drops the completions of jobs in flight now: their keys are forgotten and
         their slots fenced (see the module docstring)."""
         self._tiered.reset_cache()
+        self._stamps.clear()
         if not _FLUSH_SIGNAL:
             self._fence_steps = RESET_GRACE_STEPS
         self._drain_events()
@@ -348,6 +437,8 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def shutdown(self) -> None:
         self.stack.shutdown()
+        if self._ledger is not None:
+            self._ledger.close()
 
 
 def _byte_rows(tensor: Any, index: int) -> Any:
@@ -387,11 +478,16 @@ class KVTiersWorker(vbase.OffloadingWorker):
         worker: OffloadingWorker,
         num_groups: int,
         on_shutdown: Callable[[], None] | None = None,
+        *,
+        shard: tuple[int, ShardLedger] | None = None,
     ) -> None:
         self.worker = worker
         self._num_groups = num_groups
         self._on_shutdown = on_shutdown
         self._closed = False
+        # A sharded engine's rank and ledger, and each store job's (stamp, slots) in flight.
+        self._shard = shard
+        self._stores: dict[int, tuple[int, np.ndarray[Any, np.dtype[np.int64]]]] = {}
 
     def split(self, gpu: Any, offloaded: Any) -> list[GroupTransfer]:
         """One transfer per group from a packed GPU spec and the manager's spec."""
@@ -416,7 +512,10 @@ class KVTiersWorker(vbase.OffloadingWorker):
         return transfers
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return self.worker.submit_store(job_id, self.split(src_spec, dst_spec))
+        transfers = self.split(src_spec, dst_spec)
+        if self._shard is not None:
+            self._stores[job_id] = (dst_spec.stamp, _store_slots(dst_spec))
+        return self.worker.submit_store(job_id, transfers)
 
     def submit_load(
         self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False
@@ -424,6 +523,9 @@ class KVTiersWorker(vbase.OffloadingWorker):
         return self.worker.submit_load(job_id, self.split(dst_spec, src_spec))
 
     def get_finished(self) -> list[Any]:
+        results = self.worker.get_finished()
+        if self._shard is not None:
+            results = [self._stamped(r) for r in results]
         return [
             vbase.TransferResult(
                 job_id=r.job_id,
@@ -431,8 +533,29 @@ class KVTiersWorker(vbase.OffloadingWorker):
                 transfer_size=r.transfer_bytes,
                 transfer_time=r.transfer_s,
             )
-            for r in self.worker.get_finished()
+            for r in results
         ]
+
+    def _stamped(self, result: TransferResult) -> TransferResult:
+        """A sharded rank's result: a store that completed stamps its slots in the
+        ledger; one that failed stamps nothing and is reported finished, so the scheduler
+        (which checks every rank's stamps) frees its chunks for every rank instead of vLLM
+        stopping the engine."""
+        store = self._stores.pop(result.job_id, None)
+        if store is None:
+            return result
+        assert self._shard is not None
+        rank, ledger = self._shard
+        if result.success:
+            stamp, slots = store
+            ledger.stamp(rank, slots, stamp)
+            return result
+        logger.warning(
+            "kvtiers: rank %d failed store job %d; its chunks will not be published",
+            rank,
+            result.job_id,
+        )
+        return dataclasses.replace(result, success=True, transfer_bytes=0)
 
     def wait(self, job_ids: set[int]) -> None:
         self.worker.wait(job_ids)
@@ -444,6 +567,20 @@ class KVTiersWorker(vbase.OffloadingWorker):
         self.worker.shutdown()
         if self._on_shutdown is not None:
             self._on_shutdown()
+
+
+def _store_slots(spec: Any) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Every primary slot a sharded store job writes (its stamp must be set)."""
+    if not isinstance(spec, KVTiersLoadStoreSpec) or spec.stamp <= 0:
+        raise ValueError(
+            f"a sharded engine's store needs a stamped KVTiersLoadStoreSpec, got {spec!r}"
+        )
+    slots = []
+    for group in spec.groups:
+        if not isinstance(group, CPULoadStoreSpec):
+            raise TypeError(f"a sharded engine's primary is a cpu tier, got {group!r}")
+        slots.append(np.asarray(group.slot_ids, dtype=np.int64))
+    return np.concatenate(slots) if slots else np.empty(0, dtype=np.int64)
 
 
 def _read_stack(extra_config: Any) -> StackConfig:
@@ -465,6 +602,29 @@ def shared_memory_name(engine_id: str) -> str:
     short whatever the id; the region itself refuses a file it did not make."""
     digest = hashlib.sha256(engine_id.encode("utf-8", "surrogatepass")).hexdigest()
     return f"kvtiers-{os.geteuid()}-{digest[:16]}"
+
+
+def _check_one_node(engine: Any, ranks: int) -> None:
+    """Refuse an engine whose ranks span nodes: they cannot map one primary region."""
+    if engine is None:
+        return
+    nodes = int(getattr(engine.vllm.parallel_config, "nnodes_within_dp", 1) or 1)
+    if nodes > 1:
+        raise ConfigError(
+            f"kvtiers' vLLM spec shares its cpu tier between the ranks of one node, and this "
+            f"engine's {ranks} ranks span {nodes} nodes; use route 2 (vLLM's "
+            "TieringOffloadingSpec with KVTiersFileTier / KVTiersS3Tier) instead",
+            path="parallel",
+        )
+
+
+def _slot_region(tier: BuiltTier) -> SlotRegion:
+    if not isinstance(tier.region, SlotRegion):
+        raise ConfigError(
+            f"tier {tier.name!r}: a sharded engine's primary must be a cpu tier",
+            path="tiers[0].kind",
+        )
+    return tier.region
 
 
 def _share_primary(stack: StackConfig, engine_id: str) -> StackConfig:
@@ -496,13 +656,6 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
 
     def __init__(self, config: VllmOffloadingConfig) -> None:
         super().__init__(config)
-        if config.parallel.world_size != 1:
-            raise ConfigError(
-                f"kvtiers' vLLM spec supports one worker per engine, this engine has "
-                f"world_size {config.parallel.world_size}; use vLLM's TieringOffloadingSpec "
-                "with the KVTiersFileTier / KVTiersS3Tier secondary tiers instead",
-                path="parallel",
-            )
         if config.canonical_layout:
             raise ConfigError(
                 "canonical_layout is not supported by kvtiers' vLLM spec; remove it",
@@ -511,15 +664,31 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         # Read here, while vLLM's connector is building this spec (never stored: the spec
         # is pickled to workers).
         engine = find_engine_configs()
+        par = config.parallel
+        #: Ranks whose workers share the primary's slots (1: one worker per engine).
+        self.ranks = par.world_size
+        if self.ranks > 1:
+            _check_one_node(engine, self.ranks)
         self.hash_algorithm = block_hash_algorithm(self.extra_config, engine)
+        #: One rank's bytes per block of each group (what its KV tensors hold).
+        self.rank_group_bytes = derived_group_bytes(config)
         self.offloading: OffloadingConfig = translate_config(
             config,
             engine=engine,
-            group_bytes_per_block=derived_group_bytes(config),
+            # A chunk holds every rank's pages; pipeline stages hold different layers, so
+            # their chunks are never those of another layout.
+            group_bytes_per_block=[n * self.ranks for n in self.rank_group_bytes],
             hash_algorithm=self.hash_algorithm,
-            layout_agnostic=config.parallel.is_parallelism_agnostic,
+            layout_agnostic=par.is_parallelism_agnostic and par.pp_size == 1,
         )
         self.stack_config = _share_primary(_read_stack(self.extra_config), config.engine_id)
+        if self.ranks > 1 and not isinstance(self.stack_config.tiers[0], CPUTierConfig):
+            raise ConfigError(
+                f"with {self.ranks} ranks (tensor / pipeline parallel) the first tier must be "
+                f"a cpu tier, which every rank shares; got kind "
+                f"{self.stack_config.tiers[0].kind!r}",
+                path="tiers[0].kind",
+            )
         if any(get_kind(tier.kind).persistent for tier in self.stack_config.tiers):
             warn_unstable_hashes(self.hash_algorithm)
         self.keys = KeyMap([group.group_id for group in config.groups])
@@ -529,8 +698,18 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         """The scheduler's manager; builds the whole stack on first call."""
         if self._manager is None:
             stack = load_stack(self.stack_config, self.offloading)
+            ledger = None
+            if self.ranks > 1:
+                try:
+                    ledger = self._ledger(_slot_region(stack.tiers[0]))
+                except BaseException:
+                    stack.shutdown()
+                    raise
             self._manager = KVTiersManager(
-                stack, self.keys, events_enabled=self.config.enable_kv_cache_events
+                stack,
+                self.keys,
+                events_enabled=self.config.enable_kv_cache_events,
+                ledger=ledger,
             )
         return self._manager
 
@@ -540,13 +719,55 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         kv = kv_cache_tensors(kv_caches)
         self._check_geometry(kv)
         num_groups = len(self.offloading.groups)
+        if self.ranks > 1:
+            return self._rank_worker(kv)
         if self._manager is not None:
             return KVTiersWorker(self._manager.stack.make_worker(kv), num_groups)
         worker, primary = build_primary_worker(self.stack_config, self.offloading, kv)
         return KVTiersWorker(worker, num_groups, primary.shutdown)
 
+    def _ledger(self, region: SlotRegion) -> ShardLedger:
+        """The shard ledger beside the shared primary ``region`` (see the module docstring)."""
+        primary = self.stack_config.tiers[0]
+        # __init__ made sure of both for a sharded engine.
+        assert isinstance(primary, CPUTierConfig) and primary.shared_memory_name is not None
+        return ShardLedger(region.num_slots, self.ranks, ledger_name(primary.shared_memory_name))
+
+    def _rank_worker(self, kv: KVCacheTensors) -> KVTiersWorker:
+        """This rank's worker: its pages go to its place in the shared primary's slots
+        (see the module docstring)."""
+        rank = self.config.parallel.rank
+        geometry = ChunkGeometry(self.offloading.cache.blocks_per_chunk, self.rank_group_bytes)
+        owned: BuiltTier | None = None
+        if self._manager is not None:
+            region = _slot_region(self._manager.stack.tiers[0])
+        else:
+            tier_config = self.stack_config.tiers[0]
+            factory = resolve_factory(tier_config.kind, path="tiers[0].kind")
+            owned = factory(tier_config, self.offloading, primary_region=None,
+                            name=tier_config.name)
+            region = _slot_region(owned)
+        ledger: ShardLedger | None = None
+        try:
+            ledger = self._ledger(region)
+            worker = CpuWorker(kv, region, geometry, shard=(rank, self.ranks))
+        except BaseException:
+            if ledger is not None:
+                ledger.close()
+            if owned is not None:
+                owned.shutdown()
+            raise
+        closing = ledger
+
+        def close() -> None:
+            closing.close()
+            if owned is not None:
+                owned.shutdown()
+
+        return KVTiersWorker(worker, len(self.offloading.groups), close, shard=(rank, ledger))
+
     def _check_geometry(self, kv: KVCacheTensors) -> None:
-        expected = [group.bytes_per_block for group in self.offloading.groups]
+        expected = list(self.rank_group_bytes)
         actual = [kv.group_bytes_per_block(g) for g in range(len(kv.groups))]
         if actual != expected:
             raise ConfigError(

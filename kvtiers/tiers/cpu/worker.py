@@ -6,6 +6,15 @@ group's layer tensors follow each other in order, each as ``blocks_per_chunk`` p
 sub-block ``p = skip + k`` of the chunk list, with ``skip = gpu_block_offset %
 blocks_per_chunk``: chunk ``p // F``, sub-block ``p % F``. The last chunk may be partial.
 
+Sharded engines (tensor / pipeline parallel ranks on one node, ``shard=(rank, ranks)``):
+every rank's worker writes the same slots, and a chunk holds every rank's pages with the
+rank innermost: for each layer tensor, for each sub-block, the ``ranks`` pages of that
+tensor and block in rank order. Rank ``r``'s page of tensor ``t``, sub-block ``f`` sits at
+``ranks x (offset of t) + (f x ranks + r) x page_bytes``. A chunk is then, block by block,
+the concatenation of the ranks' pages, which is what vLLM calls a parallelism-agnostic
+layout when the pages are head shards; the geometry a sharded worker is given is its own
+(one rank's bytes per block).
+
 CPU copies go through the fused page-copy kernel of :mod:`kvtiers.tiers.cpu.pagecopy` when
 it builds: every (source, destination) page address of the job is computed at once with
 numpy, bounds-checked, and one call moves each page once, in any layout, with the GIL
@@ -77,9 +86,11 @@ class _TensorPlan:
 
     ``pages`` is the tensor as ``(num_blocks, page_elems)`` rows; ``slot_rows`` is the
     region as overlapping rows of ``page_elems`` starting every ``row_step`` elements from
-    the tensor's offset inside a slot. The kernel path addresses the same pages by bytes:
-    block ``b`` starts at ``pages_addr + b * block_stride``, and its page in slot ``s``,
-    sub-block ``f`` at ``region address + s * slot_bytes + slot_offset + f * page_bytes``.
+    the tensor's (and rank's) offset inside a slot. The kernel path addresses the same
+    pages by bytes: block ``b`` starts at ``pages_addr + b * block_stride``, and its page in
+    slot ``s``, sub-block ``f`` at ``region address + s * slot_bytes + slot_offset + f *
+    sub_stride`` (``sub_stride`` is ``page_bytes`` times the number of ranks sharing the
+    slot; ``sub_elems`` the same in elements).
     """
 
     pages: torch.Tensor
@@ -92,6 +103,8 @@ class _TensorPlan:
     block_stride: int
     num_blocks: int
     slot_offset: int
+    sub_stride: int
+    sub_elems: int
 
 
 class CpuWorker(QueuedWorker):
@@ -103,6 +116,8 @@ class CpuWorker(QueuedWorker):
     (:class:`~kvtiers.errors.ConfigError` if it cannot be built, or the tensors are on a
     GPU), ``False`` keeps the torch path. ``copy_threads`` caps the kernel's threads
     (default: torch's intra-op thread count, at most ``MAX_COPY_THREADS``).
+    ``shard=(rank, ranks)``: this worker is rank ``rank`` of ``ranks`` whose pages share
+    each slot (see the module docstring); ``geometry`` is then one rank's.
     """
 
     thread_name = "kvtiers-cpu-worker"
@@ -116,10 +131,18 @@ class CpuWorker(QueuedWorker):
         batch_bytes: int = DEFAULT_BATCH_BYTES,
         kernel: bool | None = None,
         copy_threads: int | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         import torch
 
-        self._check(kv, region, geometry)
+        rank, ranks = shard
+        if not 0 <= rank < ranks:
+            raise ConfigError(
+                f"shard rank {rank} is outside [0, {ranks}); give (rank, number of ranks)",
+                path="shard",
+            )
+        self._rank, self._ranks = rank, ranks
+        self._check(kv, region, geometry, ranks)
         self.geometry = geometry
         self._blocks_per_chunk = geometry.blocks_per_chunk
         self._batch_bytes = batch_bytes
@@ -178,12 +201,14 @@ class CpuWorker(QueuedWorker):
 
     # -- construction ---------------------------------------------------------------
     @staticmethod
-    def _check(kv: KVCacheTensors, region: SlotRegion, geometry: ChunkGeometry) -> None:
+    def _check(
+        kv: KVCacheTensors, region: SlotRegion, geometry: ChunkGeometry, ranks: int
+    ) -> None:
         check_kv_geometry(kv, geometry)
-        if region.slot_bytes < geometry.max_chunk_bytes:
+        if region.slot_bytes < geometry.max_chunk_bytes * ranks:
             raise ConfigError(
                 f"CPU slots of {region.slot_bytes} bytes cannot hold a chunk of "
-                f"{geometry.max_chunk_bytes}",
+                f"{geometry.max_chunk_bytes} bytes from each of {ranks} rank(s)",
                 path="slot_bytes",
             )
 
@@ -193,15 +218,18 @@ class CpuWorker(QueuedWorker):
         import torch
 
         plans = []
+        ranks = self._ranks
         offset = 0
         for ref in refs:
             tensor = kv.tensors[ref.tensor_idx]
+            # This rank's first page of the tensor; its sub-blocks follow every `ranks` pages.
+            start_bytes = offset + self._rank * ref.page_bytes
             size = widest_element(
                 ref.page_bytes,
                 tensor.stride(0),
                 tensor.storage_offset(),
                 tensor.data_ptr(),
-                offset,
+                start_bytes,
                 slot_bytes,
             )
             dtype = dtype_for(size)
@@ -210,7 +238,7 @@ class CpuWorker(QueuedWorker):
             wide = flat.view(dtype)
             slot_elems = slot_bytes // size
             row_step = math.gcd(slot_elems, page_elems)
-            start = offset // size
+            start = start_bytes // size
             num_rows = (wide.numel() - start - page_elems) // row_step + 1
             slot_rows = torch.as_strided(wide, (num_rows, page_elems), (row_step, 1), start)
             plans.append(
@@ -224,10 +252,12 @@ class CpuWorker(QueuedWorker):
                     pages_addr=tensor.data_ptr(),
                     block_stride=tensor.stride(0) * tensor.element_size(),
                     num_blocks=tensor.shape[0],
-                    slot_offset=offset,
+                    slot_offset=start_bytes,
+                    sub_stride=ref.page_bytes * ranks,
+                    sub_elems=page_elems * ranks,
                 )
             )
-            offset += ref.page_bytes * self._blocks_per_chunk
+            offset += ref.page_bytes * self._blocks_per_chunk * ranks
         return plans
 
     # -- submission -----------------------------------------------------------------
@@ -306,7 +336,7 @@ class CpuWorker(QueuedWorker):
             slot_addrs = self._region_addr + slots * self._slot_bytes
             for plan in plans:
                 gpu.append(plan.pages_addr + block_ids * plan.block_stride)
-                host.append(slot_addrs + (plan.slot_offset + subs * plan.page_bytes))
+                host.append(slot_addrs + (plan.slot_offset + subs * plan.sub_stride))
                 sizes.append(np.full(block_ids.size, plan.page_bytes, dtype=np.int64))
             moved += block_ids.size * self.geometry.group_bytes_per_block[g]
         if gpu:
@@ -337,7 +367,7 @@ class CpuWorker(QueuedWorker):
             check_ids(group, slots, self._num_slots, "slot")
             blocks = blocks.to(self._device)
         for plan in self._plans[group]:
-            rows = (slots * plan.slot_elems + subs * plan.page_elems) // plan.row_step
+            rows = (slots * plan.slot_elems + subs * plan.sub_elems) // plan.row_step
             if self._cuda:
                 self._copy_batched(plan, blocks, torch.from_numpy(rows), store)
             elif self._copy_run(plan, block_ids, rows, store):
