@@ -520,10 +520,10 @@ def summary(results: dict[str, Any]) -> list[str]:
         "side allocates when the threshold trips (an engine process that does not freeze "
         "its heap with `gc.freeze` sees them too). Without them, vLLM's LRU still "
         "has its lazy-heap rebuild inside one store.",
-        "- The machine was shared (load average 5-12 on 2 cores while this ran): per-key "
-        "costs are CPU time of the benchmark's thread, so preemption counts for no side, "
-        "but caches are shared with the other processes; worst calls are wall-clock and "
-        "include preemption, on every side alike.",
+        "- The machine is shared with other work (2 cores): per-key costs are CPU time of "
+        "the benchmark's thread, so preemption counts for no side, but caches are shared "
+        "with other processes; ratios of repeated runs differ by up to about 0.15. Worst "
+        "calls are wall-clock and include preemption, on every side alike.",
     ]
     route1 = [m for m in results["memory"] if m["side"] == "route1"]
     if route1:
