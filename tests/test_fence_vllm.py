@@ -3,15 +3,19 @@ driven as vLLM 0.33's connector drives it (see tests/test_vllm_spec.py for the s
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from vllm.v1.kv_offload import base as vbase
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
-from kvtiers.core.manager import LookupResult
-from kvtiers.errors import InvalidKeyError
+from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.errors import ClosedError, InvalidKeyError
 from kvtiers.integrations.vllm import spec as vspec
+from tests.test_vllm_contract import SLOT_BYTES, prefix, request, route1, route1_config
+from tests.test_vllm_contract import store as store_keys
 from tests.test_vllm_spec import ctx, engine, kv, make_request, store
 
 __all__ = ["engine", "kv"]  # fixtures
@@ -73,3 +77,62 @@ def test_engine_keys_are_checked_when_translated(
     with pytest.raises(InvalidKeyError):
         manager.prepare_store([req.keys[0][0], bad], ctx())
     assert manager.stack.tiers[0].manager.get_stats()["chunks"] == 0
+
+
+# -- the one-call lookup of a one-tier cpu stack keeps the composite's door ------------------
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param("k" * 20, id="str"),
+        pytest.param(None, id="none"),
+        pytest.param([1, 2], id="unhashable"),
+        pytest.param(b"\x01\x02", id="short"),
+        pytest.param(vbase.make_offload_key(b"\x07" * 16, 1), id="group-out-of-range"),
+    ],
+)
+def test_a_one_tier_route1_lookup_refuses_a_bad_key_as_the_composite_does(bad: Any) -> None:
+    manager = route1(2, "lru")
+    try:
+        good = prefix(1, 1)
+        store_keys(manager, "a", good)  # the cache learns its key length
+        ctx = request(manager, "b", good)
+        before = dict(manager.stack.manager.get_stats())
+        with pytest.raises(InvalidKeyError):
+            manager.lookup(bad, ctx)
+        with pytest.raises(InvalidKeyError):
+            manager.stack.manager.lookup(bad, ReqContext("b"))
+        assert dict(manager.stack.manager.get_stats()) == before
+        assert manager.lookup(good[0], ctx) is vbase.LookupResult.HIT
+    finally:
+        manager.shutdown()
+
+
+def test_a_one_tier_route1_lookup_after_shutdown_is_a_clear_error() -> None:
+    manager = route1(2, "lru")
+    stored, fresh = prefix(2, 2)
+    store_keys(manager, "a", [stored])
+    ctx = request(manager, "b", [stored, fresh])
+    manager.shutdown()
+    for key in (stored, fresh):
+        with pytest.raises(ClosedError, match="shut down"):
+            manager.lookup(key, ctx)
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "cpu+file"])
+def test_a_found_key_survives_the_same_requests_store(tiers: str, tmp_path: Path) -> None:
+    """A request's lookup puts what it finds in its keep set: its own store evicts
+    something else (the one-call lookup of a one-tier stack as the composite's)."""
+    cpu = {"kind": "cpu", "capacity": 2 * SLOT_BYTES, "policy": "lru"}
+    lower = [{"kind": "file", "root": str(tmp_path), "io": "posix"}] if tiers != "cpu" else []
+    manager = OffloadingSpecFactory.create_spec(route1_config([cpu, *lower])).get_manager()
+    try:
+        older, newer, fresh = prefix(3, 3)
+        store_keys(manager, "a", [older])
+        store_keys(manager, "b", [newer])  # older is now the least recently used
+        manager.stack.manager.wait_idle()
+        ctx = request(manager, "c", [older, fresh])
+        assert manager.lookup(older, ctx) is vbase.LookupResult.HIT
+        out = manager.prepare_store([fresh], ctx)
+        assert out is not None and list(out.evicted_keys) == [newer]
+    finally:
+        manager.shutdown()

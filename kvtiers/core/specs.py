@@ -22,8 +22,9 @@ from kvtiers.core.keys import OffloadKey
 class LoadStoreSpec:
     """Base of every medium's addressing. Carries the group's GPU-block alignment offset."""
 
-    def __init__(self) -> None:
-        self._gpu_block_offset = 0
+    # The default offset, a class attribute: a spec made per scheduler call sets nothing
+    # until an offset is given.
+    _gpu_block_offset = 0
 
     def set_gpu_block_offset(self, offset: int) -> LoadStoreSpec:
         """Record the logical index of this group's first GPU block; returns ``self``."""
@@ -45,8 +46,9 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec):
     """Addressing by integer block (or slot) ids, held as an ``np.int64`` array."""
 
     def __init__(self, block_ids: Iterable[int] | npt.NDArray[np.int64]) -> None:
-        super().__init__()
-        self.block_ids: npt.NDArray[np.int64] = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        # A reshape makes a new view even of a flat array: on the scheduler's path per call.
+        self.block_ids: npt.NDArray[np.int64] = ids if ids.ndim == 1 else ids.reshape(-1)
 
     def __len__(self) -> int:
         return int(self.block_ids.shape[0])

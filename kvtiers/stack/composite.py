@@ -230,6 +230,11 @@ class TieredManager(OffloadingManager):
         self.cost: CostModel | None = None
 
     @property
+    def key_format(self) -> KeyFormat:
+        """The format of the keys this stack's door accepts."""
+        return self._keys
+
+    @property
     def capabilities(self) -> TierCapabilities:  # type: ignore[override]
         primary = self._primary.capabilities
         return TierCapabilities(

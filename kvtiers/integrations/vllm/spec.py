@@ -23,7 +23,8 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   fills the labels :meth:`KVTiersOffloadingSpec.config_info_keys` declares.
 * Cost: the kvtiers context of a request is translated once (``on_new_request``); when
   every KV-cache group is offloaded vLLM's keys are kvtiers' keys (no translation), and a
-  one-tier ``cpu`` stack answers ``lookup`` from the primary in one call.
+  one-tier ``cpu`` stack answers ``lookup`` from the primary in one call (which keeps the
+  composite's door and adds what it finds to the request's ``ctx.keep``, as the composite does).
 * Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
   ``reset_cache`` (0.32 and 0.33), so the stack forgets those keys at once (``MISS``, a new
   store accepted) and fences their primary slots. vLLM 0.33 calls ``on_reset_flushed``
@@ -200,36 +201,49 @@ class KVTiersManager(vbase.OffloadingManager):
         # Steps left before a reset's fenced slots come back (vLLM without a flush signal).
         self._fence_steps: int | None = None
         self._requests: dict[str, _Request] = {}
-        primary = stack.manager.tiers[0].manager
-        if self._same_keys and len(stack.manager.tiers) == 1 and isinstance(
-            primary, CpuTierManager
+        self._primary = primary = stack.manager.tiers[0].manager
+        # Each announced request's ctx.keep, by request id.
+        self._keeps: dict[str, set[OffloadKey]] = {}
+        if (
+            self._same_keys and len(stack.manager.tiers) == 1
+            and isinstance(primary, CpuTierManager) and stack.manager.cost is None
         ):
-            # Nothing to translate and nowhere to promote from: the primary answers.
+            # Nothing to translate and nowhere to promote from: the primary answers, with
+            # the composite's door and keep set.
             self.lookup = primary.lookup_as(  # type: ignore[method-assign,assignment]
-                _VHIT, _VMISS, vbase.LookupResult.HIT_PENDING
+                _VHIT,
+                _VMISS,
+                vbase.LookupResult.HIT_PENDING,
+                keys=stack.manager.key_format,
+                keeps=self._keeps,
             )
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._requests.get(ctx.req_id)
         return known.ctx if known is not None else kvtiers_context(ctx)
 
-    def _spec(self, keys: Iterable[OffloadKey], stamp: int = 0) -> KVTiersLoadStoreSpec:
+    def _spec(self, keys: Collection[OffloadKey], stamp: int = 0) -> KVTiersLoadStoreSpec:
+        """The spec of ``keys``, just reserved or pinned by a call that passed the stack's
+        door: the primary's addressing, which is what the composite's ``get_spec`` gives."""
+        get_spec = self._primary.get_spec
         if self._num_groups == 1:
-            return KVTiersLoadStoreSpec([self._tiered.get_spec(list(keys))], stamp)
+            return KVTiersLoadStoreSpec((get_spec(keys),), stamp)
         by_group: list[list[OffloadKey]] = [[] for _ in range(self._num_groups)]
         for key in keys:
             by_group[get_offload_group_idx(key)].append(key)
-        return KVTiersLoadStoreSpec([self._tiered.get_spec(group) for group in by_group], stamp)
+        return KVTiersLoadStoreSpec([get_spec(group) for group in by_group], stamp)
 
     def _drain_events(self) -> None:
         """Move the stack's events into the buffer and track the primary's evictions."""
+        evicted = self._evicted
         for event in self._tiered.take_events():
             if event.ownership is None and not event.metadata_only:
-                for key in event.keys if self._same_keys else self._keys.all_to_vllm(event.keys):
-                    if event.removed:
-                        self._evicted[key] = None
-                    else:
-                        self._evicted.pop(key, None)
+                keys = event.keys if self._same_keys else self._keys.all_to_vllm(event.keys)
+                if event.removed:
+                    evicted.update(dict.fromkeys(keys))
+                elif evicted:  # a key stored again is no longer evicted
+                    for key in keys:
+                        evicted.pop(key, None)
             if self._events_enabled:
                 translated = vllm_event(event, self._keys)
                 if translated is not None:
@@ -257,24 +271,33 @@ class KVTiersManager(vbase.OffloadingManager):
         return request.sources.get(key, CacheHitSource.HOST)
 
     def prepare_load(self, keys: Collection[Any], req_context: Any) -> KVTiersLoadStoreSpec:
-        ours = self._keys.all_to_kvtiers(keys)
-        self._tiered.prepare_load(ours, self._ctx(req_context))
+        ours = keys if self._same_keys else self._keys.all_to_kvtiers(keys)
+        request = self._requests.get(req_context.req_id)
+        self._tiered.prepare_load(
+            ours, request.ctx if request is not None else kvtiers_context(req_context)
+        )
         return self._spec(ours)
 
     def touch(self, keys: Collection[Any], req_context: Any) -> None:
         self._tiered.touch(self._keys.all_to_kvtiers(keys), self._ctx(req_context))
 
     def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
-        self._tiered.complete_load(self._keys.all_to_kvtiers(keys), self._ctx(req_context))
+        request = self._requests.get(req_context.req_id)
+        self._tiered.complete_load(
+            keys if self._same_keys else self._keys.all_to_kvtiers(keys),
+            request.ctx if request is not None else kvtiers_context(req_context),
+        )
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
+        request = self._requests.get(req_context.req_id)
         accepted = self._tiered.prepare_store(
-            self._keys.all_to_kvtiers(keys), self._ctx(req_context)
+            keys if self._same_keys else self._keys.all_to_kvtiers(keys),
+            request.ctx if request is not None else kvtiers_context(req_context),
         )
         self._drain_events()
         if accepted is None:
             return None
-        to_store = self._keys.all_to_vllm(accepted)
+        to_store = accepted if self._same_keys else self._keys.all_to_vllm(accepted)
         evicted = self._evicted
         if evicted:
             for key in to_store:
@@ -295,8 +318,10 @@ class KVTiersManager(vbase.OffloadingManager):
         vLLM recorded, so the prefix head is the last to be evicted. A sharded engine's
         chunk is published only if every rank stamped its slot for this store; the others
         are freed (see the module docstring)."""
-        ours = self._keys.all_to_kvtiers(_tail_first(keys, req_context))
-        ctx = self._ctx(req_context)
+        ordered = _tail_first(keys, req_context)
+        ours = ordered if self._same_keys else self._keys.all_to_kvtiers(ordered)
+        request = self._requests.get(req_context.req_id)
+        ctx = request.ctx if request is not None else kvtiers_context(req_context)
         if self._ledger is None:
             self._tiered.complete_store(ours, ctx, success)
             return
@@ -346,11 +371,13 @@ class KVTiersManager(vbase.OffloadingManager):
     def on_new_request(self, req_context: Any) -> Any:
         ctx = kvtiers_context(req_context)
         self._requests[req_context.req_id] = _Request(ctx)
+        self._keeps[req_context.req_id] = ctx.keep
         return vllm_request_context(self._tiered.on_new_request(ctx))
 
     def on_request_finished(self, req_context: Any) -> None:
         self._tiered.on_request_finished(self._ctx(req_context))
         self._requests.pop(req_context.req_id, None)
+        self._keeps.pop(req_context.req_id, None)
 
     def take_events(self) -> Iterable[Any]:
         self._drain_events()

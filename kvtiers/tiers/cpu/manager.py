@@ -33,7 +33,11 @@ evict its own earlier keys (nearer its head). The keys a request saw are kept in
 context's state, never in the manager.
 
 Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
-per slot, the policy's own entry; pin counts exist only for pinned keys.
+per slot, the policy's own entry; pin counts exist only for pinned keys. A key being
+written maps to the marker :data:`_BEING_WRITTEN` instead of its slot (the slot waits in a
+small table of keys in flight), so a lookup tells ``HIT`` from ``HIT_PENDING`` by identity
+and never reads the slot's int object: a random lookup over a large tier is bound by
+memory reads, and that one is a cache miss.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from kvtiers.core.keys import OffloadKey
+from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
 from kvtiers.core.manager import (
     Locality,
     LookupResult,
@@ -58,7 +62,7 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.specs import CPULoadStoreSpec
-from kvtiers.errors import UnknownKeyError
+from kvtiers.errors import ClosedError, UnknownKeyError
 from kvtiers.policies.base import EvictionPolicy
 
 if TYPE_CHECKING:
@@ -85,6 +89,9 @@ _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _PENDING = LookupResult.HIT_PENDING
 _R = TypeVar("_R")
+#: ``_slots``' value for a key being written. -1 is never a slot, and CPython keeps one
+#: object for it, so comparing by identity is exact and reads nothing.
+_BEING_WRITTEN = -1
 
 
 class _Protected(Collection[OffloadKey]):
@@ -97,7 +104,11 @@ class _Protected(Collection[OffloadKey]):
         self._parts = parts
 
     def __contains__(self, key: object) -> bool:
-        return any(key in part for part in self._parts)
+        # A loop, not any() over a generator: eviction asks once per candidate.
+        for part in self._parts:  # noqa: SIM110 (see above)
+            if key in part:
+                return True
+        return False
 
     def __iter__(self) -> Iterator[OffloadKey]:
         return iter(set().union(*self._parts))
@@ -155,7 +166,10 @@ class CpuTierManager(OffloadingManager):
         self.capabilities = TierCapabilities(
             persistent=False, evicts=True, recency=policy.recency, events=True
         )
+        # Key → slot for ready keys, → _BEING_WRITTEN for keys being written, whose slots
+        # are in _writing.
         self._slots: dict[OffloadKey, int] = {}
+        self._writing: dict[OffloadKey, int] = {}
         self._state = bytearray(num_slots)
         # Popped from the end, so slots are handed out in ascending order at first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -175,6 +189,9 @@ class CpuTierManager(OffloadingManager):
         self._store_failures = 0
         self._evictions = 0
         self._loads = 0
+        self._closed = False
+        # Called by shutdown(): each closes one function lookup_as made.
+        self._closers: list[Callable[[], None]] = []
 
     # -- queries --------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -182,43 +199,115 @@ class CpuTierManager(OffloadingManager):
         if slot is None:
             self._misses += 1
             return _MISS
-        if self._state[slot] == _READY:
-            self._hits += 1
-            return _HIT
-        return _PENDING
+        if slot is _BEING_WRITTEN:
+            return _PENDING
+        self._hits += 1
+        return _HIT
 
-    def lookup_as(self, hit: _R, miss: _R, pending: _R) -> Callable[[Any, Any], _R]:
+    def lookup_as(
+        self,
+        hit: _R,
+        miss: _R,
+        pending: _R,
+        *,
+        keys: KeyFormat | None = None,
+        keeps: Mapping[Any, set[OffloadKey]] | None = None,
+    ) -> Callable[[Any, Any], _R]:
         """:meth:`lookup` as one plain function answering ``hit`` / ``miss`` / ``pending``
         (an engine's own result values), counted the same: for an adapter whose keys are
-        this tier's keys, so a lookup costs one call. (The manager never rebinds the
-        tables it reads.)"""
-        manager = self
-        slot_of = self._slots.get
-        state = self._state
+        this tier's keys and whose stack is this tier alone, so a lookup costs one call.
+        The function keeps reading the manager's live tables (it never rebinds them).
 
-        def lookup(key: Any, ctx: Any) -> _R:
-            slot = slot_of(key)
-            if slot is None:
-                manager._misses += 1
-                return miss
-            if state[slot] == _READY:
+        With ``keys`` it keeps a composite's door: a key that is not one of ``keys`` raises
+        :class:`~kvtiers.errors.InvalidKeyError` and any lookup after :meth:`shutdown`
+        raises :class:`~kvtiers.errors.ClosedError`, before anything is counted. With
+        ``keeps`` (each announced request's keep set, by ``req_id``) a key found present
+        joins its request's keep set, as the composite adds it to ``ctx.keep``."""
+        manager = self
+        slot_of: Callable[[Any], int | None] = self._slots.get
+        if keys is None:
+
+            def lookup(key: Any, ctx: Any) -> _R:
+                slot = slot_of(key)
+                if slot is None:
+                    manager._misses += 1
+                    return miss
+                if slot is _BEING_WRITTEN:
+                    return pending
                 manager._hits += 1
                 return hit
-            return pending
 
-        return lookup
+            return lookup
+
+        fmt = keys
+        key_bytes = fmt.key_bytes
+        # Past every 4-byte group when any group is valid, so one comparison serves.
+        limit = fmt.group_limit or b"\xff" * (GROUP_INDEX_BYTES + 1)
+        group = slice(-GROUP_INDEX_BYTES, None)  # built once, not per lookup
+        keep_of = (keeps if keeps is not None else {}).get
+
+        def refuse(key: Any) -> None:
+            """Raise for a closed tier or a key the door refuses; otherwise the key's
+            length was learned (the first key of an engine's own hash)."""
+            nonlocal key_bytes
+            if manager._closed:
+                raise ClosedError("lookup: this CPU tier was shut down; build a new one")
+            fmt.check(key, "lookup")
+            key_bytes = fmt.key_bytes
+
+        def close() -> None:
+            # No closed flag read per lookup: from now on every key is absent and fails
+            # the length test, so each lookup takes refuse(), which raises ClosedError.
+            nonlocal slot_of, key_bytes
+            nothing: dict[Any, int] = {}
+            slot_of = nothing.get
+            key_bytes = -1
+
+        self._closers.append(close)
+
+        def checked_lookup(key: Any, ctx: Any) -> _R:
+            try:
+                slot = slot_of(key)
+            except TypeError:  # unhashable: not a key
+                refuse(key)
+                raise
+            if slot is None:
+                if (
+                    type(key) is not bytes or len(key) != key_bytes
+                    or key[group] >= limit
+                ):
+                    refuse(key)
+                manager._misses += 1
+                return miss
+            # Only keys the door let in were ever stored: a present key needs its type
+            # checked alone (an equal bytes subclass is still refused).
+            if type(key) is not bytes:
+                refuse(key)
+            keep = keep_of(ctx.req_id)
+            if keep is not None:
+                keep.add(key)
+            if slot is _BEING_WRITTEN:
+                return pending
+            manager._hits += 1
+            return hit
+
+        return checked_lookup
 
     def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
         slots = self._slots
-        state = self._state
+        writing = self._writing
         pins = self._pins
-        ids = [slots.get(key, -1) for key in keys]
-        for key, slot in zip(keys, ids, strict=True):
-            if slot < 0 or (state[slot] != _WRITING and key not in pins):
+        ids = []
+        for key in keys:
+            slot = slots.get(key)
+            if slot is _BEING_WRITTEN:
+                slot = writing[key]
+            elif slot is None or key not in pins:
                 raise UnknownKeyError(
-                    f"get_spec: key {key.hex()} is neither reserved by prepare_store nor "
+                    f"get_spec: key {_shown(key)} is neither reserved by prepare_store nor "
                     "pinned by prepare_load in the CPU tier"
                 )
+            ids.append(slot)
         return CPULoadStoreSpec(np.array(ids, dtype=np.int64))
 
     # -- store ----------------------------------------------------------------------
@@ -226,7 +315,9 @@ class CpuTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         slots = self._slots
-        accepted = list(dict.fromkeys(key for key in keys if key not in slots))
+        accepted = [key for key in keys if key not in slots]
+        if len(accepted) > 1:
+            accepted = list(dict.fromkeys(accepted))  # a key named twice is reserved once
         shortfall = len(accepted) - len(self._free)
         if shortfall > 0:
             protected: Collection[OffloadKey] = self._pins
@@ -256,16 +347,19 @@ class CpuTierManager(OffloadingManager):
                 self._drop(victims)
         free = self._free
         state = self._state
+        writing = self._writing
         for key in accepted:
             slot = free.pop()
-            slots[key] = slot
+            slots[key] = _BEING_WRITTEN
+            writing[key] = slot
             state[slot] = _WRITING
         access = self._access(ctx)
         if access is not None:
             access.seen.update(dict.fromkeys(keys))
             if len(accepted) < len(keys):
                 access.reused.update(
-                    key for key in keys if key in slots and state[slots[key]] == _READY
+                    key for key in keys
+                    if key in slots and slots[key] is not _BEING_WRITTEN
                 )
         return accepted
 
@@ -284,11 +378,13 @@ class CpuTierManager(OffloadingManager):
         # One pass that changes each slot's state as it goes, so a key named twice is
         # no longer WRITING (or no longer present) the second time: it counts once.
         done = []
+        writing = self._writing
         if success:
             insert = self.policy.insert
             for key in keys:
-                slot = slots.get(key)
-                if slot is not None and state[slot] == _WRITING:
+                if slots.get(key) is _BEING_WRITTEN:
+                    slot = writing.pop(key)
+                    slots[key] = slot
                     state[slot] = _READY
                     insert(key)
                     done.append(key)
@@ -300,9 +396,9 @@ class CpuTierManager(OffloadingManager):
         else:
             free = self._free
             for key in keys:
-                slot = slots.get(key)
-                if slot is not None and state[slot] == _WRITING:
+                if slots.get(key) is _BEING_WRITTEN:
                     del slots[key]
+                    slot = writing.pop(key)
                     state[slot] = _FREE
                     free.append(slot)
                     done.append(key)
@@ -360,20 +456,20 @@ class CpuTierManager(OffloadingManager):
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         slots = self._slots
-        state = self._state
         for key in keys:
             slot = slots.get(key)
-            if slot is None or state[slot] != _READY:
+            if slot is None or slot is _BEING_WRITTEN:
                 raise UnknownKeyError(
-                    f"prepare_load: key {key.hex()} is not stored in the CPU tier "
+                    f"prepare_load: key {_shown(key)} is not stored in the CPU tier "
                     "(look it up first; only HIT keys can be loaded)"
                 )
         pins = self._pins
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
         self._loads += len(keys)
-        access = self._access(ctx)
-        if access is not None:
+        # _access(ctx), inlined: once per load on the scheduler's path.
+        access = ctx.get_state(_RequestAccess)
+        if access is not None and access.owner is self and access.generation == self._generation:
             # Counted as a use when the request finishes, in prefix order.
             access.seen.update(dict.fromkeys(keys))
             access.reused.update(keys)
@@ -456,8 +552,9 @@ class CpuTierManager(OffloadingManager):
         pins = self._pins
         remove = self.policy.remove
         removed = []
+        writing = self._writing
         for key, slot in self._slots.items():
-            if state[slot] == _READY:
+            if slot is not _BEING_WRITTEN:
                 remove(key)
                 removed.append(key)
                 held = pins.get(key, 0)
@@ -466,10 +563,12 @@ class CpuTierManager(OffloadingManager):
                     self._free.append(slot)
                     continue
             else:
+                slot = writing[key]
                 held = 1
             self._fenced.setdefault(key, []).append(slot)
             self._fence_holds[slot] = held
         self._slots.clear()
+        writing.clear()
         pins.clear()
         self._generation += 1
         if removed:
@@ -501,6 +600,9 @@ class CpuTierManager(OffloadingManager):
         }
 
     def shutdown(self) -> None:
+        self._closed = True
+        for close in self._closers:
+            close()
         if self.region is not None:
             self.region.close()
 
@@ -555,12 +657,13 @@ class CpuTierManager(OffloadingManager):
 
     def slot_state(self, key: OffloadKey) -> SlotState:
         """State of ``key``'s slot (``FREE`` when the key is not present)."""
-        slot = self._slots.get(key)
+        slot = self.slot_of(key)
         return SlotState.FREE if slot is None else SlotState(self._state[slot])
 
     def slot_of(self, key: OffloadKey) -> int | None:
         """The slot holding ``key``, or ``None``."""
-        return self._slots.get(key)
+        slot = self._slots.get(key)
+        return self._writing[key] if slot is _BEING_WRITTEN else slot
 
     def pin_count(self, key: OffloadKey) -> int:
         return self._pins.get(key, 0)
