@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from kvtiers.errors import CapacityError, ConfigError
-from kvtiers.tiers.cpu.region import SHM_DIR, SlotRegion
+from kvtiers.tiers.cpu.region import SHM_DIR, SlotRegion, remove_left_overs
 
 
 def test_slot_views_are_zero_copy_windows_of_the_region() -> None:
@@ -210,3 +210,38 @@ def test_racing_processes_all_map_one_file(shm_name: str) -> None:
         for region in regions:
             region.close()
     assert not (SHM_DIR / shm_name).exists()
+
+
+def test_left_overs_nobody_maps_are_removed_and_live_or_foreign_files_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A killed engine's region (no process holds its lock) is removed; a region some
+    process maps, a file with group/other bits, a temp file being made and a file with
+    another prefix are kept."""
+    live = SlotRegion(2, 64, "kvtiers-7-live", shm_dir=tmp_path)
+    crashed = tmp_path / "kvtiers-7-crashed"
+    crashed.write_bytes(b"\0" * 128)
+    crashed.chmod(0o600)
+    foreign = tmp_path / "kvtiers-7-shared"
+    foreign.write_bytes(b"x")
+    foreign.chmod(0o644)
+    making = tmp_path / ".kvtiers-7-new.0011.kvtmp"
+    making.write_bytes(b"x")
+    making.chmod(0o600)
+    other = tmp_path / "vllm-7-region"
+    other.write_bytes(b"x")
+    other.chmod(0o600)
+    try:
+        with caplog.at_level(logging.WARNING):
+            removed = remove_left_overs("kvtiers-7-", shm_dir=tmp_path)
+        assert removed == [crashed]
+        assert not crashed.exists()
+        assert {p.name for p in tmp_path.iterdir()} == {
+            "kvtiers-7-live", "kvtiers-7-shared", making.name, "vllm-7-region"
+        }
+        assert "kvtiers-7-crashed" in caplog.text
+        assert remove_left_overs("kvtiers-7-", shm_dir=tmp_path) == []
+    finally:
+        live.close()
+    assert remove_left_overs("kvtiers-7-", shm_dir=tmp_path) == []
+    assert not (tmp_path / "kvtiers-7-live").exists()  # its last user removed it

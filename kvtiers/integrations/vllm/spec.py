@@ -102,7 +102,7 @@ from kvtiers.integrations.vllm.translate import (
 )
 from kvtiers.stack.builder import Stack, build_primary_worker, load_stack
 from kvtiers.tiers.cpu.manager import CpuTierManager
-from kvtiers.tiers.cpu.region import SlotRegion
+from kvtiers.tiers.cpu.region import SlotRegion, remove_left_overs
 from kvtiers.tiers.cpu.shards import ShardLedger, ledger_name
 from kvtiers.tiers.cpu.worker import CpuWorker
 
@@ -595,13 +595,17 @@ def _read_stack(extra_config: Any) -> StackConfig:
     return load_stack_config(path if path is not None else inline)
 
 
+def _shared_memory_prefix() -> str:
+    return f"kvtiers-{os.geteuid()}-"
+
+
 def shared_memory_name(engine_id: str) -> str:
     """The ``/dev/shm`` name both of an engine's processes derive for its cpu primary:
     ``kvtiers-<uid>-<sha256 of the engine id, 16 hex digits>``. Scoped to the user and the
     engine (vLLM's default engine id is a random UUID, so the name is not guessable), and
     short whatever the id; the region itself refuses a file it did not make."""
     digest = hashlib.sha256(engine_id.encode("utf-8", "surrogatepass")).hexdigest()
-    return f"kvtiers-{os.geteuid()}-{digest[:16]}"
+    return f"{_shared_memory_prefix()}{digest[:16]}"
 
 
 def _check_one_node(engine: Any, ranks: int) -> None:
@@ -632,6 +636,9 @@ def _share_primary(stack: StackConfig, engine_id: str) -> StackConfig:
     primary = stack.tiers[0]
     if not isinstance(primary, CPUTierConfig) or primary.shared_memory_name is not None:
         return stack
+    # A killed engine leaves its region (and ledger) behind under a name no later engine
+    # derives: remove this user's that no process maps before adding another.
+    remove_left_overs(_shared_memory_prefix())
     name = shared_memory_name(engine_id)
     shared = dataclasses.replace(primary, shared_memory_name=name)
     return dataclasses.replace(stack, tiers=(shared, *stack.tiers[1:]))

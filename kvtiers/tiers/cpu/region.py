@@ -94,6 +94,50 @@ def _remove_if_same(path: Path, fd: int) -> None:
         path.unlink(missing_ok=True)
 
 
+def remove_left_overs(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove the region files in ``shm_dir`` whose names start with ``prefix`` that no
+    process maps (nobody holds their lock): what crashed processes of this user left.
+    The removed paths.
+
+    A file that fails the ownership and mode checks, a temp file still being made, or one
+    some process holds is left alone, so this is safe while other engines run: every
+    process mapping a region holds its lock from before the name exists until it closes.
+    For callers whose region names are per run (a random engine id): a crashed run's name
+    is never used again, so the replacement :class:`SlotRegion` does on attach never sees
+    it."""
+    removed: list[Path] = []
+    try:
+        names = sorted(os.listdir(shm_dir))
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(prefix) or name.endswith(_TEMP_SUFFIX):
+            continue
+        path = shm_dir / name
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile, a link, or not ours to open
+        try:
+            info = os.fstat(fd)
+            private = (
+                stat.S_ISREG(info.st_mode)
+                and info.st_uid == os.geteuid()
+                and not stat.S_IMODE(info.st_mode) & 0o077
+            )
+            if private and _lock_alone(fd) and _names_same_file(path, fd):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        finally:
+            os.close(fd)
+    if removed:
+        logger.warning(
+            "CPU tier: removed %d shared-memory region(s) that ended processes of this user "
+            "left in %s (%s)", len(removed), shm_dir, ", ".join(p.name for p in removed),
+        )
+    return removed
+
+
 def _format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
