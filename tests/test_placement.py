@@ -42,12 +42,13 @@ def key(i: int) -> OffloadKey:
 
 
 class Stack:
-    """A CPU primary of ``slots`` slots over a bytearray and in-memory lower tiers, one per
-    write policy given (over ``stores``, when given, which they index at start)."""
+    """A CPU primary of ``slots`` slots over a bytearray and in-memory lower tiers of
+    ``lower_chunks`` chunks, one per write policy given (over ``stores``, when given, which
+    they index at start)."""
 
     def __init__(
         self, *writes: WritePolicy, slots: int = 4,
-        stores: list[MemoryObjectStore] | None = None,
+        stores: list[MemoryObjectStore] | None = None, lower_chunks: int = 64,
     ) -> None:
         self.region = BytearrayRegion(slots, GEOMETRY.slot_bytes)
         self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy("lru")(slots))
@@ -55,7 +56,9 @@ class Stack:
         self.movers: list[MemoryMover] = []
         tiers: list[BuiltTier] = [BuiltTier("cpu", self.primary, region=self.region)]
         for index, write in enumerate(writes):
-            lower = MemoryObjectTier(64, stores[index] if stores else MemoryObjectStore())
+            lower = MemoryObjectTier(
+                lower_chunks, stores[index] if stores else MemoryObjectStore()
+            )
             mover = MemoryMover(self.region, GEOMETRY, lower)
             self.lower.append(lower)
             self.movers.append(mover)

@@ -367,6 +367,10 @@ class TieredManager(OffloadingManager):
         if write.after_hits and self._loads.get(key) < write.after_hits:
             return False
         source = self._promoted.get(key, 0)
+        if source == lower.index:
+            # Promoted from this very tier, which may have evicted it since: a demotion
+            # writes it back (the tier skips a chunk it still holds); a cascade never.
+            return write.mode == "back"
         return source == 0 or source < lower.index or (write.promoted and source > lower.index)
 
     def _cascade(self, lower: _Lower, keys: list[OffloadKey], ctx: ReqContext) -> None:
@@ -390,29 +394,40 @@ class TieredManager(OffloadingManager):
         victims = holder.evict_held(want, _Union(keep))
         if not victims:
             return
-        for lower in self._back:
-            admitted = [key for key in victims if self._admits(lower, key)]
-            if not admitted:
-                continue
-            slots = {key: victims[key] for key in admitted}
-            accepted = lower.jobs.store(next(self._job_ids), admitted, _INTERNAL, slots,
-                                        slots=slots)
-            if accepted is None:
-                self._stats["demotions_refused"] += len(admitted)
-                continue
-            for key in accepted:
-                self._held[victims[key]] = self._held.get(victims[key], 0) + 1
-        for key, slot in victims.items():
-            self._promoted.pop(key)
-            if slot not in self._held:
-                holder.release_held([slot])
+        held = self._held
+        # This pass holds every victim's slot itself until it is done, and counts a tier's
+        # copy before submitting it: a job the mover refuses ends (and gives its count
+        # back) inside the submit, and must not free a slot another tier's copy reads.
+        for slot in victims.values():
+            held[slot] = held.get(slot, 0) + 1
+        try:
+            for lower in self._back:
+                admitted = [key for key in victims if self._admits(lower, key)]
+                if not admitted:
+                    continue
+                slots = {key: victims[key] for key in admitted}
+                for slot in slots.values():
+                    held[slot] += 1
+                accepted: list[OffloadKey] | None = None
+                try:
+                    accepted = lower.jobs.store(next(self._job_ids), admitted, _INTERNAL,
+                                                slots, slots=slots)
+                finally:
+                    if accepted is None:
+                        self._stats["demotions_refused"] += len(admitted)
+                    taken = set(accepted or ())
+                    self._unhold([slots[key] for key in admitted if key not in taken])
+        finally:
+            for key in victims:
+                self._promoted.pop(key)
+            self._unhold(list(victims.values()))
 
-    def _demotion_ended(self, slots: Mapping[OffloadKey, int], keys: Sequence[OffloadKey]) -> None:
-        """A demotion job over ``keys`` ended: release the slots no other copy reads."""
+    def _unhold(self, slots: Sequence[int]) -> None:
+        """Give back one count of each of ``slots`` (a slot named twice, two); release
+        the slots no copy reads any more."""
         assert self._holder is not None
         released = []
-        for key in keys:
-            slot = slots[key]
+        for slot in slots:
             left = self._held[slot] - 1
             if left:
                 self._held[slot] = left
@@ -421,6 +436,10 @@ class TieredManager(OffloadingManager):
                 released.append(slot)
         if released:
             self._holder.release_held(released)
+
+    def _demotion_ended(self, slots: Mapping[OffloadKey, int], keys: Sequence[OffloadKey]) -> None:
+        """A demotion job over ``keys`` ended: release the slots no other copy reads."""
+        self._unhold([slots[key] for key in keys])
 
     # -- completions ----------------------------------------------------------------
     def _poll(self) -> None:
@@ -467,9 +486,15 @@ class TieredManager(OffloadingManager):
         """Submit pending promotions and block until every mover job has completed.
 
         For tests, the demo and shutdown: the scheduler itself never blocks."""
-        self._flush_promotions()
-        for lower in self._lower:
-            lower.jobs.drain()
+        # A promotion landing while a lower tier drains may cascade into a tier above
+        # that was drained already (``write_promoted``): go round until none is busy.
+        while True:
+            self._flush_promotions()
+            for lower in self._lower:
+                lower.jobs.drain()
+            # Bounded: a landed promotion cascades, a cascade starts nothing more.
+            if not any(lower.jobs.in_flight for lower in self._lower):
+                return
 
     # -- the rest of the contract ---------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
