@@ -105,6 +105,7 @@ _COUNTERS = (
     "demoted_bytes",
     "demote_s",
     "corrupt_chunks",
+    "torn_chunks",
 )
 
 #: How many chunks per primary slot the placement tables remember (load counts, where a
@@ -597,6 +598,11 @@ class TieredManager(OffloadingManager):
         self._fence = False
         for tier in self.tiers:
             tier.manager.on_reset_flushed()
+
+    def count_torn(self, chunks: int) -> None:
+        """Count ``chunks`` stored chunks an adapter found incomplete (a rank's shard
+        missing or stale) and freed instead of completing them (``torn_chunks``)."""
+        self._stats["torn_chunks"] += chunks
 
     def get_stats(self) -> Mapping[str, float]:
         stats = dict(self._stats)

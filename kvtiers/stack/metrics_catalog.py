@@ -82,6 +82,9 @@ STACK: Mapping[str, MetricSpec] = MappingProxyType({
                    "Seconds demotion jobs took, submission to completion, summed."),
     "corrupt_chunks": _c("kvtiers_stack_corrupt_chunks",
                          "Chunks a promotion found corrupt (each one a miss, never a hit)."),
+    "torn_chunks": _c("kvtiers_stack_torn_chunks",
+                      "Chunks stored with a rank's shard missing or stale: freed, never "
+                      "published."),
 })
 """The composite's own stats (no ``tier.`` prefix)."""
 

@@ -188,8 +188,6 @@ class KVTiersManager(vbase.OffloadingManager):
         # A sharded engine's ledger, and the stamp of every key stored and not completed.
         self._ledger = ledger
         self._stamps: dict[OffloadKey, int] = {}
-        #: Stored chunks refused because a rank's shard was missing or stale.
-        self.torn_chunks = 0
         self._keys = keys
         # vLLM's keys are kvtiers' keys when every KV-cache group is offloaded.
         self._same_keys = keys.identity
@@ -359,7 +357,7 @@ class KVTiersManager(vbase.OffloadingManager):
         whole = [key for key in keys if ok.get(key, True)]
         torn = [key for key in keys if not ok.get(key, True)]
         if torn:
-            self.torn_chunks += len(torn)
+            self._tiered.count_torn(len(torn))
             logger.warning(
                 "kvtiers: %d stored chunk(s) lack a rank's shard (a rank's store failed or "
                 "did not run); they are freed, not published (%d so far)",
@@ -367,6 +365,12 @@ class KVTiersManager(vbase.OffloadingManager):
                 self.torn_chunks,
             )
         return whole, torn
+
+    @property
+    def torn_chunks(self) -> int:
+        """Stored chunks refused because a rank's shard was missing or stale (the stack's
+        ``torn_chunks`` counter, ``kvtiers_stack_torn_chunks_total``)."""
+        return int(self._tiered.get_stats()["torn_chunks"])
 
     def on_new_request(self, req_context: Any) -> Any:
         ctx = kvtiers_context(req_context)
