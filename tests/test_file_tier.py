@@ -19,7 +19,7 @@ from kvtiers.config.sizes import Size
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import LookupResult, ScheduleEndContext
-from kvtiers.core.publish import FileOps
+from kvtiers.core.publish import Durability, FileOps, KnownDirs
 from kvtiers.errors import BackendUnavailableError, NamespaceMismatchError
 from kvtiers.filemapper import FileMapper, NamespaceIdentity
 from kvtiers.testing.conformance import conformance_key, conformance_payload
@@ -157,6 +157,29 @@ DAMAGE = {
     "empty": lambda p: _truncate(p, 0),
     "appended byte": lambda p: p.write_bytes(p.read_bytes() + b"x"),
 }
+
+
+@pytest.mark.parametrize("anonymous", [True, False], ids=["anonymous", "named"])
+@pytest.mark.parametrize("durability", ["process", "power"])
+def test_a_store_replaces_an_unindexed_file_at_its_name(
+    tmp_path: Path, anonymous: bool, durability: Durability
+) -> None:
+    """A file the index does not know (torn by a power cut, left by an older build, put
+    there by hand) sits at a chunk's name: the store replaces it, so the name holds the
+    chunk's bytes (with anonymous files the name's link fails with EEXIST first)."""
+    tier = open_tier(tmp_path, settings=PublishSettings(
+        durability=durability, known_dirs=KnownDirs(anonymous=anonymous)))
+    try:
+        path = tier.manager.mapper.path(conformance_key(1))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"torn")
+        assert tier.store([1]) == [conformance_key(1)]
+        assert path.stat().st_size == HEADER_BYTES + CHUNK
+        result, data = tier.load(1)
+        assert result.success and data == conformance_payload(1, CHUNK)
+        assert temp_files(tmp_path) == []
+    finally:
+        tier.close()
 
 
 @pytest.mark.parametrize("quarantine", [True, False])
@@ -348,15 +371,29 @@ def test_shared_probe_hits_are_kept_within_capacity(tmp_path: Path) -> None:
 # -- full disk, read-only filesystem --------------------------------------------------
 class FailingOps(FileOps):
     """Fails ``step`` with ``error``. ``syncfs=False`` hides syncfs, so that a power
-    mover takes the per-file fsync path it takes on other platforms."""
+    mover takes the per-file fsync path it takes on other platforms; ``anonymous=False``
+    hides anonymous files (publishing uses named temp files and renames them)."""
 
-    def __init__(self, error: int, step: str, *, syncfs: bool = True) -> None:
+    def __init__(self, error: int, step: str, *, syncfs: bool = True,
+                 anonymous: bool = True) -> None:
         self.error = error
         self.step = step
         self.syncfs_available = syncfs
+        self.anonymous = anonymous
 
     def has_syncfs(self) -> bool:
         return self.syncfs_available and super().has_syncfs()
+
+    def has_anonymous(self) -> bool:
+        return self.anonymous and super().has_anonymous()
+
+    def open_anonymous(self, directory: Path, mode: int, extra_flags: int) -> int:
+        self._maybe_fail("open")
+        return super().open_anonymous(directory, mode, extra_flags)
+
+    def link_anonymous(self, fd: int, dst: Path) -> None:
+        self._maybe_fail("link")
+        super().link_anonymous(fd, dst)
 
     def syncfs(self, path: Path) -> None:
         self._maybe_fail("syncfs")
@@ -388,6 +425,7 @@ class FailingOps(FileOps):
     [
         (errno.ENOSPC, "fsync"),
         (errno.ENOSPC, "replace"),
+        (errno.ENOSPC, "link"),
         (errno.EROFS, "open"),
         (errno.EIO, "fsync_dir"),
         (errno.EIO, "syncfs"),
@@ -400,9 +438,12 @@ def test_full_or_read_only_disk_fails_the_store_cleanly(
     good = open_tier(tmp_path, capacity_chunks=4)
     good.store([0, 1])
     good.close()
-    ops = FailingOps(error, step, syncfs=step not in ("fsync", "fsync_dir"))
+    ops = FailingOps(error, step, syncfs=step not in ("fsync", "fsync_dir"),
+                     anonymous=step != "replace")
     if step == "syncfs" and not ops.has_syncfs():
         pytest.skip("this platform has no syncfs")
+    if step == "link" and not ops.has_anonymous():
+        pytest.skip("no anonymous files here")
     settings = PublishSettings(ops=ops, durability="power")
     tier = open_tier(tmp_path, capacity_chunks=4, settings=settings)
     manager = tier.manager
@@ -543,6 +584,10 @@ class RecordingOps(FileOps):
     def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
         self.flags.append(extra_flags)
         return super().open_exclusive(path, mode, extra_flags)
+
+    def open_anonymous(self, directory: Path, mode: int, extra_flags: int) -> int:
+        self.flags.append(extra_flags)
+        return super().open_anonymous(directory, mode, extra_flags)
 
 
 def test_o_direct_is_used_for_aligned_slots(tmp_path: Path) -> None:

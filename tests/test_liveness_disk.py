@@ -61,6 +61,11 @@ class SwitchableOps(FileOps):
             raise OSError(self.error, os.strerror(self.error))
         return super().open_exclusive(path, mode, extra_flags)
 
+    def open_anonymous(self, directory: Path, mode: int, extra_flags: int) -> int:
+        if self.failing:
+            raise OSError(self.error, os.strerror(self.error))
+        return super().open_anonymous(directory, mode, extra_flags)
+
 
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EDQUOT])
 def test_a_full_disk_pauses_admission_with_one_warning_until_space_returns(
@@ -181,6 +186,7 @@ def test_a_namespace_that_cannot_be_created_is_one_line_and_leaves_nothing(
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
     monkeypatch.setattr(FileOps, "open_exclusive", full)
+    monkeypatch.setattr(FileOps, "open_anonymous", full)
     with pytest.raises(ConfigError, match="No space left on device; free space") as error:
         open_namespace(tmp_path, IDENTITY)
     assert "\n" not in str(error.value) and error.value.path == "root"

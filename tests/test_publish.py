@@ -1,6 +1,8 @@
 """Atomic publish: a failure at any step leaves the old file or the new one, never a torn
-one, and no temp file that start-up cleanup would not remove; short writes are retried;
-modes; no-clobber mode; stale temp cleanup."""
+one, and no temp file that start-up cleanup would not remove — with anonymous files
+(``O_TMPFILE`` + link) and with named temp files (the fallback) alike; the fallback is taken
+where anonymous files are refused; an existing name is replaced, or kept in no-clobber
+mode; short writes are retried; modes; stale temp cleanup."""
 
 from __future__ import annotations
 
@@ -54,6 +56,14 @@ class FaultyOps(FileOps):
     def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
         self._maybe_fail("open")
         return super().open_exclusive(path, mode, extra_flags)
+
+    def open_anonymous(self, directory: Path, mode: int, extra_flags: int) -> int:
+        self._maybe_fail("open")
+        return super().open_anonymous(directory, mode, extra_flags)
+
+    def link_anonymous(self, fd: int, dst: Path) -> None:
+        self._maybe_fail("link")
+        super().link_anonymous(fd, dst)
 
     def fsync(self, fd: int) -> None:
         self._maybe_fail("fsync")
@@ -109,7 +119,7 @@ def umask_022() -> Iterator[None]:
 
 # --- fault injection --------------------------------------------------------------------
 
-# step -> does the new content end up published when that step fails?
+# step -> does the new content end up published when that step fails? Named temp files:
 REPLACE_STEPS = {
     "open": False,
     "writer": False,
@@ -119,29 +129,54 @@ REPLACE_STEPS = {
     "fsync_dir": True,
 }
 LINK_STEPS = {**{k: v for k, v in REPLACE_STEPS.items() if k != "replace"}, "link": False}
+# Anonymous files: linked first, closed after; "replace" runs only over an existing name.
+ANONYMOUS_STEPS = LINK_STEPS
+
+needs_anonymous = pytest.mark.skipif(
+    not FileOps().has_anonymous(), reason="no O_TMPFILE or no /proc/self/fd here"
+)
+MECHANISMS = [
+    pytest.param(True, id="anonymous", marks=needs_anonymous),
+    pytest.param(False, id="named"),
+]
 
 
-def run_faulty(final: Path, step: str, *, replace: bool) -> FaultyOps:
+def run_faulty(final: Path, step: str, *, replace: bool, anonymous: bool) -> FaultyOps:
     ops = FaultyOps(step)
     writer = half_then_fail if step == "writer" else write_new
     expected_error: type[Exception] = WriterFault if step == "writer" else InjectedFault
     with pytest.raises(expected_error):
-        publish(final, writer, replace=replace, ops=ops)
+        publish(final, writer, replace=replace, ops=ops, anonymous=anonymous)
     if step != "writer":
         assert step in ops.calls
     return ops
 
 
-@pytest.mark.parametrize("step", sorted(REPLACE_STEPS))
-@pytest.mark.parametrize("existing", [False, True], ids=["first", "overwrite"])
+def steps(anonymous: bool, existing: bool) -> dict[str, bool]:
+    if not anonymous:
+        return REPLACE_STEPS
+    return {**ANONYMOUS_STEPS, "replace": False} if existing else ANONYMOUS_STEPS
+
+
+FAULT_CASES = [
+    pytest.param(anonymous.values[0], existing, step,
+                 id=f"{anonymous.id}-{'overwrite' if existing else 'first'}-{step}",
+                 marks=anonymous.marks)
+    for anonymous in MECHANISMS
+    for existing in (False, True)
+    for step in sorted(steps(bool(anonymous.values[0]), existing))
+]
+
+
+@pytest.mark.parametrize(("anonymous", "existing", "step"), FAULT_CASES)
 def test_failure_at_each_step_never_tears_the_file(
-    step: str, existing: bool, tmp_path: Path
+    step: str, existing: bool, anonymous: bool, tmp_path: Path
 ) -> None:
     final = tmp_path / "chunk.kvc"
     if existing:
         final.write_bytes(OLD)
-    run_faulty(final, step, replace=True)
-    if REPLACE_STEPS[step]:
+    run_faulty(final, step, replace=True, anonymous=anonymous)
+    if steps(anonymous, existing)[step]:
         assert final.read_bytes() == NEW
     elif existing:
         assert final.read_bytes() == OLD
@@ -150,12 +185,13 @@ def test_failure_at_each_step_never_tears_the_file(
     assert temps_in(tmp_path) == []
 
 
+@pytest.mark.parametrize("anonymous", MECHANISMS)
 @pytest.mark.parametrize("step", sorted(LINK_STEPS))
 def test_no_clobber_failure_at_each_step_never_tears_the_file(
-    step: str, tmp_path: Path
+    step: str, anonymous: bool, tmp_path: Path
 ) -> None:
     final = tmp_path / "manifest.json"
-    run_faulty(final, step, replace=False)
+    run_faulty(final, step, replace=False, anonymous=anonymous)
     if LINK_STEPS[step]:
         assert final.read_bytes() == NEW
     else:
@@ -167,12 +203,33 @@ def test_no_clobber_unlink_failure_after_link_leaves_a_temp_cleanup_removes(
     tmp_path: Path,
 ) -> None:
     final = tmp_path / "manifest.json"
-    run_faulty(final, "unlink", replace=False)
+    run_faulty(final, "unlink", replace=False, anonymous=False)
     assert final.read_bytes() == NEW
     assert len(temps_in(tmp_path)) == 1
     assert remove_stale_temps(tmp_path) == 1
     assert temps_in(tmp_path) == []
     assert final.read_bytes() == NEW
+
+
+@needs_anonymous
+def test_anonymous_failed_temp_removal_after_a_failed_replace_leaves_a_temp_cleanup_removes(
+    tmp_path: Path,
+) -> None:
+    final = tmp_path / "chunk.kvc"
+    final.write_bytes(OLD)
+    with pytest.raises(InjectedFault):
+        publish(final, write_new, ops=FaultyOps("replace", "unlink"))
+    assert final.read_bytes() == OLD
+    assert len(temps_in(tmp_path)) == 1
+    assert remove_stale_temps(tmp_path) == 1
+    assert final.read_bytes() == OLD
+
+
+@needs_anonymous
+def test_an_anonymous_file_that_fails_before_its_link_leaves_nothing(tmp_path: Path) -> None:
+    with pytest.raises(InjectedFault):
+        publish(tmp_path / "chunk.kvc", write_new, ops=FaultyOps("fsync", "unlink"))
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.parametrize("step", ["fsync", "replace"])
@@ -181,7 +238,7 @@ def test_failed_temp_removal_leaves_a_temp_cleanup_removes(step: str, tmp_path: 
     final.write_bytes(OLD)
     ops = FaultyOps(step, "unlink")
     with pytest.raises(InjectedFault):
-        publish(final, write_new, ops=ops)
+        publish(final, write_new, ops=ops, anonymous=False)
     assert final.read_bytes() == OLD
     assert len(temps_in(tmp_path)) == 1
     assert remove_stale_temps(tmp_path) == 1
@@ -201,29 +258,98 @@ def test_failed_fsync_of_a_new_directory_publishes_nothing_and_a_retry_succeeds(
     assert temps_in(final.parent) == []
 
 
-def test_publish_replaces_and_leaves_no_temp(tmp_path: Path) -> None:
+REPLACE_CALLS = {
+    # The first link finds the name taken (EEXIST): the file is linked under a temp name
+    # and renamed over it.
+    True: ["open", "fsync", "link", "link", "close", "replace", "fsync_dir"],
+    False: ["open", "fsync", "close", "replace", "fsync_dir"],
+}
+
+
+@pytest.mark.parametrize("anonymous", MECHANISMS)
+def test_publish_replaces_and_leaves_no_temp(anonymous: bool, tmp_path: Path) -> None:
     final = tmp_path / "chunk.kvc"
     final.write_bytes(OLD)
     ops = FaultyOps()
-    publish_bytes(final, [NEW[:5], b"", NEW[5:]], ops=ops)
+    publish_bytes(final, [NEW[:5], b"", NEW[5:]], ops=ops, anonymous=anonymous)
     assert final.read_bytes() == NEW
-    assert temps_in(tmp_path) == []
-    assert ops.calls == ["open", "fsync", "close", "replace", "fsync_dir"]
+    assert os.listdir(tmp_path) == ["chunk.kvc"]
+    assert ops.calls == REPLACE_CALLS[anonymous]
 
 
+@needs_anonymous
+def test_an_anonymous_publish_names_its_file_once(tmp_path: Path) -> None:
+    final = tmp_path / "chunk.kvc"
+    ops = FaultyOps()
+    publish_bytes(final, [NEW], ops=ops)
+    assert final.read_bytes() == NEW
+    assert os.listdir(tmp_path) == ["chunk.kvc"]
+    assert ops.calls == ["open", "fsync", "link", "close", "fsync_dir"]
+
+
+@pytest.mark.parametrize("anonymous", MECHANISMS)
 def test_without_sync_nothing_is_fsynced_and_the_publish_is_still_atomic(
-    tmp_path: Path,
+    anonymous: bool, tmp_path: Path
 ) -> None:
     final = tmp_path / "ab" / "cd" / "chunk.kvc"
     ops = FaultyOps()
-    publish(final, write_new, ops=ops, root=tmp_path, sync=False)
+    publish(final, write_new, ops=ops, root=tmp_path, sync=False, anonymous=anonymous)
     assert final.read_bytes() == NEW
-    assert ops.calls == ["open", "close", "replace"]
+    assert ops.calls == (["open", "link", "close"] if anonymous else ["open", "close", "replace"])
     ops = FaultyOps("replace")
     with pytest.raises(InjectedFault):
-        publish(final, lambda fd, _p: write_all(fd, [OLD]), ops=ops, sync=False)
+        publish(final, lambda fd, _p: write_all(fd, [OLD]), ops=ops, sync=False,
+                anonymous=anonymous)
     assert final.read_bytes() == NEW
     assert temps_in(final.parent) == []
+
+
+class RefusingOps(FaultyOps):
+    """A filesystem without anonymous files: ``open_anonymous`` fails with ``error``."""
+
+    def __init__(self, error: int) -> None:
+        super().__init__()
+        self.error = error
+
+    def open_anonymous(self, directory: Path, mode: int, extra_flags: int) -> int:
+        self.calls.append("open_anonymous")
+        raise OSError(self.error, os.strerror(self.error))
+
+
+@pytest.mark.parametrize("error", [errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL])
+def test_a_filesystem_refusing_anonymous_files_gets_named_temps_and_is_asked_once(
+    error: int, tmp_path: Path
+) -> None:
+    known = KnownDirs()
+    ops = RefusingOps(error)
+    publish(tmp_path / "one.kvc", write_new, ops=ops, known=known, sync=False)
+    assert ops.calls == ["open_anonymous", "open", "close", "replace"]
+    assert not known.anonymous
+    ops.calls.clear()
+    publish(tmp_path / "two.kvc", write_new, ops=ops, known=known, sync=False)
+    assert ops.calls == ["open", "close", "replace"]
+    assert (tmp_path / "one.kvc").read_bytes() == (tmp_path / "two.kvc").read_bytes() == NEW
+    assert temps_in(tmp_path) == []
+
+
+def test_other_errors_of_an_anonymous_open_propagate(tmp_path: Path) -> None:
+    known = KnownDirs()
+    with pytest.raises(OSError) as caught:
+        publish(tmp_path / "one.kvc", write_new, ops=RefusingOps(errno.EIO), known=known)
+    assert caught.value.errno == errno.EIO
+    assert known.anonymous
+    assert os.listdir(tmp_path) == []
+
+
+def test_without_o_tmpfile_or_proc_named_temps_are_used(tmp_path: Path) -> None:
+    class Without(FaultyOps):
+        def has_anonymous(self) -> bool:
+            return False
+
+    ops = Without()
+    publish(tmp_path / "one.kvc", write_new, ops=ops, sync=False)
+    assert ops.calls == ["open", "close", "replace"]
+    assert (tmp_path / "one.kvc").read_bytes() == NEW
 
 
 class CountingLstat:
@@ -274,22 +400,26 @@ def test_a_link_is_refused_even_after_other_dirs_were_cached(tmp_path: Path) -> 
 # --- no-clobber -------------------------------------------------------------------------
 
 
-def test_no_clobber_publishes_a_new_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("anonymous", MECHANISMS)
+def test_no_clobber_publishes_a_new_file(anonymous: bool, tmp_path: Path) -> None:
     final = tmp_path / "sub" / "manifest.json"
     ops = FaultyOps()
-    publish_bytes(final, [NEW], replace=False, ops=ops)
+    publish_bytes(final, [NEW], replace=False, ops=ops, anonymous=anonymous)
     assert final.read_bytes() == NEW
     assert temps_in(final.parent) == []
-    assert ops.calls[-4:] == ["close", "link", "unlink", "fsync_dir"]
+    expected = ["link", "close", "fsync_dir"] if anonymous else ["close", "link", "unlink",
+                                                                 "fsync_dir"]
+    assert ops.calls[-len(expected):] == expected
 
 
-def test_no_clobber_keeps_the_existing_file(tmp_path: Path) -> None:
+@pytest.mark.parametrize("anonymous", MECHANISMS)
+def test_no_clobber_keeps_the_existing_file(anonymous: bool, tmp_path: Path) -> None:
     final = tmp_path / "manifest.json"
     final.write_bytes(OLD)
     with pytest.raises(FileExistsError):
-        publish_bytes(final, [NEW], replace=False)
+        publish_bytes(final, [NEW], replace=False, anonymous=anonymous)
     assert final.read_bytes() == OLD
-    assert temps_in(tmp_path) == []
+    assert os.listdir(tmp_path) == ["manifest.json"]
 
 
 # --- short writes -----------------------------------------------------------------------

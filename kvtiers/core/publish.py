@@ -1,12 +1,22 @@
 """Atomic publish: the only way a file appears in a kvtiers store.
 
-Steps: a unique temp name in the target directory (``O_CREAT | O_EXCL``) → the caller's
-writer writes every byte (short writes are checked) → ``fsync`` the file →
-``os.replace`` onto the final name → ``fsync`` the directory. A reader therefore sees the
-old state or the new one, never a torn file; a crash leaves at most a stale temp file,
-which :func:`kvtiers.filemapper.remove_stale_temps` removes at start-up. New
-directories are created 0700 and their parent fsynced once, so the directory entry itself
-is durable.
+Steps, where the filesystem has anonymous files (Linux ``O_TMPFILE``): an unnamed file in
+the target directory → the caller's writer writes every byte (short writes are checked) →
+``fsync`` the file → ``linkat`` gives it the final name (through ``/proc/self/fd``) →
+``fsync`` the directory. One name operation per file, and a crash at any step leaves
+nothing behind: an unnamed file disappears with its last descriptor. When the final name
+already exists, the file is linked under a temp name and renamed over it (the rare case:
+the existing file may be one the index does not know, a torn or foreign one, and the new
+bytes must replace it). Where ``O_TMPFILE`` is refused (``EOPNOTSUPP``, ``EISDIR``,
+``EINVAL``: some network and older filesystems, kernels before 3.11) or ``/proc`` is not
+mounted, every publish falls back to a unique temp name (``O_CREAT | O_EXCL``) →
+write → ``fsync`` → ``os.replace`` onto the final name → ``fsync`` the directory; a
+:class:`KnownDirs` remembers the refusal so the store asks once.
+
+Either way a reader sees the old state or the new one, never a torn file; a crash leaves at
+most a stale temp file (fallback only), which :func:`kvtiers.filemapper.remove_stale_temps`
+removes at start-up. New directories are created 0700 and their parent fsynced once, so
+the directory entry itself is durable.
 
 ``sync=False`` leaves out every fsync (the file's and the directories'): the publish is
 still atomic for every reader and survives the crash of any process (the bytes and the
@@ -21,10 +31,10 @@ root, publishing refuses to create or write through a symbolic link between the 
 the file (checked with ``lstat`` before the write; a link put there meanwhile by someone
 with write access to the root is beyond what this check promises).
 
-No-clobber mode (``replace=False``) links the finished temp file to the final name with
-``os.link`` instead, which fails with :class:`FileExistsError` when the name exists: of
+No-clobber mode (``replace=False``) always links (the anonymous file, or the finished temp
+file with ``os.link``), which fails with :class:`FileExistsError` when the name exists: of
 several processes racing to publish the same name exactly one wins and the others keep
-their hands off the winner's bytes. The temp name is unlinked afterwards.
+their hands off the winner's bytes. A temp name is unlinked afterwards.
 
 System calls go through :class:`FileOps` so tests can inject a failure at every step.
 """
@@ -54,16 +64,41 @@ DEFAULT_DIR_MODE = 0o700
 #: ``power`` — a power cut too (file and directory fsyncs).
 Durability = Literal["process", "power"]
 DURABILITIES: tuple[Durability, ...] = ("process", "power")
-#: Writes every byte of the new file into ``fd`` (opened for writing at ``temp_path``).
+#: Writes every byte of the new file into ``fd`` (opened for writing at ``temp_path``; for
+#: an anonymous file ``temp_path`` is ``/proc/self/fd/<fd>``).
 Writer = Callable[[int, Path], object]
+_O_TMPFILE = getattr(os, "O_TMPFILE", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: What ``open(O_TMPFILE)`` fails with where the filesystem or kernel has no anonymous
+#: files: publishing then uses named temp files.
+NO_ANONYMOUS_ERRNOS = frozenset({errno.EOPNOTSUPP, errno.ENOTSUP, errno.EISDIR, errno.EINVAL})
 
 
 class FileOps:
     """The system calls publishing uses; subclassed by tests to inject failures."""
 
     def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | extra_flags
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | extra_flags
         return os.open(path, flags, mode)
+
+    def has_anonymous(self) -> bool:
+        """Whether :meth:`open_anonymous` and :meth:`link_anonymous` may work here: the
+        platform has ``O_TMPFILE`` and ``/proc/self/fd`` is mounted. A filesystem may
+        still refuse (see :data:`NO_ANONYMOUS_ERRNOS`)."""
+        return _anonymous_possible()
+
+    def open_anonymous(self, directory: Path, mode: int, extra_flags: int) -> int:
+        """An unnamed regular file in ``directory``, open for writing (``O_TMPFILE``;
+        without ``O_EXCL``, which would forbid linking it)."""
+        return os.open(directory, os.O_WRONLY | _O_TMPFILE | _O_CLOEXEC | extra_flags, mode)
+
+    def link_anonymous(self, fd: int, dst: Path) -> None:
+        """Give the anonymous file ``fd`` the name ``dst``; :class:`FileExistsError` when
+        ``dst`` exists (nothing is replaced)."""
+        # linkat(..., AT_SYMLINK_FOLLOW) of the descriptor's /proc link. os.link calls
+        # plain link() (which does not follow the link: EXDEV) unless a directory
+        # descriptor is given; the source path is absolute, so src_dir_fd is not used.
+        os.link(f"/proc/self/fd/{fd}", dst, src_dir_fd=fd, follow_symlinks=True)
 
     def fsync(self, fd: int) -> None:
         os.fsync(fd)
@@ -123,19 +158,26 @@ def _libc_syncfs() -> Callable[[int], int] | None:
     return result
 
 
+@functools.cache
+def _anonymous_possible() -> bool:
+    return bool(_O_TMPFILE) and os.path.isdir("/proc/self/fd")
+
+
 DEFAULT_OPS = FileOps()
 
 
 class KnownDirs:
-    """Directories known to exist as real directories (not links) below a store's root,
-    so that :func:`ensure_dir` checks and makes each one once per process instead of
-    once per publish. Thread-safe. A directory removed behind the cache's back is
-    noticed by :func:`publish` (its temp file cannot be created), forgotten and made
-    again."""
+    """What publishing learnt about one store's directory tree: the directories known to
+    exist as real directories (not links) below its root, so that :func:`ensure_dir`
+    checks and makes each one once per process instead of once per publish, and whether
+    its filesystem takes anonymous files (``anonymous``; false once it refused one, or
+    when made so). Thread-safe. A directory removed behind the cache's back is noticed by
+    :func:`publish` (its temp file cannot be created), forgotten and made again."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, anonymous: bool = True) -> None:
         self._dirs: set[Path] = set()
         self._lock = threading.Lock()
+        self.anonymous = anonymous
 
     def __contains__(self, path: object) -> bool:
         with self._lock:
@@ -252,36 +294,51 @@ def publish(
     root: Path | None = None,
     sync: bool = True,
     known: KnownDirs | None = None,
+    anonymous: bool = True,
 ) -> None:
     """Atomically make ``final_path`` hold exactly what ``writer`` writes.
 
     ``root``, when given, is the store's root: no directory between it and
     ``final_path`` may be a symbolic link (see :func:`ensure_dir`). ``sync=False``
-    leaves out every fsync (see the module docstring); ``known`` caches directories.
+    leaves out every fsync (see the module docstring); ``known`` caches directories and
+    whether anonymous files work. ``anonymous=False`` always uses a named temp file (for
+    writers that open the file again by its name).
 
-    Replaces an existing file. A failure before the rename (or link) removes the temp
-    file, leaves the final path untouched, and propagates. A failure of the directory
-    fsync after it propagates too, but the file is then in place (complete, not yet
-    known to be durable): callers must not assume the old state.
+    Replaces an existing file. A failure before the link (or rename) removes the
+    unpublished file, leaves the final path untouched, and propagates; so does a failed
+    ``close`` after the anonymous file was linked (the name is removed again: on some
+    filesystems ``close`` reports write errors). A failure of the directory fsync after
+    it propagates too, but the file is then in place (complete, not yet known to be
+    durable): callers must not assume the old state.
 
     With ``replace=False`` an existing ``final_path`` is never touched: the call raises
-    :class:`FileExistsError` instead (after removing its temp file). Should unlinking the
-    temp name fail once the link is made, the error propagates with the file published
-    and the temp name left for :func:`kvtiers.filemapper.remove_stale_temps`.
+    :class:`FileExistsError` instead (after removing its unpublished file). Should
+    unlinking a temp name fail once the link is made, the error propagates with the file
+    published and the temp name left for :func:`kvtiers.filemapper.remove_stale_temps`.
     """
     directory = final_path.parent
     ensure_dir(directory, mode=dir_mode, ops=ops, root=root, sync=sync, known=known)
+    if anonymous and ops.has_anonymous() and (known is None or known.anonymous):
+        try:
+            fd = _open_in(
+                directory,
+                lambda: ops.open_anonymous(directory, file_mode, open_flags),
+                dir_mode=dir_mode, ops=ops, root=root, sync=sync, known=known,
+            )
+        except OSError as exc:
+            if exc.errno not in NO_ANONYMOUS_ERRNOS:
+                raise
+            if known is not None:
+                known.anonymous = False
+        else:
+            _publish_anonymous(fd, final_path, writer, replace=replace, ops=ops, sync=sync)
+            return
     temp = temp_path_for(final_path)
-    try:
-        fd = ops.open_exclusive(temp, file_mode, open_flags)
-    except FileNotFoundError:
-        if known is None or directory not in known:
-            raise
-        # A cached directory was removed meanwhile (a namespace dropped and reopened):
-        # check and make the path again.
-        known.clear()
-        ensure_dir(directory, mode=dir_mode, ops=ops, root=root, sync=sync, known=known)
-        fd = ops.open_exclusive(temp, file_mode, open_flags)
+    fd = _open_in(
+        directory,
+        lambda: ops.open_exclusive(temp, file_mode, open_flags),
+        dir_mode=dir_mode, ops=ops, root=root, sync=sync, known=known,
+    )
     published = False
     try:
         try:
@@ -307,6 +364,67 @@ def publish(
                 ops.unlink(temp)
 
 
+def _open_in(
+    directory: Path,
+    open_file: Callable[[], int],
+    *,
+    dir_mode: int,
+    ops: FileOps,
+    root: Path | None,
+    sync: bool,
+    known: KnownDirs | None,
+) -> int:
+    """``open_file()``; if it finds no ``directory`` although ``known`` had it, the
+    cached directories are forgotten, the path checked and made again, and it retries."""
+    try:
+        return open_file()
+    except FileNotFoundError:
+        if known is None or directory not in known:
+            raise
+    # A cached directory was removed meanwhile (a namespace dropped and reopened): check
+    # and make the path again.
+    known.clear()
+    ensure_dir(directory, mode=dir_mode, ops=ops, root=root, sync=sync, known=known)
+    return open_file()
+
+
+def _publish_anonymous(
+    fd: int, final_path: Path, writer: Writer, *, replace: bool, ops: FileOps, sync: bool
+) -> None:
+    """Write the anonymous file ``fd`` and link it as ``final_path``; closes ``fd``. An
+    unlinked anonymous file vanishes with its descriptor, so a failure before the link
+    leaves nothing to clean up. An existing ``final_path`` is replaced (with ``replace``)
+    by linking the file under a temp name and renaming that over it."""
+    temp: Path | None = None
+    try:
+        writer(fd, Path(f"/proc/self/fd/{fd}"))
+        if sync:
+            ops.fsync(fd)
+        try:
+            ops.link_anonymous(fd, final_path)
+        except FileExistsError:
+            if not replace:
+                raise
+            temp = temp_path_for(final_path)
+            ops.link_anonymous(fd, temp)
+    except BaseException:
+        # The error that stopped the publish is the one to report.
+        with contextlib.suppress(OSError):
+            ops.close(fd)
+        raise
+    linked = final_path if temp is None else temp
+    try:
+        ops.close(fd)
+        if temp is not None:
+            ops.replace(temp, final_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            ops.unlink(linked)
+        raise
+    if sync:
+        ops.fsync_dir(final_path.parent)
+
+
 def publish_bytes(
     final_path: Path,
     buffers: Sequence[Buffer],
@@ -316,6 +434,7 @@ def publish_bytes(
     replace: bool = True,
     ops: FileOps = DEFAULT_OPS,
     root: Path | None = None,
+    anonymous: bool = True,
 ) -> None:
     """:func:`publish` of the concatenation of ``buffers``."""
     publish(
@@ -326,4 +445,5 @@ def publish_bytes(
         replace=replace,
         ops=ops,
         root=root,
+        anonymous=anonymous,
     )

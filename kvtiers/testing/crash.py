@@ -28,6 +28,7 @@ from kvtiers.testing.driver import TierDriver
 from kvtiers.testing.objects import offloading_config
 from kvtiers.tiers.file.factory import build_tier
 from kvtiers.tiers.file.manager import FileTierManager
+from kvtiers.tiers.file.mover import FileMover
 
 #: Chunks per stored batch (the writer reports each finished batch).
 BATCH = 3
@@ -47,15 +48,19 @@ def key_index(key: OffloadKey) -> int:
 
 
 def open_file_tier(
-    root: Path, *, slots: int = 8, durability: Durability = "process"
+    root: Path, *, slots: int = 8, durability: Durability = "process", anonymous: bool = True
 ) -> TierDriver:
     """A file tier at ``root`` built by its factory, driven over a ``slots``-slot region,
-    publishing with ``durability``."""
+    publishing with ``durability``; ``anonymous=False`` publishes through named temp
+    files, as on filesystems without ``O_TMPFILE``."""
     region = BytearrayRegion(slots, GEOMETRY.slot_bytes)
     config = FileTierConfig(
         name="file", root=str(root), io="posix", threads=2, durability=durability
     )
     built = build_tier(config, OFFLOADING, primary_region=region, name="file")
+    if not anonymous:
+        assert isinstance(built.mover, FileMover)
+        built.mover.settings.known_dirs.anonymous = False
     return TierDriver(built, region, GEOMETRY)
 
 
@@ -65,9 +70,11 @@ def temp_files(root: Path) -> list[str]:
                   if is_temp_name(item.entry.name))
 
 
-def _writer(root: Path, first: int, report_fd: int, durability: Durability) -> None:
+def _writer(
+    root: Path, first: int, report_fd: int, durability: Durability, anonymous: bool
+) -> None:
     """Child process: store batches forever, one byte on ``report_fd`` per batch."""
-    tier = open_file_tier(root, slots=BATCH, durability=durability)
+    tier = open_file_tier(root, slots=BATCH, durability=durability, anonymous=anonymous)
     i = first
     while True:
         tier.store({conformance_key(j): conformance_payload(j, CHUNK) for j in range(i, i + BATCH)})
@@ -76,16 +83,22 @@ def _writer(root: Path, first: int, report_fd: int, durability: Durability) -> N
 
 
 def crash_once(
-    root: Path, rng: random.Random, first: int, durability: Durability = "process"
+    root: Path,
+    rng: random.Random,
+    first: int,
+    durability: Durability = "process",
+    *,
+    anonymous: bool = True,
 ) -> int:
-    """Fork a writer starting at chunk ``first`` that publishes with ``durability``, kill
-    it at a random moment; returns how many batches it reported finished."""
+    """Fork a writer starting at chunk ``first`` that publishes with ``durability`` (and
+    anonymous files unless ``anonymous=False``), kill it at a random moment; returns how
+    many batches it reported finished."""
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
         try:
-            _writer(root, first, write_fd, durability)
+            _writer(root, first, write_fd, durability, anonymous)
         finally:
             os._exit(1)
     os.close(write_fd)

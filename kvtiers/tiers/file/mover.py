@@ -120,6 +120,15 @@ class _DeferredDirSync(FileOps):
     def open_exclusive(self, path: Path, mode: int, extra_flags: int) -> int:
         return self.base.open_exclusive(path, mode, extra_flags)
 
+    def has_anonymous(self) -> bool:
+        return self.base.has_anonymous()
+
+    def open_anonymous(self, directory: Path, mode: int, extra_flags: int) -> int:
+        return self.base.open_anonymous(directory, mode, extra_flags)
+
+    def link_anonymous(self, fd: int, dst: Path) -> None:
+        self.base.link_anonymous(fd, dst)
+
     def fsync(self, fd: int) -> None:
         self.base.fsync(fd)
 
