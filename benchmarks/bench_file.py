@@ -3,18 +3,23 @@ and index rebuild time.
 
 (a) Store and load throughput of the file tier's mover (posix backend, checksums on:
     every store hashes its payload into the header, every load verifies it) for 256 KiB,
-    2 MiB and 16 MiB chunks with 1, 4 and 16 threads, in both durabilities. Each is a
-    ratio to the raw medium measured in the same run with the same threads and the same
-    bytes, one new file per blob in one directory: ``open(O_CREAT) + pwrite + close``
-    for ``durability: process`` (target >= 0.9x), the same plus ``fsync`` for
+    2 MiB and 16 MiB chunks with 1, 4 and 16 threads, in both durabilities, into a
+    namespace whose fan-out directories exist (as in any namespace after its first
+    fill: directories are made once and never removed). Each is a ratio to the raw
+    medium measured in the same run with the same threads, the same bytes and the same
+    files — the tier's own chunk paths, one new file per blob: ``open(O_CREAT) + pwrite +
+    close`` for ``durability: process`` (target >= 0.9x), the same plus ``fsync`` for
     ``durability: power`` (target >= 0.85x), ``open + pread + close`` for loads (target
-    >= 0.9x). The passes of each repeat run in rotating order; ``sync`` runs (untimed)
-    before every write pass so that none inherits another's dirty pages, and before every
-    read pass every file is fsynced and dropped from the page cache with
-    ``posix_fadvise(DONTNEED)``.
+    >= 0.9x). Raw ``pwrite`` of the same blobs into one directory is printed beside them
+    (the baseline before this benchmark wrote the tier's paths). The passes of each
+    repeat run in rotating order; ``sync`` runs (untimed) before every write pass so that
+    none inherits another's dirty pages, and before every read pass every file is fsynced
+    and dropped from the page cache with ``posix_fadvise(DONTNEED)``.
 (b) A fresh namespace: 256 KiB chunks, 4 threads, stored into a namespace with no fan-out
     directories yet (nearly every chunk creates its directory), then the same keys again
-    once their files are removed (every directory exists and is cached), per durability.
+    once their files are removed (every directory exists and is cached), per durability;
+    raw ``pwrite`` (``mkdir`` of each missing directory, then create + write + close) of
+    the same paths into a fresh directory tree is the baseline of the fresh rows.
 (c) Index rebuild: the time a manager takes to open a namespace holding 100,000 chunk
     files (empty files with chunk names; the scan stats, never opens). Target: <= 2 s.
 
@@ -118,8 +123,15 @@ def _parallel(threads: int, fn: Callable[[int], object], n: int) -> float:
 
 
 def raw_write(paths: Sequence[Path], region: Region, header: bytes, size: int,
-              threads: int, fsync: bool) -> float:
+              threads: int, fsync: bool, made: set[Path] | None = None) -> float:
+    """Seconds to write blob ``i`` to ``paths[i]`` on ``threads`` threads. With ``made``
+    (the directories this writer made or found), each parent not in it is made first
+    (``mkdir -p``, as a raw writer of this layout would) and remembered."""
     def one(i: int) -> None:
+        parent = paths[i].parent
+        if made is not None and parent not in made:
+            os.makedirs(parent, mode=0o700, exist_ok=True)
+            made.add(parent)
         fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.pwritev(fd, [header, region.view(i)[:size]], 0)
@@ -144,14 +156,15 @@ def raw_read(paths: Sequence[Path], region: Region, header: bytearray, size: int
     return _parallel(threads, one, len(paths))
 
 
-WRITES = ("raw_pwrite", "raw_fsync", "tier_process", "tier_power")
+WRITES = ("raw_pwrite", "raw_onedir", "raw_fsync", "tier_process", "tier_power")
 READS = ("raw_read", "tier_read")
 TIER_DURABILITY: dict[str, Durability] = {"tier_process": "process", "tier_power": "power"}
 
 
 class Case:
     """One chunk size and thread count: a tier (one mover per durability) and raw files
-    over the same region."""
+    over the same region. Every pass writes the same ``n`` keys' chunk paths (their
+    directories made before timing), so tier and raw create the same files."""
 
     def __init__(self, base: Path, chunk_bytes: int, threads: int, volume: int) -> None:
         self.chunk_bytes = chunk_bytes
@@ -164,11 +177,16 @@ class Case:
         self.root = base / f"case-{chunk_bytes}-{threads}"
         raw_dir = self.root / "raw"
         raw_dir.mkdir(parents=True)
-        self.raw_paths = [raw_dir / f"{i}.blob" for i in range(n)]
+        self.onedir_paths = [raw_dir / f"{i}.blob" for i in range(n)]
         self.header = encode_header(
             identity.digest, _keys(1, "raw")[0], self.region.view(0)[:chunk_bytes]
         )
-        self.manager = FileTierManager(FileMapper(self.root, identity), geometry)
+        mapper = FileMapper(self.root, identity)
+        self.manager = FileTierManager(mapper, geometry)
+        self.keys = _keys(n, f"{chunk_bytes}-{threads}")
+        self.paths = [mapper.path(key) for key in self.keys]
+        for path in self.paths:
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.movers = {
             name: FileMover(self.region, geometry, identity.digest, PosixBackend(),
                             threads=threads, settings=PublishSettings(durability=durability))
@@ -177,8 +195,6 @@ class Case:
         self.jobs = itertools.count()
         self.slots = CPULoadStoreSpec(range(n))
         self.samples: dict[str, list[float]] = {name: [] for name in WRITES + READS}
-        self.made: list[Path] = []
-        self.tier_keys: list[OffloadKey] = []
 
     def close(self) -> None:
         for mover in self.movers.values():
@@ -195,47 +211,56 @@ class Case:
         assert result.success, result
         return elapsed
 
-    def write(self, name: str, rep: int) -> None:
-        if name.startswith("raw"):
+    def _store(self, mover: FileMover) -> float:
+        """Store the case's keys through ``mover``; seconds of the job."""
+        assert self.manager.prepare_store(self.keys, CTX) == self.keys
+        spec = self.manager.get_spec(self.keys)
+        assert [Path(p) for p in spec.paths] == self.paths
+        os.sync()
+        elapsed = self._job(mover, self.slots, spec)
+        self.manager.complete_store(self.keys, CTX)
+        return elapsed
+
+    def _remove_chunks(self) -> None:
+        self.manager.forget(self.keys, corrupt=False)
+        self.clear(self.paths)
+
+    def write(self, name: str) -> None:
+        if name in ("raw_pwrite", "raw_fsync", "raw_onedir"):
+            paths = self.onedir_paths if name == "raw_onedir" else self.paths
             self.samples[name].append(
-                raw_write(self.raw_paths, self.region, self.header, self.chunk_bytes,
+                raw_write(paths, self.region, self.header, self.chunk_bytes,
                           self.threads, fsync=name == "raw_fsync")
             )
-            self.clear(self.raw_paths)
+            self.clear(paths)
             return
-        keys = _keys(self.n, f"{self.chunk_bytes}-{self.threads}-{rep}-{name}")
-        assert self.manager.prepare_store(keys, CTX) == keys
-        spec = self.manager.get_spec(keys)
-        os.sync()
-        self.samples[name].append(self._job(self.movers[name], self.slots, spec))
-        self.manager.complete_store(keys, CTX)
-        self.made.extend(Path(p) for p in spec.paths)
-        if name == "tier_process":
-            self.tier_keys = keys
+        self.samples[name].append(self._store(self.movers[name]))
+        self._remove_chunks()
 
     def read(self, name: str) -> None:
         if name == "raw_read":
-            raw_write(self.raw_paths, self.region, self.header, self.chunk_bytes,
+            raw_write(self.paths, self.region, self.header, self.chunk_bytes,
                       self.threads, fsync=False)
-            drop_page_cache(self.raw_paths)
+            drop_page_cache(self.paths)
             self.samples[name].append(
-                raw_read(self.raw_paths, self.region, bytearray(), self.chunk_bytes,
+                raw_read(self.paths, self.region, bytearray(), self.chunk_bytes,
                          self.threads)
             )
-            self.clear(self.raw_paths)
+            self.clear(self.paths)
             return
-        self.manager.prepare_load(self.tier_keys, CTX)
-        spec = self.manager.get_spec(self.tier_keys)
-        drop_page_cache([Path(p) for p in spec.paths])
+        self._store(self.movers["tier_process"])
+        self.manager.prepare_load(self.keys, CTX)
+        spec = self.manager.get_spec(self.keys)
+        drop_page_cache(self.paths)
         self.samples[name].append(self._job(self.movers["tier_process"], spec, self.slots))
-        self.manager.complete_load(self.tier_keys, CTX)
+        self.manager.complete_load(self.keys, CTX)
+        self._remove_chunks()
 
-    def clear(self, paths: Sequence[Path] | None = None) -> None:
+    @staticmethod
+    def clear(paths: Sequence[Path]) -> None:
         """Every pass creates fresh files, as stores of new chunks do."""
-        for path in self.made if paths is None else paths:
+        for path in paths:
             path.unlink()
-        if paths is None:
-            self.made = []
 
 
 def bench_case(base: Path, chunk_bytes: int, threads: int, volume: int,
@@ -246,16 +271,17 @@ def bench_case(base: Path, chunk_bytes: int, threads: int, volume: int,
         for rep in range(repeats):
             # Each variant takes each position in turn (the disk slows after a pass, as
             # it flushes and discards), so no variant always follows the others.
-            for name in writes[rep % 4 :] + writes[: rep % 4]:
-                case.write(name, rep)
+            turn = rep % len(writes)
+            for name in writes[turn:] + writes[:turn]:
+                case.write(name)
             for name in reads[rep % 2 :] + reads[: rep % 2]:
                 case.read(name)
-            case.clear()
     finally:
         case.close()
     payload = case.n * chunk_bytes
     out = {name: payload / statistics.median(t) / 1e9 for name, t in case.samples.items()}
     out["process_ratio"] = out["tier_process"] / out["raw_pwrite"]
+    out["onedir_ratio"] = out["tier_process"] / out["raw_onedir"]
     out["power_ratio"] = out["tier_power"] / out["raw_fsync"]
     out["load_ratio"] = out["tier_read"] / out["raw_read"]
     out["chunks"] = case.n
@@ -264,22 +290,35 @@ def bench_case(base: Path, chunk_bytes: int, threads: int, volume: int,
 
 def bench_fresh(base: Path, volume: int, repeats: int) -> dict[str, float]:
     """(b): GB/s of 256 KiB stores, 4 threads, into a fresh namespace and again into
-    the same (now existing) directories, per durability; medians over ``repeats``."""
+    the same (now existing) directories, per durability, and of raw ``pwrite`` of the
+    same paths into a fresh directory tree (making each missing directory) and again;
+    medians over ``repeats``."""
     chunk_bytes, threads = 256 * KIB, 4
     n = volume // chunk_bytes
     offloading = _config(chunk_bytes)
     identity = NamespaceIdentity.from_config(offloading)
     geometry = ChunkGeometry.from_config(offloading)
     region = Region(n, geometry.slot_bytes)
+    header = encode_header(identity.digest, _keys(1, "raw")[0], region.view(0)[:chunk_bytes])
     jobs = itertools.count()
     samples: dict[str, list[float]] = {}
     for rep in range(repeats):
+        keys = _keys(n, f"fresh-{rep}")
+        root = base / f"fresh-{rep}-raw"
+        paths = [FileMapper(root, identity).path(key) for key in keys]
+        made: set[Path] = set()
+        for phase in ("fresh", "existing"):
+            os.sync()
+            elapsed = raw_write(paths, region, header, chunk_bytes, threads, fsync=False,
+                                made=made)
+            Case.clear(paths)
+            samples.setdefault(f"raw_{phase}", []).append(n * chunk_bytes / elapsed / 1e9)
+        shutil.rmtree(root)
         for name, durability in TIER_DURABILITY.items():
             root = base / f"fresh-{rep}-{name}"
             manager = FileTierManager(FileMapper(root, identity), geometry)
             mover = FileMover(region, geometry, identity.digest, PosixBackend(),
                               threads=threads, settings=PublishSettings(durability=durability))
-            keys = _keys(n, f"fresh-{rep}-{name}")
             try:
                 for phase in ("fresh", "existing"):
                     assert manager.prepare_store(keys, CTX) == keys
@@ -293,8 +332,7 @@ def bench_fresh(base: Path, volume: int, repeats: int) -> dict[str, float]:
                     assert result.success, result
                     manager.complete_store(keys, CTX)
                     manager.forget(keys, corrupt=False)
-                    for path in spec.paths:
-                        os.unlink(path)
+                    Case.clear([Path(p) for p in spec.paths])
                     samples.setdefault(f"{name}_{phase}", []).append(
                         n * chunk_bytes / elapsed / 1e9
                     )
@@ -302,7 +340,10 @@ def bench_fresh(base: Path, volume: int, repeats: int) -> dict[str, float]:
                 mover.shutdown()
                 manager.shutdown()
                 shutil.rmtree(root)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    out = {name: statistics.median(v) for name, v in samples.items()}
+    out["fresh_ratio"] = out["tier_process_fresh"] / out["raw_fresh"]
+    out["existing_ratio"] = out["tier_process_existing"] / out["raw_existing"]
+    return out
 
 
 def bench_rebuild(base: Path, num_files: int) -> tuple[float, int]:
@@ -345,6 +386,25 @@ def _size(chunk_bytes: int) -> str:
     return f"{chunk_bytes // MIB} MiB" if chunk_bytes >= MIB else f"{chunk_bytes // KIB} KiB"
 
 
+def target_lines(rows: list[tuple[int, int, dict[str, float]]]) -> list[str]:
+    """One line per target: the rows that meet it and those that miss it, with ratios."""
+    out = []
+    for label, ratio, target in (
+        ("process store >= {t}x raw `pwrite`", "process_ratio", TARGET_PROCESS),
+        ("power store >= {t}x raw `pwrite+fsync`", "power_ratio", TARGET_POWER),
+        ("load >= {t}x raw `pread`", "load_ratio", TARGET_LOAD),
+    ):
+        met = [f"{_size(c)} x{t} {r[ratio]:.2f}" for c, t, r in rows if r[ratio] >= target]
+        missed = [f"{_size(c)} x{t} {r[ratio]:.2f}" for c, t, r in rows if r[ratio] < target]
+        out.append(
+            f"- {label.format(t=target)}: met in {len(met)} of {len(rows)} rows"
+            + (f" ({', '.join(met)})" if met else "")
+            + (f"; missed in {len(missed)} ({', '.join(missed)})" if missed else "")
+            + "."
+        )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="64 MiB per case, one pass")
@@ -367,7 +427,8 @@ def main() -> int:
                 rows.append((chunk_bytes, threads, r))
                 print(
                     f"{_size(chunk_bytes):>7} x{threads:>2}: process {r['tier_process']:.2f} "
-                    f"GB/s vs pwrite {r['raw_pwrite']:.2f} ({r['process_ratio']:.2f}x); power "
+                    f"GB/s vs pwrite {r['raw_pwrite']:.2f} ({r['process_ratio']:.2f}x; one "
+                    f"dir {r['raw_onedir']:.2f}, {r['onedir_ratio']:.2f}x); power "
                     f"{r['tier_power']:.2f} vs pwrite+fsync {r['raw_fsync']:.2f} "
                     f"({r['power_ratio']:.2f}x); load {r['tier_read']:.2f} vs pread "
                     f"{r['raw_read']:.2f} ({r['load_ratio']:.2f}x)",
@@ -375,8 +436,9 @@ def main() -> int:
                 )
         fresh = bench_fresh(base, volume, repeats)
         print("fresh namespace, 256 KiB x4 (GB/s): " + ", ".join(
-            f"{name} {value:.2f}" for name, value in fresh.items()
-        ))
+            f"{name} {value:.2f}" for name, value in fresh.items() if "ratio" not in name
+        ) + f"; process/raw fresh {fresh['fresh_ratio']:.2f}x, existing "
+            f"{fresh['existing_ratio']:.2f}x")
         rebuild_s, chunks = bench_rebuild(base, files)
         print(f"index rebuild of {chunks} chunk files: {rebuild_s:.3f} s")
     if args.quick or args.no_write:
@@ -393,27 +455,34 @@ def main() -> int:
         f"median of {repeats} passes; checksums on; `sync` before every write pass; page "
         "cache dropped with `posix_fadvise(DONTNEED)` after an fsync before every read "
         "pass). Throughput is payload GB/s; ratios are tier / raw with the same threads and "
-        "bytes, measured in the same run, raw files created new in one directory. Targets: "
+        "bytes, measured in the same run; raw creates the same files as the tier (its chunk "
+        "paths, fan-out directories made before timing); `one dir` is raw `pwrite` of the "
+        "same blobs into one directory, with the process store's ratio to it. Targets: "
         f"process store >= {TARGET_PROCESS}x raw `pwrite`, power store >= {TARGET_POWER}x raw "
         f"`pwrite+fsync`, load >= {TARGET_LOAD}x raw `pread`.",
         "",
-        "| chunk | threads | process store | raw pwrite | ratio | power store | "
-        "raw pwrite+fsync | ratio | load | raw pread | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| chunk | threads | process store | raw pwrite | ratio | one dir | ratio | "
+        "power store | raw pwrite+fsync | ratio | load | raw pread | ratio |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for chunk_bytes, threads, r in rows:
         lines.append(
             f"| {_size(chunk_bytes)} | {threads} | {r['tier_process']:.2f} | "
-            f"{r['raw_pwrite']:.2f} | {r['process_ratio']:.2f} | {r['tier_power']:.2f} | "
+            f"{r['raw_pwrite']:.2f} | {r['process_ratio']:.2f} | {r['raw_onedir']:.2f} | "
+            f"{r['onedir_ratio']:.2f} | {r['tier_power']:.2f} | "
             f"{r['raw_fsync']:.2f} | {r['power_ratio']:.2f} | {r['tier_read']:.2f} | "
             f"{r['raw_read']:.2f} | {r['load_ratio']:.2f} |"
         )
+    lines += ["", *target_lines(rows)]
     lines += [
         "",
         "Fresh namespace, 256 KiB chunks, 4 threads (GB/s; first store creates the fan-out "
-        "directories, the second finds them): "
-        + ", ".join(f"{name.replace('_', ' ')} {value:.2f}" for name, value in fresh.items())
-        + ".",
+        "directories, the second finds them; raw makes each missing directory of the same "
+        "paths): "
+        + ", ".join(f"{name.replace('_', ' ')} {value:.2f}" for name, value in fresh.items()
+                    if "ratio" not in name)
+        + f"; process store / raw: fresh {fresh['fresh_ratio']:.2f}x, existing "
+        f"{fresh['existing_ratio']:.2f}x.",
         "",
         f"Index rebuild of {chunks} chunk files (warm dentry cache): {rebuild_s:.3f} s "
         f"(target <= {TARGET_REBUILD_S} s).",
