@@ -12,8 +12,10 @@ header buffer and a payload buffer from a file and reports the file's size. Two 
   ever touches bytes outside its buffer. Whether the filesystem takes O_DIRECT at all is
   probed once at start-up (:func:`probe_o_direct`).
 * ``kvikio`` — GPUDirect Storage through kvikio's ``CuFile`` (``pread``/``pwrite``
-  futures), into host or device memory. kvikio is imported lazily and used only when
-  ``libcuda.so.1`` loads and a tiny write/read probe succeeds (:func:`kvikio_status`).
+  futures), into host or device memory; ``CuFile`` opens by name, so its stores publish
+  through named temp files (posix ones through anonymous files where possible). kvikio
+  is imported lazily and used only when ``libcuda.so.1`` loads and a tiny write/read
+  probe succeeds (:func:`kvikio_status`).
 
 :func:`select_backend` turns the YAML ``io: auto | posix | kvikio`` into a backend: ``auto``
 picks kvikio only when usable and logs once which path is active; an explicit ``kvikio``
@@ -310,6 +312,8 @@ class KvikioBackend(IOBackend):
             root=settings.root,
             sync=settings.sync,
             known=settings.known_dirs,
+            # CuFile opens the file again by its name: a named temp file.
+            anonymous=False,
         )
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
