@@ -359,25 +359,34 @@ _COMMON_NOTES = [
     "thread, a pool of `threads` connections); the tier adds `If-None-Match: *` only. The "
     "raw side puts the tier's own bytes (each chunk's header + payload, random).",
     "- What the tier does on top: a put computes the 4 KiB header (xxh3_128 of the "
-    "payload) and joins header and payload into one body (one copy); a get reads the "
-    "header into a 4 KiB buffer and the payload straight from the socket into the slot, "
-    "then checks header and xxh3_128. The CPU table prices that: per chunk the tier's "
-    "client CPU is within noise of raw boto3 at 256 KiB and 4 MiB, about 1-5 ms more per "
-    "16 MiB put (checksum and copy, against ~100-200 ms of client + server CPU per "
-    "16 MiB put here), and at or below raw on gets (no intermediate buffer); the "
-    "server's CPU per chunk is the same for both sides, with or without `If-None-Match`.",
-    "- So a wall-clock miss below is not work the tier adds: client, server and four "
-    "other jobs share 2 cores, and one pass of a row lasts 0.1-2 s, so a burst of another "
-    "job's work decides a round. The *rounds* column shows it: most rows span both sides "
-    "of 1.0x from one round to the next, and the side that goes first alternates. The "
-    "lead's rerun on a quiet machine is the measurement; these are this run's numbers.",
+    "payload) and joins header and payload into one new body (a fresh allocation and a "
+    "copy); a get reads the header into a 4 KiB buffer and the payload straight from the "
+    "socket into the slot, then checks header and xxh3_128. The CPU table prices that: "
+    "per chunk the tier's client CPU is within the noise of raw boto3 on 256 KiB puts "
+    "and on gets of every size, but higher on large puts (in the moto run +0.5-1.6 ms per "
+    "4 MiB put, +5-19 ms per 16 MiB put). That is the join: a new 16 MiB bytes object per "
+    "put is 4,096 fresh pages the kernel zeroes and faults in (system time, worse with 4 "
+    "threads allocating at once) plus the copy, and the xxh3_128 pass. The server's CPU "
+    "per chunk is the same for both sides, with or without `If-None-Match`.",
+    "- What would close the large-put gap: no fresh body per put, i.e. a per-thread body "
+    "buffer reused across puts, or a read-only file object over the header and the slot's "
+    "payload (botocore must be able to seek it back for the payload hash and for its "
+    "retries). Not done in this change: the 16 MiB put rows are at 0.70-0.99x in this run "
+    "with per-round ranges reaching 1.0x, and on a real endpoint (network-bound) these "
+    "milliseconds are a few percent of a put.",
+    "- Otherwise a wall-clock miss below is not work the tier adds: client, server and "
+    "four other jobs share 2 cores (load average above), and one pass of a row lasts "
+    "0.1-2 s, so a burst of another job's work decides a round. The *rounds* column shows "
+    "it: most rows span both sides of 0.9x from one round to the next, and the side that "
+    "goes first alternates. The lead's rerun on a quiet machine is the measurement.",
     "- The 256 KiB put gap of earlier runs (0.51-0.84x on SeaweedFS, raw always first, "
     "the tier's payload a repeated 16-byte pattern against random raw bytes, one client "
     "shared by pool threads on the raw side) did not reproduce with the sides alternating "
     "and sending the same bytes: in separate interleaved runs 256 KiB puts through the "
     "mover, through `S3Store.put_if_absent` and raw (with and without `If-None-Match`, "
-    "with and without `Expect: 100-continue`) cost the same client CPU (1.8-2.0 ms per "
-    "put) and the same wall time within the run's noise.",
+    "with and without `Expect: 100-continue`) took the same wall time within the run's "
+    "noise, and mover, store and raw cost the same client CPU (1.8-2.0 ms per put against "
+    "moto).",
 ]
 
 NOTES: dict[str, list[str]] = {
@@ -388,7 +397,10 @@ NOTES: dict[str, list[str]] = {
              "- Index rebuild time is the server's listing (moto builds each 1,000-key "
              "page in Python) plus botocore's parsing; the manager adds a few "
              "microseconds per object (name check and index insert). Real S3 lists "
-             "1,000 objects per request in tens of milliseconds.", ""],
+             "1,000 objects per request in tens of milliseconds. The rebuild is one "
+             "interleaved round (raw, tier, tier, raw): under load its ratio moves by tens "
+             "of percent (1.00x with 100,000 objects and moto in process on an earlier "
+             "day).", ""],
     "seaweedfs": ["## Reading the numbers (SeaweedFS)", "", *_COMMON_NOTES,
                   "- The server is `weed mini` (master, volume server, filer and S3 gateway "
                   "in one process). The raw side writes object names of the tier's shape "
