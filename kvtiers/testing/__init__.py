@@ -7,7 +7,8 @@
   lower tier the way the composite does.
 - :mod:`~kvtiers.testing.doubles`, :mod:`~kvtiers.testing.reference`: test doubles and
   the reference tier.
-- :mod:`~kvtiers.testing.s3`: the moto server's address and a botocore fault injector.
+- :mod:`~kvtiers.testing.s3`: moto servers (an address; one in a process of its own) and a
+  botocore fault injector.
 - :mod:`~kvtiers.testing.seaweed`: SeaweedFS as a second, real S3 server (one process or
   a small cluster).
 - :mod:`~kvtiers.testing.crash`: the file tier's kill-and-restart harness.

@@ -1,6 +1,10 @@
-"""S3 test helpers: the moto server's address and a botocore fault injector.
+"""S3 test helpers: moto servers (the address of one, and one in its own process) and a
+botocore fault injector.
 
 - :class:`MotoServer`: where a (test-started) moto server listens; ``reset`` empties it.
+- :class:`MotoProcess`: a moto server in a process of its own (``python -m moto.server``)
+  on a free loopback port, stopped by its PID — for measurements, where a server in the
+  measuring process would share its cores and its GIL with the client.
 - :class:`S3Server`: an S3 server a test runs against (moto or SeaweedFS), by endpoint.
 - :data:`AWS_UNSET` / :data:`AWS_TEST_ENV`: the environment a test's S3 clients run in,
   so nothing can reach a real AWS account.
@@ -14,12 +18,20 @@ botocore is imported only when a fault is delivered, so importing this module is
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 #: The bucket the test fixtures create.
 BUCKET = "kvtiers-test"
@@ -58,6 +70,90 @@ class MotoServer:
         request = urllib.request.Request(f"{self.endpoint_url}/moto-api/reset", method="POST")
         with urllib.request.urlopen(request, timeout=10) as response:
             response.read()
+
+
+#: How long :meth:`MotoProcess.start` waits for the server to answer.
+MOTO_READY_TIMEOUT_S = 60.0
+#: How long :meth:`MotoProcess.stop` waits after SIGTERM before it kills the server.
+MOTO_STOP_TIMEOUT_S = 5.0
+
+
+class MotoProcess:
+    """A moto S3 server in a child process on 127.0.0.1.
+
+    :meth:`start` picks a free port, starts ``python -m moto.server`` with this
+    interpreter and returns the :class:`MotoServer` once it answers; :meth:`stop` ends that
+    child by its PID (SIGTERM, SIGKILL after :data:`MOTO_STOP_TIMEOUT_S`). The server's own
+    log (a line per request) goes to a temporary file, quoted when start-up fails. Usable
+    as a context manager.
+    """
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs; ``None`` before start and after stop."""
+        return None if self._process is None else self._process.pid
+
+    def start(self) -> MotoServer:
+        """Start the server and wait until it answers. Raises ``RuntimeError`` when it is
+        already running, exits at start-up or does not answer in time."""
+        if self._process is not None:
+            raise RuntimeError("this moto server is already running; stop() it first")
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - closed by stop()
+            prefix="kvtiers-moto-", suffix=".log")
+        env = {**os.environ, "MOTO_PORT": str(port)}
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+        )
+        server = MotoServer(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + MOTO_READY_TIMEOUT_S
+        while True:
+            if self._process.poll() is not None:
+                code = self._process.returncode
+                self._log.seek(0)
+                tail = self._log.read()[-2000:].decode(errors="replace").strip()
+                self.stop()
+                raise RuntimeError(f"the moto server exited with {code} at start-up "
+                                   f"(is moto[server] installed?); its output: {tail}")
+            try:
+                server.reset()
+                return server
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(
+                        f"the moto server on port {port} did not answer in "
+                        f"{MOTO_READY_TIMEOUT_S:g} s; is moto[server] installed?"
+                    ) from None
+                time.sleep(0.05)  # polling a server's readiness, not synchronising threads
+
+    def stop(self) -> None:
+        """End the server (by its PID). Idempotent."""
+        process, self._process = self._process, None
+        if process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=MOTO_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> MotoServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
 
 
 class ResponseBody:

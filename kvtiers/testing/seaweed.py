@@ -65,6 +65,11 @@ class SeaweedFS:
         self._ports = _free_ports(16)
         self.endpoint_url = f"http://127.0.0.1:{self._ports[0]}"
 
+    @property
+    def pids(self) -> list[int]:
+        """The process ids of the running deployment (empty once stopped)."""
+        return [process.pid for process in self._processes]
+
     def _spawn(self, name: str, *args: str) -> None:
         log = open(self.data_dir / f"{name}.log", "ab")  # noqa: SIM115 - owned by the child
         env = {**os.environ, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
