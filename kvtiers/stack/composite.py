@@ -433,7 +433,7 @@ class TieredManager(OffloadingManager):
         and copy each victim to the ``back`` tiers that admit it."""
         holder = self._holder
         target = self._headroom.end_step()
-        if holder is None:
+        if holder is None or not self._back:
             return
         want = target - holder.free_slots - len(self._held)
         if want <= 0:
