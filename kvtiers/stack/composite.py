@@ -25,7 +25,13 @@ so the scheduler sees one manager.
   chunks through ``evict_held``: the evicted chunks' slots stay held, and readable, while
   the ``back`` tiers' movers copy them out; a slot is released once every copy of it
   ended, succeeded or failed. A chunk the primary evicts by itself (a step that needed
-  more than the free room) is not written back: it is simply gone.
+  more than the free room) is not written back: it is simply gone. That is the first
+  hop, for ``back`` tiers whose nearest writing tier above is the primary (or a tier that
+  cannot hand evictions over); below a tier that can (the file tier, a
+  :class:`~kvtiers.stack.placement.HandingTier`) the *second hop* writes what that tier
+  evicts: from the chunk's primary slot while the primary holds it, else read from the
+  evicted file into a held primary slot and stored from there; the file is deleted once
+  nothing reads it. No slot: dropped (``demotions_dropped``).
 * **Promotions** land in the primary; a lower tier above the source with
   ``write.promoted`` also receives the chunk (``through``: when it lands; ``back``: when
   it is demoted). Without it a tier never receives chunks promoted from below it.
