@@ -215,3 +215,15 @@ def test_s3_gets_nothing_while_the_file_tier_holds_every_chunk_and_each_evicted_
             i, FILE_CHUNK)
         manager.complete_load([k], probe)
         manager.on_request_finished(probe)
+
+
+def test_first_hop_counts_chunks_the_primary_dropped_by_itself(stacks: list[Stack]) -> None:
+    """Directly below the primary: a store that needs more room than was kept free makes
+    the primary evict by itself, and that chunk is never demoted (counted as dropped)."""
+    stacks.append(stack := Stack(BACK, slots=2))
+    stack.store(0, 1)  # no step yet: no free room kept
+    stack.store(2)
+    settle(stack)
+    stats = stack.manager.get_stats()
+    assert stats["demotions_dropped"] == 1
+    assert len(stack.held(0)) + stats["demotions_dropped"] + stats["cpu.chunks"] == 3

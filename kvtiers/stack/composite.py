@@ -383,7 +383,14 @@ class TieredManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._door(keys, ctx, "prepare_store")
-        accepted = self._primary.prepare_store(keys, ctx)
+        if self._back:
+            # The primary evicting by itself drops chunks a back tier never receives.
+            assert self._holder is not None
+            before = self._holder.evictions
+            accepted = self._primary.prepare_store(keys, ctx)
+            self._stats["demotions_dropped"] += self._holder.evictions - before
+        else:
+            accepted = self._primary.prepare_store(keys, ctx)
         if accepted:
             self._headroom.reserved(len(accepted))
         return accepted

@@ -97,6 +97,9 @@ class HoldingPrimary(Protocol):
     @property
     def free_slots(self) -> int: ...
 
+    @property
+    def evictions(self) -> int: ...
+
     def evict_held(
         self, count: int, protected: Collection[OffloadKey] = ()
     ) -> dict[OffloadKey, int]: ...

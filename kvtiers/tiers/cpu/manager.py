@@ -460,6 +460,11 @@ class CpuTierManager(OffloadingManager):
             self._free.append(slot)
 
     @property
+    def evictions(self) -> int:
+        """Chunks evicted so far (by stores that needed room and by :meth:`evict_held`)."""
+        return self._evictions
+
+    @property
     def free_slots(self) -> int:
         """Slots free now (neither holding a chunk, fenced nor held)."""
         return len(self._free)
