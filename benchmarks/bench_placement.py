@@ -8,9 +8,11 @@ the file tier and the bucket kept). Only the S3 tier's write policy changes betw
 (the file tier writes through):
 
 * ``through`` — every stored chunk is written (the baseline);
-* ``back`` — written when the CPU tier evicts it;
+* ``back`` — written when the file tier above it evicts it (the second hop: copied from
+  the CPU slot while the CPU tier holds the chunk, else staged from the file through one);
 * ``hits-N`` — write-through after N loads from the CPU tier (frequency admission);
-* ``back+hits-1`` — written at eviction, if loaded at least once.
+* ``back+hits-1`` / ``back+hits-2`` — written at the file tier's eviction, if referenced
+  at least once / twice.
 
 Two stacks: the demo's as shipped (its file tier holds about half the trace, so S3 serves
 what the file tier evicted) and the same with a 128 MiB file tier that holds the whole
@@ -32,6 +34,7 @@ import argparse
 import datetime
 import io
 import json
+import os
 import platform
 import tempfile
 import time
@@ -58,6 +61,7 @@ POLICIES: dict[str, dict[str, Any]] = {
     "hits-1": {"write_after_hits": 1},
     "hits-2": {"write_after_hits": 2},
     "back+hits-1": {"write": "back", "write_after_hits": 1},
+    "back+hits-2": {"write": "back", "write_after_hits": 2},
 }
 
 
@@ -111,9 +115,10 @@ def render(rows: list[Row], spec: WorkloadSpec, note: dict[str, str]) -> str:
     lines = [
         "# Write policies: chunks written per tier vs tokens reused",
         "",
-        f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}; "
-        f"{note['date']}; `{note['command']}`. Counts, not timings; two runs differed by "
-        "a few file-tier writes (the order mover threads finish copies in).",
+        f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, load "
+        f"average {note['load']} at the start; {note['date']}; `{note['command']}`. Counts, "
+        "not timings; two runs differed by a few file-tier writes (the order mover threads "
+        "finish copies in).",
         "",
         "The demo's stack (cpu 16 MiB arc, file writing through, s3 on the embedded "
         f"server) and traces ({spec.conversations} conversations of {spec.turns} turns over "
@@ -155,12 +160,13 @@ def _change(base: int, value: int) -> str:
     return f"{100 * (value - base) / max(base, 1):+.1f}%"
 
 
-def machine_note(command: str) -> dict[str, str]:
+def machine_note(command: str, load: str) -> dict[str, str]:
     return {
         "cpu": cpu_model(),
         "cores": cores(),
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "load": load,
         "command": command,
     }
 
@@ -175,13 +181,14 @@ def main() -> None:
     require("moto", purpose="the embedded S3 server of the benchmark's stack")
     spec = WorkloadSpec(conversations=args.conversations, turns=args.turns)
     started = time.perf_counter()
+    load = " / ".join(f"{value:.1f}" for value in os.getloadavg())
     with tempfile.TemporaryDirectory(prefix="kvtiers-placement-") as scratch:
         rows = [run_policy(stack, policy, spec, Path(scratch))
                 for stack in STACKS for policy in POLICIES]
     command = "benchmarks/bench_placement.py"
     if (args.conversations, args.turns) != (WorkloadSpec.conversations, WorkloadSpec.turns):
         command += f" --conversations {args.conversations} --turns {args.turns}"
-    note = machine_note(command)
+    note = machine_note(command, load)
     report = render(rows, spec, note)
     print(report)
     print(f"({time.perf_counter() - started:.0f} s)")

@@ -24,6 +24,7 @@ from kvtiers.stack.placement import BoundedTable, Headroom
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import (
     BytearrayRegion,
+    HandingMemoryTier,
     MemoryMover,
     MemoryObjectStore,
     MemoryObjectTier,
@@ -43,12 +44,14 @@ def key(i: int) -> OffloadKey:
 
 class Stack:
     """A CPU primary of ``slots`` slots over a bytearray and in-memory lower tiers of
-    ``lower_chunks`` chunks, one per write policy given (over ``stores``, when given, which
-    they index at start)."""
+    ``lower_chunks`` chunks (or one count per tier), one per write policy given (over
+    ``stores``, when given, which they index at start); ``handing``: tiers that can hand
+    their evictions over."""
 
     def __init__(
         self, *writes: WritePolicy, slots: int = 4,
-        stores: list[MemoryObjectStore] | None = None, lower_chunks: int = 64,
+        stores: list[MemoryObjectStore] | None = None,
+        lower_chunks: int | tuple[int, ...] = 64, handing: bool = False,
     ) -> None:
         self.region = BytearrayRegion(slots, GEOMETRY.slot_bytes)
         self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy("lru")(slots))
@@ -56,9 +59,9 @@ class Stack:
         self.movers: list[MemoryMover] = []
         tiers: list[BuiltTier] = [BuiltTier("cpu", self.primary, region=self.region)]
         for index, write in enumerate(writes):
-            lower = MemoryObjectTier(
-                lower_chunks, stores[index] if stores else MemoryObjectStore()
-            )
+            kind = HandingMemoryTier if handing else MemoryObjectTier
+            chunks = lower_chunks if isinstance(lower_chunks, int) else lower_chunks[index]
+            lower = kind(chunks, stores[index] if stores else MemoryObjectStore())
             mover = MemoryMover(self.region, GEOMETRY, lower)
             self.lower.append(lower)
             self.movers.append(mover)
@@ -260,7 +263,9 @@ def test_the_demo_runs_each_write_policy_and_shows_writes_per_tier(
     # own: the embedded S3 server outlives the stacks of this process.
     stack = yaml.safe_load(example_path(example).read_text())  # type: ignore[union-attr]
     cpu, file, s3 = stack["tiers"]
-    cpu["capacity"], file["capacity"] = "16MiB", "32MiB"
+    # Write-back reaches S3 when the file tier evicts: a file tier smaller than this
+    # shortened trace (the demo's 32 MiB holds all of it) makes it evict.
+    cpu["capacity"], file["capacity"] = "16MiB", "12MiB" if "writeback" in example else "32MiB"
     file["root"] = str(tmp_path / "out" / "file")
     s3["prefix"] = f"test-{example}"
     out = io.StringIO()

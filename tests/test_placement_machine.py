@@ -7,6 +7,12 @@ chunk reaches a lower tier intact or not at all); no pin lost (after settling no
 pinned or held); no slot reused before the demotion reading it ended — a store writes its
 slot at once, so a reused held slot would put another key's bytes into the lower tier,
 which the byte check catches.
+
+``SecondHopMachine`` runs the same rules over a write-through tier that hands its
+evictions over and a write-back tier below it (the second hop): besides the above, no
+evicted chunk's object is deleted before the demotion reading it ended (a staging read that
+finds its object gone is recorded), and the handed-over objects are all released once
+settled.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from kvtiers.policies import load_policy
 from kvtiers.stack.composite import TieredManager
 from kvtiers.testing.doubles import (
     BytearrayRegion,
+    HandingMemoryTier,
+    InjectedFailure,
     MemoryMover,
     MemoryObjectStore,
     MemoryObjectTier,
 )
 from kvtiers.tiers.cpu.manager import CpuTierManager
+from kvtiers.tiers.fanout import ChunkCopy, FanOutJob
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))
 SLOTS = 4
@@ -55,17 +64,42 @@ class Job:
     ctx: ReqContext
 
 
+class _WatchedMover(MemoryMover):
+    """Records a read whose object is gone (a handed-over object deleted too early); reads
+    of keys in ``fail_reads`` fail (a chunk that went in intact and cannot be read)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.vanished: list[OffloadKey] = []
+        self.fail_reads: set[OffloadKey] = set()
+
+    def _copy(self, job: FanOutJob, chunk: ChunkCopy) -> int:
+        if not job.store and chunk.key in self.fail_reads:
+            raise InjectedFailure(f"reading {chunk.address} is in fail_reads")
+        try:
+            return super()._copy(job, chunk)
+        except KeyError:
+            self.vanished.append(chunk.key)
+            raise
+
+
 class PlacementMachine(RuleBasedStateMachine):
+    #: Each lower tier's write policy, capacity in chunks and whether it hands evictions.
+    writes: tuple[WritePolicy, ...] = WRITES
+    lower_chunks: tuple[int, ...] = (LOWER_CHUNKS, LOWER_CHUNKS)
+    handing: tuple[bool, ...] = (False, False)
+
     def __init__(self) -> None:
         super().__init__()
         self.region = BytearrayRegion(SLOTS, GEOMETRY.slot_bytes)
         self.primary = CpuTierManager(SLOTS, GEOMETRY.slot_bytes, load_policy("lru")(SLOTS))
         self.lower: list[MemoryObjectTier] = []
-        self.movers: list[MemoryMover] = []
+        self.movers: list[_WatchedMover] = []
         tiers: list[BuiltTier] = [BuiltTier("cpu", self.primary, region=self.region)]
-        for index, write in enumerate(WRITES):
-            lower = MemoryObjectTier(LOWER_CHUNKS, MemoryObjectStore())
-            mover = MemoryMover(self.region, GEOMETRY, lower)
+        for index, write in enumerate(self.writes):
+            kind = HandingMemoryTier if self.handing[index] else MemoryObjectTier
+            lower = kind(self.lower_chunks[index], MemoryObjectStore())
+            mover = _WatchedMover(self.region, GEOMETRY, lower)
             self.lower.append(lower)
             self.movers.append(mover)
             tiers.append(BuiltTier(f"mem{index}", lower, mover=mover, write=write))
@@ -147,6 +181,13 @@ class PlacementMachine(RuleBasedStateMachine):
         else:
             self.movers[tier].fail_keys.discard(key)
 
+    @rule(tier=st.integers(0, len(WRITES) - 1), key=st.sampled_from(KEYS), fail=st.booleans())
+    def read_fault(self, tier: int, key: OffloadKey, fail: bool) -> None:
+        if fail:
+            self.movers[tier].fail_reads.add(key)
+        else:
+            self.movers[tier].fail_reads.discard(key)
+
     @rule(tier=st.integers(0, len(WRITES) - 1), hold=st.booleans())
     def gate(self, tier: int, hold: bool) -> None:
         """Hold a tier's copies in flight (a slow lower tier) or let them run."""
@@ -165,15 +206,20 @@ class PlacementMachine(RuleBasedStateMachine):
         self.manager.wait_idle()
         stats = self.primary.get_stats()
         assert stats["held_slots"] == 0, "a demoted slot was never released"
+        for lower in self.lower:
+            assert not isinstance(lower, HandingMemoryTier) or not lower.handed, (
+                "an evicted object was never released"
+            )
         assert stats["pinned_chunks"] <= len(self.loads), "a pin was lost"
         for lower in self.lower:
             assert all(not e.pins for _, e in lower.index.items()), "lower tier pinned"
         # Keys whose copies still fail may be promoted anew each time (backing off from
         # a failed promotion is a real lower tier's business); once the faults end, every
         # key resolves.
-        self._resolve(skip={k for mover in self.movers for k in mover.fail_keys})
+        self._resolve(skip={k for mover in self.movers for k in mover.fail_keys | mover.fail_reads})
         for mover in self.movers:
             mover.fail_keys.clear()
+            mover.fail_reads.clear()
         self._resolve(skip=set())
 
     def _resolve(self, skip: set[OffloadKey]) -> None:
@@ -206,6 +252,16 @@ class PlacementMachine(RuleBasedStateMachine):
                 assert data == payload(key), "wrong bytes reached a lower tier"
 
     @invariant()
+    def no_object_deleted_before_its_demotion_read_it(self) -> None:
+        for mover in self.movers:
+            assert not mover.vanished, "a handed-over object was deleted before it was read"
+
+    @invariant()
+    def lower_usage_is_exact(self) -> None:
+        for lower in self.lower:
+            assert lower.index.usage == len(lower.index), "a lower tier's usage drifted"
+
+    @invariant()
     def slots_are_accounted_for(self) -> None:
         stats = self.primary.get_stats()
         assert stats["chunks"] + stats["held_slots"] + self.primary.free_slots == SLOTS
@@ -213,3 +269,17 @@ class PlacementMachine(RuleBasedStateMachine):
 
 TestPlacementMachine = PlacementMachine.TestCase
 TestPlacementMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+class SecondHopMachine(PlacementMachine):
+    """cpu → mem0 (write-through, 3 chunks, hands its evictions over) → mem1 (write-back:
+    receives what mem0 evicts)."""
+
+    writes = (WritePolicy("through"), WritePolicy("back"))
+    lower_chunks = (3, LOWER_CHUNKS)
+    handing = (True, False)
+
+
+TestSecondHopMachine = SecondHopMachine.TestCase
+TestSecondHopMachine.settings = settings(max_examples=60, stateful_step_count=80,
+                                         deadline=None)

@@ -92,10 +92,14 @@ class LowerTierConfig(TierConfig):
 
     write: Literal["through", "back"] = "through"
     """When a lower tier receives a chunk. through: as soon as it is stored in the
-    primary (every stored chunk is written). back: when the primary evicts it (a
-    demotion, copied out of the primary's slot before the slot is reused; a chunk the
-    primary must drop before its copy could start, or whose copy fails, is simply not
-    written)."""
+    primary (every stored chunk is written). back: when the tier above evicts it (a
+    demotion). Directly below the primary (or below a tier that cannot hand its evictions
+    over: s3, fsspec) the chunk is copied out of the primary's slot before the slot is
+    reused; below a file tier it is written when the file tier evicts it, from the
+    primary's slot if the primary still holds it, else read from the evicted file through
+    a primary slot before the file is deleted. A chunk with no slot to copy through, or
+    whose copy fails, is simply not written (counted); chunks only the primary holds are
+    not written at shutdown."""
     write_after_hits: Annotated[int, Range(0)] = 0
     """Frequency admission: write only chunks referenced at least this many times — loaded
     from the primary, or stored again after the primary lost them (0: every chunk). Under

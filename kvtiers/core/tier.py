@@ -26,8 +26,9 @@ class WritePolicy:
     "Placement").
 
     ``mode`` ``through``: as soon as the chunk is stored in the primary; ``back``: when
-    the primary evicts it (a *demotion*, copied out of the primary's slot before the slot
-    is reused). ``after_hits``: only chunks referenced at least that many times (loaded
+    the tier above evicts it (a *demotion*: the primary, copied out of its slot before
+    the slot is reused; or a lower tier that hands its evictions over, such as the file
+    tier). ``after_hits``: only chunks referenced at least that many times (loaded
     from the primary, or stored again after the primary lost them; 0: every chunk); under
     ``through`` a chunk is written at the reference that reaches the count. ``promoted``:
     chunks promoted from a tier below this one are written into it too (under ``through``

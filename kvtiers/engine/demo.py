@@ -283,7 +283,8 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
         f"{int(stats.get('cascades', 0)):,} (failed {int(stats.get('cascade_failures', 0))})",
         f"  demotions {int(stats.get('demotions', 0)):,} (failed "
         f"{int(stats.get('demotion_failures', 0))}, refused "
-        f"{int(stats.get('demotions_refused', 0))})",
+        f"{int(stats.get('demotions_refused', 0))}, dropped "
+        f"{int(stats.get('demotions_dropped', 0))})",
     ]
     return "\n".join(lines)
 

@@ -25,7 +25,13 @@ so the scheduler sees one manager.
   chunks through ``evict_held``: the evicted chunks' slots stay held, and readable, while
   the ``back`` tiers' movers copy them out; a slot is released once every copy of it
   ended, succeeded or failed. A chunk the primary evicts by itself (a step that needed
-  more than the free room) is not written back: it is simply gone.
+  more than the free room) is not written back: it is simply gone. That is the first
+  hop, for ``back`` tiers whose nearest writing tier above is the primary (or a tier that
+  cannot hand evictions over); below a tier that can (the file tier, a
+  :class:`~kvtiers.stack.placement.HandingTier`) the *second hop* writes what that tier
+  evicts: from the chunk's primary slot while the primary holds it, else read from the
+  evicted file into a held primary slot and stored from there; the file is deleted once
+  nothing reads it. No slot: dropped (``demotions_dropped``).
 * **Promotions** land in the primary; a lower tier above the source with
   ``write.promoted`` also receives the chunk (``through``: when it lands; ``back``: when
   it is demoted). Without it a tier never receives chunks promoted from below it.
@@ -81,7 +87,15 @@ from kvtiers.core.tier import BuiltTier, WritePolicy
 from kvtiers.errors import ClosedError, ConfigError
 from kvtiers.stack.cost import CostModel
 from kvtiers.stack.metrics_latency import LatencyHistograms
-from kvtiers.stack.placement import BoundedTable, Headroom, HoldingPrimary, holding
+from kvtiers.stack.placement import (
+    BoundedTable,
+    HandingTier,
+    Headroom,
+    HoldingPrimary,
+    handing,
+    holding,
+)
+from kvtiers.tiers.cpu.manager import SlotState
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -102,6 +116,7 @@ _COUNTERS = (
     "demotions",
     "demotion_failures",
     "demotions_refused",
+    "demotions_dropped",
     "demoted_bytes",
     "demote_s",
     "corrupt_chunks",
@@ -123,14 +138,28 @@ _JOB_STATS = {
     _DEMOTE: ("demotions", "demotion_failures", "demoted_bytes", "demote_s", "demoted"),
 }
 
-#: A job's tag: the held primary slot of each key of a demotion, ``None`` for the rest.
-_Slots = Mapping[OffloadKey, int] | None
+
+
+@dataclass(frozen=True)
+class _Demotion:
+    """A demotion job's tag (promotions and cascades carry ``None``).
+
+    ``slots``: the primary slot of each key, held by the composite (``None``: the chunks'
+    own slots in the primary, pinned by the job driver). ``hop``: for a second hop, the
+    handing tier above and the ``back`` tier below; a load job with a hop is the staging
+    read of chunks that tier evicted, a store job the copy into the tier below."""
+
+    slots: Mapping[OffloadKey, int] | None
+    hop: _Hop | None = None
+
+
+_Tag = _Demotion | None
 
 
 @dataclass
 class _Lower:
     tier: BuiltTier
-    jobs: JobDriver[_Slots]
+    jobs: JobDriver[_Tag]
     #: Position in the stack (1 for the first lower tier).
     index: int
 
@@ -145,6 +174,16 @@ class _Lower:
     @property
     def writes(self) -> bool:
         return self.tier.admission != "never"
+
+
+@dataclass(frozen=True)
+class _Hop:
+    """A second hop: ``target`` (a ``back`` tier) receives what ``above``, the nearest
+    writing tier above it, evicts; ``source`` is ``above``'s manager handing them over."""
+
+    above: _Lower
+    target: _Lower
+    source: HandingTier
 
 
 class TieredManager(OffloadingManager):
@@ -162,7 +201,7 @@ class TieredManager(OffloadingManager):
         for index, tier in enumerate(tiers[1:], start=1):
             if tier.mover is None:
                 raise ConfigError(f"tier {tier.name!r} has no mover", path=f"tiers[{index}]")
-            jobs: JobDriver[_Slots] = JobDriver(
+            jobs: JobDriver[_Tag] = JobDriver(
                 tier.manager, tier.mover, functools.partial(self._finished, index),
                 primary=self._primary, ctx=_INTERNAL,
             )
@@ -176,21 +215,35 @@ class TieredManager(OffloadingManager):
             )
         # Placement (docs/architecture.md, "Placement").
         self._through = [lo for lo in self._lower if lo.writes and lo.write.mode == "through"]
-        self._back = [lo for lo in self._lower if lo.writes and lo.write.mode == "back"]
+        back = [lo for lo in self._lower if lo.writes and lo.write.mode == "back"]
+        #: ``back`` tiers written when the primary evicts (the first hop) ...
+        self._back: list[_Lower] = []
+        #: ... and those written when a lower tier above them evicts (the second hop).
+        self._hops: list[_Hop] = []
+        for lower in back:
+            above = next((a for a in reversed(self._lower[: lower.index - 1]) if a.writes),
+                         None)
+            source = None if above is None else handing(above.manager)
+            if above is None or source is None:
+                self._back.append(lower)
+            else:
+                self._hops.append(_Hop(above, lower, source))
         self._counted = [lo for lo in self._through if lo.write.after_hits > 0]
         # Whether any tier admits by frequency: only then are references counted (a stack
         # of write-through tiers pays nothing for it on the scheduler path).
         self._counting = any(lo.write.after_hits > 0 for lo in self._lower if lo.writes)
         self._holder: HoldingPrimary | None = None
-        if self._back:
+        if back:
             self._holder = holding(self._primary)
             if self._holder is None:
                 raise ConfigError(
-                    f"tier {self._back[0].tier.name!r} has write: back, which needs a primary "
+                    f"tier {back[0].tier.name!r} has write: back, which needs a primary "
                     "that can hold an evicted chunk's slot while it is copied (a cpu tier); "
                     f"{tiers[0].name!r} cannot: use write: through",
-                    path=f"tiers[{self._back[0].index}].write",
+                    path=f"tiers[{back[0].index}].write",
                 )
+        for hop in self._hops:
+            hop.source.hand_over_evictions()
         table = TABLE_CHUNKS_PER_SLOT * (region.num_slots if region is not None else 1)
         #: References per key (frequency admission): loads from the primary, and stores
         #: of a key stored before.
@@ -330,7 +383,14 @@ class TieredManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._door(keys, ctx, "prepare_store")
-        accepted = self._primary.prepare_store(keys, ctx)
+        if self._back:
+            # The primary evicting by itself drops chunks a back tier never receives.
+            assert self._holder is not None
+            before = self._holder.evictions
+            accepted = self._primary.prepare_store(keys, ctx)
+            self._stats["demotions_dropped"] += self._holder.evictions - before
+        else:
+            accepted = self._primary.prepare_store(keys, ctx)
         if accepted:
             self._headroom.reserved(len(accepted))
         return accepted
@@ -386,7 +446,7 @@ class TieredManager(OffloadingManager):
         and copy each victim to the ``back`` tiers that admit it."""
         holder = self._holder
         target = self._headroom.end_step()
-        if holder is None:
+        if holder is None or not self._back:
             return
         want = target - holder.free_slots - len(self._held)
         if want <= 0:
@@ -412,7 +472,7 @@ class TieredManager(OffloadingManager):
                 accepted: list[OffloadKey] | None = None
                 try:
                     accepted = lower.jobs.store(next(self._job_ids), admitted, _INTERNAL,
-                                                slots, slots=slots)
+                                                _Demotion(slots), slots=slots)
                 finally:
                     if accepted is None:
                         self._stats["demotions_refused"] += len(admitted)
@@ -438,16 +498,103 @@ class TieredManager(OffloadingManager):
         if released:
             self._holder.release_held(released)
 
-    def _demotion_ended(self, slots: Mapping[OffloadKey, int], keys: Sequence[OffloadKey]) -> None:
-        """A demotion job over ``keys`` ended: release the slots no other copy reads."""
-        self._unhold([slots[key] for key in keys])
+    # -- the second hop: what a handing tier evicts, to the back tier below it --------
+    def _second_hop(self) -> bool:
+        """Copy the chunks each handing tier evicted since the last call to the ``back``
+        tier below it (docs/architecture.md, "Placement"); whether there were any."""
+        took = False
+        for hop in self._hops:
+            evicted = hop.source.take_evicted()
+            if evicted:
+                took = True
+                self._hand_down(hop, evicted)
+        return took
+
+    def _hand_down(self, hop: _Hop, evicted: list[OffloadKey]) -> None:
+        """One hop's evicted chunks: those the tier below admits are copied from their
+        primary slot when the primary holds them ready, else read from the tier above into
+        a held primary slot (staged) and stored from there; with no slot to stage through,
+        dropped. Every file is released once nothing reads it any more."""
+        holder = self._holder
+        assert holder is not None, "a stack with a back tier holds primary slots"
+        target = hop.target
+        admitted = [key for key in evicted if self._admits(target, key)]
+        ready = [key for key in admitted if holder.slot_state(key) is SlotState.READY]
+        in_primary = set(ready)
+        staged = [key for key in admitted if key not in in_primary]
+        reading: list[OffloadKey] = []
+        try:
+            if ready:
+                accepted: list[OffloadKey] | None = None
+                try:
+                    accepted = target.jobs.store(next(self._job_ids), ready, _INTERNAL,
+                                                 _Demotion(None, hop))
+                finally:
+                    if accepted is None:
+                        self._stats["demotions_refused"] += len(ready)
+            if staged:
+                slots = self._stage_slots(len(staged))
+                self._stats["demotions_dropped"] += len(staged) - len(slots)
+                staged = staged[: len(slots)]
+                if slots:
+                    rows = dict(zip(staged, slots, strict=True))
+                    for slot in slots:
+                        self._held[slot] = 1
+                    try:
+                        spec = hop.source.evicted_spec(staged)
+                    except BaseException:
+                        self._unhold(slots)
+                        raise
+                    # From here the read job owns these keys' files and slots: it releases
+                    # them when it ends, even when it ends at once, failed.
+                    reading = staged
+                    hop.above.jobs.load_evicted(next(self._job_ids), staged, spec, slots,
+                                                _Demotion(rows, hop))
+        finally:
+            being_read = set(reading)
+            hop.source.release_evicted([key for key in evicted if key not in being_read])
+
+    def _stage_slots(self, count: int) -> list[int]:
+        """Up to ``count`` primary slots held for staging: free ones, and, when no tier
+        takes the primary's own evictions, those of its next victims (evicted a little
+        early: they would go at its next store that needs room)."""
+        holder = self._holder
+        assert holder is not None
+        slots = holder.hold_free(count)
+        short = count - len(slots)
+        if short and not self._back:
+            victims = holder.evict_held(short, _Union([c.keep for c in self._keepers.values()]))
+            for key in victims:
+                self._promoted.pop(key)
+            slots.extend(victims.values())
+        return slots
+
+    def _staged(self, hop: _Hop, job: FinishedJob[_Tag], slots: Mapping[OffloadKey, int]) -> None:
+        """A staging read ended: its files are released, the chunks that arrived intact
+        are stored from their slots into the tier below, the others' slots released."""
+        hop.source.release_evicted(job.keys)
+        self._stats["demotion_failures"] += len(job.failed)
+        self._unhold([slots[key] for key in job.failed])
+        arrived = list(job.succeeded)
+        if not arrived:
+            return
+        rows = {key: slots[key] for key in arrived}
+        accepted: list[OffloadKey] | None = None
+        try:
+            accepted = hop.target.jobs.store(next(self._job_ids), arrived, _INTERNAL,
+                                             _Demotion(rows, hop), slots=rows)
+        finally:
+            if accepted is None:
+                self._stats["demotions_refused"] += len(arrived)
+            taken = set(accepted or ())
+            self._unhold([rows[key] for key in arrived if key not in taken])
 
     # -- completions ----------------------------------------------------------------
     def _poll(self) -> None:
         for lower in self._lower:
             lower.jobs.poll()
 
-    def _finished(self, index: int, job: FinishedJob[_Slots]) -> None:
+    def _finished(self, index: int, job: FinishedJob[_Tag]) -> None:
         """Count a finished promotion, cascade or demotion (the driver released what it
         held); a demotion's held slots are released, a landed promotion written into the
         tiers above its source that take promoted chunks."""
@@ -455,9 +602,15 @@ class TieredManager(OffloadingManager):
         tier_name = lower.tier.name
         result = job.result
         self._stats["corrupt_chunks"] += len(result.corrupt_keys)
-        kind = _PROMOTE if job.load else _CASCADE if job.tag is None else _DEMOTE
-        if job.tag is not None:
-            self._demotion_ended(job.tag, job.keys)
+        tag = job.tag
+        if tag is not None and job.load:
+            assert tag.hop is not None and tag.slots is not None
+            self._staged(tag.hop, job, tag.slots)
+            return
+        kind = _PROMOTE if job.load else _CASCADE if tag is None else _DEMOTE
+        if tag is not None and tag.slots is not None:
+            # A demotion from held slots ended: release those no other copy reads.
+            self._unhold([tag.slots[key] for key in job.keys])
         if job.load and job.succeeded:
             landed = list(job.succeeded)
             for key in landed:
@@ -488,12 +641,16 @@ class TieredManager(OffloadingManager):
 
         For tests, the demo and shutdown: the scheduler itself never blocks."""
         # A promotion landing while a lower tier drains may cascade into a tier above
-        # that was drained already (``write_promoted``): go round until none is busy.
+        # that was drained already (``write_promoted``), a cascade may make a handing
+        # tier evict, a staging read lands and stores: go round until none is busy.
         while True:
             self._flush_promotions()
             for lower in self._lower:
                 lower.jobs.drain()
-            # Bounded: a landed promotion cascades, a cascade starts nothing more.
+            # Bounded: a landed promotion cascades, a cascade evicts, an eviction is
+            # copied one tier down; nothing starts more.
+            if self._second_hop():
+                continue
             if not any(lower.jobs.in_flight for lower in self._lower):
                 return
 
@@ -560,6 +717,7 @@ class TieredManager(OffloadingManager):
         self._flush_promotions()
         self._poll()
         self._demote()
+        self._second_hop()
         for tier in self.tiers:
             tier.manager.on_schedule_end(ctx)
         if self.stats_refresh_s is not None:

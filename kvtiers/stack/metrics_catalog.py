@@ -77,6 +77,7 @@ STACK: Mapping[str, MetricSpec] = MappingProxyType({
     "demotions": _c("kvtiers_stack_demotions", _DEMOTIONS, outcome="done"),
     "demotion_failures": _c("kvtiers_stack_demotions", _DEMOTIONS, outcome="failed"),
     "demotions_refused": _c("kvtiers_stack_demotions", _DEMOTIONS, outcome="refused"),
+    "demotions_dropped": _c("kvtiers_stack_demotions", _DEMOTIONS, outcome="dropped"),
     "demoted_bytes": _c("kvtiers_stack_demoted_bytes", "Bytes written by demotions."),
     "demote_s": _c("kvtiers_stack_demotion_seconds",
                    "Seconds demotion jobs took, submission to completion, summed."),

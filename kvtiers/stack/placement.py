@@ -1,21 +1,25 @@
 """What the composite needs to decide where chunks are written (docs/architecture.md,
 "Placement"): how often each chunk was referenced (loaded, or stored again), which tier
-a chunk in the primary was promoted from, and how much free room the primary keeps for
-demotions.
+a chunk in the primary was promoted from, how much free room the primary keeps for
+demotions, and the two capabilities demotion asks of tiers — a primary that holds an
+evicted chunk's slot (:class:`HoldingPrimary`, the first hop) and a lower tier that hands
+the chunks it evicts over instead of deleting them (:class:`HandingTier`, the second hop).
 
-All three are small bounded tables on the scheduler thread: no I/O, no threads. The
-tables forget their oldest entries beyond a limit, so memory stays bounded however many
+The tables are small and bounded, on the scheduler thread: no I/O, no threads. They
+forget their oldest entries beyond a limit, so memory stays bounded however many
 distinct chunks pass through; a forgotten count only delays a chunk's admission.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import OffloadingManager
+from kvtiers.core.specs import LoadStoreSpec
+from kvtiers.tiers.cpu.manager import SlotState
 
 #: Steps over which the primary's demand for slots is remembered (see :class:`Headroom`).
 HEADROOM_STEPS = 8
@@ -93,11 +97,45 @@ class HoldingPrimary(Protocol):
     @property
     def free_slots(self) -> int: ...
 
+    @property
+    def evictions(self) -> int: ...
+
     def evict_held(
         self, count: int, protected: Collection[OffloadKey] = ()
     ) -> dict[OffloadKey, int]: ...
 
+    def hold_free(self, count: int) -> list[int]: ...
+
+    def slot_state(self, key: OffloadKey) -> SlotState: ...
+
     def release_held(self, slots: Iterable[int]) -> None: ...
+
+
+@runtime_checkable
+class HandingTier(Protocol):
+    """A lower tier that can hand the chunks it evicts to the composite (the file tier),
+    so that the ``back`` tier below it receives them: a second-hop demotion.
+
+    After :meth:`hand_over_evictions` every chunk the tier evicts leaves its index at once
+    (a lookup answers ``MISS``, a removal event goes out) but its bytes stay in the medium
+    until :meth:`release_evicted` names it: :meth:`take_evicted` lists the new ones each
+    step, :meth:`evicted_spec` addresses them for the tier's mover to read. A key stored
+    into the tier again meanwhile is the tier's own again: releasing it deletes nothing.
+    Keys the tier no longer holds for the caller are ignored by :meth:`release_evicted`;
+    ``shutdown`` deletes what was never released."""
+
+    def hand_over_evictions(self) -> None: ...
+
+    def take_evicted(self) -> list[OffloadKey]: ...
+
+    def evicted_spec(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec: ...
+
+    def release_evicted(self, keys: Iterable[OffloadKey]) -> None: ...
+
+
+def handing(manager: OffloadingManager) -> HandingTier | None:
+    """``manager`` as a :class:`HandingTier`, or ``None`` when it cannot hand evictions."""
+    return manager if isinstance(manager, HandingTier) else None
 
 
 def holding(manager: OffloadingManager) -> HoldingPrimary | None:

@@ -5,13 +5,15 @@ in-memory "object store" tier, and its mover with fault injection.
 :class:`MemoryObjectStore` that outlives the managers (so a reopened tier rebuilds its
 index from it), the mover copies between primary slots and the store on a thread pool, and
 tests can make chunks fail, arrive corrupt, or hold jobs in flight behind a gate.
+``HandingMemoryTier`` also hands the chunks it evicts to the composite, as the file tier
+does above a write-back tier.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -21,7 +23,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import Locality, LookupResult, Medium, ReqContext, TierCapabilities
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec, ObjectLoadStoreSpec
-from kvtiers.errors import CorruptChunkError
+from kvtiers.errors import CorruptChunkError, UnknownKeyError
 from kvtiers.testing.reference import InMemoryTier
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
 
@@ -123,6 +125,62 @@ class MemoryObjectTier(InMemoryTier):
     def get_spec(self, keys: Collection[OffloadKey]) -> ObjectLoadStoreSpec:
         super().get_spec(keys)
         return ObjectLoadStoreSpec("memory", [k.hex() for k in keys], list(keys))
+
+
+class HandingMemoryTier(MemoryObjectTier):
+    """A :class:`MemoryObjectTier` that can hand the chunks it evicts to the composite
+    (:class:`~kvtiers.stack.placement.HandingTier`), as the file tier does: once asked, an
+    evicted chunk leaves the index at once but its object stays in the store until
+    :meth:`release_evicted`. ``handed`` names the objects kept for the caller."""
+
+    def __init__(
+        self, capacity_chunks: int, store: MemoryObjectStore, *, persistent: bool = True
+    ) -> None:
+        super().__init__(capacity_chunks, store, persistent=persistent)
+        self._handing = False
+        self.handed: set[OffloadKey] = set()
+        self._fresh: list[OffloadKey] = []
+
+    def hand_over_evictions(self) -> None:
+        self._handing = True
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> list[OffloadKey] | None:
+        if not self._handing:
+            return super().prepare_store(keys, ctx)
+        change = self.index.reserve(keys, 1)
+        if change is None:
+            return None
+        # The victims' slots go, their objects stay until released.
+        InMemoryTier._release(self, change.victims)
+        self.handed.update(change.victims)
+        self._fresh.extend(change.victims)
+        for key in change.keys:
+            self.handed.discard(key)  # stored anew: the tier's own again
+            self._slots[key] = self._free_slots.pop()
+        return change.keys
+
+    def take_evicted(self) -> list[OffloadKey]:
+        fresh, self._fresh = self._fresh, []
+        return [key for key in fresh if key in self.handed]
+
+    def evicted_spec(self, keys: Sequence[OffloadKey]) -> ObjectLoadStoreSpec:
+        missing = [key.hex() for key in keys if key not in self.handed]
+        if missing:
+            raise UnknownKeyError(f"evicted_spec: keys {missing} were not handed over")
+        return ObjectLoadStoreSpec("memory", [k.hex() for k in keys], list(keys))
+
+    def release_evicted(self, keys: Iterable[OffloadKey]) -> None:
+        released = [key for key in keys if key in self.handed]
+        self.handed.difference_update(released)
+        with self.store.lock:
+            for key in released:
+                self.store.objects.pop(key, None)
+
+    def shutdown(self) -> None:
+        self.release_evicted(list(self.handed))
+        super().shutdown()
 
 
 class InjectedFailure(Exception):

@@ -16,7 +16,9 @@ Without a primary manager (vLLM's own CPU tier, a test's bytearray) the caller o
 primary memory: it names each key's slot, and the driver holds and releases the tier's
 side only. A store may name slots with a primary manager too: slots the caller holds
 outside the primary's bookkeeping (a demotion's, see ``CpuTierManager.evict_held``); the
-primary is then neither pinned nor released for that job.
+primary is then neither pinned nor released for that job. A load may read chunks the
+tier no longer indexes but keeps for the caller (:meth:`JobDriver.load_evicted`, a
+second-hop demotion's staging read): neither manager takes part in that job.
 
 Invariants: every reservation and pin a job took is released exactly once, however the job
 ends; ``on_finished`` is called exactly once per job, after the release; a key counts as
@@ -77,6 +79,8 @@ class _Job(Generic[T]):
     tag: T
     #: Whether the primary manager holds the job's primary side (not the caller's slots).
     pinned: bool = True
+    #: Whether the tier holds the job's tier side (not chunks it handed to the caller).
+    indexed: bool = True
 
 
 class JobDriver(Generic[T]):
@@ -201,6 +205,22 @@ class JobDriver(Generic[T]):
         self._submit(_Job(job_id, True, keys, tag), specs)
         return keys
 
+    def load_evicted(
+        self, job_id: int, keys: Sequence[OffloadKey], src: LoadStoreSpec,
+        slots: Sequence[int], tag: T,
+    ) -> None:
+        """Copy chunks the tier evicted but keeps for the caller, addressed by ``src``
+        (``HandingTier.evicted_spec``), into primary ``slots`` the caller holds (one per
+        key), as job ``job_id``. Neither manager is prepared or completed for it; the job
+        ends, like any other, in ``on_finished`` (at once, failed, when the mover refuses
+        it)."""
+        if len(slots) != len(keys):
+            raise ValueError(f"load_evicted: {len(keys)} keys but {len(slots)} slots")
+        self._check_new(job_id)
+        rows = list(slots)
+        self._submit(_Job(job_id, True, list(keys), tag, pinned=False, indexed=False),
+                     lambda: (src, CPULoadStoreSpec(rows)))
+
     # -- completion -------------------------------------------------------------------
     def poll(self) -> None:
         """Finish every job whose result the mover has (see the module docstring)."""
@@ -266,7 +286,8 @@ class JobDriver(Generic[T]):
         succeeded = [key for key in job.keys if key in arrived]
         failed = [key for key in job.keys if key not in arrived]
         primary = self.primary if job.pinned else None
-        receiver, sender = (primary, self.tier) if job.load else (self.tier, primary)
+        tier = self.tier if job.indexed else None
+        receiver, sender = (primary, tier) if job.load else (tier, primary)
         if receiver is not None:
             receiver.complete_store(succeeded, self._ctx, success=True)
             receiver.complete_store(failed, self._ctx, success=False)

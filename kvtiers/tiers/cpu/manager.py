@@ -433,9 +433,20 @@ class CpuTierManager(OffloadingManager):
         self._events.append(self._event(victims, removed=True))
         return held
 
+    def hold_free(self, count: int) -> list[int]:
+        """Take up to ``count`` free slots out of use for the caller (a demotion staging a
+        chunk of a lower tier through them), as :meth:`evict_held` holds an evicted
+        chunk's slot, until :meth:`release_held` names them. Returns the slots (empty:
+        none free)."""
+        taken = [self._free.pop() for _ in range(min(count, len(self._free)))]
+        for slot in taken:
+            self._state[slot] = _WRITING
+        self._held.update(taken)
+        return taken
+
     def release_held(self, slots: Iterable[int]) -> None:
-        """Free slots :meth:`evict_held` held. Raises, changing nothing, for a slot not
-        held."""
+        """Free slots :meth:`evict_held` or :meth:`hold_free` held. Raises, changing
+        nothing, for a slot not held."""
         slots = list(dict.fromkeys(slots))
         unknown = [slot for slot in slots if slot not in self._held]
         if unknown:
@@ -447,6 +458,11 @@ class CpuTierManager(OffloadingManager):
             self._held.remove(slot)
             self._state[slot] = _FREE
             self._free.append(slot)
+
+    @property
+    def evictions(self) -> int:
+        """Chunks evicted so far (by stores that needed room and by :meth:`evict_held`)."""
+        return self._evictions
 
     @property
     def free_slots(self) -> int:

@@ -44,6 +44,15 @@ trimmed when the next namespace opens.
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
 deleter can never remove a freshly published file and the scheduler never waits on it.
+
+Above a ``write: back`` tier the composite calls :meth:`FileTierManager.hand_over_evictions`
+(docs/architecture.md, "Placement"): from then on every chunk evicted after start-up — by
+a store that needs room, by a probe hit over capacity, by a full disk — leaves the index
+at once but keeps its file until the composite has read it for the tier below and calls
+``release_evicted`` (a full-disk episode's stores wait for those unlinks as for the
+others). Chunks beyond capacity at start-up are deleted as before: no composite holds the
+tier yet. A handed-over key stored again is the tier's own again, and releasing it deletes
+nothing; a probe never indexes a handed-over file.
 """
 
 from __future__ import annotations
@@ -53,7 +62,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Literal
@@ -74,6 +83,7 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
 from kvtiers.core.specs import FileLoadStoreSpec
+from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import (
     QUARANTINE_DIR,
     FileMapper,
@@ -364,6 +374,12 @@ class FileTierManager(OffloadingManager):
         self._reported = {"corrupt_chunks": 0, "vanished_chunks": 0}
         self._probe_hits = 0
         self._deleter = _Deleter()
+        # Evictions handed to the composite (hand_over_evictions): key → its file, kept
+        # until released, and the keys not yet taken; the full-disk episode's handed keys.
+        self._handing = False
+        self._handed: dict[OffloadKey, Path] = {}
+        self._fresh: list[OffloadKey] = []
+        self._room_keys: set[OffloadKey] = set()
         self._prober = _Prober(mapper) if shared else None
         self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
         self._closed = False
@@ -498,7 +514,8 @@ class FileTierManager(OffloadingManager):
         results = self._prober.take_results()
         if not results:
             return
-        found = self._probes.answered(results)
+        found = [(key, size) for key, size in self._probes.answered(results)
+                 if key not in self._handed]
         change = self.index.add_ready(found)
         self._probe_hits += len(change.keys)
         self._delete(change.victims)
@@ -550,6 +567,10 @@ class FileTierManager(OffloadingManager):
             self._deleter.delete(cancelled)
             return None
         self._delete(change.victims)
+        if self._handed:
+            for key in change.keys:
+                # Stored anew: its name is the tier's again, never deleted at release.
+                self._handed.pop(key, None)
         if self._probes is not None:
             for key in change.keys:
                 self._probes.stored(key)
@@ -566,9 +587,18 @@ class FileTierManager(OffloadingManager):
                     "file tier %s: the disk is full; evicted %d least recently used chunks "
                     "to make room", self.namespace_dir, len(victims),
                 )
-                self._room_unlinks = self._deleter.delete(
-                    self.mapper.path(key) for key in victims
-                )
+                if self._handing:
+                    self._delete(victims)
+                    self._room_keys = set(victims)
+                else:
+                    self._room_unlinks = self._deleter.delete(
+                        self.mapper.path(key) for key in victims
+                    )
+        if self._room_keys:
+            # Handed over: their unlinks start when the composite releases them.
+            self._room_keys.intersection_update(self._handed)
+            if self._room_keys:
+                return False
         if self._room_unlinks:
             if not all(f.done() for f in self._room_unlinks):
                 return False
@@ -577,8 +607,46 @@ class FileTierManager(OffloadingManager):
         return space.admits()
 
     def _delete(self, victims: list[OffloadKey]) -> None:
-        if victims:
+        if not victims:
+            return
+        if self._handing:
+            path = self.mapper.path
+            for key in victims:
+                self._handed[key] = path(key)
+            self._fresh.extend(victims)
+        else:
             self._deleter.delete(self.mapper.path(key) for key in victims)
+
+    # -- evictions handed to the composite (stack.placement.HandingTier) --------------
+    def hand_over_evictions(self) -> None:
+        """From now on, keep evicted chunks' files for the composite (module docstring)."""
+        self._handing = True
+
+    def take_evicted(self) -> list[OffloadKey]:
+        """The chunks evicted since the last call whose files are kept for the caller."""
+        fresh, self._fresh = self._fresh, []
+        return [key for key in fresh if key in self._handed]
+
+    def evicted_spec(self, keys: Sequence[OffloadKey]) -> FileLoadStoreSpec:
+        """The files of handed-over chunks ``keys``, for the mover to read. Raises
+        :class:`~kvtiers.errors.UnknownKeyError` for a key not handed over (or released)."""
+        missing = [key.hex() for key in keys if key not in self._handed]
+        if missing:
+            raise UnknownKeyError(
+                f"evicted_spec: keys {missing} were not evicted and handed over by the file "
+                f"tier at {self.namespace_dir} (or were released already)"
+            )
+        return FileLoadStoreSpec([str(self._handed[key]) for key in keys], list(keys))
+
+    def release_evicted(self, keys: Iterable[OffloadKey]) -> None:
+        """Delete the files of handed-over ``keys`` (others are ignored)."""
+        released = [key for key in dict.fromkeys(keys) if key in self._handed]
+        if not released:
+            return
+        unlinks = self._deleter.delete([self._handed.pop(key) for key in released])
+        if not self._room_keys.isdisjoint(released):
+            # A full disk's stores wait for these unlinks as for the episode's others.
+            self._room_unlinks.extend(unlinks)
 
     def complete_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
@@ -645,4 +713,7 @@ class FileTierManager(OffloadingManager):
         self._closed = True
         if self._prober is not None:
             self._prober.close()
+        # Handed over and never released: nobody reads them any more.
+        self._deleter.delete(self._handed.values())
+        self._handed.clear()
         self._deleter.close()
