@@ -221,8 +221,8 @@ class SlotLRU(_Lists):
         nxt[slot] = head
         prev[head] = slot
 
-    def refresh(self, slot: int) -> None:
-        self.touch(slot)
+    # LRU ranks every slot alike: a refresh is a touch (bound as one, no second call).
+    refresh = touch
 
     def remove(self, slot: int) -> None:
         if self._where[slot]:
@@ -300,21 +300,33 @@ class SlotARC(_Lists):
 
     def touch(self, slot: int) -> None:
         where = self._where[slot]
+        if not where:
+            return
         if where == _FIRST:
-            self._unlink(slot)
-            self._append(slot, self._h2)
             self._where[slot] = _SECOND
             self._len1 -= 1
             self._len2 += 1
-        elif where == _SECOND:
-            self._unlink(slot)
-            self._append(slot, self._h2)
+        self._move(slot, self._h2)
 
     def refresh(self, slot: int) -> None:
         where = self._where[slot]
         if where:
-            self._unlink(slot)
-            self._append(slot, self._h1 if where == _FIRST else self._h2)
+            self._move(slot, self._h1 if where == _FIRST else self._h2)
+
+    def _move(self, slot: int, head: int) -> None:
+        """Unlink ``slot`` and link it as the newest of ``head``'s list (inlined: once per
+        loaded chunk)."""
+        prev = self._prev
+        nxt = self._next
+        before = prev[slot]
+        after = nxt[slot]
+        nxt[before] = after
+        prev[after] = before
+        last = prev[head]
+        nxt[last] = slot
+        prev[slot] = last
+        nxt[slot] = head
+        prev[head] = slot
 
     def remove(self, slot: int) -> None:
         where = self._where[slot]
