@@ -532,13 +532,15 @@ def summary(results: dict[str, Any]) -> list[str]:
         )
         out.append(
             f"- Memory: route 1 at most {heaviest:.0f} B per chunk (target 200), fill or "
-            "turnover; vLLM and direct beside it in the table. The CPU tier keeps two hash "
-            "tables per chunk, its key → slot dict (52 B per entry after a fill, 105 B once "
-            "churn has made CPython regrow it to twice the size) and the policy's "
-            "OrderedDict (105 B, then 179 B), plus the slot's int (32 B). Reaching 200 B "
-            "after a turnover needs one hash table per chunk: recency kept in slot-indexed "
-            "arrays (previous/next slot, 8 B per slot) with the policy given slot ids, not "
-            "keys; not done here."
+            "turnover; vLLM and direct beside it in the table. The CPU tier keeps one hash "
+            "table per chunk, its key → slot dict (52 B per entry after a fill, 105 B once "
+            "churn has made CPython regrow it to twice the size), plus the slot's int "
+            "(32 B), its key in a slot-indexed list (8 B) and the built-in policy's order "
+            "in slot-indexed arrays (previous/next slot and the list it is on, 17 B; "
+            "kvtiers/policies/slots.py). Before that change the policy's OrderedDict was a "
+            "second hash table per chunk (105 B, then 179 B): 191 / 317 B. S3-FIFO (not "
+            "run here; bench_cpu.py (c)) adds its ghost queue, up to one evicted key per "
+            "slot."
         )
     return out
 

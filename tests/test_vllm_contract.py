@@ -156,9 +156,13 @@ def test_a_finished_request_refreshes_its_stored_keys_without_counting_a_use() -
         assert manager.prepare_store([key], ctx) == [key]
     manager.complete_store([head, tail], ctx)  # the head entered first, so it is older
     manager.on_request_finished(ctx)  # refreshed tail first: the head is the most recent
-    policy = manager.policy
-    assert list(policy._t1) == [tail, head]  # type: ignore[attr-defined]
-    assert not policy._t2  # type: ignore[attr-defined]
+    later = OffloadKey(prefix(6, 1)[0])
+    other = ReqContext(req_id="b")
+    assert manager.prepare_store([later], other) == [later]
+    manager.complete_store([later], other)
+    # T1 oldest first: both still in T1 (a refresh is no use, a touch would have moved them
+    # to T2, after `later`), the tail older than the head.
+    assert list(manager.evict_held(3)) == [tail, head, later]
 
 
 def test_config_info_fills_the_labels_the_spec_declares() -> None:

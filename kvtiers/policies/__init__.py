@@ -2,7 +2,10 @@
 
 A tier picks its policy by name from the YAML (``policy: arc``); a policy defined outside
 kvtiers is loaded by dotted path (``policy: mypkg.policies:MyPolicy``). See
-:mod:`kvtiers.policies.base` for the contract every policy keeps.
+:mod:`kvtiers.policies.base` for the contract every policy keeps: a policy defined elsewhere
+implements that key-based API. The CPU tier runs the three built-ins as their slot-indexed
+twins (:mod:`kvtiers.policies.slots`, same victims, one hash table per chunk fewer) and any
+other policy, a subclass of a built-in included, through its key-based methods.
 """
 
 from kvtiers.policies.arc import ARCPolicy

@@ -32,8 +32,11 @@ one (``refresh``). Under a policy that shields a request's head (``lru``, ``arc`
 evict its own earlier keys (nearer its head). The keys a request saw are kept in its
 context's state, never in the manager.
 
-Memory per tracked chunk is kept small: one dict entry key → slot id, one byte of state
-per slot, the policy's own entry; pin counts exist only for pinned keys. A key being
+Memory per tracked chunk is kept small: one hash table entry per chunk (key → slot id),
+one byte of state per slot, the slot's key in a slot-indexed list, and the policy's order
+in slot-indexed arrays (:mod:`kvtiers.policies.slots`: the built-in policies' slot twins; a
+policy defined elsewhere runs through its key-based API and keeps its own tables); pin
+counts exist only for pinned keys. A key being
 written maps to the marker :data:`_BEING_WRITTEN` instead of its slot (the slot waits in a
 small table of keys in flight), so a lookup tells ``HIT`` from ``HIT_PENDING`` by identity
 and never reads the slot's int object: a random lookup over a large tier is bound by
@@ -64,6 +67,7 @@ from kvtiers.core.manager import (
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.errors import ClosedError, UnknownKeyError
 from kvtiers.policies.base import EvictionPolicy
+from kvtiers.policies.slots import SlotOrder, slot_order
 
 if TYPE_CHECKING:
     from kvtiers.tiers.cpu.region import SlotRegion
@@ -133,9 +137,12 @@ class CpuTierManager(OffloadingManager):
     """Bookkeeping of ``num_slots`` host slots of ``slot_bytes`` each.
 
     ``policy`` is a fresh :class:`~kvtiers.policies.base.EvictionPolicy` sized for
-    ``num_slots``. ``region``, when given, is closed by :meth:`shutdown`. Keys passed to
-    ``complete_store`` that are stored already are ignored, and a key named twice counts
-    once; a key neither reserved, stored nor fenced raises.
+    ``num_slots``: for ``lru``, ``arc`` and ``s3fifo`` (exactly those classes) it names the
+    rules and the tier tracks its chunks in the policy's slot twin instead (the instance
+    stays empty); any other policy, a subclass of a built-in included, tracks them itself.
+    ``region``, when given, is closed by :meth:`shutdown`. Keys passed to ``complete_store``
+    that are stored already are ignored, and a key named twice counts once; a key neither
+    reserved, stored nor fenced raises.
 
     The rules are those of :class:`~kvtiers.tiers.index.ChunkIndex`, which the other
     tiers use (this tier keeps its own arrays for its pluggable policies; see
@@ -170,6 +177,11 @@ class CpuTierManager(OffloadingManager):
         # are in _writing.
         self._slots: dict[OffloadKey, int] = {}
         self._writing: dict[OffloadKey, int] = {}
+        # Slot → key of its ready chunk (None otherwise): how victim slots name their keys.
+        self._keys: list[OffloadKey | None] = [None] * num_slots
+        # The policy's order over ready slots: the built-ins' slot twins, any other policy
+        # through its key-based API (kvtiers/policies/slots.py).
+        self._order: SlotOrder = slot_order(policy, num_slots, self._keys, self._slots.get)
         self._state = bytearray(num_slots)
         # Popped from the end, so slots are handed out in ascending order at first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
@@ -332,16 +344,16 @@ class CpuTierManager(OffloadingManager):
                 # Keys the caller counts as stored must survive the store that names them,
                 # and the request's own prefix must survive its own stores and promotions.
                 protected = _Protected(self._pins, present, ctx.keep, shielded)
-            victims = self.policy.evict(shortfall, protected, shielded)
+            order = self._order
+            victims = order.evict(shortfall, protected, shielded)
             if victims is None:
                 # Not all fit: reserve the leading keys that do (a prompt longer than the
                 # tier still stores its head, which then cascades to the lower tiers).
-                policy = self.policy
-                fit = len(self._free) + policy.evictable(protected, shielded)
+                fit = len(self._free) + order.evictable(protected, shielded)
                 if fit <= 0:
                     return None
                 del accepted[fit:]
-                victims = policy.evict(fit - len(self._free), protected, shielded)
+                victims = order.evict(fit - len(self._free), protected, shielded)
                 assert victims is not None
             if victims:
                 self._drop(victims)
@@ -380,13 +392,15 @@ class CpuTierManager(OffloadingManager):
         done = []
         writing = self._writing
         if success:
-            insert = self.policy.insert
+            insert = self._order.insert
+            slot_keys = self._keys
             for key in keys:
                 if slots.get(key) is _BEING_WRITTEN:
                     slot = writing.pop(key)
                     slots[key] = slot
                     state[slot] = _READY
-                    insert(key)
+                    slot_keys[slot] = key
+                    insert(slot)
                     done.append(key)
                 elif fenced:
                     self._release_fenced(key, _WRITING)
@@ -420,17 +434,24 @@ class CpuTierManager(OffloadingManager):
         :meth:`release_held` names them. Returns key → held slot (empty: nothing
         evictable)."""
         guard = _Protected(self._pins, protected)
-        policy = self.policy
-        evictable = len(policy) - sum(1 for key in guard if key in policy)
-        count = min(count, evictable)
+        order = self._order
+        count = min(count, order.evictable(guard))
         if count <= 0:
             return {}
-        victims = policy.evict(count, guard)
+        victims = order.evict(count, guard)
         assert victims is not None, "the policy refused victims it counted as evictable"
-        held = {key: self._slots.pop(key) for key in victims}
-        self._held.update(held.values())
+        slots = self._slots
+        slot_keys = self._keys
+        held: dict[OffloadKey, int] = {}
+        for slot in victims:
+            key = slot_keys[slot]
+            assert key is not None
+            slot_keys[slot] = None
+            del slots[key]
+            held[key] = slot
+        self._held.update(victims)
         self._evictions += len(victims)
-        self._events.append(self._event(victims, removed=True))
+        self._events.append(self._event(list(held), removed=True))
         return held
 
     def hold_free(self, count: int) -> list[int]:
@@ -490,10 +511,10 @@ class CpuTierManager(OffloadingManager):
             access.seen.update(dict.fromkeys(keys))
             access.reused.update(keys)
             return
-        # Earliest keys last (see touch).
-        touch = self.policy.touch
+        # Earliest keys last (see touch); every key is ready (checked above).
+        touch = self._order.touch
         for key in reversed(list(keys)):
-            touch(key)
+            touch(slots[key])
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         """Drop one pin per occurrence of each key. Raises, changing nothing, when a key
@@ -527,9 +548,12 @@ class CpuTierManager(OffloadingManager):
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         # Earliest keys last, so a prompt's first chunks (shared by the most requests)
         # are the most recent.
-        touch = self.policy.touch
+        slots = self._slots
+        touch = self._order.touch
         for key in reversed(list(keys)):
-            touch(key)
+            slot = slots.get(key)
+            if slot is not None and slot is not _BEING_WRITTEN:
+                touch(slot)
 
     # -- lifecycle ------------------------------------------------------------------
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
@@ -542,13 +566,18 @@ class CpuTierManager(OffloadingManager):
         if access is None:
             return
         access.owner = None
-        policy = self.policy
+        slots = self._slots
+        touch = self._order.touch
+        refresh = self._order.refresh
         reused = access.reused
         for key in reversed(list(access.seen)):
+            slot = slots.get(key)
+            if slot is None or slot is _BEING_WRITTEN:
+                continue  # evicted or not written yet: not tracked
             if key in reused:
-                policy.touch(key)
+                touch(slot)
             else:
-                policy.refresh(key)
+                refresh(slot)
 
     def _access(self, ctx: ReqContext) -> _RequestAccess | None:
         """The live access state of a request announced to this manager, else ``None``."""
@@ -566,12 +595,14 @@ class CpuTierManager(OffloadingManager):
         being written or pinned are fenced (see the module docstring)."""
         state = self._state
         pins = self._pins
-        remove = self.policy.remove
+        remove = self._order.remove
+        slot_keys = self._keys
         removed = []
         writing = self._writing
         for key, slot in self._slots.items():
             if slot is not _BEING_WRITTEN:
-                remove(key)
+                remove(slot)
+                slot_keys[slot] = None
                 removed.append(key)
                 held = pins.get(key, 0)
                 if not held:
@@ -623,19 +654,23 @@ class CpuTierManager(OffloadingManager):
             self.region.close()
 
     # -- internals ------------------------------------------------------------------
-    def _drop(self, victims: list[OffloadKey]) -> None:
-        self._free_slots(victims)
-        self._evictions += len(victims)
-        self._events.append(self._event(victims, removed=True))
-
-    def _free_slots(self, keys: list[OffloadKey]) -> None:
+    def _drop(self, victims: list[int]) -> None:
+        """Free the victim slots the order gave up and report their keys evicted."""
         slots = self._slots
+        slot_keys = self._keys
         state = self._state
         free = self._free
-        for key in keys:
-            slot = slots.pop(key)
+        keys: list[OffloadKey] = []
+        for slot in victims:
+            key = slot_keys[slot]
+            assert key is not None
+            slot_keys[slot] = None
+            del slots[key]
             state[slot] = _FREE
             free.append(slot)
+            keys.append(key)
+        self._evictions += len(keys)
+        self._events.append(self._event(keys, removed=True))
 
     def _fenced_pins(self, key: OffloadKey) -> int:
         """Pins the fenced slots of ``key`` still wait for."""
