@@ -31,7 +31,8 @@ Memory per tracked chunk is measured with tracemalloc for each side alone: after
 the tier, and again after a full turnover (as many evicting stores as the tier holds); the
 key objects themselves, created by the caller, are not counted.
 
-Run: ``.venv/bin/python benchmarks/bench_vs_vllm.py [--quick] [--chunks N ...]``. Writes
+Run: ``.venv/bin/python benchmarks/bench_vs_vllm.py [--quick] [--chunks N ...] [--policies
+P ...] [--parts lookup load store_evict]``. Writes
 ``benchmarks/results/vs_vllm.md`` and ``vs_vllm.json`` unless ``--no-write``. vLLM 0.33.0
 must be importable (it is installed without its dependencies in the project's venv).
 """
@@ -66,18 +67,19 @@ BATCHES = (1, 16, 1024)
 POLICIES = ("lru", "arc")
 SIDES = ("vllm", "direct", "route1")
 METRICS = ("lookup_hit", "lookup_miss", "load", "store_evict", "finish")
+#: What ``--parts`` can pick: lookups (HIT, MISS and the finish after them), loads, stores.
+PARTS = ("lookup", "load", "store_evict")
 #: The slot of the one-group geometry below: the CPU tier rounds a chunk up to 4096 bytes.
 
 
 class Side:
-    """One manager behind a uniform driver (keys come from :func:`key_maker`)."""
+    """One manager behind a uniform driver (keys come from :func:`key_maker`). Lookups
+    call ``manager.lookup`` directly, as vLLM does (see :func:`look_up`)."""
 
     name: str
+    manager: Any
 
     def begin(self, req_id: str) -> Any:
-        raise NotImplementedError
-
-    def lookup(self, key: Any, ctx: Any) -> Any:
         raise NotImplementedError
 
     def load(self, keys: list[Any], ctx: Any) -> None:
@@ -109,9 +111,6 @@ class VllmSide(Side):
         self.manager.on_new_request(ctx)
         return ctx
 
-    def lookup(self, key: Any, ctx: Any) -> Any:
-        return self.manager.lookup(key, ctx)
-
     def load(self, keys: list[Any], ctx: Any) -> None:
         self.manager.prepare_load(keys, ctx)
         self.manager.complete_load(keys, ctx)
@@ -141,9 +140,6 @@ class DirectSide(Side):
         ctx = ReqContext(req_id=req_id)
         self.manager.on_new_request(ctx)
         return ctx
-
-    def lookup(self, key: Any, ctx: Any) -> Any:
-        return self.manager.lookup(key, ctx)
 
     def load(self, keys: list[Any], ctx: Any) -> None:
         self.manager.prepare_load(keys, ctx)
@@ -248,10 +244,10 @@ def timed_calls(
 
 
 def look_up(side: Side, keys: list[Any], ctx: Any) -> None:
-    """One lookup per key, as a round times them."""
-    lookup = side.lookup
+    """One lookup per key, each spelled as vLLM's connector spells it
+    (``self.manager.lookup(key, req_context)``), so no driver frame lands in the timing."""
     for key in keys:
-        lookup(key, ctx)
+        side.manager.lookup(key, ctx)
 
 
 def timed_round(run: Callable[[], None]) -> tuple[float, float]:
@@ -270,8 +266,11 @@ def split(keys: list[int], batch: int) -> list[list[int]]:
     return [keys[i : i + batch] for i in range(0, len(keys), batch)]
 
 
-def bench_policy(chunks: int, policy: str, rounds: int, seed: int) -> dict[str, Any]:
-    """Every metric for ``policy`` at ``chunks`` chunks; see the module docstring."""
+def bench_policy(
+    chunks: int, policy: str, rounds: int, seed: int, parts: Sequence[str] = PARTS
+) -> dict[str, Any]:
+    """The metrics of ``parts`` for ``policy`` at ``chunks`` chunks; see the module
+    docstring."""
     rng = random.Random(seed)
     stored = hashes(chunks, rng)
     sides = [FACTORIES[name](chunks, policy) for name in SIDES]
@@ -283,7 +282,7 @@ def bench_policy(chunks: int, policy: str, rounds: int, seed: int) -> dict[str, 
     try:
         # Lookups: per key, batch size plays no part.
         record = Recorder()
-        for r in range(rounds):
+        for r in range(rounds if "lookup" in parts else 0):
             hits = rng.sample(range(chunks), ROUND_KEYS)
             misses = hashes(ROUND_KEYS, rng)
             for side in rotated(sides, r):
@@ -298,11 +297,12 @@ def bench_policy(chunks: int, policy: str, rounds: int, seed: int) -> dict[str, 
                 record.add(
                     side.name, "finish", finish_s, ROUND_KEYS, (finish_wall, finish_wall)
                 )
-        results["rows"] += rows(record, ("lookup_hit", "lookup_miss", "finish"), batch=None)
+        if "lookup" in parts:
+            results["rows"] += rows(record, ("lookup_hit", "lookup_miss", "finish"), None)
 
         # Loads of resident chunks, then evicting stores of fresh ones: loads never evict,
         # so every side still holds every filled chunk when the loads run.
-        for metric in ("load", "store_evict"):
+        for metric in [part for part in ("load", "store_evict") if part in parts]:
             for batch in BATCHES:
                 record = Recorder()
                 for r in range(rounds):
@@ -484,6 +484,8 @@ def summary(results: dict[str, Any]) -> list[str]:
         )
     for run in results["runs"]:
         store = [r for r in run["rows"] if r["metric"] == "store_evict"]
+        if not store:
+            continue
         worst = {
             side: (
                 max(r[f"{side}_worst_ms"] for r in store),
@@ -550,6 +552,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="20,000 chunks, 10 rounds")
     parser.add_argument("--chunks", type=int, nargs="+", help="tier sizes (default 100000)")
     parser.add_argument("--rounds", type=int, help="rounds per metric (default 30)")
+    parser.add_argument(
+        "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="default both"
+    )
+    parser.add_argument(
+        "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="default all"
+    )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
@@ -563,6 +571,8 @@ def main() -> None:
                 "--quick" if args.quick else "",
                 f"--chunks {' '.join(map(str, sizes))}",
                 f"--rounds {rounds}",
+                "" if args.policies == list(POLICIES) else "--policies " + " ".join(args.policies),
+                "" if args.parts == list(PARTS) else "--parts " + " ".join(args.parts),
             )
             if part
         ),
@@ -571,12 +581,14 @@ def main() -> None:
         "memory": [],
     }
     for chunks in sizes:
-        for policy in POLICIES:
-            results["runs"].append(bench_policy(chunks, policy, rounds, seed=chunks))
+        for policy in args.policies:
+            results["runs"].append(
+                bench_policy(chunks, policy, rounds, seed=chunks, parts=args.parts)
+            )
             print(f"{policy} {chunks}: done", flush=True)
     if not args.no_memory:
         for chunks in sizes:
-            for policy in POLICIES:
+            for policy in args.policies:
                 for side in SIDES:
                     results["memory"].append(bench_memory(chunks, policy, side, seed=7))
     report = render(results)

@@ -79,28 +79,63 @@ def test_engine_keys_are_checked_when_translated(
     assert manager.stack.tiers[0].manager.get_stats()["chunks"] == 0
 
 
-# -- the one-call lookup of a one-tier cpu stack keeps the composite's door ------------------
+# -- the one-call lookup of a one-tier cpu stack: junk misses, keys are checked where they enter --
+class _Equal(bytes):
+    """A bytes subclass: equal to a stored key, yet not one of the cache's keys."""
+
+
 @pytest.mark.parametrize(
     "bad",
     [
         pytest.param("k" * 20, id="str"),
         pytest.param(None, id="none"),
-        pytest.param([1, 2], id="unhashable"),
         pytest.param(b"\x01\x02", id="short"),
         pytest.param(vbase.make_offload_key(b"\x07" * 16, 1), id="group-out-of-range"),
     ],
 )
-def test_a_one_tier_route1_lookup_refuses_a_bad_key_as_the_composite_does(bad: Any) -> None:
+def test_a_one_tier_route1_lookup_answers_miss_for_junk_and_the_door_refuses_it_later(
+    bad: Any,
+) -> None:
+    """A key the tier does not hold is a MISS unchecked (nothing is loaded or stored for
+    a miss); the same key is refused, changing nothing, where keys enter: the store, the
+    load and the composite's own lookup."""
     manager = route1(2, "lru")
     try:
         good = prefix(1, 1)
         store_keys(manager, "a", good)  # the cache learns its key length
         ctx = request(manager, "b", good)
+        assert manager.lookup(bad, ctx) is vbase.LookupResult.MISS
+        before = dict(manager.stack.manager.get_stats())
+        with pytest.raises(InvalidKeyError):
+            manager.prepare_store([bad], ctx)
+        with pytest.raises(InvalidKeyError):
+            manager.prepare_load([bad], ctx)
+        with pytest.raises(InvalidKeyError):
+            manager.stack.manager.lookup(bad, ReqContext("b"))
+        assert dict(manager.stack.manager.get_stats()) == before
+        assert manager.lookup(good[0], ctx) is vbase.LookupResult.HIT
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param([1, 2], id="unhashable"),
+        pytest.param(_Equal(prefix(1, 1)[0]), id="bytes-subclass-of-a-stored-key"),
+    ],
+)
+def test_a_one_tier_route1_lookup_refuses_a_key_no_miss_can_answer(bad: Any) -> None:
+    """An unhashable key, and a key that would be found but is not one of the cache's
+    (a load could follow a HIT), raise as at the composite's door, counting nothing."""
+    manager = route1(2, "lru")
+    try:
+        good = prefix(1, 1)
+        store_keys(manager, "a", good)
+        ctx = request(manager, "b", good)
         before = dict(manager.stack.manager.get_stats())
         with pytest.raises(InvalidKeyError):
             manager.lookup(bad, ctx)
-        with pytest.raises(InvalidKeyError):
-            manager.stack.manager.lookup(bad, ReqContext("b"))
         assert dict(manager.stack.manager.get_stats()) == before
         assert manager.lookup(good[0], ctx) is vbase.LookupResult.HIT
     finally:
@@ -132,6 +167,27 @@ def test_a_found_key_survives_the_same_requests_store(tiers: str, tmp_path: Path
         manager.stack.manager.wait_idle()
         ctx = request(manager, "c", [older, fresh])
         assert manager.lookup(older, ctx) is vbase.LookupResult.HIT
+        out = manager.prepare_store([fresh], ctx)
+        assert out is not None and list(out.evicted_keys) == [newer]
+    finally:
+        manager.shutdown()
+
+
+def test_a_waiting_requests_finds_stay_kept_across_steps_and_are_held_once() -> None:
+    """A request vLLM looks up again every step while it waits keeps its found keys from
+    its own store, and holds each of them once however many steps it waits."""
+    manager = route1(2, "lru")
+    try:
+        older, newer, fresh = prefix(3, 3)
+        store_keys(manager, "a", [older])
+        store_keys(manager, "b", [newer])  # older is now the least recently used
+        ctx = request(manager, "c", [older, fresh])
+        end = vbase.ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+        for _ in range(3):
+            assert manager.lookup(older, ctx) is vbase.LookupResult.HIT
+            manager.on_schedule_end(end)
+        assert manager._requests["c"].found == []
+        assert manager._requests["c"].ctx.keep == {older}
         out = manager.prepare_store([fresh], ctx)
         assert out is not None and list(out.evicted_keys) == [newer]
     finally:

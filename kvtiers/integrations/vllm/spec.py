@@ -24,7 +24,9 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
 * Cost: the kvtiers context of a request is translated once (``on_new_request``); when
   every KV-cache group is offloaded vLLM's keys are kvtiers' keys (no translation), and a
   one-tier ``cpu`` stack answers ``lookup`` from the primary in one call (which keeps the
-  composite's door and adds what it finds to the request's ``ctx.keep``, as the composite does).
+  composite's door for keys it finds and lists them for the request's ``ctx.keep``, as the
+  composite keeps them; a key it does not hold is a ``MISS`` unchecked: every key is
+  checked where it enters, at ``prepare_store`` and ``prepare_load``).
 * Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
   ``reset_cache`` (0.32 and 0.33), so the stack forgets those keys at once (``MISS``, a new
   store accepted) and fences their primary slots. vLLM 0.33 calls ``on_reset_flushed``
@@ -137,15 +139,23 @@ class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
 
 @dataclass(slots=True)
 class _Request:
-    """The adapter's state of one request: its kvtiers context (translated once) and the
-    load source of each key a promotion serves it."""
+    """The adapter's state of one request: its kvtiers context (translated once), the
+    load source of each key a promotion serves it, and the keys the one-call lookup found
+    that are not yet in ``ctx.keep`` (moved there before a store reads it)."""
 
     ctx: ReqContext
     sources: dict[Any, CacheHitSource] = field(default_factory=dict)
+    found: list[OffloadKey] = field(default_factory=list)
 
 
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 _VHIT, _VMISS = vbase.LookupResult.HIT, vbase.LookupResult.MISS
+
+
+def _keep_found(request: _Request) -> None:
+    """Move the keys the one-call lookup found for ``request`` into its ``ctx.keep``."""
+    request.ctx.keep.update(request.found)
+    request.found.clear()
 
 
 def _tail_first(keys: Collection[Any], req_context: Any) -> list[Any]:
@@ -200,20 +210,21 @@ class KVTiersManager(vbase.OffloadingManager):
         self._fence_steps: int | None = None
         self._requests: dict[str, _Request] = {}
         self._primary = primary = stack.manager.tiers[0].manager
-        # Each announced request's ctx.keep, by request id.
-        self._keeps: dict[str, set[OffloadKey]] = {}
-        if (
+        # Each announced request's keys found by the one-call lookup, by request id.
+        self._found: dict[str, list[OffloadKey]] = {}
+        self._one_call = (
             self._same_keys and len(stack.manager.tiers) == 1
             and isinstance(primary, CpuTierManager) and stack.manager.cost is None
-        ):
+        )
+        if self._one_call:
             # Nothing to translate and nowhere to promote from: the primary answers, with
-            # the composite's door and keep set.
-            self.lookup = primary.lookup_as(  # type: ignore[method-assign,assignment]
+            # the composite's door and keep set (kept as the request's found list).
+            self.lookup = primary.lookup_as(  # type: ignore[method-assign]
                 _VHIT,
                 _VMISS,
                 vbase.LookupResult.HIT_PENDING,
                 keys=stack.manager.key_format,
-                keeps=self._keeps,
+                found=self._found,
             )
 
     def _ctx(self, ctx: Any) -> ReqContext:
@@ -271,9 +282,12 @@ class KVTiersManager(vbase.OffloadingManager):
     def prepare_load(self, keys: Collection[Any], req_context: Any) -> KVTiersLoadStoreSpec:
         ours = keys if self._same_keys else self._keys.all_to_kvtiers(keys)
         request = self._requests.get(req_context.req_id)
-        self._tiered.prepare_load(
-            ours, request.ctx if request is not None else kvtiers_context(req_context)
-        )
+        if request is None:
+            self._tiered.prepare_load(ours, kvtiers_context(req_context))
+        else:
+            self._tiered.prepare_load(ours, request.ctx)
+            # Pinned now, as the composite cleared ctx.keep for.
+            request.found.clear()
         return self._spec(ours)
 
     def touch(self, keys: Collection[Any], req_context: Any) -> None:
@@ -288,9 +302,14 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
         request = self._requests.get(req_context.req_id)
+        if request is None:
+            ctx = kvtiers_context(req_context)
+        else:
+            ctx = request.ctx
+            if request.found:  # the store must not evict what the request's lookups found
+                _keep_found(request)
         accepted = self._tiered.prepare_store(
-            keys if self._same_keys else self._keys.all_to_kvtiers(keys),
-            request.ctx if request is not None else kvtiers_context(req_context),
+            keys if self._same_keys else self._keys.all_to_kvtiers(keys), ctx
         )
         self._drain_events()
         if accepted is None:
@@ -374,14 +393,15 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def on_new_request(self, req_context: Any) -> Any:
         ctx = kvtiers_context(req_context)
-        self._requests[req_context.req_id] = _Request(ctx)
-        self._keeps[req_context.req_id] = ctx.keep
+        request = self._requests[req_context.req_id] = _Request(ctx)
+        if self._one_call:
+            self._found[req_context.req_id] = request.found
         return vllm_request_context(self._tiered.on_new_request(ctx))
 
     def on_request_finished(self, req_context: Any) -> None:
         self._tiered.on_request_finished(self._ctx(req_context))
         self._requests.pop(req_context.req_id, None)
-        self._keeps.pop(req_context.req_id, None)
+        self._found.pop(req_context.req_id, None)
 
     def take_events(self) -> Iterable[Any]:
         self._drain_events()
@@ -399,6 +419,12 @@ class KVTiersManager(vbase.OffloadingManager):
             if self._fence_steps <= 0:
                 self._fence_steps = None
                 self._tiered.on_reset_flushed()
+        if self._one_call:
+            # A request that waits is looked up again next step: its list holds one step's
+            # finds at most, the set keeps each key once.
+            for request in self._requests.values():
+                if request.found:
+                    _keep_found(request)
         self._drain_events()
 
     def has_pending_work(self) -> bool:

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
+from kvtiers.core.keys import KeyFormat, OffloadKey
 from kvtiers.core.manager import (
     Locality,
     LookupResult,
@@ -223,18 +223,23 @@ class CpuTierManager(OffloadingManager):
         pending: _R,
         *,
         keys: KeyFormat | None = None,
-        keeps: Mapping[Any, set[OffloadKey]] | None = None,
+        found: Mapping[Any, list[OffloadKey]] | None = None,
     ) -> Callable[[Any, Any], _R]:
         """:meth:`lookup` as one plain function answering ``hit`` / ``miss`` / ``pending``
         (an engine's own result values), counted the same: for an adapter whose keys are
         this tier's keys and whose stack is this tier alone, so a lookup costs one call.
         The function keeps reading the manager's live tables (it never rebinds them).
 
-        With ``keys`` it keeps a composite's door: a key that is not one of ``keys`` raises
-        :class:`~kvtiers.errors.InvalidKeyError` and any lookup after :meth:`shutdown`
-        raises :class:`~kvtiers.errors.ClosedError`, before anything is counted. With
-        ``keeps`` (each announced request's keep set, by ``req_id``) a key found present
-        joins its request's keep set, as the composite adds it to ``ctx.keep``."""
+        With ``keys`` it keeps a composite's door where a key can lead anywhere: a key
+        found present (which a load may follow) that is not ``bytes`` raises
+        :class:`~kvtiers.errors.InvalidKeyError`, as does an unhashable key, and any lookup
+        after :meth:`shutdown` raises :class:`~kvtiers.errors.ClosedError`, before anything
+        is counted. Any other key the tier does not hold answers ``miss`` unchecked:
+        nothing is loaded or stored for a miss, and ``prepare_store`` / ``prepare_load``
+        check every key at the door. With ``found`` (each announced request's list, by
+        ``req_id``) a key found present is appended to its request's list: the caller
+        moves those keys into ``ctx.keep`` before a call that reads it (a list costs less
+        to fill and to drop than a set)."""
         manager = self
         slot_of: Callable[[Any], int | None] = self._slots.get
         if keys is None:
@@ -252,28 +257,19 @@ class CpuTierManager(OffloadingManager):
             return lookup
 
         fmt = keys
-        key_bytes = fmt.key_bytes
-        # Past every 4-byte group when any group is valid, so one comparison serves.
-        limit = fmt.group_limit or b"\xff" * (GROUP_INDEX_BYTES + 1)
-        group = slice(-GROUP_INDEX_BYTES, None)  # built once, not per lookup
-        keep_of = (keeps if keeps is not None else {}).get
+        found_of = (found if found is not None else {}).get
 
         def refuse(key: Any) -> None:
-            """Raise for a closed tier or a key the door refuses; otherwise the key's
-            length was learned (the first key of an engine's own hash)."""
-            nonlocal key_bytes
-            if manager._closed:
-                raise ClosedError("lookup: this CPU tier was shut down; build a new one")
+            """Raise for a key the door refuses."""
             fmt.check(key, "lookup")
-            key_bytes = fmt.key_bytes
+
+        def closed(key: Any) -> int | None:
+            raise ClosedError("lookup: this CPU tier was shut down; build a new one")
 
         def close() -> None:
-            # No closed flag read per lookup: from now on every key is absent and fails
-            # the length test, so each lookup takes refuse(), which raises ClosedError.
-            nonlocal slot_of, key_bytes
-            nothing: dict[Any, int] = {}
-            slot_of = nothing.get
-            key_bytes = -1
+            # No closed flag read per lookup: from now on the probe itself raises.
+            nonlocal slot_of
+            slot_of = closed
 
         self._closers.append(close)
 
@@ -284,20 +280,15 @@ class CpuTierManager(OffloadingManager):
                 refuse(key)
                 raise
             if slot is None:
-                if (
-                    type(key) is not bytes or len(key) != key_bytes
-                    or key[group] >= limit
-                ):
-                    refuse(key)
                 manager._misses += 1
                 return miss
             # Only keys the door let in were ever stored: a present key needs its type
             # checked alone (an equal bytes subclass is still refused).
             if type(key) is not bytes:
                 refuse(key)
-            keep = keep_of(ctx.req_id)
-            if keep is not None:
-                keep.add(key)
+            keys_found = found_of(ctx.req_id)
+            if keys_found is not None:
+                keys_found.append(key)
             if slot is _BEING_WRITTEN:
                 return pending
             manager._hits += 1
