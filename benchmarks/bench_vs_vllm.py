@@ -503,14 +503,15 @@ def summary(results: dict[str, Any]) -> list[str]:
         "- What the ratios show: `direct` against `route1` isolates the vLLM-facing adapter. "
         "Keys are not translated (vLLM's key objects are kvtiers' keys when every group is "
         "offloaded), a request's context is translated once, and a one-tier `cpu` stack "
-        "answers `lookup` in one call into the CPU tier. That call keeps the composite's "
-        "door and keep set (issue 18): a key the tier holds gets a type test and joins the "
-        "request's `ctx.keep`, a key it does not hold gets the type, length and group tests "
-        "before the MISS. Those cost about 0.1 us per lookup, which is why MISS sits near "
-        "1x: one Python call and a dict probe alone measure 0.75-0.8x of vLLM's MISS here, "
-        "so no per-key check in Python fits under the target.",
-        "- `request finish` after a lookup round clears the request's keep set of 1,024 "
-        "found keys (vLLM keeps no such set); its cost is that of dropping the references.",
+        "answers `lookup` in one call into the CPU tier. A key the tier holds gets a type "
+        "test and is appended to the request's found list (moved into `ctx.keep` before a "
+        "store reads it, so a request's store never evicts what its lookups found); a key "
+        "it does not hold is a MISS unchecked: nothing is loaded or stored for a miss, and "
+        "`prepare_store` / `prepare_load` check every key at the door. One Python call and "
+        "a dict probe measure 0.75-0.8x of vLLM's MISS here, so MISS has no room for any "
+        "per-key check in Python.",
+        "- `request finish` after a lookup round drops the request's list of 1,024 found "
+        "keys (vLLM keeps no such list); its cost is that of dropping the references.",
         "- Loads and stores of 1 key: route 1 adds the composite's door (two key checks), "
         "the event drain that reports evicted keys, and vLLM's output objects, about 1-3 us "
         "per call on top of the CPU tier. Under ARC the CPU tier alone (`direct`) is about "
