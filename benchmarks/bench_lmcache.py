@@ -261,7 +261,7 @@ class KvtiersFiles:
 
     def _job(self, src: object, dst: object) -> tuple[float, Any]:
         start = time.perf_counter()
-        self.mover.submit(next(self.jobs), src, dst)  # type: ignore[arg-type]
+        self.mover.submit(next(self.jobs), src, dst)
         self.mover.drain()
         elapsed = time.perf_counter() - start
         (result,) = self.mover.get_finished()
