@@ -108,6 +108,9 @@ LMCACHE_MODULES = (
     "lmcache.v1.memory_allocators.tensor_memory_allocator",
 )
 
+WRITES = ("raw_pwrite", "kvtiers_store", "lmcache_store")
+READS = ("raw_pread", "kvtiers_load", "lmcache_load")
+
 REFUSED = "refused (miss)"
 WRONG = "hit, wrong bytes"
 RIGHT = "hit, right bytes"
@@ -165,7 +168,7 @@ def file_fate(path: Path, quarantine: Path | None) -> str:
     return "file removed"
 
 
-def throughput_table(rows: Sequence[dict[str, float]]) -> list[str]:
+def throughput_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     lines = [
         "| chunk | kvtiers store | LMCache store | store ratio | raw pwrite | kvtiers load | "
         "LMCache load | load ratio | raw pread |",
@@ -178,6 +181,18 @@ def throughput_table(rows: Sequence[dict[str, float]]) -> list[str]:
             f"{r['kvtiers_load']:.2f} | {r['lmcache_load']:.2f} | {r['load_ratio']:.2f}x | "
             f"{r['raw_pread']:.2f} |"
         )
+    return lines
+
+
+def spread_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """Slowest and fastest pass of each variant (GB/s): how far apart the passes were."""
+    names = WRITES + READS
+    lines = ["| chunk | " + " | ".join(n.replace("_", " ") for n in names) + " |",
+             "|---:|" + "---:|" * len(names)]
+    for r in rows:
+        cells = [f"{min(r['passes_gbps'][n]):.2f}-{max(r['passes_gbps'][n]):.2f}"
+                 for n in names]
+        lines.append(f"| {_size(int(r['chunk_bytes']))} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -524,10 +539,6 @@ def raw_pread(paths: Sequence[Path], region: Region, size: int, threads: int) ->
     return _parallel(threads, one, len(paths))
 
 
-WRITES = ("raw_pwrite", "kvtiers_store", "lmcache_store")
-READS = ("raw_pread", "kvtiers_load", "lmcache_load")
-
-
 class Case:
     """One chunk size: a region of ``n`` slots, the file tier, LMCache's disk backend
     (memory objects holding the same bytes) and raw files of the same payloads."""
@@ -606,7 +617,7 @@ class Case:
         self.samples[name].append(elapsed)
 
 
-def bench_case(base: Path, chunk_bytes: int, volume: int, repeats: int) -> dict[str, float]:
+def bench_case(base: Path, chunk_bytes: int, volume: int, repeats: int) -> dict[str, Any]:
     case = Case(base, chunk_bytes, volume)
     writes, reads = list(WRITES), list(READS)
     try:
@@ -620,8 +631,10 @@ def bench_case(base: Path, chunk_bytes: int, volume: int, repeats: int) -> dict[
     finally:
         case.close()
     payload = case.n * chunk_bytes
-    out: dict[str, float] = {"chunk_bytes": chunk_bytes, "chunks": case.n}
+    out: dict[str, Any] = {"chunk_bytes": chunk_bytes, "chunks": case.n}
     out.update({name: gbps(payload, t) for name, t in case.samples.items()})
+    out["passes_gbps"] = {name: [payload / s / 1e9 for s in t]
+                          for name, t in case.samples.items()}
     out["store_ratio"] = ratio(out["kvtiers_store"], out["lmcache_store"])
     out["load_ratio"] = ratio(out["kvtiers_load"], out["lmcache_load"])
     out["lmcache_current_cache_size_end"] = drift
@@ -671,6 +684,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     elapsed = time.perf_counter() - started
     print("\n".join(throughput_table(rows)))
     print()
+    print("\n".join(spread_table(rows)))
+    print()
     print("\n".join(integrity_table(kvt, lmc)))
     print(
         f"LMCache remove(): current_cache_size {drift['current_cache_size_after_store']:.0f} "
@@ -690,7 +705,7 @@ NOTES = "## Reading the numbers"
 
 
 def write_results(note: str, version: str, volume: int, repeats: int,
-                  rows: list[dict[str, float]], kvt: dict[str, Any], lmc: dict[str, Any],
+                  rows: list[dict[str, Any]], kvt: dict[str, Any], lmc: dict[str, Any],
                   drift: dict[str, float], elapsed: float) -> None:
     RESULTS.mkdir(exist_ok=True)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -713,6 +728,10 @@ def write_results(note: str, version: str, volume: int, repeats: int,
         f"{THREADS} threads, is the medium reference.",
         "",
         *throughput_table(rows),
+        "",
+        "Slowest-fastest pass of each (GB/s; the table above gives medians):",
+        "",
+        *spread_table(rows),
         "",
         "Integrity (one byte flipped in the middle of one chunk's payload, another chunk's "
         "file truncated to half, each then loaded once; then a new manager / backend over "

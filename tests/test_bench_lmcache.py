@@ -100,6 +100,15 @@ def test_throughput_table() -> None:
     assert lines[2] == "| 256 KiB | 1.23 | 0.50 | 2.47x | 2.00 | 1.00 | 2.00 | 0.50x | 3.00 |"
 
 
+def test_spread_table_gives_the_slowest_and_fastest_pass() -> None:
+    passes = {name: [1.0, 3.0, 2.0] for name in bench.WRITES + bench.READS}
+    passes["lmcache_load"] = [0.25, 0.5]
+    lines = bench.spread_table([{"chunk_bytes": 2 * 1024 * 1024, "passes_gbps": passes}])
+    assert lines[0] == ("| chunk | raw pwrite | kvtiers store | lmcache store | raw pread | "
+                        "kvtiers load | lmcache load |")
+    assert lines[2] == "| 2 MiB |" + " 1.00-3.00 |" * 5 + " 0.25-0.50 |"
+
+
 def test_integrity_table() -> None:
     kvt = {"flipped": "refused (miss)", "flipped_file": "file quarantined",
            "truncated": "refused (miss)", "truncated_file": "file quarantined",
