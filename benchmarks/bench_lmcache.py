@@ -40,6 +40,11 @@ pure-Python packages its local-disk backend imports, with the CPU torch wheel)::
         pyzmq transformers cryptography
     /tmp/lmcache-venv/bin/pip install -e .
 
+(checked from an empty virtualenv. pip then reports the rest of LMCache's declared
+dependencies, CUDA packages among them, and its pins ``numpy<=2.2.6`` and
+``prometheus_client<=0.24.1`` as unmet; the local-disk backend needs none of the rest and
+runs with the numpy 2.4 and prometheus_client 0.26 it gets.)
+
 Run: ``/tmp/lmcache-venv/bin/python benchmarks/bench_lmcache.py [--quick] [--dir DIR]
 [--volume-mib N] [--repeats N] [--no-write]``. The full run writes
 ``benchmarks/results/lmcache.md`` and ``lmcache.json`` unless ``--no-write``.
