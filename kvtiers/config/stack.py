@@ -36,6 +36,7 @@ from kvtiers.config.schema import (
     suggestion,
 )
 from kvtiers.config.tiers import (
+    LOCAL_PROTOCOLS,
     FileTierConfig,
     FsspecTierConfig,
     LowerTierConfig,
@@ -229,14 +230,10 @@ def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:
         return ("s3", location, f"(endpoint {endpoint})"), "bucket"
     if isinstance(tier, FsspecTierConfig):
         protocol, _, rest = tier.url.partition("://")
-        if protocol.lower() in _LOCAL_PROTOCOLS:
+        if protocol.lower() in LOCAL_PROTOCOLS:
             return ("file", _same_directory(rest)), "url"
         return ("fsspec", tier.url.rstrip("/")), "url"
     return (), ""
-
-
-# fsspec protocols that are the local filesystem: such a tier shares places with file tiers.
-_LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 def _same_directory(path: str) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import ipaddress
+import os
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -179,8 +181,9 @@ class FileTierConfig(LowerTierConfig):
     root: Annotated[str, Matches(r"[^\x00]+", "a directory path")] = field(
         metadata=example("root: /mnt/nvme/kvtiers")
     )
-    """Directory holding one namespace per cache identity; relative paths resolve against
-    the current directory, ``~`` is expanded."""
+    """Directory holding one namespace per cache identity (a directory of its own, not
+    the filesystem root); relative paths resolve against the current directory, ``~`` is
+    expanded."""
     capacity: Capacity | None = None
     """Bytes of chunk files kept; least recently used chunks are evicted beyond it. Unset:
     bounded only by the filesystem."""
@@ -252,6 +255,13 @@ class FileTierConfig(LowerTierConfig):
                 "gds: true needs the kvikio I/O backend; set io: auto or io: kvikio",
                 path="io",
             )
+        if _is_filesystem_root(self.root_path):
+            raise ConfigError(
+                f"root {self.root!r} is the filesystem root: the tier would make its "
+                "namespace directories straight under it, among the system's own; give it "
+                "a directory of its own, e.g. root: /var/cache/kvtiers",
+                path="root",
+            )
         blocker = _non_directory_on(self.root_path)
         if blocker is not None:
             raise ConfigError(
@@ -269,6 +279,38 @@ class FileTierConfig(LowerTierConfig):
         if self.durability != "process":
             parts.append(f"durability={self.durability}")
         return ", ".join(parts)
+
+
+def _is_filesystem_root(path: str | Path) -> bool:
+    """Whether ``path`` is ``/`` once ``..``, repeated slashes and links are resolved."""
+    resolved = Path(os.path.realpath(path))
+    return resolved == resolved.parent
+
+
+#: fsspec protocols that are the local filesystem (such a tier shares places with file
+#: tiers, and its url is a local path).
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def _fsspec_root_problem(url: str) -> str | None:
+    """Why ``url`` names no directory of its own below its filesystem's root (bare, or
+    ``..`` back up to it; on the local filesystem also through links), or ``None``. At
+    such a root namespaces would sit beside whatever else that filesystem holds, and a
+    bare local one means the working directory."""
+    protocol, _, path = url.partition("://")
+    local = protocol.lower() in LOCAL_PROTOCOLS
+    if local:
+        bare = not path.strip("/") or _is_filesystem_root(path)
+    else:
+        bare = posixpath.normpath("/" + path.lstrip("/")) == "/"
+    if not bare:
+        return None
+    example = "file:///var/cache/kvtiers" if local else f"{protocol}://kvtiers"
+    return (
+        f"{url!r} names no directory of its own (it is the root of its filesystem"
+        f"{', or the working directory' if local else ''}), so namespaces would sit beside "
+        f"everything else there; give a path below the root, e.g. {example}"
+    )
 
 
 def _non_directory_on(path: Path) -> Path | None:
@@ -459,7 +501,8 @@ class FsspecTierConfig(LowerTierConfig):
         field(metadata=example("url: gcs://bucket/kv"))
     )
     """Where namespaces live: any fsspec URL (``gcs://bucket/kv``, ``az://container/kv``,
-    ``memory://kv``); the protocol's fsspec package must be installed."""
+    ``memory://kv``) naming a directory below its filesystem's root (not ``memory://`` or
+    ``file:///`` itself); the protocol's fsspec package must be installed."""
     threads: Threads = 16
     """Concurrent requests of the tier's mover."""
     capacity: Capacity | None = None
@@ -479,9 +522,9 @@ class FsspecTierConfig(LowerTierConfig):
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
-        missing = _fsspec_protocol_problem(self.url)
-        if missing is not None:
-            raise ConfigError(missing, path="url")
+        problem = _fsspec_root_problem(self.url) or _fsspec_protocol_problem(self.url)
+        if problem is not None:
+            raise ConfigError(problem, path="url")
         problem = nesting_problem(
             self.storage_options,
             max_depth=STORAGE_OPTIONS_MAX_DEPTH,
