@@ -163,8 +163,10 @@ def test_a_refused_allocation_is_one_line_not_a_traceback(tmp_path: Path) -> Non
         "model:\n  name: m\n  groups: [{tokens_per_block: 16, num_layers: 1, page_bytes: 4KiB}]\n"
     )
     result = _cli("demo", "--config", str(stack), "--out", str(tmp_path / "out"), "--no-plot")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"kvtiers: {stack}: tiers[0].capacity: the CPU tier's region")
+    assert "lower the tier's capacity" in result.stderr
 
 
 def test_tools_work_on_an_fsspec_url() -> None:

@@ -28,7 +28,8 @@ from kvtiers.config.schema import Check, Matches, OctalMode, Range, Section, exa
 from kvtiers.config.sizes import Size, format_size
 from kvtiers.core.bounded import nesting_problem
 from kvtiers.errors import ConfigError
-from kvtiers.policies.base import policy_import_problem, policy_name_problem
+from kvtiers.optional import hint_for
+from kvtiers.policies.base import load_policy, policy_name_problem
 
 #: Default ``op_deadline_s`` of object tiers, seconds (kept equal to
 #: :data:`kvtiers.tiers.object.retry.DEFAULT_OP_DEADLINE_S`; config never imports tiers).
@@ -133,6 +134,18 @@ def _capacity_problem(size: int) -> str | None:
     return None
 
 
+def cpu_capacity_problem(name: str, capacity: int, slot_bytes: int) -> str | None:
+    """Why the cpu tier ``name`` cannot hold one chunk slot of ``slot_bytes``, or ``None``
+    (the build's check, which ``kvtiers validate`` makes when a ``model:`` section gives
+    the chunks)."""
+    if capacity >= slot_bytes:
+        return None
+    return (
+        f"tier {name!r}: capacity {capacity} bytes holds no chunk of {slot_bytes} bytes; "
+        f"give at least {slot_bytes} bytes"
+    )
+
+
 Capacity = Annotated[Size, Check(_capacity_problem)]
 """A tier's capacity: a :data:`~kvtiers.config.sizes.Size` of at least one 4 KiB page."""
 
@@ -159,9 +172,8 @@ class CPUTierConfig(TierConfig):
         return True
 
     def _check(self) -> None:
-        problem = policy_import_problem(self.policy)
-        if problem is not None:
-            raise ConfigError(problem, path="policy")
+        # As the build does: the module imports and the class is an EvictionPolicy.
+        load_policy(self.policy)
 
     def describe(self) -> str:
         return f"cpu {format_size(self.capacity)}, {self.policy}"
@@ -279,6 +291,15 @@ class FileTierConfig(LowerTierConfig):
         if self.durability != "process":
             parts.append(f"durability={self.durability}")
         return ", ".join(parts)
+
+
+#: What the embedded S3 server (``endpoint_url: embedded``) imports: moto's server.
+EMBEDDED_SERVER_MODULES = ("moto", "flask", "flask_cors")
+
+
+def missing_modules(modules: tuple[str, ...]) -> list[str]:
+    """Those of the top-level ``modules`` that cannot be imported here (none is imported)."""
+    return [module for module in modules if importlib.util.find_spec(module) is None]
 
 
 def _is_filesystem_root(path: str | Path) -> bool:
@@ -466,6 +487,14 @@ class S3TierConfig(LowerTierConfig):
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        if self.endpoint_url == "embedded":
+            missing = missing_modules(EMBEDDED_SERVER_MODULES)
+            if missing:
+                raise ConfigError(
+                    f"{hint_for(missing[0], 'endpoint_url: embedded')}, or point "
+                    "endpoint_url at a real S3 endpoint",
+                    path="endpoint_url",
+                )
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError(
                 f"backoff_max_s {self.backoff_max_s:g} is below backoff_base_s "

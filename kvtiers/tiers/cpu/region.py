@@ -35,6 +35,7 @@ import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtiers.config.sizes import format_size
 from kvtiers.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
@@ -142,6 +143,23 @@ def _format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+def _too_large(nbytes: int, exc: BaseException) -> ConfigError:
+    """The system refused a private region of ``nbytes`` (``exc``): what, how much, and
+    what to do, at the tier's ``capacity``."""
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        memory = ""
+    else:
+        memory = f"; this machine has {format_size(physical)} of memory"
+    return ConfigError(
+        f"the CPU tier's region of {format_size(nbytes)} ({nbytes} bytes) cannot be "
+        f"allocated ({why}){memory}: lower the tier's capacity",
+        path="capacity",
+    )
+
+
 class SlotRegion:
     """Fixed-size slots over one mapping. ``shared_memory_name`` names a ``/dev/shm`` file."""
 
@@ -161,7 +179,10 @@ class SlotRegion:
         self.path: Path | None = None
         self._lock_fd: int | None = None
         if shared_memory_name is None:
-            self._mmap = mmap.mmap(-1, self.nbytes)
+            try:
+                self._mmap = mmap.mmap(-1, self.nbytes)
+            except (OSError, OverflowError) as exc:
+                raise _too_large(self.nbytes, exc) from None
         else:
             self._mmap = self._map_shared(shm_dir, shared_memory_name)
         self._view = memoryview(self._mmap)
