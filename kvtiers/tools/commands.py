@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TextIO
 
 import xxhash
@@ -379,3 +380,28 @@ def _created(location: Location, namespace: str) -> float:
         except ValueError:
             pass
     return datetime.now(timezone.utc).timestamp()
+
+
+def gc_shm(out: TextIO, *, dry_run: bool = False, shm_dir: Path | None = None) -> int:
+    """Remove the cpu regions vLLM engines of this user left in ``/dev/shm`` (named
+    ``kvtiers-<uid>-…``) that no process maps: a killed engine's, which only the next
+    engine's start would otherwise remove. A region some process maps is kept; so is any
+    file that is not a private region file of this user. One line per region and a
+    closing total; always 0."""
+    from kvtiers.tiers.cpu.region import SHM_DIR, engine_region_prefix, region_files
+
+    directory = SHM_DIR if shm_dir is None else shm_dir
+    prefix = engine_region_prefix()
+    found = region_files(prefix, shm_dir=directory, remove=not dry_run)
+    verb = "would remove" if dry_run else "removed"
+    unused = [f for f in found if not f.in_use]
+    # The reason first, the path last, as verify does: a long path wraps whole.
+    for region in found:
+        size = format_size(region.size)
+        what = f"in use, kept ({size})" if region.in_use else (
+            f"{verb} (no process maps it; {size})")
+        say(out, f"  {what}: {region.path}")
+    freed = format_size(sum(f.size for f in unused))
+    say(out, f"gc --shm: {verb} {len(unused)} region(s) ({freed}) and kept "
+             f"{len(found) - len(unused)} in use of {prefix}* in {directory}")
+    return 0
