@@ -130,7 +130,13 @@ def load_policy(name: str) -> type[EvictionPolicy]:
     except _PolicyImportError as exc:
         raise ConfigError(str(exc), path="policy") from exc.__cause__
     cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+    if not isinstance(cls, type):
+        raise ConfigError(
+            f"module {module.__name__!r} has no class {class_name!r}; name a policy class as "
+            "'package.module:ClassName'",
+            path="policy",
+        )
+    if not issubclass(cls, EvictionPolicy):
         raise ConfigError(
             f"{BUILTIN_POLICIES.get(name, name)!r} is not an EvictionPolicy subclass; a "
             "policy must subclass kvtiers.policies.EvictionPolicy",
