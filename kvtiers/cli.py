@@ -122,10 +122,12 @@ def _run_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _add_location(parser: argparse.ArgumentParser) -> None:
+def _add_location(parser: argparse.ArgumentParser, *, optional: bool = False) -> None:
     parser.add_argument("location", metavar="ROOT|s3://BUCKET/PREFIX|URL",
+                        nargs="?" if optional else None,
                         help="a file tier's root directory, an S3 bucket and prefix, or an "
-                        "fsspec URL (memory://kv, gcs://bucket/kv)")
+                        "fsspec URL (memory://kv, gcs://bucket/kv)"
+                        + ("; optional with --shm" if optional else ""))
     parser.add_argument("--endpoint-url", metavar="URL",
                         help="S3 endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
     parser.add_argument("--region", metavar="NAME", help="S3 region")
@@ -144,7 +146,11 @@ def _configure_verify(parser: argparse.ArgumentParser) -> None:
 
 
 def _configure_gc(parser: argparse.ArgumentParser) -> None:
-    _add_location(parser)
+    _add_location(parser, optional=True)
+    parser.add_argument("--shm", action="store_true",
+                        help="also remove the cpu regions vLLM engines of this user left in "
+                             "/dev/shm (kvtiers-<uid>-*) that no process maps (a killed "
+                             "engine's); regions in use are kept")
     parser.add_argument("--namespace", action="append", default=[], metavar="NAME",
                         help="remove this whole namespace (repeatable)")
     parser.add_argument("--stale-days", type=float, metavar="D",
@@ -202,11 +208,26 @@ def _run_gc(args: argparse.Namespace) -> int:
         temp_age_s=args.temp_age_s,
         dry_run=args.dry_run,
     )
-    location = _open(args)
-    try:
-        return gc(location, policy, sys.stdout)
-    finally:
-        location.close()
+    if args.location is None:
+        if not args.shm:
+            raise ConfigError("give a location (a file root, s3://bucket/prefix or a URL), "
+                              "--shm, or both; see kvtiers gc --help")
+        if policy.namespaces or policy.stale_days is not None or (
+                policy.older_than_days is not None or policy.max_bytes is not None):
+            raise ConfigError("--namespace, --stale-days, --older-than-days and "
+                              "--max-bytes choose what goes from a location: give one")
+    status = EXIT_OK
+    if args.location is not None:
+        location = _open(args)
+        try:
+            status = gc(location, policy, sys.stdout)
+        finally:
+            location.close()
+    if args.shm:
+        from kvtiers.tools.commands import gc_shm
+
+        gc_shm(sys.stdout, dry_run=args.dry_run)
+    return status
 
 
 def _configure_identity(parser: argparse.ArgumentParser) -> None:
@@ -268,7 +289,8 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         name="gc",
-        help="remove stale namespaces, old chunks, chunks beyond a size, and temp files",
+        help="remove stale namespaces, old chunks, chunks beyond a size, and temp files; "
+             "--shm: cpu regions killed engines left",
         configure=_configure_gc,
         run=_run_gc,
     ),

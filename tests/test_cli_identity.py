@@ -1,8 +1,9 @@
-"""``kvtiers identity`` and ``kvtiers diff`` over namespaces the demo wrote."""
+"""``kvtiers identity`` and ``kvtiers diff`` over namespaces the demo (or a bare manifest) wrote."""
 
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,9 +11,12 @@ import pytest
 import yaml
 
 from kvtiers import cli
+from kvtiers.config import load_stack_config
 from kvtiers.engine.demo import run_demo
 from kvtiers.engine.workload import WorkloadSpec
+from kvtiers.filemapper import NamespaceIdentity, open_namespace
 from kvtiers.testing.s3 import BUCKET, MotoServer
+from kvtiers.tools.identity import identity_fields
 
 WORKLOAD = WorkloadSpec(conversations=2, system_prompts=1, turns=1, system_tokens=(64, 96))
 
@@ -31,6 +35,20 @@ def demo(lower: dict[str, Any], **changes: Any) -> None:
 
 def namespaces(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir())
+
+
+def identity_lines(out: str) -> dict[str, str]:
+    """``kvtiers identity``'s fields (after the namespace and digest lines) as written,
+    a value wrapped onto continuation lines joined back with single spaces."""
+    fields: dict[str, str] = {}
+    name = ""
+    for line in out.splitlines()[2:]:
+        if line.startswith("   "):
+            fields[name] += " " + line.strip()
+        else:
+            name, value = line.split(None, 1)
+            fields[name] = value
+    return fields
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -66,9 +84,12 @@ def test_diff_names_exactly_the_field_that_changed(
     (second,) = set(namespaces(tmp_path)) - {first}
     status, out, err = run(capsys, "diff", str(tmp_path), first, second)
     assert (status, err) == (0, "")
-    changed = [line.strip().split(":")[0] for line in out.splitlines() if line.startswith("  ")]
+    # A changed field's line is indented two columns; a long value continues on lines
+    # indented further.
+    changed = [line.split(":")[0].strip() for line in out.splitlines()
+               if line.startswith("  ") and not line.startswith("   ")]
     assert changed == [field]
-    assert "1 field differ" in out
+    assert "1 field differs:" in out.splitlines()
 
 
 def test_diff_over_s3_and_on_identical_identities(
@@ -108,7 +129,7 @@ def test_identity_prints_the_namespace_the_demo_writes(
     demo({"kind": "file", "root": str(root)}, quantization="awq")
     (written,) = namespaces(root)
     assert out.splitlines()[0] == f"namespace  {written}"
-    fields = {line.split()[0]: line.split(None, 1)[1] for line in out.splitlines()[2:]}
+    fields = identity_lines(out)
     assert fields["quantization"] == '"awq"'
     assert fields["model_revision"] == '"r2"'
     assert fields["groups[0].tokens_per_block"] == "16"
@@ -119,7 +140,6 @@ def test_identity_prints_the_namespace_the_demo_writes(
     [
         ["diff"],
         ["diff", "ROOT", "only-one"],
-        ["diff", "ROOT", "missing-a", "missing-b"],
         ["identity"],
         ["identity", "NOFILE"],
         ["identity", "NOMODEL"],
@@ -137,3 +157,66 @@ def test_bad_arguments_get_one_line_and_status_2(
     assert out == ""
     assert len(err.splitlines()) == 1, err
     assert "Traceback" not in err
+
+
+def write_namespace(root: Path, **changes: Any) -> str:
+    """A namespace (its manifest only) of ``model(**changes)`` under ``root``."""
+    section = load_stack_config({"tiers": [{"kind": "cpu", "capacity": "1MiB"}],
+                                 "model": model(**changes)}).model
+    assert section is not None
+    identity = NamespaceIdentity.from_config(section.to_offloading_config())
+    open_namespace(root, identity)
+    return identity.namespace
+
+
+def wide_group(layers: int, name: str = "model.layers.{}.self_attn") -> dict[str, Any]:
+    return {"groups": [{"tokens_per_block": 16, "page_bytes": "1KiB",
+                        "layer_names": [name.format(j) for j in range(layers)]}]}
+
+
+def test_identity_of_a_many_layer_model_fits_80_columns_and_reads_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = {"tiers": [{"kind": "cpu", "capacity": "1MiB"}], "model": model(**wide_group(32))}
+    path = tmp_path / "stack.yaml"
+    path.write_text(yaml.safe_dump(config))
+    status, out, err = run(capsys, "identity", str(path))
+    assert (status, err) == (0, "")
+    assert max(len(line) for line in out.splitlines()) <= 80
+    section = load_stack_config(config).model
+    assert section is not None
+    expected = identity_fields(NamespaceIdentity.from_config(section.to_offloading_config()))
+    assert {name: json.loads(value) for name, value in identity_lines(out).items()} == {
+        name: value for name, value in expected
+    }
+
+
+def test_diff_of_long_values_fits_80_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = write_namespace(tmp_path, **wide_group(32))
+    second = write_namespace(tmp_path, **wide_group(32, "model.layers.{}.attn"))
+    status, out, err = run(capsys, "diff", str(tmp_path), first, second)
+    assert (status, err) == (0, "")
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "1 field differs:" in out.splitlines()
+    assert ('"model.layers.31.self_attn"] -> ["model.layers.0.attn",'
+            in " ".join(out.split()))
+
+
+def test_diff_of_a_location_without_the_namespaces_fails_with_status_1(
+    tmp_path: Path, s3_endpoint: MotoServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As ``inspect`` and ``gc``: an empty root, an empty S3 prefix and a namespace that
+    is not there are failures (status 1), not usage errors."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    present = write_namespace(tmp_path / "full")
+    endpoint = ["--endpoint-url", s3_endpoint.endpoint_url]
+    for argv in (["diff", str(empty), "a", "b"],
+                 ["diff", f"s3://{BUCKET}/nothing-here", "a", "b", *endpoint],
+                 ["diff", str(tmp_path / "full"), present, "absent"]):
+        status, out, err = run(capsys, *argv)
+        assert (status, out) == (1, ""), argv
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "no namespace 'absent'" in err

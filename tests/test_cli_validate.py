@@ -121,3 +121,68 @@ def test_commands_are_a_table_of_parsers() -> None:
     args = parser.parse_args(["validate", "a.yaml", "b.yaml"])
     assert args.files == ["a.yaml", "b.yaml"]
     assert args.run is next(c.run for c in cli.COMMANDS if c.name == "validate")
+
+
+MODEL = "model: {name: m, groups: [{tokens_per_block: 16, num_layers: 2, page_bytes: 16KiB}]}\n"
+
+# Stacks the build refuses although validate, before, said ok: (id, YAML text, modules to
+# hide as not installed, the YAML path the error names, a phrase of its message). The line
+# marked `# <-` is the line the error must point at.
+BUILD_REFUSES = [
+    ("policy-not-a-policy",
+     "tiers:\n  - kind: cpu\n    capacity: 1GiB\n    policy: 'collections:OrderedDict'  # <-\n",
+     (), "tiers[0].policy", "is not an EvictionPolicy subclass"),
+    ("cpu-smaller-than-a-chunk",
+     f"tiers:\n  - kind: cpu\n    capacity: 8KiB  # <-\n{MODEL}",
+     (), "tiers[0].capacity", "capacity 8192 bytes holds no chunk of 32768 bytes"),
+    ("metrics-without-prometheus-client",
+     "tiers:\n  - {kind: cpu, capacity: 1GiB}\nmetrics:  # <-\n  port: 0\n",
+     ("prometheus_client",), "metrics", "pip install 'kvtiers[metrics]'"),
+    ("s3-without-boto3",
+     "tiers:\n  - {kind: cpu, capacity: 1GiB}\n  - kind: s3  # <-\n    bucket: kv-cache\n",
+     ("boto3",), "tiers[1].kind", "needs 'boto3', which is not installed"),
+    ("embedded-s3-without-moto",
+     "tiers:\n  - {kind: cpu, capacity: 1GiB}\n  - kind: s3\n    bucket: kv-cache\n"
+     "    endpoint_url: embedded  # <-\n",
+     ("moto",), "tiers[1].endpoint_url", "'moto' is not installed"),
+]
+
+
+@pytest.mark.parametrize(("text", "hidden", "path", "phrase"),
+                         [case[1:] for case in BUILD_REFUSES], ids=[c[0] for c in BUILD_REFUSES])
+def test_validate_refuses_what_the_build_refuses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    text: str, hidden: tuple[str, ...], path: str, phrase: str,
+) -> None:
+    for module in hidden:
+        monkeypatch.setitem(sys.modules, module, None)  # find_spec: not installed
+    file = tmp_path / "stack.yaml"
+    file.write_text(text)
+    (line,) = [n for n, text in enumerate(file.read_text().splitlines(), 1) if "# <-" in text]
+    assert cli.main(["validate", str(file)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"{file}:{line}: {path}: "), err
+    assert phrase in err and len(err.splitlines()) == 1, err
+
+
+def test_a_factory_error_names_the_tier_it_came_from() -> None:
+    """The engine's identity (not a model: section) gives chunks no cpu slot holds: the
+    build's error names the key as ``tiers[0].capacity``, not ``capacity``."""
+    from kvtiers.core.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+    )
+    from kvtiers.stack.builder import load_stack
+
+    identity = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",),
+                                      bytes_per_block=1 << 20),),
+        model=OffloadingModelConfig(name="m"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+    )
+    with pytest.raises(ConfigError, match="holds no chunk of 1048576 bytes") as info:
+        load_stack({"tiers": [{"kind": "cpu", "capacity": "64KiB"}]}, identity)
+    assert info.value.path == "tiers[0].capacity"

@@ -262,6 +262,19 @@ def test_construction_in_code_is_checked_too() -> None:
         )
 
 
+def test_a_filesystem_root_is_refused_however_the_tier_is_made(tmp_path: Path) -> None:
+    """The build (and vLLM's route 2) constructs these sections too, so no tier is ever
+    opened straight under a filesystem root; a directory below one is fine."""
+    with pytest.raises(ConfigError, match="is the filesystem root") as info:
+        FileTierConfig(name="file", root="/")
+    assert info.value.path == "root"
+    with pytest.raises(ConfigError, match="names no directory of its own") as info:
+        FsspecTierConfig(name="fsspec", url="file:///")
+    assert info.value.path == "url"
+    assert FileTierConfig(name="file", root=str(tmp_path)).root_path == tmp_path
+    assert FsspecTierConfig(name="fsspec", url="memory://kv/../kv2").url == "memory://kv/../kv2"
+
+
 def test_third_party_policy_path_is_accepted() -> None:
     tier = _single({"kind": "cpu", "capacity": "8GiB", "policy": "kvtiers.policies.arc:ARCPolicy"})
     assert isinstance(tier, CPUTierConfig)
@@ -710,6 +723,19 @@ BAD_STACKS = [
     ("empty-tiers-list", "tiers: []  # <-\n", "tiers", "at least one tier is required"),
     ("tier-not-a-mapping", "tiers:\n  - cpu  # <-\n", "tiers[0]", "expected a tier mapping"),
     ("recursive-alias", "tiers: &t  # <-\n  - *t\n", "tiers[0]", "an alias refers to a value"),
+    *[
+        (f"file-root-{name}", f"tiers:\n{CPU}  - kind: file\n    root: '{root}'  # <-\n",
+         "tiers[1].root", "is the filesystem root")
+        for name, root in (("slash", "/"), ("slashes", "//"), ("dotdot", "/tmp/.."))
+    ],
+    *[
+        (f"fsspec-url-{name}", f"tiers:\n{CPU}  - kind: fsspec\n    url: '{url}'  # <-\n",
+         "tiers[1].url", "names no directory of its own")
+        for name, url in (("file-root", "file:///"), ("file-dotdot", "file:///tmp/.."),
+                          ("file-bare", "file://"), ("local-root", "local:///"),
+                          ("memory-bare", "memory://"), ("memory-slash", "memory:///"),
+                          ("memory-dotdot", "memory://kv/.."))
+    ],
 ]
 
 

@@ -17,6 +17,17 @@ from kvtiers.errors import CapacityError, ConfigError
 from kvtiers.tiers.cpu.region import SHM_DIR, SlotRegion, remove_left_overs
 
 
+def test_a_private_region_the_system_refuses_names_its_size_and_the_key() -> None:
+    """4096 PiB exceeds any address space: one ConfigError at the tier's capacity that
+    says how much was asked and what to do, not a bare OSError."""
+    with pytest.raises(ConfigError) as info:
+        SlotRegion(1 << 40, 1 << 22)
+    assert info.value.path == "capacity"
+    message = info.value.message
+    assert "region of 4096.0 PiB (4611686018427387904 bytes) cannot be allocated" in message
+    assert message.endswith("lower the tier's capacity") and "\n" not in message
+
+
 def test_slot_views_are_zero_copy_windows_of_the_region() -> None:
     region = SlotRegion(3, 4096)
     try:

@@ -204,12 +204,10 @@ def test_without_metrics_no_step_pays_for_a_stats_snapshot() -> None:
 def test_a_missing_prometheus_client_is_named_before_anything_is_built(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from kvtiers.optional import MissingDependencyError
-
     monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)
-    with pytest.raises(MissingDependencyError,
-                       match=r"pip install 'kvtiers\[metrics\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'kvtiers\[metrics\]'") as info:
         load_stack({"tiers": [{"kind": "cpu", "capacity": "1MiB"},
                               {"kind": "file", "root": str(tmp_path / "f")}],
                     "model": MODEL, "metrics": {"port": 0}})
+    assert info.value.path == "metrics"
     assert not (tmp_path / "f").exists()

@@ -218,7 +218,7 @@ def test_load_policy_by_name_and_by_dotted_path() -> None:
         ("mru", "unknown eviction policy 'mru'"),
         ("no_such_module_xyz:Policy", "cannot import module"),
         (f"{__name__}:PolicyTests", "is not an EvictionPolicy subclass"),
-        (f"{__name__}:missing", "is not an EvictionPolicy subclass"),
+        (f"{__name__}:missing", "has no class 'missing'"),
     ],
 )
 def test_load_policy_errors_name_the_problem(name: str, message: str) -> None:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -162,8 +163,10 @@ def test_a_refused_allocation_is_one_line_not_a_traceback(tmp_path: Path) -> Non
         "model:\n  name: m\n  groups: [{tokens_per_block: 16, num_layers: 1, page_bytes: 4KiB}]\n"
     )
     result = _cli("demo", "--config", str(stack), "--out", str(tmp_path / "out"), "--no-plot")
-    assert result.returncode == 1
+    assert result.returncode == 2
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"kvtiers: {stack}: tiers[0].capacity: the CPU tier's region")
+    assert "lower the tier's capacity" in result.stderr
 
 
 def test_tools_work_on_an_fsspec_url() -> None:
@@ -191,3 +194,80 @@ def test_tools_work_on_an_fsspec_url() -> None:
         assert victim not in remaining and any("/quarantine/" in p for p in remaining)
     finally:
         fs.rm(url, recursive=True)
+
+
+#: A name a chunk of this model could have, for a file that is not one.
+NOT_A_CHUNK = "0" * 32 + "_g0.kvc"
+
+
+def test_verify_fix_moves_a_huge_damaged_file_aside_within_bounded_memory(root: Path) -> None:
+    """A 2 GiB (sparse) file under a chunk's name is found corrupt from its header and
+    quarantined by name, by a command whose address space is capped at 1 GiB."""
+    (namespace,) = [p for p in root.iterdir() if p.is_dir()]
+    huge = _chunks(namespace)[0].with_name(NOT_A_CHUNK)
+    with huge.open("wb") as f:
+        f.truncate(2 << 30)
+    limit = 1 << 30
+    capped = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit})); "
+              "from kvtiers.cli import main; raise SystemExit(main())")
+    result = subprocess.run([sys.executable, "-c", capped, "verify", "--fix", str(root)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert f"corrupt (magic check failed; quarantined): {huge.relative_to(root)}" in _flat(
+        result.stdout)
+    moved = namespace / "quarantine" / NOT_A_CHUNK
+    assert not huge.exists() and moved.stat().st_size == 2 << 30
+
+
+def test_verify_fix_of_a_second_file_of_one_name_keeps_both(root: Path) -> None:
+    (namespace,) = [p for p in root.iterdir() if p.is_dir()]
+    directory = _chunks(namespace)[0].parent
+    for content in (b"first", b"second"):
+        (directory / NOT_A_CHUNK).write_bytes(content)
+        assert _cli("verify", "--fix", str(root)).returncode == 0
+    kept = sorted(p.read_bytes() for p in (namespace / "quarantine").iterdir())
+    assert kept == [b"first", b"second"]
+
+
+def test_verify_fix_on_s3_reads_and_moves_a_huge_object_in_bounded_memory(
+    aws_env: None,
+) -> None:
+    """A 48 MiB object under a chunk's name is read only as far as its header and moved
+    aside by a server-side copy: the process never holds it (the server runs in a
+    process of its own, so only the client's allocations are traced)."""
+    import boto3
+
+    from kvtiers.testing.s3 import MotoProcess
+    from kvtiers.tools.commands import verify
+    from kvtiers.tools.locations import open_location
+
+    moto = MotoProcess()
+    server = moto.start()
+    try:
+        client = boto3.client("s3", endpoint_url=server.endpoint_url)
+        client.create_bucket(Bucket=BUCKET)
+        _fill([{"kind": "s3", "bucket": BUCKET, "prefix": "fleet",
+                "endpoint_url": server.endpoint_url}], "team/model-s3")
+        listed = client.list_objects_v2(Bucket=BUCKET, Prefix="fleet/")["Contents"]
+        chunk = next(o["Key"] for o in listed if o["Key"].endswith(".kvc"))
+        huge = f"{chunk.rsplit('/', 1)[0]}/{NOT_A_CHUNK}"
+        size = 48 << 20
+        client.put_object(Bucket=BUCKET, Key=huge, Body=bytes(size))
+        location = open_location(f"s3://{BUCKET}/fleet", endpoint_url=server.endpoint_url)
+        out = io.StringIO()
+        tracemalloc.start()
+        try:
+            assert verify(location, out, fix=True) == 0
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+            location.close()
+        assert "1 corrupt" in out.getvalue()
+        assert peak < size // 4, f"verify --fix held {peak} bytes at once"
+        keys = {o["Key"]: o["Size"]
+                for o in client.list_objects_v2(Bucket=BUCKET, Prefix="fleet/")["Contents"]}
+        assert huge not in keys
+        namespace = huge.removeprefix("fleet/").split("/", 1)[0]
+        assert keys[f"fleet/{namespace}/quarantine/{NOT_A_CHUNK}"] == size
+    finally:
+        moto.stop()

@@ -36,7 +36,9 @@ class TierKind:
     (a given configuration says so itself through ``TierConfig.can_be_primary``);
     ``persistent`` says whether its chunks outlive the process (and so must be named by
     an identity that is stable across restarts); ``extra`` is the package extra that
-    installs the kind's dependencies, if any.
+    installs the kind's dependencies, if any, and ``requires`` the top-level modules of
+    those the factory imports (checked without importing them, so ``kvtiers validate``
+    finds a missing one as the build would).
     """
 
     name: str
@@ -45,6 +47,7 @@ class TierKind:
     may_be_primary: bool
     persistent: bool
     extra: str = ""
+    requires: tuple[str, ...] = ()
 
 
 TIER_KINDS: Mapping[str, TierKind] = MappingProxyType(
@@ -62,10 +65,11 @@ TIER_KINDS: Mapping[str, TierKind] = MappingProxyType(
             TierKind(
                 "s3", S3TierConfig, "kvtiers.tiers.s3.factory:build_tier",
                 may_be_primary=False, persistent=True, extra="s3",
+                requires=("boto3", "botocore"),
             ),
             TierKind(
                 "fsspec", FsspecTierConfig, "kvtiers.tiers.fsspec.factory:build_tier",
-                may_be_primary=False, persistent=True, extra="fsspec",
+                may_be_primary=False, persistent=True, extra="fsspec", requires=("fsspec",),
             ),
         )
     }
@@ -86,6 +90,13 @@ def get_kind(kind: object, *, path: str = "kind") -> TierKind:
         ) from None
 
 
+def not_installed(kind: str, module: str) -> str:
+    """The message for a tier kind whose factory needs ``module``, which is missing."""
+    extra = get_kind(kind).extra
+    install = f"; install it with: pip install 'kvtiers[{extra}]'" if extra else ""
+    return f"tier kind {kind!r} needs {module!r}, which is not installed{install}"
+
+
 def resolve_factory(kind: str, *, path: str = "kind") -> TierFactory:
     """Import and return the factory of ``kind``.
 
@@ -95,7 +106,6 @@ def resolve_factory(kind: str, *, path: str = "kind") -> TierFactory:
     """
     entry = get_kind(kind, path=path)
     module_name, _, attribute = entry.factory.partition(":")
-    install = f"; install it with: pip install 'kvtiers[{entry.extra}]'" if entry.extra else ""
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
@@ -106,7 +116,7 @@ def resolve_factory(kind: str, *, path: str = "kind") -> TierFactory:
                 "use a kvtiers release that provides it"
             )
         else:
-            message = f"tier kind {kind!r} needs {missing!r}, which is not installed{install}"
+            message = not_installed(kind, missing)
         raise ConfigError(message, path=path) from None
     factory = getattr(module, attribute, None)
     if not callable(factory):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, ClassVar
 
-from kvtiers.config.kinds import TIER_KINDS, get_kind
+from kvtiers.config.kinds import TIER_KINDS, get_kind, not_installed
 from kvtiers.config.model import ModelSection
 from kvtiers.config.paths import item_path, key_path
 from kvtiers.config.schema import (
@@ -36,15 +36,22 @@ from kvtiers.config.schema import (
     suggestion,
 )
 from kvtiers.config.tiers import (
+    LOCAL_PROTOCOLS,
+    CPUTierConfig,
     FileTierConfig,
     FsspecTierConfig,
     LowerTierConfig,
     S3TierConfig,
     TierConfig,
+    cpu_capacity_problem,
+    missing_modules,
     redact_url,
 )
 from kvtiers.config.yamlfile import read_yaml
+from kvtiers.core.config import OffloadingConfig
+from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.errors import ConfigError
+from kvtiers.optional import hint_for
 
 TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion")
 _TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
@@ -68,6 +75,10 @@ class MetricsConfig(Section):
     scraper on another host or pod reach it, as in Kubernetes."""
     refresh_s: Annotated[float, Range(0)] = 1.0
     """How often the scheduler refreshes the numbers a scrape reads (0: every step)."""
+
+    def _check(self) -> None:
+        if missing_modules(("prometheus_client",)):
+            raise ConfigError(hint_for("prometheus_client", "the metrics: section"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -127,6 +138,10 @@ class StackConfig:
                     path=key_path(where, "name"),
                 )
             first_use[tier.name] = idx
+            missing = missing_modules(get_kind(tier.kind).requires)
+            if missing:
+                raise ConfigError(not_installed(tier.kind, missing[0]),
+                                  path=key_path(where, "kind"))
             # Two tiers over one place would evict each other's chunks.
             place, field_name = _place(tier)
             if place and place in first_place:
@@ -140,7 +155,17 @@ class StackConfig:
             if place:
                 first_place[place] = idx
         if self.model is not None:
-            self.model.to_offloading_config()
+            self._check_geometry(self.model.to_offloading_config())
+
+    def _check_geometry(self, identity: OffloadingConfig) -> None:
+        """What the build checks of the tiers against the model's chunks: a cpu primary
+        holds at least one chunk slot."""
+        primary = self.tiers[0]
+        if isinstance(primary, CPUTierConfig):
+            problem = cpu_capacity_problem(primary.name, primary.capacity,
+                                           ChunkGeometry.from_config(identity).slot_bytes)
+            if problem is not None:
+                raise ConfigError(problem, path=key_path(item_path("tiers", 0), "capacity"))
 
     def _check_primary(self) -> None:
         first = self.tiers[0]
@@ -229,14 +254,10 @@ def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:
         return ("s3", location, f"(endpoint {endpoint})"), "bucket"
     if isinstance(tier, FsspecTierConfig):
         protocol, _, rest = tier.url.partition("://")
-        if protocol.lower() in _LOCAL_PROTOCOLS:
+        if protocol.lower() in LOCAL_PROTOCOLS:
             return ("file", _same_directory(rest)), "url"
         return ("fsspec", tier.url.rstrip("/")), "url"
     return (), ""
-
-
-# fsspec protocols that are the local filesystem: such a tier shares places with file tiers.
-_LOCAL_PROTOCOLS = frozenset({"file", "local"})
 
 
 def _same_directory(path: str) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import ipaddress
+import os
+import posixpath
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,7 +28,8 @@ from kvtiers.config.schema import Check, Matches, OctalMode, Range, Section, exa
 from kvtiers.config.sizes import Size, format_size
 from kvtiers.core.bounded import nesting_problem
 from kvtiers.errors import ConfigError
-from kvtiers.policies.base import policy_import_problem, policy_name_problem
+from kvtiers.optional import hint_for
+from kvtiers.policies.base import load_policy, policy_name_problem
 
 #: Default ``op_deadline_s`` of object tiers, seconds (kept equal to
 #: :data:`kvtiers.tiers.object.retry.DEFAULT_OP_DEADLINE_S`; config never imports tiers).
@@ -131,6 +134,18 @@ def _capacity_problem(size: int) -> str | None:
     return None
 
 
+def cpu_capacity_problem(name: str, capacity: int, slot_bytes: int) -> str | None:
+    """Why the cpu tier ``name`` cannot hold one chunk slot of ``slot_bytes``, or ``None``
+    (the build's check, which ``kvtiers validate`` makes when a ``model:`` section gives
+    the chunks)."""
+    if capacity >= slot_bytes:
+        return None
+    return (
+        f"tier {name!r}: capacity {capacity} bytes holds no chunk of {slot_bytes} bytes; "
+        f"give at least {slot_bytes} bytes"
+    )
+
+
 Capacity = Annotated[Size, Check(_capacity_problem)]
 """A tier's capacity: a :data:`~kvtiers.config.sizes.Size` of at least one 4 KiB page."""
 
@@ -157,9 +172,8 @@ class CPUTierConfig(TierConfig):
         return True
 
     def _check(self) -> None:
-        problem = policy_import_problem(self.policy)
-        if problem is not None:
-            raise ConfigError(problem, path="policy")
+        # As the build does: the module imports and the class is an EvictionPolicy.
+        load_policy(self.policy)
 
     def describe(self) -> str:
         return f"cpu {format_size(self.capacity)}, {self.policy}"
@@ -179,8 +193,9 @@ class FileTierConfig(LowerTierConfig):
     root: Annotated[str, Matches(r"[^\x00]+", "a directory path")] = field(
         metadata=example("root: /mnt/nvme/kvtiers")
     )
-    """Directory holding one namespace per cache identity; relative paths resolve against
-    the current directory, ``~`` is expanded."""
+    """Directory holding one namespace per cache identity (a directory of its own, not
+    the filesystem root); relative paths resolve against the current directory, ``~`` is
+    expanded."""
     capacity: Capacity | None = None
     """Bytes of chunk files kept; least recently used chunks are evicted beyond it. Unset:
     bounded only by the filesystem."""
@@ -252,6 +267,13 @@ class FileTierConfig(LowerTierConfig):
                 "gds: true needs the kvikio I/O backend; set io: auto or io: kvikio",
                 path="io",
             )
+        if _is_filesystem_root(self.root_path):
+            raise ConfigError(
+                f"root {self.root!r} is the filesystem root: the tier would make its "
+                "namespace directories straight under it, among the system's own; give it "
+                "a directory of its own, e.g. root: /var/cache/kvtiers",
+                path="root",
+            )
         blocker = _non_directory_on(self.root_path)
         if blocker is not None:
             raise ConfigError(
@@ -269,6 +291,47 @@ class FileTierConfig(LowerTierConfig):
         if self.durability != "process":
             parts.append(f"durability={self.durability}")
         return ", ".join(parts)
+
+
+#: What the embedded S3 server (``endpoint_url: embedded``) imports: moto's server.
+EMBEDDED_SERVER_MODULES = ("moto", "flask", "flask_cors")
+
+
+def missing_modules(modules: tuple[str, ...]) -> list[str]:
+    """Those of the top-level ``modules`` that cannot be imported here (none is imported)."""
+    return [module for module in modules if importlib.util.find_spec(module) is None]
+
+
+def _is_filesystem_root(path: str | Path) -> bool:
+    """Whether ``path`` is ``/`` once ``..``, repeated slashes and links are resolved."""
+    resolved = Path(os.path.realpath(path))
+    return resolved == resolved.parent
+
+
+#: fsspec protocols that are the local filesystem (such a tier shares places with file
+#: tiers, and its url is a local path).
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+
+
+def _fsspec_root_problem(url: str) -> str | None:
+    """Why ``url`` names no directory of its own below its filesystem's root (bare, or
+    ``..`` back up to it; on the local filesystem also through links), or ``None``. At
+    such a root namespaces would sit beside whatever else that filesystem holds, and a
+    bare local one means the working directory."""
+    protocol, _, path = url.partition("://")
+    local = protocol.lower() in LOCAL_PROTOCOLS
+    if local:
+        bare = not path.strip("/") or _is_filesystem_root(path)
+    else:
+        bare = posixpath.normpath("/" + path.lstrip("/")) == "/"
+    if not bare:
+        return None
+    example = "file:///var/cache/kvtiers" if local else f"{protocol}://kvtiers"
+    return (
+        f"{url!r} names no directory of its own (it is the root of its filesystem"
+        f"{', or the working directory' if local else ''}), so namespaces would sit beside "
+        f"everything else there; give a path below the root, e.g. {example}"
+    )
 
 
 def _non_directory_on(path: Path) -> Path | None:
@@ -424,6 +487,14 @@ class S3TierConfig(LowerTierConfig):
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        if self.endpoint_url == "embedded":
+            missing = missing_modules(EMBEDDED_SERVER_MODULES)
+            if missing:
+                raise ConfigError(
+                    f"{hint_for(missing[0], 'endpoint_url: embedded')}, or point "
+                    "endpoint_url at a real S3 endpoint",
+                    path="endpoint_url",
+                )
         if self.backoff_max_s < self.backoff_base_s:
             raise ConfigError(
                 f"backoff_max_s {self.backoff_max_s:g} is below backoff_base_s "
@@ -459,7 +530,8 @@ class FsspecTierConfig(LowerTierConfig):
         field(metadata=example("url: gcs://bucket/kv"))
     )
     """Where namespaces live: any fsspec URL (``gcs://bucket/kv``, ``az://container/kv``,
-    ``memory://kv``); the protocol's fsspec package must be installed."""
+    ``memory://kv``) naming a directory below its filesystem's root (not ``memory://`` or
+    ``file:///`` itself); the protocol's fsspec package must be installed."""
     threads: Threads = 16
     """Concurrent requests of the tier's mover."""
     capacity: Capacity | None = None
@@ -479,9 +551,9 @@ class FsspecTierConfig(LowerTierConfig):
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
-        missing = _fsspec_protocol_problem(self.url)
-        if missing is not None:
-            raise ConfigError(missing, path="url")
+        problem = _fsspec_root_problem(self.url) or _fsspec_protocol_problem(self.url)
+        if problem is not None:
+            raise ConfigError(problem, path="url")
         problem = nesting_problem(
             self.storage_options,
             max_depth=STORAGE_OPTIONS_MAX_DEPTH,

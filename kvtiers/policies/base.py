@@ -122,23 +122,6 @@ def policy_name_problem(name: str) -> str | None:
     )
 
 
-def policy_import_problem(name: str) -> str | None:
-    """Why the policy ``name`` cannot be loaded (a bad name, a module that cannot be
-    imported, no such class), or ``None``. Imports the module, as building the tier
-    would; whether the class is an :class:`EvictionPolicy` is :func:`load_policy`'s
-    check."""
-    try:
-        module, class_name = _import_module(name)
-    except _PolicyImportError as exc:
-        return str(exc)
-    if not isinstance(getattr(module, class_name, None), type):
-        return (
-            f"module {module.__name__!r} has no class {class_name!r}; name a policy class as "
-            "'package.module:ClassName'"
-        )
-    return None
-
-
 def load_policy(name: str) -> type[EvictionPolicy]:
     """The policy class called ``name``: ``lru``, ``arc``, ``s3fifo``, or
     ``"package.module:ClassName"`` for a policy defined elsewhere."""
@@ -147,7 +130,13 @@ def load_policy(name: str) -> type[EvictionPolicy]:
     except _PolicyImportError as exc:
         raise ConfigError(str(exc), path="policy") from exc.__cause__
     cls = getattr(module, class_name, None)
-    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
+    if not isinstance(cls, type):
+        raise ConfigError(
+            f"module {module.__name__!r} has no class {class_name!r}; name a policy class as "
+            "'package.module:ClassName'",
+            path="policy",
+        )
+    if not issubclass(cls, EvictionPolicy):
         raise ConfigError(
             f"{BUILTIN_POLICIES.get(name, name)!r} is not an EvictionPolicy subclass; a "
             "policy must subclass kvtiers.policies.EvictionPolicy",

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
+from kvtiers.config.paths import join_path
 from kvtiers.config.tiers import LowerTierConfig
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import KeyFormat
@@ -87,12 +88,9 @@ def load_stack(
     ``model:`` section supplies one. Tiers are built in order, each lower tier given the
     primary's host region; if one fails, the ones already built are shut down.
     """
+    # The configuration was checked when it was made (a missing prometheus_client
+    # included), before any tier is built.
     config = source if isinstance(source, StackConfig) else load_stack_config(source)
-    if config.metrics is not None:
-        # Checked before any tier is built: a missing package should cost nothing.
-        from kvtiers.optional import require
-
-        require("prometheus_client", purpose="the metrics: section")
     if identity is None:
         if config.model is None:
             raise ConfigError(
@@ -171,8 +169,15 @@ def _build_tier(
     config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None
 ) -> BuiltTier:
     tier_config = config.tiers[index]
-    factory = resolve_factory(tier_config.kind, path=f"tiers[{index}].kind")
-    tier = factory(tier_config, identity, primary_region=primary_region, name=tier_config.name)
+    where = f"tiers[{index}]"
+    factory = resolve_factory(tier_config.kind, path=f"{where}.kind")
+    try:
+        tier = factory(tier_config, identity, primary_region=primary_region,
+                       name=tier_config.name)
+    except ConfigError as exc:
+        # A factory names the key within its tier (``capacity``); say which tier and file.
+        source = "" if config.source == "<mapping>" else config.source
+        raise ConfigError(exc.message, path=join_path(where, exc.path), source=source) from None
     if isinstance(tier_config, LowerTierConfig):
         # The write policy is the composite's business, the same for every kind: set here
         # rather than by each factory.

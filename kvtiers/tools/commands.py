@@ -1,9 +1,9 @@
 """``kvtiers inspect | verify | gc``: offline tools over a file root or an S3 prefix.
 
 They read manifests and chunk headers directly (no tier, no identity needed) and print
-plain text of at most :data:`WIDTH` columns, or JSON (``--json``) for scripts. Reports go
-to the output stream; a location that holds no kvtiers namespace, or a named namespace
-that does not exist, is an error (:class:`~kvtiers.errors.LocationError`, exit status 1).
+plain text wrapped as :mod:`kvtiers.tools.text` says, or JSON (``--json``) for scripts.
+Reports go to the output stream; a location that holds no kvtiers namespace, or a named
+namespace that does not exist, is an error (:class:`~kvtiers.errors.LocationError`, exit status 1).
 
 Reads are bounded (a manifest up to its size limit, a chunk's payload streamed in
 :data:`VERIFY_BLOCK_BYTES` blocks), and a malformed manifest or chunk is one line of
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import json
 import re
-import textwrap
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, TextIO
 
 import xxhash
@@ -34,10 +34,9 @@ from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
+from kvtiers.tools.text import say
 
 DAY_S = 86400.0
-#: Text reports wrap at this many columns.
-WIDTH = 80
 #: ``verify`` reads a chunk's payload in blocks of this size.
 VERIFY_BLOCK_BYTES = 4 << 20
 _DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
@@ -143,13 +142,6 @@ def require_namespaces(location: Location) -> list[str]:
     return namespaces
 
 
-def _say(out: TextIO, line: str) -> None:
-    """Print ``line`` wrapped to :data:`WIDTH` columns, continuation lines indented."""
-    indent = " " * (len(line) - len(line.lstrip(" ")) + 2)
-    print(textwrap.fill(line, WIDTH, subsequent_indent=indent, break_on_hyphens=False,
-                        break_long_words=False), file=out)
-
-
 def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
     """Namespaces with their manifest fields, chunk counts, bytes and ages."""
     now = time.time()
@@ -185,17 +177,17 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
                   out, indent=2, default=str)
         print(file=out)
         return 0
-    _say(out, f"{location.describe()}: {len(namespaces)} namespace(s)")
+    say(out, f"{location.describe()}: {len(namespaces)} namespace(s)")
     for r in report:
         print(file=out)
-        _say(out, r["namespace"])
+        say(out, r["namespace"])
         for line in r["lines"]:
-            _say(out, line)
+            say(out, line)
         ages = ""
         if r["chunks"]:
             ages = (f", newest {_age(r['newest_mtime'], now)} old, oldest "
                     f"{_age(r['oldest_mtime'], now)} old")
-        _say(out, f"  chunks {r['chunks']:,} ({format_size(r['chunk_bytes'])}){ages}; temp "
+        say(out, f"  chunks {r['chunks']:,} ({format_size(r['chunk_bytes'])}){ages}; temp "
                   f"files {r['temp_files']}; other files {r['other_files']}"
                   + (f"; not regular files {r['not_regular_files']}"
                      if r["not_regular_files"] else ""))
@@ -228,7 +220,7 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             report.append({"namespace": namespace, "manifest_readable": False,
                            "chunks": len(census.chunks)})
             if not as_json:
-                _say(out, f"{namespace}: manifest unreadable; its {len(census.chunks)} chunks "
+                say(out, f"{namespace}: manifest unreadable; its {len(census.chunks)} chunks "
                           "cannot be verified (remove the namespace with kvtiers gc "
                           "--namespace)")
             bad_total += 1
@@ -259,15 +251,15 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             "unreadable": [{"name": e.name, "why": why} for e, why in unreadable],
         })
         if not as_json:
-            _say(out, f"{namespace}: {ok:,} chunks ok, {len(bad)} corrupt, "
+            say(out, f"{namespace}: {ok:,} chunks ok, {len(bad)} corrupt, "
                       f"{len(unreadable)} unreadable")
             # The reason first, the name last: a long name then wraps onto a line of its
             # own and stays whole (copyable).
             for entry, check in bad:
-                _say(out, f"  corrupt ({check} check failed"
+                say(out, f"  corrupt ({check} check failed"
                           + ("; quarantined" if fix else "") + f"): {entry.name}")
             for entry, why in unreadable:
-                _say(out, f"  unreadable ({why}; not a chunk any tier loads, remove it): "
+                say(out, f"  unreadable ({why}; not a chunk any tier loads, remove it): "
                           f"{entry.name}")
         bad_total += len(unreadable)
         if not fix:
@@ -346,7 +338,7 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
                 f"newest chunk {_age(newest, now)} old")
             count = (len(census.chunks) + len(census.temps) + len(census.other) + 1
                      if policy.dry_run else location.remove_namespace(namespace))
-            _say(out, f"{namespace}: {verb} the namespace ({why}; {count} entries)")
+            say(out, f"{namespace}: {verb} the namespace ({why}; {count} entries)")
             namespaces_gone += 1
             continue
         doomed = [e for e in census.temps if now - e.mtime > policy.temp_age_s]
@@ -366,14 +358,14 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
             act(entry.name)
         if doomed:
             size = sum(e.size for e in doomed)
-            _say(out, f"{namespace}: {verb} {len(doomed)} files ({format_size(size)})")
+            say(out, f"{namespace}: {verb} {len(doomed)} files ({format_size(size)})")
             files += len(doomed)
             freed += size
     if namespaces_gone or files:
-        _say(out, f"gc: {verb} {namespaces_gone} namespace(s) and {files} file(s) "
+        say(out, f"gc: {verb} {namespaces_gone} namespace(s) and {files} file(s) "
                   f"({format_size(freed)}) of {len(existing)} namespace(s)")
     else:
-        _say(out, f"gc: nothing to remove in {len(existing)} namespace(s) (temp files older "
+        say(out, f"gc: nothing to remove in {len(existing)} namespace(s) (temp files older "
                   f"than {policy.temp_age_s:g} s always go; --namespace, --stale-days, "
                   "--older-than-days and --max-bytes choose more)")
     return 0
@@ -388,3 +380,28 @@ def _created(location: Location, namespace: str) -> float:
         except ValueError:
             pass
     return datetime.now(timezone.utc).timestamp()
+
+
+def gc_shm(out: TextIO, *, dry_run: bool = False, shm_dir: Path | None = None) -> int:
+    """Remove the cpu regions vLLM engines of this user left in ``/dev/shm`` (named
+    ``kvtiers-<uid>-…``) that no process maps: a killed engine's, which only the next
+    engine's start would otherwise remove. A region some process maps is kept; so is any
+    file that is not a private region file of this user. One line per region and a
+    closing total; always 0."""
+    from kvtiers.tiers.cpu.region import SHM_DIR, engine_region_prefix, region_files
+
+    directory = SHM_DIR if shm_dir is None else shm_dir
+    prefix = engine_region_prefix()
+    found = region_files(prefix, shm_dir=directory, remove=not dry_run)
+    verb = "would remove" if dry_run else "removed"
+    unused = [f for f in found if not f.in_use]
+    # The reason first, the path last, as verify does: a long path wraps whole.
+    for region in found:
+        size = format_size(region.size)
+        what = f"in use, kept ({size})" if region.in_use else (
+            f"{verb} (no process maps it; {size})")
+        say(out, f"  {what}: {region.path}")
+    freed = format_size(sum(f.size for f in unused))
+    say(out, f"gc --shm: {verb} {len(unused)} region(s) ({freed}) and kept "
+             f"{len(found) - len(unused)} in use of {prefix}* in {directory}")
+    return 0

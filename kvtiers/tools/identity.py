@@ -14,11 +14,13 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from kvtiers.core.bounded import load_json
-from kvtiers.errors import ConfigError, KVTiersError
+from kvtiers.errors import KVTiersError, LocationError
 from kvtiers.filemapper.identity import NamespaceIdentity
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES, differences
 from kvtiers.tiers.object.store import ObjectMissing
+from kvtiers.tools.commands import require_namespaces
 from kvtiers.tools.locations import Location
+from kvtiers.tools.text import say
 
 
 def _leaves(value: object, path: str) -> Iterator[tuple[str, object]]:
@@ -42,27 +44,28 @@ def _show(value: object) -> str:
 
 
 def print_identity(identity: NamespaceIdentity, out: TextIO) -> None:
-    """The namespace, digest and every identity field, one per line."""
+    """The namespace, digest and every identity field, one per line (a long value wraps
+    onto indented continuation lines, as every report does: see :mod:`kvtiers.tools.text`)."""
     fields = identity_fields(identity)
     width = max(len(name) for name, _ in fields)
-    print(f"namespace  {identity.namespace}", file=out)
-    print(f"digest     {identity.hexdigest}", file=out)
+    say(out, f"namespace  {identity.namespace}")
+    say(out, f"digest     {identity.hexdigest}")
     for name, value in fields:
-        print(f"  {name:<{width}}  {_show(value)}", file=out)
+        say(out, f"  {name:<{width}}  {_show(value)}", hang=width + 4)
 
 
 def stored_identity(location: Location, namespace: str) -> dict[str, Any]:
     """The identity recorded in ``namespace``'s manifest, as stored (not re-validated: an
     older schema's identity is compared as it is).
 
-    A namespace that is not there is a usage error (:class:`ConfigError`); a manifest that
-    cannot be read is a :class:`KVTiersError`.
+    A location that holds no namespace, or not this one, is a :class:`LocationError`
+    (exit status 1, as for ``inspect`` and ``gc``); a manifest that cannot be read is a
+    :class:`KVTiersError` (exit status 1 too).
     """
-    if namespace not in location.namespaces():
-        raise ConfigError(
-            f"no namespace {namespace!r} under {location.describe()} "
-            "(kvtiers inspect lists them)",
-            path=namespace,
+    if namespace not in require_namespaces(location):
+        raise LocationError(
+            f"no namespace {namespace!r} under {location.describe()}; `kvtiers inspect` "
+            "lists the namespaces there"
         )
     try:
         document = load_json(location.manifest(namespace), max_bytes=MAX_MANIFEST_BYTES)
@@ -78,12 +81,13 @@ def diff(location: Location, first: str, second: str, out: TextIO) -> int:
     """Name every identity field that differs between two namespaces; always 0."""
     a, b = stored_identity(location, first), stored_identity(location, second)
     found = differences(a, b)
-    print(f"A: {first}\nB: {second}", file=out)
+    say(out, f"A: {first}")
+    say(out, f"B: {second}")
     if not found:
-        print("the identities are identical", file=out)
+        say(out, "the identities are identical")
         return 0
-    print(f"{len(found)} field{'s' if len(found) != 1 else ''} differ:", file=out)
+    say(out, "1 field differs:" if len(found) == 1 else f"{len(found)} fields differ:")
     for name in sorted(found):
         value_a, value_b = found[name]
-        print(f"  {name}: {_show(value_a)} -> {_show(value_b)}", file=out)
+        say(out, f"  {name}: {_show(value_a)} -> {_show(value_b)}")
     return 0

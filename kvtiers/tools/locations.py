@@ -11,26 +11,35 @@ file root (a path or a ``file://`` URL) is a
 A file root is never left through a symbolic link (see
 :mod:`kvtiers.tiers.object.local`): a link is never a namespace, listings do not descend
 into links, and files are opened with ``O_NOFOLLOW`` (and must be regular files), so
-``gc`` never deletes and ``verify``/``inspect`` never read outside the root. Reads are
-bounded: :meth:`Location.read` takes a limit, :meth:`Location.stream` yields bounded
-blocks (object stores without ranged reads hold one object in memory at a time).
+``gc`` never deletes and ``verify``/``inspect`` never read outside the root.
+
+Reads are bounded whatever an entry's size: :meth:`Location.read` takes a limit,
+:meth:`Location.stream` yields blocks of the size asked for (from one request on S3 and
+one open file on fsspec, never the whole object at once), and :meth:`Location.quarantine`
+moves an entry by name without reading it (a rename under a file root, a server-side
+copy on S3, fsspec's own move elsewhere).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvtiers.core.publish import is_temp_name
+from kvtiers.core.publish import ensure_dir, is_temp_name
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import MANIFEST_NAME, QUARANTINE_DIR
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.local import LocalStore
-from kvtiers.tiers.object.store import ObjectInfo, ObjectStore
+from kvtiers.tiers.object.store import ObjectInfo, ObjectMissing, ObjectStore
 
-_WHOLE_OBJECT = 1 << 40
+if TYPE_CHECKING:
+    from kvtiers.tiers.fsspec.store import FsspecStore
+    from kvtiers.tiers.s3.store import S3Store
 
 
 @dataclass(frozen=True)
@@ -43,8 +52,9 @@ class Entry(ObjectInfo):
         return self.name.rsplit("/", 1)[-1]
 
 
-class Location:
-    """The kvtiers namespaces under ``prefix`` in ``store``."""
+class Location(ABC):
+    """The kvtiers namespaces under ``prefix`` in ``store``; each kind of store moves an
+    entry aside in its own way (:meth:`_move`)."""
 
     def __init__(self, store: ObjectStore, prefix: str = "") -> None:
         self.store = store
@@ -90,12 +100,21 @@ class Location:
     def delete(self, name: str) -> None:
         self.store.delete(self._full(name))
 
-    def quarantine(self, namespace: str, name: str) -> None:
-        """Move a corrupt entry to ``<namespace>/quarantine/`` (copy, then delete)."""
-        data = self.store.read(self._full(name), _WHOLE_OBJECT)
+    def quarantine(self, namespace: str, name: str) -> str:
+        """Move a corrupt entry to ``<namespace>/quarantine/`` by name, never reading its
+        bytes; returns its name there: the entry's own, with a random suffix when that
+        is taken (as the file tier names what it quarantines)."""
         base = name.rsplit("/", 1)[-1]
-        self.store.put_if_absent(self._full(f"{namespace}/{QUARANTINE_DIR}/{base}"), [data])
-        self.delete(name)
+        target = f"{namespace}/{QUARANTINE_DIR}/{base}"
+        if self.store.head(self._full(target)) is not None:
+            target = f"{target}.{secrets.token_hex(4)}"
+        self._move(self._full(name), self._full(target))
+        return target
+
+    @abstractmethod
+    def _move(self, source: str, target: str) -> None:
+        """Rename the object ``source`` to the free name ``target`` (both full names)
+        with bounded memory, whatever its size."""
 
     def remove_namespace(self, namespace: str) -> int:
         """Delete a whole namespace; returns how many entries went."""
@@ -124,7 +143,7 @@ def open_location(spec: str, *, endpoint_url: str | None = None,
         store = S3Store(bucket, region=region or os.environ.get("AWS_DEFAULT_REGION"),
                         endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"))
         store.check_bucket(where="location")
-        return Location(store, prefix)
+        return S3Location(store, prefix)
     if spec.startswith("file://"):
         spec = spec[len("file://"):]
     elif "://" in spec:
@@ -133,12 +152,94 @@ def open_location(spec: str, *, endpoint_url: str | None = None,
         require("fsspec", purpose=f"the location {spec!r}")
         from kvtiers.tiers.fsspec.store import FsspecStore
 
-        return Location(FsspecStore(spec))
+        return FsspecLocation(FsspecStore(spec))
     root = Path(spec).expanduser()
     if not root.is_dir():
         raise ConfigError(f"{root} is not a directory; give a file tier's root, "
                           "s3://bucket/prefix or an fsspec URL", path="location")
-    return Location(LocalStore(root))
+    return DirectoryLocation(LocalStore(root))
+
+
+class DirectoryLocation(Location):
+    """A file tier's root: entries are moved by ``rename``, never through a link."""
+
+    def __init__(self, store: LocalStore, prefix: str = "") -> None:
+        super().__init__(store, prefix)
+        self.store: LocalStore = store
+
+    def _move(self, source: str, target: str) -> None:
+        root = self.store.root
+        source_path, target_path = root / source, root / target
+        # Both directories must be real ones below the root (a link there may lead out of
+        # it); the quarantine is made if missing.
+        ensure_dir(source_path.parent, root=root, sync=False)
+        ensure_dir(target_path.parent, root=root, sync=False)
+        try:
+            os.rename(source_path, target_path)
+        except FileNotFoundError:
+            raise ObjectMissing(source) from None
+
+
+class S3Location(Location):
+    """An S3 bucket and prefix: entries are read from one streamed GET and moved by a
+    server-side copy (multipart above S3's single-copy limit), then deleted."""
+
+    def __init__(self, store: S3Store, prefix: str = "") -> None:
+        super().__init__(store, prefix)
+        self.store: S3Store = store
+
+    def stream(self, name: str, offset: int, block_bytes: int) -> Generator[bytes, None, None]:
+        import botocore.exceptions
+
+        full = self._full(name)
+        request: dict[str, str] = {"Range": f"bytes={offset}-"} if offset else {}
+        try:
+            response = self.store.client().get_object(
+                Bucket=self.store.bucket, Key=full, **request)
+        except botocore.exceptions.ClientError:
+            if self.store.head(full) is None:  # gone since the listing
+                raise ObjectMissing(name) from None
+            raise
+        body = response["Body"]
+        try:
+            while part := body.read(block_bytes):
+                yield part
+        finally:
+            body.close()
+
+    def _move(self, source: str, target: str) -> None:
+        bucket = self.store.bucket
+        self.store.client().copy({"Bucket": bucket, "Key": source}, bucket, target)
+        self.store.delete(source)
+
+
+class FsspecLocation(Location):
+    """Any other fsspec URL: entries are read through one open file and moved by the
+    filesystem's own ``mv`` (a rename or a server-side copy, by backend)."""
+
+    def __init__(self, store: FsspecStore, prefix: str = "") -> None:
+        super().__init__(store, prefix)
+        self.store: FsspecStore = store
+
+    def _path(self, full: str) -> str:
+        return f"{self.store.root}/{full}"
+
+    def stream(self, name: str, offset: int, block_bytes: int) -> Generator[bytes, None, None]:
+        try:
+            handle = self.store.fs.open(self._path(self._full(name)), "rb",
+                                        block_size=block_bytes)
+        except FileNotFoundError:
+            raise ObjectMissing(name) from None
+        with handle:
+            handle.seek(offset)
+            while part := handle.read(block_bytes):
+                yield part
+
+    def _move(self, source: str, target: str) -> None:
+        try:
+            self.store.fs.mv(self._path(source), self._path(target))
+        except FileNotFoundError:
+            raise ObjectMissing(source) from None
 
 
 def is_temp(entry: Entry) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from kvtiers.config.tiers import cpu_capacity_problem
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.mover import HostRegion
@@ -47,13 +48,10 @@ def build_tier(
             path="kind",
         )
     geometry = ChunkGeometry.from_config(offloading)
+    problem = cpu_capacity_problem(name, config.capacity, geometry.slot_bytes)
+    if problem is not None:
+        raise ConfigError(problem, path="capacity")
     num_slots = config.capacity // geometry.slot_bytes
-    if num_slots <= 0:
-        raise ConfigError(
-            f"tier {name!r}: capacity {config.capacity} bytes holds no chunk of "
-            f"{geometry.slot_bytes} bytes; give at least {geometry.slot_bytes} bytes",
-            path="capacity",
-        )
     policy = load_policy(config.policy)(num_slots)
     region = SlotRegion(num_slots, geometry.slot_bytes, config.shared_memory_name)
     manager = CpuTierManager(num_slots, geometry.slot_bytes, policy, region=region)

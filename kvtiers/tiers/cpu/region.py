@@ -32,9 +32,11 @@ import mmap
 import os
 import secrets
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtiers.config.sizes import format_size
 from kvtiers.errors import CapacityError, ConfigError
 
 if TYPE_CHECKING:
@@ -94,22 +96,37 @@ def _remove_if_same(path: Path, fd: int) -> None:
         path.unlink(missing_ok=True)
 
 
-def remove_left_overs(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[Path]:
-    """Remove the region files in ``shm_dir`` whose names start with ``prefix`` that no
-    process maps (nobody holds their lock): what crashed processes of this user left.
-    The removed paths.
+def engine_region_prefix() -> str:
+    """How the names of the regions vLLM engines of this user make for their cpu primary
+    begin (``kvtiers-<uid>-``; the rest is per engine, see
+    :func:`kvtiers.integrations.vllm.spec.shared_memory_name`)."""
+    return f"kvtiers-{os.geteuid()}-"
 
-    A file that fails the ownership and mode checks, a temp file still being made, or one
-    some process holds is left alone, so this is safe while other engines run: every
-    process mapping a region holds its lock from before the name exists until it closes.
-    For callers whose region names are per run (a random engine id): a crashed run's name
-    is never used again, so the replacement :class:`SlotRegion` does on attach never sees
-    it."""
-    removed: list[Path] = []
+
+@dataclass(frozen=True)
+class RegionFile:
+    """A region file of this user: where, how large, and whether a process maps it."""
+
+    path: Path
+    size: int
+    in_use: bool
+
+
+def region_files(prefix: str, *, shm_dir: Path = SHM_DIR, remove: bool = False
+                 ) -> list[RegionFile]:
+    """The region files in ``shm_dir`` whose names start with ``prefix``, each marked in
+    use when some process maps it (holds its lock); with ``remove``, those nobody maps
+    (what crashed processes of this user left) are removed, and listed as not in use.
+
+    A file that fails the ownership and mode checks or a temp file still being made is
+    neither listed nor touched, so this is safe while other engines run: every process
+    mapping a region holds its lock from before the name exists until it closes, and the
+    lock is held while a file is found unused and removed."""
+    found: list[RegionFile] = []
     try:
         names = sorted(os.listdir(shm_dir))
     except OSError:
-        return removed
+        return found
     for name in names:
         if not name.startswith(prefix) or name.endswith(_TEMP_SUFFIX):
             continue
@@ -125,11 +142,29 @@ def remove_left_overs(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[Path]:
                 and info.st_uid == os.geteuid()
                 and not stat.S_IMODE(info.st_mode) & 0o077
             )
-            if private and _lock_alone(fd) and _names_same_file(path, fd):
+            if not private:
+                continue
+            unused = _lock_alone(fd)
+            # Checked with the lock held: the name may have been given to a new region.
+            if not _names_same_file(path, fd):
+                continue
+            if unused and remove:
                 path.unlink(missing_ok=True)
-                removed.append(path)
+            found.append(RegionFile(path, info.st_size, in_use=not unused))
         finally:
             os.close(fd)
+    return found
+
+
+def remove_left_overs(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[Path]:
+    """Remove the region files in ``shm_dir`` whose names start with ``prefix`` that no
+    process maps (see :func:`region_files`); the removed paths.
+
+    For callers whose region names are per run (a random engine id): a crashed run's name
+    is never used again, so the replacement :class:`SlotRegion` does on attach never sees
+    it."""
+    removed = [f.path for f in region_files(prefix, shm_dir=shm_dir, remove=True)
+               if not f.in_use]
     if removed:
         logger.warning(
             "CPU tier: removed %d shared-memory region(s) that ended processes of this user "
@@ -140,6 +175,23 @@ def remove_left_overs(prefix: str, *, shm_dir: Path = SHM_DIR) -> list[Path]:
 
 def _format_bytes(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _too_large(nbytes: int, exc: BaseException) -> ConfigError:
+    """The system refused a private region of ``nbytes`` (``exc``): what, how much, and
+    what to do, at the tier's ``capacity``."""
+    why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        memory = ""
+    else:
+        memory = f"; this machine has {format_size(physical)} of memory"
+    return ConfigError(
+        f"the CPU tier's region of {format_size(nbytes)} ({nbytes} bytes) cannot be "
+        f"allocated ({why}){memory}: lower the tier's capacity",
+        path="capacity",
+    )
 
 
 class SlotRegion:
@@ -161,7 +213,10 @@ class SlotRegion:
         self.path: Path | None = None
         self._lock_fd: int | None = None
         if shared_memory_name is None:
-            self._mmap = mmap.mmap(-1, self.nbytes)
+            try:
+                self._mmap = mmap.mmap(-1, self.nbytes)
+            except (OSError, OverflowError) as exc:
+                raise _too_large(self.nbytes, exc) from None
         else:
             self._mmap = self._map_shared(shm_dir, shared_memory_name)
         self._view = memoryview(self._mmap)

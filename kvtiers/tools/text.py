@@ -1,0 +1,35 @@
+"""How the offline tools print a text report: lines of at most :data:`WIDTH` columns.
+
+A line longer than that is wrapped at its spaces, continuation lines indented two
+columns past the line's own indent (or under a value column the caller names, where the
+words fit there). A word is never broken (a chunk name, a namespace or a JSON string
+stays whole and copyable), so only a single word longer than the width makes a line
+wider than it.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from typing import TextIO
+
+#: Text reports wrap at this many columns.
+WIDTH = 80
+
+
+def _wrap(line: str, indent: int) -> list[str]:
+    return textwrap.wrap(line, WIDTH, subsequent_indent=" " * indent, break_on_hyphens=False,
+                         break_long_words=False) or [""]
+
+
+def say(out: TextIO, line: str, *, hang: int | None = None) -> None:
+    """Print ``line`` wrapped to :data:`WIDTH` columns. Continuation lines start at column
+    ``hang`` when given and every piece fits there, else two columns past the line's
+    indent."""
+    lines = None
+    if hang is not None:
+        lines = _wrap(line, hang)
+        if max(map(len, lines)) > WIDTH:
+            lines = None
+    if lines is None:
+        lines = _wrap(line, len(line) - len(line.lstrip(" ")) + 2)
+    print("\n".join(lines), file=out)
