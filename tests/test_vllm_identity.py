@@ -679,3 +679,32 @@ def test_an_unknown_layout_is_refused_in_one_line(
     message = str(caught.value)
     assert "\n" not in message
     assert "unknown KV cache layout 'NDH'" in message and "LBNHC" in message
+
+
+def kvtiers_diff(capsys: pytest.CaptureFixture[str], root: Path, a: str, b: str) -> list[str]:
+    """The field lines ``kvtiers diff`` prints for namespaces ``a`` and ``b`` under ``root``."""
+    from kvtiers import cli
+
+    capsys.readouterr()
+    assert cli.main(["diff", str(root), a, b]) == 0
+    return [line.strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ")]
+
+
+def test_kvtiers_diff_names_the_load_format_and_the_identity_source(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "kv"
+    real = identity_of(base_engine(model_dir), "spec", root)
+    dummy = identity_of(base_engine(model_dir, load_format="dummy"), "spec", root)
+    assert kvtiers_diff(capsys, root, real.namespace, dummy.namespace) == [
+        'load_format: "" -> "dummy"'
+    ]
+    manager = manager_outside_a_connector(base_engine(model_dir, extra=OPT_IN), "spec", root)
+    try:
+        partial: NamespaceIdentity = manager_tier(manager, "spec").manager.mapper.identity
+    finally:
+        manager.shutdown()
+    assert 'identity_source: "offloading-config-only" -> ""' in kvtiers_diff(
+        capsys, root, partial.namespace, real.namespace
+    )
