@@ -31,6 +31,8 @@ def route1_manager(chunks: int, policy: str, *, blocks_per_chunk: int, label: st
             "spec_name": "KVTiersOffloadingSpec",
             "spec_module_path": "kvtiers.integrations.vllm",
             "kvtiers": stack,
+            # Built without an engine: the identity holds what this config carries.
+            "kvtiers_identity": "offloading-config-only",
         },
         engine_id=f"{label}-{uuid.uuid4().hex}",
         model=OffloadingModelConfig(name="bench/model", dtype="bfloat16"),

@@ -51,8 +51,8 @@ def base_config() -> OffloadingConfig:
 GOLDEN_KEY = make_offload_key(bytes(range(16)), 1)
 # Computed once from base_config() and pinned: a change here is a change of the on-disk
 # layout that orphans every existing cache, so it needs a SCHEMA_VERSION bump.
-GOLDEN_DIGEST = "4bdefc9bdb3b81e48b056dd737b4d00c263b9d1deb77a854dcdeed4b7d20f637"
-GOLDEN_NAMESPACE = "meta-llama__Llama-3.1-8B-4bdefc9bdb3b81e4"
+GOLDEN_DIGEST = "67863f7916041c38d61d23985ceff5a6a56256467c23f1228c830d401aa4e0b2"
+GOLDEN_NAMESPACE = "meta-llama__Llama-3.1-8B-67863f7916041c38"
 GOLDEN_RELATIVE_PATH = f"{GOLDEN_NAMESPACE}/00/01/000102030405060708090a0b0c0d0e0f_g1.kvc"
 GOLDEN_OBJECT_KEY = f"prod/cache/{GOLDEN_RELATIVE_PATH}"
 
@@ -91,6 +91,9 @@ FIELD_MUTATIONS: dict[str, Callable[[OffloadingConfig], OffloadingConfig]] = {
     "model_overrides": replace_model(overrides='{"rope_theta":500000.0}'),
     "draft_model": replace_model(draft_model="eagle3:org/draft@main"),
     "canonical_format": replace_model(canonical_format="v1-nhd"),
+    "load_format": replace_model(load_format="dummy"),
+    "model_config": replace_model(config_digest="sha256:" + "cd" * 32),
+    "identity_source": lambda c: dataclasses.replace(c, identity_source="offloading-config-only"),
     "tokens_per_hash": replace_cache(tokens_per_hash=32),
     "blocks_per_chunk": replace_cache(blocks_per_chunk=2),
     "hash_algorithm": replace_cache(hash_algorithm="sha256"),

@@ -20,6 +20,7 @@ from kvtiers.errors import NamespaceMismatchError
 from kvtiers.filemapper import (
     MANIFEST_FORMAT_VERSION,
     MANIFEST_NAME,
+    SCHEMA_VERSION,
     GroupIdentity,
     NamespaceIdentity,
     ParallelIdentity,
@@ -157,7 +158,12 @@ def test_mismatch_names_each_differing_field(tmp_path: Path) -> None:
             "groups[0].layer_names",
             (["layers.0", "layers.1"], ["layers.0"]),
         ),
-        (make_identity(), make_identity(schema_version=3), "schema_version", (2, 3)),
+        (
+            make_identity(),
+            make_identity(schema_version=SCHEMA_VERSION + 1),
+            "schema_version",
+            (SCHEMA_VERSION, SCHEMA_VERSION + 1),
+        ),
         (make_identity(), make_identity(kv_dtype="float16"), "kv_dtype", ("bfloat16", "float16")),
     ],
 )

@@ -52,6 +52,8 @@ def route1_config(
             "spec_name": "KVTiersOffloadingSpec",
             "spec_module_path": "kvtiers.integrations.vllm",
             "kvtiers": {"tiers": tiers},
+            # Built outside a connector: no engine configs to read.
+            "kvtiers_identity": "offloading-config-only",
         },
         engine_id=engine_id or f"contract-{uuid.uuid4().hex}",
         model=OffloadingModelConfig(name="org/model", dtype="bfloat16"),

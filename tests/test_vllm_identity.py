@@ -16,6 +16,7 @@ validation would set; every other config object is built through its constructor
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ from vllm.config import (
     AttentionConfig,
     CacheConfig,
     KVTransferConfig,
+    LoadConfig,
     ModelConfig,
     ParallelConfig,
     SpeculativeConfig,
@@ -49,7 +51,10 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.kv_offload import base as vbase
 
 from kvtiers.core import chunkformat
-from kvtiers.filemapper import FileMapper, NamespaceIdentity
+from kvtiers.errors import ConfigError
+from kvtiers.filemapper import MANIFEST_NAME, FileMapper, NamespaceIdentity
+from kvtiers.integrations.vllm import KVTiersConnector, translate
+from kvtiers.integrations.vllm import engine as engine_module
 
 ROUTES = ("spec", "tiering")
 BLOCK_SIZE = 16
@@ -75,6 +80,12 @@ class Engine:
     kv_cache_layout: str = "LBNHC"
     sliding_window: int | None = None
     draft_model: str | None = None
+    speculative_method: str = "draft_model"
+    load_format: str = "auto"
+    loader_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Fields of the model config vLLM loaded (from --hf-config-path, say) that the model
+    # directory's config.json does not have.
+    loaded_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     tp_size: int = 1
     rank: int = 0
     canonical_layout: bool = False
@@ -97,6 +108,9 @@ def model_config(engine: Engine) -> Any:
                                   "kv_cache_scheme": engine.kv_cache_scheme}
     for name, value in engine.hf_overrides.items():
         setattr(hf, name, value)  # vLLM applies hf_overrides to the HF config it loads
+    for name, value in engine.loaded_config.items():
+        setattr(hf, name, value)
+    hf._name_or_path = str(engine.model)  # as transformers records where it read the config
     config = ModelConfig.__new__(ModelConfig)
     fields = {
         "model": engine.model, "revision": engine.revision, "dtype": engine.dtype,
@@ -117,7 +131,7 @@ def speculative_config(engine: Engine) -> Any:
         return None
     config = SpeculativeConfig.__new__(SpeculativeConfig)
     fields = {
-        "method": "draft_model", "model": engine.draft_model, "revision": None,
+        "method": engine.speculative_method, "model": engine.draft_model, "revision": None,
         "quantization": None, "num_speculative_tokens": 3, "disable_eagle_block_drop": True,
     }
     for name, value in fields.items():
@@ -179,6 +193,9 @@ def vllm_config(engine: Engine, route: str, root: Path) -> Any:
         "model_config": model_config(engine), "cache_config": cache,
         "parallel_config": parallel, "kv_transfer_config": transfer, "kv_events_config": None,
         "speculative_config": speculative_config(engine), "attention_config": AttentionConfig(),
+        "load_config": LoadConfig(
+            load_format=engine.load_format, model_loader_extra_config=engine.loader_config
+        ),
     }
     for name, value in fields.items():
         object.__setattr__(config, name, value)
@@ -186,7 +203,10 @@ def vllm_config(engine: Engine, route: str, root: Path) -> Any:
 
 
 def file_tier(connector: Any, route: str) -> Any:
-    manager = connector.scheduler.manager
+    return manager_tier(connector.scheduler.manager, route)
+
+
+def manager_tier(manager: Any, route: str) -> Any:
     if route == "spec":
         return manager.stack.tiers[1]
     return manager.secondary_tiers[0].tier
@@ -216,10 +236,13 @@ def no_current_config() -> None:
     assert get_current_vllm_config_or_none() is None
 
 
-def identity_of(engine: Engine, route: str, root: Path) -> NamespaceIdentity:
-    """The identity the file tier opens when vLLM's scheduler is built for ``engine``."""
+def identity_of(
+    engine: Engine, route: str, root: Path, connector_class: type = OffloadingConnector
+) -> NamespaceIdentity:
+    """The identity the file tier opens when vLLM's scheduler is built for ``engine`` (by
+    vLLM's own connector unless ``connector_class`` says otherwise)."""
     no_current_config()
-    connector = OffloadingConnector(
+    connector = connector_class(
         vllm_config(engine, route, root), KVConnectorRole.SCHEDULER, kv_cache_config(engine)
     )
     try:
@@ -245,6 +268,8 @@ CHANGES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "KV layout": ({}, {"kv_cache_layout": "LBHNC"}),
     "draft model": ({}, {"draft_model": "org/draft"}),
     "salt": ({}, {"extra": {"kvtiers_salt": "tenant-a"}}),
+    "load format": ({}, {"load_format": "dummy"}),
+    "loaded model config": ({}, {"loaded_config": {"rms_norm_eps": 1e-3}}),
 }
 
 
@@ -295,6 +320,9 @@ def test_identity_fields_are_read_from_the_engine_configs(
     layout = "LBNHC" if route == "spec" else "LBNHC+vllm-cpu-chunk"
     assert identity.kv_layout == layout
     assert identity.chunk_format_version == chunkformat.FORMAT_VERSION
+    assert identity.load_format == ""
+    assert identity.model_config.startswith("sha256:")
+    assert identity.identity_source == ""
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -453,3 +481,230 @@ def test_the_namespace_is_logged_at_start(
     with caplog.at_level("INFO", logger="kvtiers.integrations.vllm.translate"):
         identity = identity_of(base_engine(model_dir), route, tmp_path / "kv")
     assert f"namespace {identity.namespace}" in caplog.text
+
+
+# --- without the engine's configs the identity fails closed ------------------------------
+
+OPT_IN = {"kvtiers_identity": "offloading-config-only"}
+
+
+def manager_outside_a_connector(engine: Engine, route: str, root: Path) -> Any:
+    """The scheduler's manager of ``engine``'s spec built from vLLM's offloading config
+    directly, as a tool or a connector that wraps vLLM's would: no vLLM frame holds the
+    engine's configs."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import (
+        build_offloading_config,
+    )
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    offloading = build_offloading_config(vllm_config(engine, route, root), kv_cache_config(engine))
+    return OffloadingSpecFactory.create_spec(offloading).get_manager()
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_outside_a_connector_a_persistent_tier_is_refused(
+    route: str, model_dir: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "kv"
+    with pytest.raises(ConfigError) as caught:
+        manager_outside_a_connector(base_engine(model_dir), route, root)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("kv_connector_extra_config.kvtiers_identity: ")
+    assert "no VllmConfig" in message and "quantization" in message
+    assert "KVTiersConnector" in message and "kvtiers_identity: offloading-config-only" in message
+    assert not root.exists() or not any(root.iterdir())
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_outside_a_connector_the_opt_in_opens_a_marked_namespace(
+    route: str, model_dir: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "kv"
+    engine = base_engine(model_dir, extra=OPT_IN)
+    manager = manager_outside_a_connector(engine, route, root)
+    try:
+        partial: NamespaceIdentity = manager_tier(manager, route).manager.mapper.identity
+    finally:
+        manager.shutdown()
+    assert partial.identity_source == "offloading-config-only"
+    manifest = json.loads((root / partial.namespace / MANIFEST_NAME).read_text())
+    assert manifest["identity"]["identity_source"] == "offloading-config-only"
+    # What the offloading config does not carry is missing, as the marker says.
+    assert (partial.quantization, partial.compute_dtype, partial.model_config) == ("", "", "")
+    # The same engine through vLLM's connector: the opt-in is not needed, the identity is
+    # complete and its namespace is another.
+    complete = identity_of(engine, route, root)
+    assert complete.identity_source == ""
+    assert complete.namespace != partial.namespace
+
+
+def test_outside_a_connector_a_cpu_only_stack_is_built_with_a_warning(
+    model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(translate, "_warned", set())
+    cpu_only = {"kvtiers": {"tiers": [{"kind": "cpu", "capacity": "64KiB"}]}}
+    with caplog.at_level("WARNING", logger="kvtiers.integrations.vllm.translate"):
+        manager = manager_outside_a_connector(
+            base_engine(model_dir, extra=cpu_only), "spec", tmp_path / "kv"
+        )
+    manager.shutdown()
+    assert "could not find the VllmConfig" in caplog.text
+    assert "nothing persists" in caplog.text
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_unknown_identity_opt_in_is_refused(
+    route: str, model_dir: Path, tmp_path: Path
+) -> None:
+    engine = base_engine(model_dir, extra={"kvtiers_identity": "partial"})
+    with pytest.raises(ConfigError, match="kvtiers_identity: expected 'offloading-config-only'"):
+        identity_of(engine, route, tmp_path / "kv")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_kvtiers_connector_hands_its_configs_to_the_identity(
+    route: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVTiersConnector's identity is the one vLLM's connector gives, without a frame read."""
+    engine = base_engine(model_dir, quantization="awq")
+    through_frames = identity_of(engine, route, tmp_path / "kv")
+    monkeypatch.setattr(engine_module, "MAX_FRAMES", 0)
+    with pytest.raises(ConfigError, match="no VllmConfig"):
+        identity_of(engine, route, tmp_path / "kv")
+    handed = identity_of(engine, route, tmp_path / "kv", connector_class=KVTiersConnector)
+    assert handed == through_frames
+    assert (handed.quantization, handed.identity_source) == ("awq", "")
+    # Handed only while the connector is built.
+    assert engine_module.find_engine_configs() is None
+
+
+def test_kvtiers_connector_is_found_by_vllms_connector_factory() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    transfer = KVTransferConfig(
+        kv_connector="KVTiersConnector", kv_connector_module_path="kvtiers.integrations.vllm",
+        kv_role="kv_both",
+    )
+    found = KVConnectorFactory.get_connector_class(transfer)
+    assert found is KVTiersConnector
+    assert KVConnectorFactory.supports_hma_config(transfer)
+
+
+# --- identity inputs vLLM gives in more than one spelling ---------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("load_format", ["safetensors", "pt", "fastsafetensors"])
+def test_loaders_of_the_checkpoint_keep_the_namespace(
+    route: str, load_format: str, model_dir: Path, tmp_path: Path
+) -> None:
+    auto = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    other = identity_of(base_engine(model_dir, load_format=load_format), route, tmp_path / "kv")
+    assert other.namespace == auto.namespace
+
+
+def test_a_loaders_settings_are_recorded_by_digest(model_dir: Path, tmp_path: Path) -> None:
+    """Loader settings name where the weights come from and may hold credentials: the
+    namespace follows them, the manifest never shows them."""
+    def identity(uri: str) -> NamespaceIdentity:
+        engine = base_engine(
+            model_dir, load_format="tensorizer",
+            loader_config={"tensorizer_uri": uri, "s3_secret_access_key": "hunter2"},
+        )
+        return identity_of(engine, "spec", tmp_path / "kv")
+
+    first, second = identity("s3://a/model.tensors"), identity("s3://b/model.tensors")
+    assert first.load_format.startswith("tensorizer:sha256:")
+    assert first.namespace != second.namespace
+    manifest = (tmp_path / "kv" / first.namespace / MANIFEST_NAME).read_text()
+    assert "hunter2" not in manifest and "s3://a" not in manifest
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("method", ["ngram", "ngram_gpu", "suffix"])
+def test_speculation_without_draft_layers_keeps_the_namespace(
+    route: str, method: str, model_dir: Path, tmp_path: Path
+) -> None:
+    plain = identity_of(base_engine(model_dir), route, tmp_path / "kv")
+    speculating = identity_of(
+        base_engine(model_dir, draft_model=method, speculative_method=method),
+        route, tmp_path / "kv",
+    )
+    assert speculating.draft_model == ""
+    assert speculating.namespace == plain.namespace
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp", "draft_model"])
+def test_speculation_with_draft_layers_moves_the_namespace(
+    method: str, model_dir: Path, tmp_path: Path
+) -> None:
+    plain = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
+    speculating = identity_of(
+        base_engine(model_dir, draft_model="org/draft", speculative_method=method),
+        "spec", tmp_path / "kv",
+    )
+    assert f'"method":"{method}"' in speculating.draft_model
+    assert speculating.namespace != plain.namespace
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("alias", "name"), [("NHD", "LBNHC"), ("HND", "LBHNC")])
+def test_layout_aliases_name_the_layout_they_stand_for(
+    route: str, alias: str, name: str, model_dir: Path, tmp_path: Path
+) -> None:
+    canonical = route == "tiering"
+    by_name = identity_of(
+        base_engine(model_dir, kv_cache_layout=name, canonical_layout=canonical), route,
+        tmp_path / "kv",
+    )
+    by_alias = identity_of(
+        base_engine(model_dir, kv_cache_layout=alias, canonical_layout=canonical), route,
+        tmp_path / "kv",
+    )
+    assert by_alias.kv_layout.startswith(name)
+    if canonical:
+        assert by_alias.canonical_format == f"v1-{alias.lower()}"
+    assert by_alias.namespace == by_name.namespace
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_unknown_layout_is_refused_in_one_line(
+    route: str, model_dir: Path, tmp_path: Path
+) -> None:
+    engine = base_engine(model_dir, kv_cache_layout="NDH", canonical_layout=route == "tiering")
+    with pytest.raises(ConfigError) as caught:
+        identity_of(engine, route, tmp_path / "kv")
+    message = str(caught.value)
+    assert "\n" not in message
+    assert "unknown KV cache layout 'NDH'" in message and "LBNHC" in message
+
+
+def kvtiers_diff(capsys: pytest.CaptureFixture[str], root: Path, a: str, b: str) -> list[str]:
+    """The field lines ``kvtiers diff`` prints for namespaces ``a`` and ``b`` under ``root``."""
+    from kvtiers import cli
+
+    capsys.readouterr()
+    assert cli.main(["diff", str(root), a, b]) == 0
+    return [line.strip() for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ")]
+
+
+def test_kvtiers_diff_names_the_load_format_and_the_identity_source(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "kv"
+    real = identity_of(base_engine(model_dir), "spec", root)
+    dummy = identity_of(base_engine(model_dir, load_format="dummy"), "spec", root)
+    assert kvtiers_diff(capsys, root, real.namespace, dummy.namespace) == [
+        'load_format: "" -> "dummy"'
+    ]
+    manager = manager_outside_a_connector(base_engine(model_dir, extra=OPT_IN), "spec", root)
+    try:
+        partial: NamespaceIdentity = manager_tier(manager, "spec").manager.mapper.identity
+    finally:
+        manager.shutdown()
+    assert 'identity_source: "offloading-config-only" -> ""' in kvtiers_diff(
+        capsys, root, partial.namespace, real.namespace
+    )

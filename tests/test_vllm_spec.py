@@ -60,6 +60,8 @@ def vllm_config(
         "spec_name": "KVTiersOffloadingSpec",
         "spec_module_path": "kvtiers.integrations.vllm",
         "kvtiers": stack,
+        # Built outside a connector: no engine configs to read.
+        "kvtiers_identity": "offloading-config-only",
         **extra,
     }
     return OffloadingConfig(

@@ -44,6 +44,8 @@ def tiering_manager(tier: dict[str, Any]) -> Any:
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": 1 << 20,
             "secondary_tiers": [tier],
+            # Built outside a connector: no engine configs to read.
+            "kvtiers_identity": "offloading-config-only",
         },
         engine_id=f"test-{uuid.uuid4().hex}",
         model=OffloadingModelConfig(name="org/model", dtype="float16"),

@@ -57,7 +57,11 @@ def make_spec() -> _Spec:
             ),
             worker_kv_bytes_per_block=WORKER_BYTES_PER_BLOCK,
             enable_kv_cache_events=True,
-            extra_config={"spec_name": "TieringOffloadingSpec"},
+            # Built outside a connector: no engine configs to read.
+            extra_config={
+                "spec_name": "TieringOffloadingSpec",
+                "kvtiers_identity": "offloading-config-only",
+            },
             engine_id=f"test-{uuid.uuid4().hex}",
             model=OffloadingModelConfig(name="org/model", dtype="float16"),
             cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=F),

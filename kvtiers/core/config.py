@@ -70,8 +70,10 @@ class OffloadingModelConfig:
     computes K and V in), ``quantization`` (weight quantization method), ``kv_scales``
     (where the scales of a quantized KV cache come from), ``overrides`` (canonical JSON of
     the settings that change K, e.g. RoPE), ``draft_model`` (a speculative-decoding draft
-    whose KV shares the cache) and ``canonical_format`` (the engine's canonical chunk byte
-    format when it stores that instead of its direct layout).
+    whose KV shares the cache), ``canonical_format`` (the engine's canonical chunk byte
+    format when it stores that instead of its direct layout), ``load_format`` (how the
+    engine made weights other than the checkpoint's, e.g. ``dummy``) and ``config_digest``
+    (a digest of the model config the engine loaded).
     """
 
     name: str
@@ -85,6 +87,8 @@ class OffloadingModelConfig:
     overrides: str = ""
     draft_model: str = ""
     canonical_format: str = ""
+    load_format: str = ""
+    config_digest: str = ""
 
     def __post_init__(self) -> None:
         for name in ("name", "dtype", "kv_layout"):
@@ -93,7 +97,7 @@ class OffloadingModelConfig:
                 raise ConfigError(f"expected a non-empty string, got {value!r}", path=name)
         for name in (
             "revision", "fingerprint", "compute_dtype", "quantization", "kv_scales",
-            "overrides", "draft_model", "canonical_format",
+            "overrides", "draft_model", "canonical_format", "load_format", "config_digest",
         ):
             value = getattr(self, name)
             if not isinstance(value, str):
@@ -155,7 +159,10 @@ class OffloadingConfig:
     """Everything a tier, worker or mover needs to know about the cache it holds.
 
     ``engine`` names the serving engine whose hashing produced the keys; ``salt`` is an
-    optional user string that separates otherwise identical caches.
+    optional user string that separates otherwise identical caches; ``identity_source`` is
+    empty when every identity input was known, else the name of the operator's opt-in that
+    accepted fewer (e.g. ``offloading-config-only``), so such caches never share a
+    namespace with complete ones.
     """
 
     groups: tuple[OffloadingGroupConfig, ...]
@@ -164,8 +171,13 @@ class OffloadingConfig:
     parallel: OffloadingParallelConfig = field(default_factory=OffloadingParallelConfig)
     engine: str = "kvtiers"
     salt: str = ""
+    identity_source: str = ""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.identity_source, str):
+            raise ConfigError(
+                f"expected a string, got {self.identity_source!r}", path="identity_source"
+            )
         if not self.groups:
             raise ConfigError("at least one KV-cache group is required", path="groups")
         for idx, group in enumerate(self.groups):

@@ -3,12 +3,15 @@
 :class:`NamespaceIdentity` holds every setting that changes what the bytes of a stored
 chunk mean: engine (whose hashing made the keys), model name, revision and fingerprint,
 the model's compute dtype, weight quantization, KV-scale source, K-changing overrides
-(RoPE) and draft model, KV dtype, layout and canonical format, hash and chunk granularity,
-per group the block size, layers, bytes per block and attention reach, the parallel sizes
-(left out only when the configuration is parallelism-agnostic and the operator opted in),
-the block-hash algorithm, the chunk blob format version, an optional user salt and the
-schema version of this identity. The rank is never part of it: every rank of one engine
-shares one namespace. ``docs/on-disk-format.md`` documents each field.
+(RoPE), draft model, load format (weights not read from the checkpoint) and a digest of
+the model config the engine loaded, KV dtype, layout and canonical format, hash and chunk
+granularity, per group the block size, layers, bytes per block and attention reach, the
+parallel sizes (left out only when the configuration is parallelism-agnostic and the
+operator opted in), the block-hash algorithm, the chunk blob format version, an optional
+user salt, the opt-in under which an engine integration accepted an identity with fewer
+inputs than it reads (``identity_source``; empty for a complete one) and the schema
+version of this identity. The rank is never part of it: every rank of one engine shares
+one namespace. ``docs/on-disk-format.md`` documents each field.
 
 Invariants:
 
@@ -38,7 +41,7 @@ from kvtiers.core import chunkformat
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.errors import ConfigError
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 NAMESPACE_DIGEST_HEX_CHARS = 16
 #: The model name part of a namespace name keeps at most this many characters.
 NAMESPACE_MODEL_CHARS = 128
@@ -93,6 +96,9 @@ class NamespaceIdentity:
     model_overrides: str = ""
     draft_model: str = ""
     canonical_format: str = ""
+    load_format: str = ""
+    model_config: str = ""
+    identity_source: str = ""
     chunk_format_version: int = chunkformat.FORMAT_VERSION
     schema_version: int = SCHEMA_VERSION
 
@@ -136,6 +142,9 @@ class NamespaceIdentity:
             model_overrides=config.model.overrides,
             draft_model=config.model.draft_model,
             canonical_format=config.model.canonical_format,
+            load_format=config.model.load_format,
+            model_config=config.model.config_digest,
+            identity_source=config.identity_source,
             # Read at call time: the version this build writes, not the one imported first.
             chunk_format_version=chunkformat.FORMAT_VERSION,
         )
@@ -153,6 +162,8 @@ class NamespaceIdentity:
             "kv_scales": self.kv_scales,
             "model_overrides": self.model_overrides,
             "draft_model": self.draft_model,
+            "load_format": self.load_format,
+            "model_config": self.model_config,
             "kv_dtype": self.kv_dtype,
             "kv_layout": self.kv_layout,
             "canonical_format": self.canonical_format,
@@ -179,6 +190,7 @@ class NamespaceIdentity:
             },
             "hash_algorithm": self.hash_algorithm,
             "salt": self.salt,
+            "identity_source": self.identity_source,
         }
 
     @classmethod
@@ -229,6 +241,9 @@ class NamespaceIdentity:
             model_overrides=top["model_overrides"],
             draft_model=top["draft_model"],
             canonical_format=top["canonical_format"],
+            load_format=top["load_format"],
+            model_config=top["model_config"],
+            identity_source=top["identity_source"],
             chunk_format_version=top["chunk_format_version"],
             schema_version=top["schema_version"],
         )
@@ -273,6 +288,8 @@ _TOP_FIELDS: dict[str, type] = {
     "kv_scales": str,
     "model_overrides": str,
     "draft_model": str,
+    "load_format": str,
+    "model_config": str,
     "kv_dtype": str,
     "kv_layout": str,
     "canonical_format": str,
@@ -283,6 +300,7 @@ _TOP_FIELDS: dict[str, type] = {
     "parallel": object,
     "hash_algorithm": str,
     "salt": str,
+    "identity_source": str,
 }
 _GROUP_FIELDS: dict[str, type] = {
     "tokens_per_block": int,

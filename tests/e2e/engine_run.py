@@ -10,6 +10,10 @@ keeps what was measured) and ``engines``, each a mapping:
 * ``name``; ``model``, ``revision``, ``dtype``, ``block_size``, ``max_model_len`` — the
   engine's model and cache geometry; ``stack`` — a kvtiers stack mapping run through
   ``KVTiersOffloadingSpec``, or ``null`` for no offloading;
+* ``connector`` (optional, default ``OffloadingConnector``) — vLLM's own connector, or
+  ``KVTiersConnector`` (from ``kvtiers.integrations.vllm``);
+* ``load_format``, ``hf_config_path`` (optional) — vLLM's ``--load-format`` and
+  ``--hf-config-path``;
 * ``prompts`` — token-id lists, generated greedily (``max_tokens`` each) in one batch;
 * ``reset_after_steps`` (optional) — instead, submit the prompts, step the engine that
   many times, call ``reset_prefix_cache(reset_connector=True)`` and step on until every
@@ -118,8 +122,14 @@ def run_engine(run: dict[str, Any]) -> dict[str, Any]:
 
     kwargs: dict[str, Any] = {}
     if run["stack"] is not None:
+        connector = run.get("connector", "OffloadingConnector")
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector",
+            "kv_connector": connector,
+            **(
+                {"kv_connector_module_path": "kvtiers.integrations.vllm"}
+                if connector == "KVTiersConnector"
+                else {}
+            ),
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "KVTiersOffloadingSpec",
@@ -131,6 +141,9 @@ def run_engine(run: dict[str, Any]) -> dict[str, Any]:
     if ranks > 1:
         kwargs["tensor_parallel_size"] = ranks
         kwargs["distributed_executor_backend"] = "mp"
+    for name in ("load_format", "hf_config_path"):
+        if run.get(name) is not None:
+            kwargs[name] = run[name]
     started = time.monotonic()
     llm = LLM(
         model=run["model"],

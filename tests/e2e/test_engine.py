@@ -4,11 +4,14 @@ Two engine processes serve every test (engine start-ups are the cost here):
 
 * ``first``: an engine without offloading (the reference tokens), then a cpu + file and
   a cpu + file + s3 engine, each on an empty file root, all on the same prompts;
-* ``second`` (a restart): cpu + file on the first file root; the same on a copy of it,
-  with the prefix cache and kvtiers' cache reset while the requests load and run;
-  cpu + file + s3 on an EMPTY file root (so hits must come
-  from the bucket); cpu + file on a copy of the first root with every chunk damaged; and
-  cpu + file on the first root with the block size, the dtype or the revision changed.
+* ``second`` (a restart): cpu + file on the first file root; the same on a copy of it
+  through ``KVTiersConnector`` (the connector that hands kvtiers the engine's configs: the
+  same identity as vLLM's own connector gives); the same on another copy, with the prefix
+  cache and kvtiers' cache reset while the requests load and run; cpu + file + s3 on an
+  EMPTY file root (so hits must come from the bucket); cpu + file on a copy of the first
+  root with every chunk damaged; and cpu + file on the first root with the block size, the
+  dtype, the revision, the load format (random weights) or the model config
+  (``--hf-config-path`` with another ``rms_norm_eps``) changed.
 
 Prompts are 320 tokens (10 blocks of 32): 9 blocks of their own, then one block every
 prompt shares, so a prompt's output depends on KV that only its own prefix produced (the
@@ -18,6 +21,7 @@ the right KV.
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -130,12 +134,22 @@ def second(
     damaged = workdir / "root-damaged"
     shutil.copytree(root, damaged)
     shutil.copytree(root, workdir / "root-reset")
+    shutil.copytree(root, workdir / "root-connector")
     first["_damaged_chunks"] = _damage_every_chunk(damaged)
+    other_config = workdir / "hf-config"
+    other_config.mkdir()
+    config = json.loads((model_dir / "config.json").read_text())
+    config["rms_norm_eps"] = config["rms_norm_eps"] * 1000
+    (other_config / "config.json").write_text(json.dumps(config))
     return run_engines(
         workdir,
         "second",
         [
             _engine("file_restart", model_dir, _cpu_file(root)),
+            _engine(
+                "connector_restart", model_dir, _cpu_file(workdir / "root-connector"),
+                connector="KVTiersConnector",
+            ),
             _engine(
                 "reset_mid_run", model_dir, _cpu_file(workdir / "root-reset"),
                 reset_after_steps=1, reset_max_steps=5000,
@@ -145,6 +159,10 @@ def second(
             _engine("block_size_64", model_dir, _cpu_file(root), block_size=64),
             _engine("bfloat16", model_dir, _cpu_file(root), dtype="bfloat16"),
             _engine("revision_r2", model_dir, _cpu_file(root), revision="r2"),
+            _engine("dummy_weights", model_dir, _cpu_file(root), load_format="dummy"),
+            _engine(
+                "hf_config_path", model_dir, _cpu_file(root), hf_config_path=str(other_config)
+            ),
         ],
     )
 
@@ -175,11 +193,12 @@ def test_cold_engine_gives_reference_tokens_and_writes_every_tier(
     assert kv["cascade_failures"] == 0
 
 
+@pytest.mark.parametrize("name", ["file_restart", "connector_restart"])
 def test_restart_loads_every_prefix_from_the_file_tier(
-    second: dict[str, Any], reference: list[list[int]]
+    second: dict[str, Any], reference: list[list[int]], name: str
 ) -> None:
-    res = result(second, "file_restart")
-    summarize("file_restart", res, reference)
+    res = result(second, name)
+    summarize(name, res, reference)
     assert res["tokens"] == reference
     # vLLM's side: every prompt token of every request came from the connector.
     assert res["num_cached_tokens"] == [BLOCKS_PER_PROMPT * BLOCK] * PROMPTS
@@ -235,6 +254,8 @@ def test_every_chunk_damaged_is_recomputed_with_identical_tokens(
         "block_size_64",
         "bfloat16",
         "revision_r2",
+        "dummy_weights",
+        "hf_config_path",
     ],
 )
 def test_identity_change_is_a_cold_miss(second: dict[str, Any], name: str) -> None:

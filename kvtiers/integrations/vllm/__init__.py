@@ -5,6 +5,9 @@
 * :class:`KVTiersFileTier`, :class:`KVTiersS3Tier` — kvtiers' file and S3 tiers as
   secondary tiers of vLLM's ``TieringOffloadingSpec`` (``module_path:
   kvtiers.integrations.vllm``).
+* :class:`KVTiersConnector` — vLLM's ``OffloadingConnector`` that hands the engine's
+  configs to either route (``kv_connector: KVTiersConnector``,
+  ``kv_connector_module_path: kvtiers.integrations.vllm``).
 
 Loading this package checks the installed vLLM first
 (:func:`~kvtiers.integrations.vllm.version.check_vllm_version`): outside the supported
@@ -17,6 +20,7 @@ from kvtiers.integrations.vllm.version import check_vllm_version
 check_vllm_version()
 
 # The check runs before anything imports vLLM's offloading modules.
+from kvtiers.integrations.vllm.connector import KVTiersConnector  # noqa: E402
 from kvtiers.integrations.vllm.spec import (  # noqa: E402
     KVTiersLoadStoreSpec,
     KVTiersManager,
@@ -30,6 +34,7 @@ from kvtiers.integrations.vllm.tiers import (  # noqa: E402
 )
 
 __all__ = [
+    "KVTiersConnector",
     "KVTiersFileTier",
     "KVTiersLoadStoreSpec",
     "KVTiersManager",

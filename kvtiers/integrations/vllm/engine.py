@@ -1,36 +1,65 @@
 """The engine's own configuration, as the cache identity reads it.
 
-vLLM 0.33 hands an offloading spec only its offloading ``OffloadingConfig`` (model name, KV
-dtype, groups, parallel sizes) and a secondary tier only that spec. Everything else that
-changes the bytes of K or V — the revision, weight quantization, compute dtype, RoPE
-overrides, sliding windows, a draft model, the block-hash algorithm — lives in the
-``VllmConfig`` and ``KVCacheConfig`` the connector was built with. vLLM builds the scheduler
-without setting its process-global "current config", so that global cannot be trusted.
+vLLM 0.32 and 0.33 hand an offloading spec only its offloading ``OffloadingConfig`` (model
+name, KV dtype, groups, parallel sizes) and a secondary tier only that spec. Everything
+else that changes the bytes of K or V — the revision, weight quantization, compute dtype,
+RoPE overrides, sliding windows, a draft model, the load format, the model config as
+loaded, the block-hash algorithm — lives in the ``VllmConfig`` and ``KVCacheConfig`` the
+connector was built with. vLLM builds the scheduler without setting its process-global
+"current config", so that global cannot be trusted.
 
-:func:`find_engine_configs` therefore takes the two objects from the call that is building
-this spec or tier: the nearest enclosing vLLM frame (``OffloadingConnector.__init__``
-for a spec, ``OffloadingConnectorScheduler.__init__`` for a secondary tier) whose local
-``vllm_config`` is a ``VllmConfig``. Those are the very objects that connector was handed,
-in every process and role. :func:`model_inputs` then reads each identity input from them.
+:func:`find_engine_configs` therefore takes the two objects from the connector that is
+building this spec or tier, in this order:
+
+1. handed over: :class:`~kvtiers.integrations.vllm.connector.KVTiersConnector` (vLLM's
+   ``OffloadingConnector`` with kvtiers' name) builds vLLM's connector inside
+   :func:`handing`, which gives its own two configs to every spec and tier built in that
+   call;
+2. otherwise, for vLLM's own ``OffloadingConnector``: the nearest enclosing vLLM frame
+   (``OffloadingConnector.__init__`` for a spec, ``OffloadingConnectorScheduler.__init__``
+   for a secondary tier) whose local ``vllm_config`` is a ``VllmConfig``.
+
+Either way those are the very objects the connector was handed, in every process and role.
+:func:`model_inputs` then reads each identity input from them.
 
 Invariant: nothing here reads a process-global vLLM config; every value comes from the
-objects found, and when none are found (a spec built outside a connector) the caller says
-so and falls back to what the offloading config carries.
+objects found. When none are found (a spec built outside a connector) the caller refuses
+a persistent tier unless the operator accepts the weaker identity
+(:func:`~kvtiers.integrations.vllm.translate.identity_source`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
+
+from kvtiers.errors import ConfigError
 
 #: How many frames above the caller to search; vLLM's chain is 3 to 6 deep.
 MAX_FRAMES = 32
 #: KV cache dtypes whose values need scales.
 _QUANTIZED_KV = ("fp8", "int8", "int4", "nvfp4", "mxfp4")
+#: vLLM's load formats that read the model's own checkpoint files (whose names, sizes and
+#: config the fingerprint covers), so the choice among them leaves the weights alone.
+CHECKPOINT_LOAD_FORMATS = frozenset({
+    "auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor",
+    "mistral", "runai_streamer", "sharded_state", "runai_streamer_sharded",
+})
+#: vLLM's speculative methods that propose tokens without layers of their own, so they add
+#: no KV to the cache (every other method, a custom one included, is recorded).
+NO_KV_SPECULATIVE_METHODS = frozenset(
+    {"ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator"}
+)
+#: Keys of a loaded model config that say where and by which library version it was read,
+#: not what the model computes (a respelled path must keep the namespace).
+_CONFIG_PROVENANCE_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
 
 
 @dataclass(frozen=True)
@@ -41,9 +70,26 @@ class EngineConfigs:
     kv_cache: Any | None
 
 
+_HANDED: ContextVar[EngineConfigs | None] = ContextVar("kvtiers_engine_configs", default=None)
+
+
+@contextmanager
+def handing(configs: EngineConfigs) -> Iterator[None]:
+    """Within this block (this thread or task only), :func:`find_engine_configs` returns
+    ``configs``: what a connector that knows its configs wraps its building in."""
+    token = _HANDED.set(configs)
+    try:
+        yield
+    finally:
+        _HANDED.reset(token)
+
+
 def find_engine_configs() -> EngineConfigs | None:
     """The configs of the vLLM connector building the caller, or ``None`` (see the module
     docstring). Frames of modules outside the ``vllm`` package are never read."""
+    handed = _HANDED.get()
+    if handed is not None:
+        return handed
     try:
         from vllm.config import VllmConfig
         from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -65,6 +111,24 @@ def find_engine_configs() -> EngineConfigs | None:
     return None
 
 
+def layout_name(name: str, path: str) -> str:
+    """vLLM's name of the KV-cache layout ``name``, its compatibility aliases (``NHD``,
+    ``HND``) resolved through vLLM's own table; a layout vLLM does not know raises a
+    one-line :class:`~kvtiers.errors.ConfigError` at ``path``."""
+    from vllm.config.cache import _layout_from_name
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    try:
+        return str(_layout_from_name(name).name)
+    except ValueError:
+        raise ConfigError(
+            f"unknown KV cache layout {name!r}; vLLM knows "
+            + ", ".join(layout.name for layout in KVCacheLayout)
+            + " (and the aliases NHD, HND)",
+            path=path,
+        ) from None
+
+
 @dataclass(frozen=True)
 class ModelInputs:
     """The identity inputs read from the engine's model, cache and speculative configs."""
@@ -76,6 +140,8 @@ class ModelInputs:
     kv_scales: str
     overrides: str
     draft_model: str
+    load_format: str
+    config_digest: str
     hash_algorithm: str
     kv_layout: str | None
 
@@ -121,7 +187,9 @@ def _kv_scales(model_config: Any, kv_dtype: str) -> str:
 
 
 def _draft_model(speculative_config: Any) -> str:
-    if speculative_config is None:
+    """The speculative-decoding draft whose layers add KV to the cache; empty without one
+    and for methods that add no layers (:data:`NO_KV_SPECULATIVE_METHODS`)."""
+    if speculative_config is None or speculative_config.method in NO_KV_SPECULATIVE_METHODS:
         return ""
     return _canonical(
         {
@@ -132,6 +200,40 @@ def _draft_model(speculative_config: Any) -> str:
             "num_speculative_tokens": speculative_config.num_speculative_tokens,
         }
     )
+
+
+def _digest(value: Mapping[str, Any]) -> str:
+    return "sha256:" + hashlib.sha256(_canonical(value).encode()).hexdigest()
+
+
+def _load_format(load_config: Any) -> str:
+    """How the weights were made when not read from the checkpoint: the load format, with a
+    digest of its loader settings when there are any (they may name where the weights come
+    from, and may hold credentials, which must not reach a manifest); empty for the formats
+    that read the checkpoint (:data:`CHECKPOINT_LOAD_FORMATS`)."""
+    load_format = str(getattr(load_config, "load_format", "auto")).lower()
+    if load_format in CHECKPOINT_LOAD_FORMATS:
+        return ""
+    extra = getattr(load_config, "model_loader_extra_config", None)
+    return f"{load_format}:{_digest(dict(extra))}" if extra else load_format
+
+
+def _without_provenance(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {
+            key: _without_provenance(item)
+            for key, item in value.items()
+            if key not in _CONFIG_PROVENANCE_KEYS
+        }
+    if isinstance(value, (list, tuple)):
+        return [_without_provenance(item) for item in value]
+    return value
+
+
+def _config_digest(model_config: Any) -> str:
+    """A digest of the model config vLLM loaded (``--hf-config-path`` may read it from
+    another directory than the weights'), less the keys that only say where it was read."""
+    return _digest(_without_provenance(model_config.hf_config.to_dict()))
 
 
 def model_inputs(engine: EngineConfigs, kv_dtype: str) -> ModelInputs:
@@ -150,6 +252,8 @@ def model_inputs(engine: EngineConfigs, kv_dtype: str) -> ModelInputs:
         kv_scales=_kv_scales(model_config, kv_dtype),
         overrides=_overrides(model_config, cache_config),
         draft_model=_draft_model(vllm.speculative_config),
+        load_format=_load_format(vllm.load_config),
+        config_digest=_config_digest(model_config),
         hash_algorithm=str(cache_config.prefix_caching_hash_algo),
         kv_layout=None if layout is None else str(layout),
     )

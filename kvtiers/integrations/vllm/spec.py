@@ -680,7 +680,9 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
     ``kv_connector_extra_config`` keys: ``kvtiers_config`` (a stack YAML path) or
     ``kvtiers`` (the stack inline); optional ``model_revision``, ``kvtiers_salt``,
     ``kvtiers_parallel_agnostic``, ``prefix_caching_hash_algo`` (when the engine's config
-    cannot be read; it must agree when it can) and ``kvtiers_group_bytes_per_block`` (see
+    cannot be read; it must agree when it can), ``kvtiers_identity`` (see
+    :func:`~kvtiers.integrations.vllm.translate.identity_source`) and
+    ``kvtiers_group_bytes_per_block`` (see
     :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`). Every other identity
     input is read from the configs of the vLLM connector building the spec (see
     :mod:`kvtiers.integrations.vllm.engine`).
@@ -709,6 +711,8 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         self.hash_algorithm = block_hash_algorithm(self.extra_config, engine)
         #: One rank's bytes per block of each group (what its KV tensors hold).
         self.rank_group_bytes = derived_group_bytes(config)
+        stack_config = _read_stack(self.extra_config)
+        persistent = any(get_kind(tier.kind).persistent for tier in stack_config.tiers)
         self.offloading: OffloadingConfig = translate_config(
             config,
             engine=engine,
@@ -717,8 +721,9 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
             group_bytes_per_block=[n * self.ranks for n in self.rank_group_bytes],
             hash_algorithm=self.hash_algorithm,
             layout_agnostic=par.is_parallelism_agnostic and par.pp_size == 1,
+            persistent=persistent,
         )
-        self.stack_config = _share_primary(_read_stack(self.extra_config), config.engine_id)
+        self.stack_config = _share_primary(stack_config, config.engine_id)
         if self.ranks > 1 and not isinstance(self.stack_config.tiers[0], CPUTierConfig):
             raise ConfigError(
                 f"with {self.ranks} ranks (tensor / pipeline parallel) the first tier must be "
@@ -726,7 +731,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
                 f"{self.stack_config.tiers[0].kind!r}",
                 path="tiers[0].kind",
             )
-        if any(get_kind(tier.kind).persistent for tier in self.stack_config.tiers):
+        if persistent:
             warn_unstable_hashes(self.hash_algorithm)
         self.keys = KeyMap([group.group_id for group in config.groups])
         self._manager: KVTiersManager | None = None

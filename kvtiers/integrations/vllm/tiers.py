@@ -44,7 +44,7 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.mover import MoverResult
 from kvtiers.errors import ConfigError
-from kvtiers.integrations.vllm.engine import find_engine_configs
+from kvtiers.integrations.vllm.engine import find_engine_configs, layout_name
 from kvtiers.integrations.vllm.translate import (
     HAS_METADATA_ONLY,
     KeyMap,
@@ -75,7 +75,10 @@ def canonical_format(config: Any) -> str:
         canonical_format_id,
     )
 
-    return str(canonical_format_id(config.kv_cache_layout))
+    # vLLM's compatibility aliases (NHD, HND) name layouts canonical_format_id only knows
+    # by their enum names.
+    layout = layout_name(config.kv_cache_layout, path="cache_config.kv_cache_layout")
+    return str(canonical_format_id(layout))
 
 
 class MemoryviewRegion:
@@ -168,6 +171,8 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
             group_bytes_per_block=[bytes_per_block] * len(config.groups),
             hash_algorithm=algorithm,
             layout_agnostic=config.parallel.is_parallelism_agnostic or config.replicated_layout,
+            # Every kvtiers secondary tier keeps its chunks beyond the process.
+            persistent=True,
             kv_layout_suffix=CHUNK_LAYOUT_SUFFIX,
             canonical_format=canonical_format(config),
         )

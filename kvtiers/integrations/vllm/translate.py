@@ -17,7 +17,11 @@ says so once per process. The identity records vLLM's algorithm as ``vllm:<name>
 
 Identity inputs come from vLLM's offloading config and the engine's own configs found by
 :func:`~kvtiers.integrations.vllm.engine.find_engine_configs`, never from vLLM's
-process-global current config (unset while vLLM builds its scheduler).
+process-global current config (unset while vLLM builds its scheduler). Without the
+engine's configs the identity would hold only what the offloading config carries:
+:func:`identity_source` refuses that for a stack that persists anything, unless the
+operator accepts it (``kvtiers_identity: offloading-config-only``), and then marks the
+identity so such a namespace never mixes with complete ones.
 """
 
 from __future__ import annotations
@@ -52,7 +56,12 @@ from kvtiers.core.manager import (
 from kvtiers.errors import ConfigError, InvalidKeyError
 from kvtiers.filemapper.fingerprint import is_immutable_revision, resolve_model
 from kvtiers.filemapper.identity import NamespaceIdentity
-from kvtiers.integrations.vllm.engine import EngineConfigs, group_attention, model_inputs
+from kvtiers.integrations.vllm.engine import (
+    EngineConfigs,
+    group_attention,
+    layout_name,
+    model_inputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +74,14 @@ HASH_ALGORITHMS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 DEFAULT_HASH_ALGORITHM = "sha256"
 #: Algorithms whose chain seed is random per process unless PYTHONHASHSEED is set.
 _SEEDED_AT_RANDOM = frozenset({"xxhash", "xxhash_cbor"})
+#: The ``kvtiers_identity`` value that accepts an identity built from vLLM's offloading
+#: config alone; the identity records it (``identity_source``).
+OFFLOADING_CONFIG_ONLY = "offloading-config-only"
+#: What an identity without the engine's configs lacks (for the messages below).
+_MISSING_INPUTS = (
+    "the revision, weight quantization, compute dtype, KV scales, RoPE overrides, draft "
+    "model, load format, model config and block-hash algorithm"
+)
 
 _warned_unstable = False
 _warned: set[str] = set()
@@ -92,6 +109,50 @@ def block_hash_algorithm(extra_config: Mapping[str, Any], engine: EngineConfigs 
             path=f"{EXTRA_CONFIG}.prefix_caching_hash_algo",
         )
     return str(name)
+
+
+def identity_source(
+    extra_config: Mapping[str, Any], engine: EngineConfigs | None, *, persistent: bool
+) -> str:
+    """The identity's ``identity_source``: empty when the engine's configs were found;
+    :data:`OFFLOADING_CONFIG_ONLY` without them when ``extra_config["kvtiers_identity"]``
+    accepts that. Without them and without the opt-in, a stack with a ``persistent`` tier
+    is refused (:class:`~kvtiers.errors.ConfigError`): its namespace could hold KV
+    computed under settings the identity cannot see. One that persists nothing is built,
+    with a warning."""
+    where = f"{EXTRA_CONFIG}.kvtiers_identity"
+    opt_in = extra_config.get("kvtiers_identity")
+    if opt_in is not None and opt_in != OFFLOADING_CONFIG_ONLY:
+        raise ConfigError(
+            f"expected {OFFLOADING_CONFIG_ONLY!r} (or no key), got {opt_in!r}", path=where
+        )
+    if engine is not None:
+        return ""
+    if opt_in is not None:
+        _warn_once(
+            f"kvtiers_identity {OFFLOADING_CONFIG_ONLY}: the cache identity holds only what "
+            f"vLLM's offloading config carries, without {_MISSING_INPUTS}; its namespaces "
+            "are marked so and never shared with complete ones"
+        )
+        return OFFLOADING_CONFIG_ONLY
+    if persistent:
+        raise ConfigError(
+            "kvtiers found no VllmConfig for the cache identity (this spec or tier was "
+            "built outside vLLM's connector), so the identity would lack "
+            f"{_MISSING_INPUTS}, and a persistent tier could serve KV computed under other "
+            'settings; build it through "kv_connector": "KVTiersConnector" with '
+            '"kv_connector_module_path": "kvtiers.integrations.vllm", or accept the weaker '
+            f"identity with kvtiers_identity: {OFFLOADING_CONFIG_ONLY} (its namespaces are "
+            "kept apart)",
+            path=where,
+        )
+    _warn_once(
+        "kvtiers could not find the VllmConfig of the connector building it (built "
+        "outside vLLM's connector?): the cache identity holds only what vLLM's offloading "
+        f"config carries, without {_MISSING_INPUTS}; nothing persists, so nothing is "
+        "served from it later"
+    )
+    return ""
 
 
 def hashes_stable_across_processes(algorithm: str) -> bool:
@@ -208,11 +269,15 @@ def translate_config(
     group_bytes_per_block: Sequence[int],
     hash_algorithm: str,
     layout_agnostic: bool,
+    persistent: bool,
     kv_layout_suffix: str = "",
     canonical_format: str = "",
 ) -> OffloadingConfig:
     """kvtiers' identity of a cache vLLM describes with ``config`` and, when found, the
-    engine's own configs ``engine`` (see :mod:`kvtiers.integrations.vllm.engine`).
+    engine's own configs ``engine`` (see :mod:`kvtiers.integrations.vllm.engine`);
+    ``persistent`` says whether the stack keeps chunks beyond the process (without the
+    engine's configs it is then refused unless the operator opted in: see
+    :func:`identity_source`).
 
     ``kv_layout_suffix`` marks a chunk byte layout other than kvtiers' own (the secondary
     tiers store vLLM's CPU chunk layout), so the two never share a namespace;
@@ -226,14 +291,8 @@ def translate_config(
         raise ConfigError(
             f"expected a string, got {user_salt!r}", path=f"{EXTRA_CONFIG}.kvtiers_salt"
         )
+    source = identity_source(extra, engine, persistent=persistent)
     inputs = None if engine is None else model_inputs(engine, config.model.dtype)
-    if inputs is None:
-        _warn_once(
-            "kvtiers could not find the VllmConfig of the connector building it (built "
-            "outside vLLM's OffloadingConnector?): the cache identity holds only what vLLM's "
-            "offloading config carries, without the revision, quantization, compute dtype, "
-            "RoPE overrides or draft model"
-        )
     revision = model_revision(extra, None if inputs is None else inputs.revision)
     try:
         model = resolve_model(config.model.name if inputs is None else inputs.model, revision)
@@ -248,6 +307,8 @@ def translate_config(
             "to a commit hash"
         )
     layout = config.kv_cache_layout or (None if inputs is None else inputs.kv_layout)
+    if layout is not None:
+        layout = layout_name(layout, path="cache_config.kv_cache_layout")
     par = config.parallel
     try:
         translated = OffloadingConfig(
@@ -274,6 +335,8 @@ def translate_config(
                 overrides="" if inputs is None else inputs.overrides,
                 draft_model="" if inputs is None else inputs.draft_model,
                 canonical_format=canonical_format,
+                load_format="" if inputs is None else inputs.load_format,
+                config_digest="" if inputs is None else inputs.config_digest,
             ),
             cache=OffloadingCacheConfig(
                 tokens_per_hash=config.cache.tokens_per_hash,
@@ -291,6 +354,7 @@ def translate_config(
             ),
             engine=ENGINE,
             salt=user_salt,
+            identity_source=source,
         )
     except ConfigError as exc:
         raise ConfigError(
