@@ -48,7 +48,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_blob, finish_load
+from kvtiers.core.chunkformat import (
+    HEADER_BYTES,
+    decode_header,
+    encode_blob,
+    encode_header,
+    finish_load,
+    payload_checksum,
+)
 from kvtiers.core.codec import Codec, CodecUnavailableError, Scratch
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
@@ -58,11 +65,16 @@ from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpe
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.backoff import lasting_os_error
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
-from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
+from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, LateHeader, PublishSettings
 from kvtiers.tiers.file.space import SpaceLatch, is_no_space
 from kvtiers.tiers.iopool import IOPool
 
 logger = logging.getLogger(__name__)
+
+#: Payloads stored as they are from this size up are hashed on a thread of their own
+#: while the payload is written (the header, written last, carries the checksum); a
+#: smaller one is hashed first, which costs less than handing it over.
+OVERLAP_HASH_BYTES = 1 << 20
 
 class BadChunkHandler:
     """What happens to a chunk file that failed verification or vanished.
@@ -203,6 +215,7 @@ class FileMover(FanOutMover[_FileJob]):
         # durability: power with one syncfs per store job instead of fsyncs per chunk.
         self._grouped = self.settings.sync and self.settings.ops.has_syncfs()
         self._pool = IOPool(threads, "kvtiers-file")
+        self._hasher = IOPool(1, "kvtiers-file-hash") if backend.late_header else None
         self._headers = AlignedHeaders()
         self.codec = codec
         self._scratch = Scratch()
@@ -283,12 +296,24 @@ class FileMover(FanOutMover[_FileJob]):
 
     def _release(self, idle: bool) -> None:
         self._pool.shutdown(None if idle else 0.0, cancel_queued=not idle)
+        if self._hasher is not None:
+            self._hasher.shutdown(None if idle else 0.0, cancel_queued=not idle)
 
     # -- one chunk ------------------------------------------------------------------
     def _store_one(self, job: _FileJob, chunk: ChunkCopy) -> int:
         size = self.geometry.key_chunk_bytes(chunk.key)
         payload = self.region.view(chunk.slot)[:size]
-        header, stored = encode_blob(self.digest, chunk.key, payload, self.codec)
+        header: bytes | LateHeader
+        if self.codec is None and self._hasher is not None and size >= OVERLAP_HASH_BYTES:
+            digest = self._hasher.submit(lambda: payload_checksum(payload))
+            key = chunk.key
+
+            def header() -> bytes:
+                return encode_header(self.digest, key, payload, checksum=digest.result())
+
+            stored: memoryview | bytes = payload
+        else:
+            header, stored = encode_blob(self.digest, chunk.key, payload, self.codec)
         path = Path(chunk.address)
         assert job.settings is not None
         self.backend.write(path, header, stored, job.settings)
