@@ -15,7 +15,7 @@ import torch
 import xxhash
 
 from kvtiers.config.stack import parse_stack
-from kvtiers.config.tiers import FileTierConfig, FsspecTierConfig, S3TierConfig
+from kvtiers.config.tiers import CodecName, FileTierConfig, FsspecTierConfig, S3TierConfig
 from kvtiers.core import chunkformat, codec
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.codec import CODEC_BLOSC2, CODEC_NONE, CodecUnavailableError, make_codec
@@ -162,7 +162,8 @@ def make_file_tier(tmp_path: Path) -> Iterator[Callable[..., TierDriver]]:
 
     built: list[BuiltTier] = []
 
-    def make(codec_name: str = "none", *, dtype: str = "bfloat16", root: Path | None = None,
+    def make(codec_name: CodecName = "none", *, dtype: str = "bfloat16",
+             root: Path | None = None,
              **fields: Any) -> TierDriver:
         offloading = offloading_config(dtype=dtype)
         geometry = ChunkGeometry.from_config(offloading)
@@ -216,7 +217,8 @@ def test_mixed_chunks_in_one_namespace_both_load(
     namespaces = {p.parent.parent.parent for p in _chunk_files(tmp_path)}
     assert len(namespaces) == 1, "a codec is no part of the identity"
     both = first | second
-    for codec_name in ("none", "blosc2-zstd"):
+    readers: tuple[CodecName, ...] = ("none", "blosc2-zstd")
+    for codec_name in readers:
         reader = make_file_tier(codec_name)
         assert [reader.manager.lookup(k, CTX) for k in both] == [HIT] * 6
         result, loaded = reader.load(list(both))
@@ -241,7 +243,7 @@ def test_a_damaged_compressed_file_is_a_quarantined_miss(
     result, loaded = tier.load(list(data))
     assert set(result.corrupt_keys) == {conformance_key(0)}
     assert loaded == {conformance_key(1): data[conformance_key(1)]}
-    tier.manager.on_schedule_end(tier.ctx)  # type: ignore[arg-type]
+    tier.manager.on_schedule_end(tier.ctx)
     assert tier.manager.lookup(conformance_key(0), CTX) == MISS
     assert tier.manager.get_stats()["corrupt_chunks"] == 1
     assert not victim.exists()
@@ -278,10 +280,10 @@ def test_a_reader_without_the_codec_refuses_a_compressed_chunk_as_a_counted_miss
         result, loaded = reader.load([conformance_key(0)])
         assert loaded == {} and not result.corrupt_keys
         assert list(result.failed_keys) == [conformance_key(0)]
-        reader.manager.on_schedule_end(reader.ctx)  # type: ignore[arg-type]
+        reader.manager.on_schedule_end(reader.ctx)
         if attempt == 0:
             # Backed off; the back-off ends (the clock moves on) and it is tried again.
-            reader.manager.backoff.clock = functools.partial(float, 1e12)  # type: ignore[attr-defined]
+            reader.manager.backoff.clock = functools.partial(float, 1e12)
     stats = reader.manager.get_stats()
     assert stats["unreadable_chunks"] == 1
     assert stats["corrupt_chunks"] == 0
@@ -321,7 +323,7 @@ def make_s3_tier(s3_endpoint: MotoServer) -> Iterator[Callable[..., TierDriver]]
 
     built: list[BuiltTier] = []
 
-    def make(codec_name: str, **fields: Any) -> TierDriver:
+    def make(codec_name: CodecName, **fields: Any) -> TierDriver:
         offloading = offloading_config()
         geometry = ChunkGeometry.from_config(offloading)
         region = BytearrayRegion(8, geometry.slot_bytes)
@@ -345,7 +347,7 @@ def test_s3_mixed_chunks_load_and_compressed_ones_send_fewer_bytes(
     first, second = kv_payloads(range(10, 13)), kv_payloads(range(13, 16))
     plain.store(first)
     encoded.store(second)
-    backend = encoded.manager.backend  # type: ignore[attr-defined]
+    backend = encoded.manager.backend
     sizes = {k: backend.store.head(backend.object_key(k)) for k in first | second}
     assert all(sizes[k] == HEADER_BYTES + CHUNK for k in first)
     assert all(sizes[k] < HEADER_BYTES + CHUNK for k in second)
@@ -362,7 +364,7 @@ def test_s3_a_damaged_compressed_object_is_a_deleted_miss(
     tier = make_s3_tier("blosc2-zstd")
     data = kv_payloads(range(20, 22))
     tier.store(data)
-    backend = tier.manager.backend  # type: ignore[attr-defined]
+    backend = tier.manager.backend
     name = backend.object_key(conformance_key(20))
     blob = bytearray(backend.store.read(name, 1 << 20))
     blob[HEADER_BYTES + 10] ^= 0x01

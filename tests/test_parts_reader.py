@@ -6,9 +6,10 @@ import io
 
 import pytest
 
+from kvtiers.core.buffers import Buffer
 from kvtiers.tiers.object.store import PartsReader
 
-PARTS = [b"head", bytearray(b"-middle-"), memoryview(b"tail")]
+PARTS: list[Buffer] = [b"head", bytearray(b"-middle-"), memoryview(b"tail")]
 WHOLE = b"head-middle-tail"
 
 

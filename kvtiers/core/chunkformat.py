@@ -271,7 +271,7 @@ def encode_blob(
     """``(header, stored payload)`` of ``payload``: encoded with ``codec`` when that makes
     it smaller, else the payload itself (a zero-copy view)."""
     encoded = None if codec is None else codec.encode(payload)
-    if encoded is None:
+    if codec is None or encoded is None:
         return encode_header(namespace_digest, key, payload), memoryview(payload).cast("B")
     header = encode_header(namespace_digest, key, payload, codec=codec.format_id, stored=encoded)
     return header, encoded

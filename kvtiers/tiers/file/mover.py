@@ -48,6 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from kvtiers.core.buffers import Buffer
 from kvtiers.core.chunkformat import (
     HEADER_BYTES,
     decode_header,
@@ -311,7 +312,7 @@ class FileMover(FanOutMover[_FileJob]):
             def header() -> bytes:
                 return encode_header(self.digest, key, payload, checksum=digest.result())
 
-            stored: memoryview | bytes = payload
+            stored: Buffer = payload
         else:
             header, stored = encode_blob(self.digest, chunk.key, payload, self.codec)
         path = Path(chunk.address)

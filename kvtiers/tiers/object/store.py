@@ -22,11 +22,12 @@ Contract for implementers:
 
 from __future__ import annotations
 
+import bisect
 import io
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvtiers.core.buffers import Buffer
 
@@ -185,7 +186,7 @@ class PartsReader(io.RawIOBase):
         self._position = base + offset
         return self._position
 
-    def readinto(self, buffer: Buffer) -> int:
+    def readinto(self, buffer: Any) -> int:
         out = memoryview(buffer).cast("B")
         done = 0
         for start, part in zip(self._starts, self._parts, strict=True):
@@ -204,6 +205,15 @@ class PartsReader(io.RawIOBase):
     def read(self, size: int | None = -1) -> bytes:
         left = max(0, self._size - self._position)
         count = left if size is None or size < 0 else min(size, left)
+        # The common case, a block inside one part (a client reads 8-16 KiB blocks): one
+        # slice, no loop.
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        if index >= 0:
+            offset = self._position - self._starts[index]
+            part = self._parts[index]
+            if offset + count <= part.nbytes:
+                self._position += count
+                return part[offset : offset + count].tobytes()
         pieces = []
         position = self._position
         for start, part in zip(self._starts, self._parts, strict=True):
