@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -257,6 +258,19 @@ def render(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+NOTES = "## Reading the numbers"
+
+
+def write_report(data: dict[str, Any]) -> None:
+    """``codec.md`` from ``data``, keeping the reading notes of the file it replaces."""
+    target = RESULTS / "codec.md"
+    text = render(data)
+    previous = target.read_text() if target.exists() else ""
+    if NOTES in previous:
+        text += "\n" + previous[previous.index(NOTES):].rstrip("\n") + "\n"
+    target.write_text(text)
+
+
 def entropy(payloads: list[bytes], typesize: int) -> dict[str, Any]:
     data = np.frombuffer(b"".join(payloads), dtype=np.uint8)
     data = data[: len(data) // typesize * typesize].reshape(-1, typesize)
@@ -318,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
                    f"CPU {cpu_model()}, {cores()} cores; Python {platform.python_version()}; "
                    f"load average at the end {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}",
-        "command": "benchmarks/bench_codec.py " + " ".join(argv or []),
+        "command": "benchmarks/bench_codec.py " + " ".join(sys.argv[1:] if argv is None
+                                                           else argv),
         "blosc2": blosc2.__version__,
         "codecs": rows,
         "entropy": ent,
@@ -329,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not args.no_write:
         (RESULTS / "codec.json").write_text(json.dumps(data, indent=1) + "\n")
-        (RESULTS / "codec.md").write_text(render(data))
+        write_report(data)
     return 0
 
 
