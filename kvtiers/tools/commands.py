@@ -260,13 +260,16 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
         for entry, _check in bad:
             if fix:
                 location.quarantine(namespace, entry.name)
-        report.append({
+        entry_report: dict[str, Any] = {
             "namespace": namespace, "manifest_readable": True, "ok": ok,
             "corrupt": [{"name": e.name, "check": check, "quarantined": fix}
                         for e, check in bad],
             "unreadable": [{"name": e.name, "why": why} for e, why in unreadable],
-            "not_checked": [{"name": e.name, "why": why} for e, why in undecodable],
-        })
+        }
+        if undecodable:  # chunks whose codec this machine cannot decode
+            entry_report["not_checked"] = [{"name": e.name, "why": why}
+                                           for e, why in undecodable]
+        report.append(entry_report)
         if not as_json:
             _say(out, f"{namespace}: {ok:,} chunks ok, {len(bad)} corrupt, "
                       f"{len(unreadable)} unreadable"
