@@ -17,6 +17,7 @@ EXTRAS: dict[str, str] = {
     "boto3": "s3",
     "botocore": "s3",
     "kvikio": "gds",
+    "blosc2": "codec",
     "fsspec": "fsspec",
     "prometheus_client": "metrics",
     "tqdm": "demo",

@@ -182,14 +182,14 @@ def _eio(bench: Bench, stack: Stack, key: OffloadKey) -> Fault:
         return _patch(backend, "read", failing_read)
     store = mover.backend.store
     name = mover.backend.object_key(key)
-    get_into = store.get_into
+    get_hashed = store.get_hashed
 
-    def failing_get(object_name: str, buffers: Any) -> int:
+    def failing_get(object_name: str, *args: Any) -> int:
         if object_name == name:
             raise OSError(errno.EIO, os.strerror(errno.EIO), object_name)
-        return int(get_into(object_name, buffers))
+        return int(get_hashed(object_name, *args))
 
-    return _patch(store, "get_into", failing_get)
+    return _patch(store, "get_hashed", failing_get)
 
 
 def _server_down(bench: Bench, stack: Stack, key: OffloadKey) -> Fault:
@@ -197,10 +197,10 @@ def _server_down(bench: Bench, stack: Stack, key: OffloadKey) -> Fault:
 
     store: Any = stack.tiers[1].mover.backend.store  # type: ignore[union-attr]
 
-    def down(name: str, buffers: Any) -> int:
+    def down(name: str, *args: Any) -> int:
         raise botocore.exceptions.EndpointConnectionError(endpoint_url=bench.tier["endpoint_url"])
 
-    fault = _patch(store, "get_into", down)
+    fault = _patch(store, "get_hashed", down)
     fault.whole_tier = True
     return fault
 
@@ -211,16 +211,16 @@ def _access_denied(bench: Bench, stack: Stack, key: OffloadKey) -> Fault:
     mover: Any = stack.tiers[1].mover
     store = mover.backend.store
     name = mover.backend.object_key(key)
-    get_into = store.get_into
+    get_hashed = store.get_hashed
 
-    def denied(object_name: str, buffers: Any) -> int:
+    def denied(object_name: str, *args: Any) -> int:
         if object_name == name:
             raise botocore.exceptions.ClientError(
                 {"Error": {"Code": "AccessDenied", "Message": "injected"},
                  "ResponseMetadata": {"HTTPStatusCode": 403}}, "GetObject")
-        return int(get_into(object_name, buffers))
+        return int(get_hashed(object_name, *args))
 
-    fault = _patch(store, "get_into", denied)
+    fault = _patch(store, "get_hashed", denied)
     fault.lasting = True
     return fault
 

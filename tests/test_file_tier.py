@@ -772,3 +772,38 @@ def test_cpu_and_file_stack_cascades_then_promotes_after_restart(tmp_path: Path)
         assert second.get_stats()["promotions"] == 3
     finally:
         second.shutdown()
+
+
+# -- large chunks: the checksum computed while the payload is written --------------------
+@pytest.mark.parametrize("o_direct", [False, True])
+def test_a_large_chunk_hashed_beside_its_write_loads_and_verifies(
+    tmp_path: Path, o_direct: bool
+) -> None:
+    from kvtiers.core import chunkformat
+    from kvtiers.core.geometry import ChunkGeometry
+    from kvtiers.testing.driver import TierDriver
+    from kvtiers.tiers.file.factory import build_tier
+    from kvtiers.tiers.file.mover import OVERLAP_HASH_BYTES
+    from tests.test_file_support import MmapRegion
+
+    size = OVERLAP_HASH_BYTES * 2
+    offloading = offloading_config(bytes_per_block=size)
+    geometry = ChunkGeometry.from_config(offloading)
+    from kvtiers.config.tiers import FileTierConfig
+
+    config = FileTierConfig(name="file", root=str(tmp_path), threads=2, o_direct=o_direct)
+    region = MmapRegion(4, geometry.slot_bytes)
+    tier = build_tier(config, offloading, primary_region=region, name="file")
+    try:
+        driver = TierDriver(tier, region, geometry)
+        data = {conformance_key(i): conformance_payload(i, size) for i in range(3)}
+        assert set(driver.store(data).succeeded_keys) == set(data)
+        identity = NamespaceIdentity.from_config(offloading)
+        for key, payload in data.items():
+            blob = FileMapper(tmp_path, identity).path(key).read_bytes()
+            assert blob[HEADER_BYTES:] == payload
+            header = chunkformat.decode_header(blob, namespace_digest=identity.digest, key=key)
+            assert header.checksum == chunkformat.payload_checksum(payload)
+        assert TierDriver(tier, region, geometry).load(list(data))[1] == data
+    finally:
+        tier.shutdown()

@@ -24,7 +24,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, ObjectLoadStoreSpec
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.doubles import BytearrayRegion
-from kvtiers.tiers.file.io import IOBackend, PublishSettings
+from kvtiers.tiers.file.io import IOBackend, LateHeader, PublishSettings
 from kvtiers.tiers.file.mover import FileMover
 from kvtiers.tiers.iopool import IOPool
 from kvtiers.tiers.object import ObjectBackend, ObjectMover, Retrier
@@ -221,7 +221,8 @@ class StuckBackend(IOBackend):
         self.entered = threading.Event()
         self.release = threading.Event()
 
-    def write(self, path: Path, header: bytes, payload: Any, settings: PublishSettings) -> None:
+    def write(self, path: Path, header: bytes | LateHeader, payload: Any,
+              settings: PublishSettings) -> None:
         raise OSError("read-only test backend")
 
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:

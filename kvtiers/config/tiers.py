@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 from kvtiers.config.schema import Check, Matches, OctalMode, Range, Section, example
 from kvtiers.config.sizes import Size, format_size
 from kvtiers.core.bounded import nesting_problem
+from kvtiers.core.codec import codec_problem
 from kvtiers.errors import ConfigError
 from kvtiers.optional import hint_for
 from kvtiers.policies.base import load_policy, policy_name_problem
@@ -53,6 +54,16 @@ Threads = Annotated[int, Range(1, 256)]
 Seconds = Annotated[float, Range(0, above=True)]
 _OWNER_READ_WRITE = OctalMode(0o600)
 _OWNER_ALL = OctalMode(0o700)
+#: The ``codec:`` settings (:data:`kvtiers.core.codec.CODEC_NAMES`).
+CodecName = Literal["none", "blosc2-zstd", "blosc2-lz4"]
+
+
+def _check_codec(codec: str) -> None:
+    """A lower tier's codec must be one this machine can run (its package installed)."""
+    problem = codec_problem(codec)
+    if problem is not None:
+        raise ConfigError(problem, path="codec")
+
 
 def _check_load_backoff(base_s: float, max_s: float) -> None:
     """A lower tier's load back-off: a key whose load failed is a miss for ``base_s``,
@@ -234,6 +245,12 @@ class FileTierConfig(LowerTierConfig):
     fsync; a power cut may lose recent chunks, which then read as misses). power: a power
     cut too (a store job's chunks are flushed to disk before they count as stored: one
     syncfs per job on Linux); slower, most for small chunks."""
+    codec: CodecName = "none"
+    """Lossless codec of stored payloads: none, blosc2-zstd (byte shuffle + zstd per byte
+    stream: about 1.45x fewer bytes on bf16 KV, decoding at about 2 GB/s per core) or
+    blosc2-lz4 (bit shuffle + LZ4: faster, about 1.2x). A chunk is stored encoded only
+    when that makes it smaller; every reader decodes what a chunk's header says, so
+    chunks with and without a codec share one namespace. Needs kvtiers[codec]."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -274,6 +291,13 @@ class FileTierConfig(LowerTierConfig):
                 "a directory of its own, e.g. root: /var/cache/kvtiers",
                 path="root",
             )
+        if self.gds and self.codec != "none":
+            raise ConfigError(
+                f"codec: {self.codec} cannot be used with gds: true (chunks go straight "
+                "between files and GPU memory, with no host copy to decode); set codec: none",
+                path="codec",
+            )
+        _check_codec(self.codec)
         blocker = _non_directory_on(self.root_path)
         if blocker is not None:
             raise ConfigError(
@@ -290,6 +314,8 @@ class FileTierConfig(LowerTierConfig):
         parts.extend(flag for flag in ("gds", "shared", "o_direct") if getattr(self, flag))
         if self.durability != "process":
             parts.append(f"durability={self.durability}")
+        if self.codec != "none":
+            parts.append(f"codec={self.codec}")
         return ", ".join(parts)
 
 
@@ -484,9 +510,15 @@ class S3TierConfig(LowerTierConfig):
     """Puts carry ``If-None-Match: *`` so racing writers never clobber; the start-up probe
     refuses an endpoint that ignores it. ``false``: no condition, the last writer wins
     (checksums still keep reads safe)."""
+    codec: CodecName = "blosc2-zstd"
+    """Lossless codec of stored payloads (see the file tier's codec): the default,
+    blosc2-zstd, stores bf16 KV in about 1.45x fewer bytes (fewer bytes to send, keep and
+    fetch) at about 0.5 GB/s per core to encode and 2 GB/s to decode; none sends the
+    chunks as they are. Needs kvtiers[codec] (kvtiers[s3] includes it)."""
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        _check_codec(self.codec)
         if self.endpoint_url == "embedded":
             missing = missing_modules(EMBEDDED_SERVER_MODULES)
             if missing:
@@ -511,6 +543,8 @@ class S3TierConfig(LowerTierConfig):
             parts.append(format_size(self.capacity))
         if self.shared:
             parts.append("shared")
+        if self.codec != "none":
+            parts.append(f"codec={self.codec}")
         return ", ".join(parts)
 
 
@@ -548,9 +582,13 @@ class FsspecTierConfig(LowerTierConfig):
     further failure."""
     load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
     """Cap of that back-off; also how long an object forgotten as unreadable stays a miss."""
+    codec: CodecName = "none"
+    """Lossless codec of stored payloads (see the file tier's codec); blosc2-zstd suits a
+    remote object store as it does s3. Needs kvtiers[codec]."""
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        _check_codec(self.codec)
         problem = _fsspec_root_problem(self.url) or _fsspec_protocol_problem(self.url)
         if problem is not None:
             raise ConfigError(problem, path="url")
@@ -572,4 +610,6 @@ class FsspecTierConfig(LowerTierConfig):
             parts.append(format_size(self.capacity))
         if self.shared:
             parts.append("shared")
+        if self.codec != "none":
+            parts.append(f"codec={self.codec}")
         return ", ".join(parts)

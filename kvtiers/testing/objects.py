@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
+import xxhash
 
 from kvtiers.core import chunkformat
 from kvtiers.core.chunkformat import HEADER_BYTES
@@ -112,13 +113,28 @@ class ObjectStoreConformance:
         assert len(won) == 1
         assert store.read(name, 100) == won[0]
 
-    def test_a_size_mismatch_is_reported_not_filled(
+    def test_a_larger_object_is_reported_a_shorter_one_read_whole(
         self, store: ObjectStore, prefix: str
     ) -> None:
         name = f"{prefix}/sized"
         store.put_if_absent(name, [b"12345678"])
         assert store.get_into(name, [memoryview(bytearray(3))]) == 8
-        assert store.get_into(name, [memoryview(bytearray(20))]) == 8
+        head, rest = bytearray(3), bytearray(b"*" * 17)
+        assert store.get_into(name, [memoryview(head), memoryview(rest)]) == 8
+        assert bytes(head) == b"123"
+        assert bytes(rest) == b"45678" + b"*" * 12
+
+    def test_a_hashed_read_feeds_every_byte_after_the_first_buffer(
+        self, store: ObjectStore, prefix: str
+    ) -> None:
+        name = f"{prefix}/hashed"
+        data = bytes(range(256)) * 3000
+        store.put_if_absent(name, [data])
+        hasher = xxhash.xxh3_128()
+        head, rest = bytearray(100), bytearray(len(data))
+        assert store.get_hashed(name, [memoryview(head), memoryview(rest)], hasher) == len(data)
+        assert bytes(head) + bytes(rest[: len(data) - 100]) == data
+        assert hasher.digest() == xxhash.xxh3_128_digest(data[100:])
 
     def test_a_read_past_its_limit_says_so(self, store: ObjectStore, prefix: str) -> None:
         name = f"{prefix}/large"

@@ -8,7 +8,9 @@ namespace that does not exist, is an error (:class:`~kvtiers.errors.LocationErro
 Reads are bounded (a manifest up to its size limit, a chunk's payload streamed in
 :data:`VERIFY_BLOCK_BYTES` blocks), and a malformed manifest or chunk is one line of
 output, never a traceback. ``verify`` checks every chunk exactly as a load would (header,
-namespace, key, length, xxh3_128) and with ``--fix`` quarantines what fails; ``gc``
+namespace, key, length, xxh3_128 of the stored bytes; a chunk stored with a codec is also
+decoded and its decoded payload checked) and with ``--fix`` quarantines what fails; a
+chunk whose codec this machine cannot decode is reported as not checked; ``gc``
 removes whole namespaces (named, or stale), old chunks, chunks beyond a size, and
 interrupted temp files — and nothing else.
 """
@@ -28,7 +30,8 @@ import xxhash
 
 from kvtiers.config.sizes import format_size
 from kvtiers.core.bounded import load_json
-from kvtiers.core.chunkformat import HEADER_BYTES, ChunkHeader, decode_header
+from kvtiers.core.chunkformat import HEADER_BYTES, ChunkHeader, decode_header, finish_load
+from kvtiers.core.codec import CODEC_NONE, CodecUnavailableError, Scratch
 from kvtiers.errors import CorruptChunkError, LocationError
 from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
@@ -39,6 +42,8 @@ from kvtiers.tools.text import say
 DAY_S = 86400.0
 #: ``verify`` reads a chunk's payload in blocks of this size.
 VERIFY_BLOCK_BYTES = 4 << 20
+#: The largest decoded payload ``verify`` allocates for a chunk stored with a codec.
+MAX_DECODED_BYTES = 1 << 32
 _DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -228,6 +233,7 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
         digest = bytes.fromhex(digest_hex)
         bad: list[tuple[Entry, str]] = []
         unreadable: list[tuple[Entry, str]] = []
+        undecodable: list[tuple[Entry, str]] = []
         for entry in _progress(census.chunks, progress):
             key = key_from_chunk_name(entry.base)
             assert key is not None
@@ -235,24 +241,31 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
                 _verify_chunk(location, entry.name, digest, key)
             except CorruptChunkError as exc:
                 bad.append((entry, exc.check))
+            except CodecUnavailableError as exc:
+                undecodable.append((entry, str(exc)))
             except (FileNotFoundError, ObjectMissing):
                 continue  # evicted by a running engine since the listing
             except OSError as exc:
                 unreadable.append((entry, exc.strerror or str(exc)))
-        ok = len(census.chunks) - len(bad) - len(unreadable)
+        ok = len(census.chunks) - len(bad) - len(unreadable) - len(undecodable)
         unreadable += [(e, f"{e.irregular}, not a regular file") for e in census.irregular]
         for entry, _check in bad:
             if fix:
                 location.quarantine(namespace, entry.name)
-        report.append({
+        entry_report: dict[str, Any] = {
             "namespace": namespace, "manifest_readable": True, "ok": ok,
             "corrupt": [{"name": e.name, "check": check, "quarantined": fix}
                         for e, check in bad],
             "unreadable": [{"name": e.name, "why": why} for e, why in unreadable],
-        })
+        }
+        if undecodable:  # chunks whose codec this machine cannot decode
+            entry_report["not_checked"] = [{"name": e.name, "why": why}
+                                           for e, why in undecodable]
+        report.append(entry_report)
         if not as_json:
             say(out, f"{namespace}: {ok:,} chunks ok, {len(bad)} corrupt, "
-                      f"{len(unreadable)} unreadable")
+                     f"{len(unreadable)} unreadable"
+                     + (f", {len(undecodable)} not checked" if undecodable else ""))
             # The reason first, the name last: a long name then wraps onto a line of its
             # own and stays whole (copyable).
             for entry, check in bad:
@@ -261,7 +274,9 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             for entry, why in unreadable:
                 say(out, f"  unreadable ({why}; not a chunk any tier loads, remove it): "
                           f"{entry.name}")
-        bad_total += len(unreadable)
+            for entry, why in undecodable:
+                say(out, f"  not checked ({why}): {entry.name}")
+        bad_total += len(unreadable) + len(undecodable)
         if not fix:
             bad_total += len(bad)
     if as_json:
@@ -272,8 +287,11 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
 
 
 def _verify_chunk(location: Location, name: str, digest: bytes, key: bytes) -> None:
-    """Check one chunk as a load would, in one pass, holding at most about one
-    :data:`VERIFY_BLOCK_BYTES` block of it at a time."""
+    """Check one chunk as a load would, holding at most about one
+    :data:`VERIFY_BLOCK_BYTES` block of it at a time until its stored bytes are known to
+    be the ones written: they are hashed block by block first. Only a chunk stored with
+    a codec whose stored checksum matched is then read again whole (it is shorter than
+    its chunk), decoded and checked again."""
     head = bytearray()
     header: ChunkHeader | None = None
     hasher = xxhash.xxh3_128()
@@ -286,19 +304,33 @@ def _verify_chunk(location: Location, name: str, digest: bytes, key: bytes) -> N
             header = decode_header(head, namespace_digest=digest, key=key)
             block = bytes(head[HEADER_BYTES:])
         size += len(block)
-        if size > header.payload_bytes:
+        if size > header.stored_bytes:
             break
         hasher.update(block)
     if header is None:
         header = decode_header(head, namespace_digest=digest, key=key)  # raises: too short
-    if size != header.payload_bytes:
+    if size != header.stored_bytes:
         raise CorruptChunkError(
             "payload length",
-            f"{'more than ' if size > header.payload_bytes else ''}{size} bytes, "
-            f"header says {header.payload_bytes}",
+            f"{'more than ' if size > header.stored_bytes else ''}{size} bytes, "
+            f"header says {header.stored_bytes}",
         )
     if hasher.digest() != header.checksum:
         raise CorruptChunkError("payload checksum")
+    if header.codec == CODEC_NONE:
+        return
+    if header.payload_bytes > MAX_DECODED_BYTES:
+        raise CorruptChunkError(
+            "payload length", f"{header.payload_bytes} decoded bytes is no chunk's size"
+        )
+    payload = memoryview(bytearray(header.payload_bytes))
+    got = 0
+    for block in location.stream(name, HEADER_BYTES, VERIFY_BLOCK_BYTES):
+        if got + len(block) > header.stored_bytes:
+            raise CorruptChunkError("payload length", "the chunk grew while it was read")
+        payload[got:got + len(block)] = block
+        got += len(block)
+    finish_load(header, payload, got, Scratch())
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ stores while the disk is full.
 from __future__ import annotations
 
 from kvtiers.config.tiers import FileTierConfig
+from kvtiers.core.codec import make_codec
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.mover import HostRegion
@@ -90,6 +91,7 @@ def build_tier(
             settings=settings,
             bad_chunks=bad_chunks,
             space=space,
+            codec=make_codec(config.codec, kv_dtype=offloading.model.dtype),
         )
         return BuiltTier(name=name, manager=manager, mover=mover, admission=admission)
 

@@ -236,6 +236,12 @@ class FileWorker(QueuedWorker):
         )
         try:
             got, file_size = self.backend.read(path, self._header, target)
+            if HEADER_BYTES <= got == file_size < HEADER_BYTES + size:
+                # Shorter than the chunk: stored with a codec (a tier writing with one
+                # shares the namespace) unless the header says otherwise; this worker
+                # reads only chunks stored as they are (verify_payload says so).
+                header = decode_header(self._header, namespace_digest=self.digest, key=key)
+                verify_payload(header, self._host_view[:size])
             if got < HEADER_BYTES + size or file_size != HEADER_BYTES + size:
                 raise CorruptChunkError(
                     "length", f"file holds {file_size} bytes, expected {HEADER_BYTES + size}"

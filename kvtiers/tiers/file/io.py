@@ -31,6 +31,7 @@ import mmap
 import os
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,9 @@ from kvtiers.core.regular import open_regular
 from kvtiers.errors import BackendUnavailableError
 
 logger = logging.getLogger(__name__)
+
+#: A header made once the payload is written (it carries the payload's checksum).
+LateHeader = Callable[[], bytes]
 
 #: Numeric codes of the active I/O path, for ``get_stats`` (whose values are numbers).
 IO_POSIX = 0
@@ -91,11 +95,17 @@ class IOBackend(ABC):
     code: int
     #: Whether :meth:`write` and :meth:`read` accept device (CUDA) buffers.
     device_memory: bool = False
+    #: Whether :meth:`write` takes the header as a callable it calls once the payload is
+    #: written (:data:`LateHeader`), so the payload's checksum may be computed meanwhile.
+    late_header: bool = False
 
     @abstractmethod
-    def write(self, path: Path, header: bytes, payload: Any, settings: PublishSettings) -> None:
+    def write(self, path: Path, header: bytes | LateHeader, payload: Any,
+              settings: PublishSettings) -> None:
         """Publish ``header`` followed by ``payload`` as ``path``; raises ``OSError`` on
-        failure (the temp file is removed and ``path`` untouched)."""
+        failure (the temp file is removed and ``path`` untouched). A callable ``header``
+        (only where :attr:`late_header`) is called after the payload is written and
+        before the file is published."""
 
     @abstractmethod
     def read(self, path: Path, header: memoryview, payload: Any) -> tuple[int, int]:
@@ -138,18 +148,31 @@ class PosixBackend(IOBackend):
         number of 4096-byte blocks (other buffers go through the page cache)."""
         return self.o_direct and payload.nbytes % ALIGNMENT == 0 and _aligned(payload)
 
-    def write(self, path: Path, header: bytes, payload: Any, settings: PublishSettings) -> None:
+    late_header = True
+
+    def write(self, path: Path, header: bytes | LateHeader, payload: Any,
+              settings: PublishSettings) -> None:
         view = memoryview(payload).cast("B")
-        buffers: list[bytes | memoryview] = [header, view]
-        flags = 0
-        if self._direct(view):
-            aligned_header = self._headers.view
-            aligned_header[:] = header
-            buffers[0] = aligned_header
-            flags = _O_DIRECT
+        direct = self._direct(view)
+        flags = _O_DIRECT if direct else 0
+
+        def writer(fd: int, _temp: Path) -> None:
+            if callable(header):
+                # The payload first, past the header's place; then the header, whose
+                # checksum was computed on another thread meanwhile.
+                write_all(fd, [view], HEADER_BYTES)
+                head: bytes | memoryview = header()
+            else:
+                head = header
+            if direct:
+                aligned_header = self._headers.view
+                aligned_header[:] = head
+                head = aligned_header
+            write_all(fd, [head] if callable(header) else [head, view])
+
         publish(
             path,
-            lambda fd, _temp: write_all(fd, buffers),
+            writer,
             file_mode=settings.file_mode,
             dir_mode=settings.dir_mode,
             open_flags=flags,
@@ -290,8 +313,9 @@ class KvikioBackend(IOBackend):
     def __init__(self) -> None:
         self._kvikio = _import_kvikio()
 
-    def write(self, path: Path, header: bytes, payload: Any, settings: PublishSettings) -> None:
-        head = _host_array(header)
+    def write(self, path: Path, header: bytes | LateHeader, payload: Any,
+              settings: PublishSettings) -> None:
+        head = _host_array(header() if callable(header) else header)
         body = _host_array(payload)
         size = HEADER_BYTES + _nbytes(payload)
 

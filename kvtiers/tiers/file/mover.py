@@ -3,9 +3,13 @@
 A bounded thread pool runs one task per chunk (the fan-out of
 :class:`~kvtiers.tiers.fanout.FanOutMover`); a job's result is reported when its last chunk
 is done. Stores (``CPULoadStoreSpec`` → ``FileLoadStoreSpec``) encode the 4096-byte
-header over the slot's payload and publish header + payload atomically through the I/O
-backend. Loads (``FileLoadStoreSpec`` → ``CPULoadStoreSpec``) read the header and the
-payload straight into the slot and verify both before the chunk counts as arrived.
+header over the slot's payload (encoded first with the tier's codec when that makes it
+smaller) and publish header + payload atomically through the I/O backend. Loads
+(``FileLoadStoreSpec`` → ``CPULoadStoreSpec``) read the header and the stored payload
+straight into the slot and verify both, decoding an encoded payload in place and checking
+it again, before the chunk counts as arrived; any codec is read, whatever the tier's own
+setting, and a chunk stored with a codec this reader cannot decode fails its key as
+unreadable (it stays in place for readers that can).
 
 With ``durability: process`` (the default) a store publishes without any fsync: the
 chunk survives the crash of any process, and a power cut may lose it (it then reads as a
@@ -44,7 +48,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
+from kvtiers.core.buffers import Buffer
+from kvtiers.core.chunkformat import (
+    HEADER_BYTES,
+    decode_header,
+    encode_blob,
+    encode_header,
+    finish_load,
+    payload_checksum,
+)
+from kvtiers.core.codec import Codec, CodecUnavailableError, Scratch
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.mover import SHUTDOWN_TIMEOUT_S, ChunkReporter, HostRegion
@@ -53,11 +66,16 @@ from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, LoadStoreSpe
 from kvtiers.errors import CorruptChunkError
 from kvtiers.tiers.backoff import lasting_os_error
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
-from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, PublishSettings
+from kvtiers.tiers.file.io import AlignedHeaders, IOBackend, LateHeader, PublishSettings
 from kvtiers.tiers.file.space import SpaceLatch, is_no_space
 from kvtiers.tiers.iopool import IOPool
 
 logger = logging.getLogger(__name__)
+
+#: Payloads stored as they are from this size up are hashed on a thread of their own
+#: while the payload is written (the header, written last, carries the checksum); a
+#: smaller one is hashed first, which costs less than handing it over.
+OVERLAP_HASH_BYTES = 1 << 20
 
 class BadChunkHandler:
     """What happens to a chunk file that failed verification or vanished.
@@ -105,7 +123,8 @@ class BadChunkHandler:
         (and logs, aggregated). False when there is no manager to tell."""
         if self._reporter is None:
             return False
-        self._reporter.load_failed(key, str(path), error, lasting=lasting_os_error(error))
+        lasting = lasting_os_error(error) or isinstance(error, CodecUnavailableError)
+        self._reporter.load_failed(key, str(path), error, lasting=lasting)
         return True
 
 
@@ -164,7 +183,7 @@ class FileMover(FanOutMover[_FileJob]):
     ``digest`` is the namespace identity digest every header carries. ``threads`` bounds
     the I/O concurrency. ``space``, when given, is told of stores that fail for want of
     space (one aggregated warning there instead of one per chunk) and of stores that
-    succeed.
+    succeed. ``codec`` encodes what this mover stores (``None``: payloads as they are).
     """
 
     def __init__(
@@ -179,6 +198,7 @@ class FileMover(FanOutMover[_FileJob]):
         bad_chunks: BadChunkHandler | None = None,
         shutdown_timeout_s: float = SHUTDOWN_TIMEOUT_S,
         space: SpaceLatch | None = None,
+        codec: Codec | None = None,
     ) -> None:
         if region.slot_bytes < geometry.max_chunk_bytes:
             raise ValueError(
@@ -196,7 +216,10 @@ class FileMover(FanOutMover[_FileJob]):
         # durability: power with one syncfs per store job instead of fsyncs per chunk.
         self._grouped = self.settings.sync and self.settings.ops.has_syncfs()
         self._pool = IOPool(threads, "kvtiers-file")
+        self._hasher = IOPool(1, "kvtiers-file-hash") if backend.late_header else None
         self._headers = AlignedHeaders()
+        self.codec = codec
+        self._scratch = Scratch()
 
     # -- the fan-out mover's hooks --------------------------------------------------
     def _plan(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> _FileJob:
@@ -274,15 +297,27 @@ class FileMover(FanOutMover[_FileJob]):
 
     def _release(self, idle: bool) -> None:
         self._pool.shutdown(None if idle else 0.0, cancel_queued=not idle)
+        if self._hasher is not None:
+            self._hasher.shutdown(None if idle else 0.0, cancel_queued=not idle)
 
     # -- one chunk ------------------------------------------------------------------
     def _store_one(self, job: _FileJob, chunk: ChunkCopy) -> int:
         size = self.geometry.key_chunk_bytes(chunk.key)
         payload = self.region.view(chunk.slot)[:size]
-        header = encode_header(self.digest, chunk.key, payload)
+        header: bytes | LateHeader
+        if self.codec is None and self._hasher is not None and size >= OVERLAP_HASH_BYTES:
+            digest = self._hasher.submit(lambda: payload_checksum(payload))
+            key = chunk.key
+
+            def header() -> bytes:
+                return encode_header(self.digest, key, payload, checksum=digest.result())
+
+            stored: Buffer = payload
+        else:
+            header, stored = encode_blob(self.digest, chunk.key, payload, self.codec)
         path = Path(chunk.address)
         assert job.settings is not None
-        self.backend.write(path, header, payload, job.settings)
+        self.backend.write(path, header, stored, job.settings)
         if self.space is not None:
             self.space.mark_ok()
         if self.settings.sync:
@@ -295,11 +330,11 @@ class FileMover(FanOutMover[_FileJob]):
         payload = self.region.view(chunk.slot)[:size]
         header_buf = self._headers.view
         got, file_size = self.backend.read(Path(chunk.address), header_buf, payload)
-        if got < HEADER_BYTES + size or file_size != HEADER_BYTES + size:
+        if got < HEADER_BYTES or got != file_size:
             raise CorruptChunkError(
-                "length", f"file holds {file_size} bytes, a chunk of this key is "
+                "length", f"file holds {file_size} bytes, a chunk of this key is at most "
                 f"{HEADER_BYTES + size}"
             )
         header = decode_header(header_buf, namespace_digest=self.digest, key=chunk.key)
-        verify_payload(header, payload)
+        finish_load(header, payload, got - HEADER_BYTES, self._scratch)
         return size

@@ -29,4 +29,5 @@ def build_tier(
         threads=config.threads, capacity_bytes=config.capacity, shared=config.shared,
         admission=config.admission,
         load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
+        codec=config.codec,
     )

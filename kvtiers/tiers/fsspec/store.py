@@ -143,19 +143,23 @@ class FsspecStore(ObjectStore):
                 with os.fdopen(open_regular(path), "rb") as f:
                     size = f.seek(0, 2)
                     f.seek(0)
-                    if size == sum(len(b) for b in buffers):
+                    if size <= sum(len(b) for b in buffers):
+                        offset = 0
                         for buffer in buffers:
-                            if f.readinto(buffer) != len(buffer):
+                            part = buffer[: max(0, min(len(buffer), size - offset))]
+                            if part and f.readinto(part) != len(part):
                                 raise OSError(f"{path}: short read")
+                            offset += len(part)
                     return size
             data = self.fs.cat_file(path, **self._bounded())
         except FileNotFoundError:
             raise ObjectMissing(name) from None
-        if len(data) == sum(len(b) for b in buffers):
+        if len(data) <= sum(len(b) for b in buffers):
             offset = 0
             for buffer in buffers:
-                buffer[:] = data[offset : offset + len(buffer)]
-                offset += len(buffer)
+                part = buffer[: max(0, min(len(buffer), len(data) - offset))]
+                part[:] = data[offset : offset + len(part)]
+                offset += len(part)
         return len(data)
 
     def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from kvtiers.core.codec import make_codec
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.mover import HostRegion
@@ -51,11 +52,12 @@ def build_object_tier(
     delete_corrupt: bool = True,
     load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
     load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
+    codec: str = "none",
 ) -> BuiltTier:
     """The object tier ``name`` over ``store``; opening the namespace (checking or
     publishing its manifest) happens here, and any failure closes the store. A key whose
     load failed is a miss for ``load_backoff_s``, doubled per failure up to
-    ``load_backoff_max_s``."""
+    ``load_backoff_max_s``. ``codec`` (a ``codec:`` setting) encodes stored payloads."""
     backend = ObjectBackend(
         store,
         NamespaceIdentity.from_config(offloading),
@@ -65,6 +67,7 @@ def build_object_tier(
     )
     geometry = ChunkGeometry.from_config(offloading)
     try:
+        encoder = make_codec(codec, kv_dtype=offloading.model.dtype)
         manager = ObjectTierManager(
             backend,
             max_chunk_bytes=geometry.max_chunk_bytes,
@@ -77,6 +80,7 @@ def build_object_tier(
         backend.close()
         raise
     mover = ObjectMover(
-        backend, primary_region, geometry, delete_corrupt=delete_corrupt, reporter=manager
+        backend, primary_region, geometry, delete_corrupt=delete_corrupt, reporter=manager,
+        codec=encoder,
     )
     return BuiltTier(name=name, manager=manager, mover=mover, admission=admission)

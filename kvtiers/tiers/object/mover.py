@@ -5,14 +5,20 @@ Each object is one chunk blob (4 KiB header + payload, xxh3_128-checked; see
 bounded I/O pool (:class:`~kvtiers.tiers.fanout.FanOutMover`); the job's
 :class:`~kvtiers.core.mover.MoverResult` is published when its last chunk is done.
 
-- Store: header + the slot's payload, written with a put that never overwrites; finding
-  the object already there (a racing writer) counts as success.
-- Load: the header is read into a 4 KiB buffer and the payload straight into the slot's
-  view, then both are verified. A missing object fails its key; an object of the wrong
-  size, or with a bad header, namespace, key or checksum is read once more (damage in
-  transit is not damage in the store) and, bad again, is corrupt: it fails its key, is
-  counted, is deleted when ``delete_corrupt`` is set, and the manager is told to forget
-  it. A key is reported as succeeded only after its bytes verified.
+- Store: header + the slot's payload (encoded with the tier's codec when that makes it
+  smaller), written with a put that never overwrites; the body is a view over the header
+  and the payload, never a joined copy. Finding the object already there (a racing
+  writer) counts as success.
+- Load: the header is read into a 4 KiB buffer and the stored payload straight into the
+  slot's view, hashed as it lands; then both are verified, and an encoded payload is
+  decoded into the slot and checked again (:func:`~kvtiers.core.chunkformat.finish_load`).
+  Any codec is read, whatever the tier's own setting. A missing object fails its key; an
+  object of the wrong size, or with a bad header, namespace, key or checksum is read once
+  more (damage in transit is not damage in the store) and, bad again, is corrupt: it
+  fails its key, is counted, is deleted when ``delete_corrupt`` is set, and the manager is
+  told to forget it. An object stored with a codec this reader cannot decode (its package
+  missing) fails its key as unreadable and stays in the store. A key is reported as
+  succeeded only after its bytes verified.
 - Transient errors are retried by the backend's :class:`~kvtiers.tiers.object.retry.Retrier`
   within the tier's operation deadline; when attempts or the deadline run out the key
   fails and the job carries on with the others. ``shutdown`` waits for jobs in flight at
@@ -25,7 +31,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from kvtiers.core.chunkformat import HEADER_BYTES, decode_header, encode_header, verify_payload
+from kvtiers.core.chunkformat import (
+    HEADER_BYTES,
+    decode_header,
+    encode_blob,
+    finish_load,
+    payload_hasher,
+)
+from kvtiers.core.codec import Codec, Scratch
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.mover import ChunkReporter, HostRegion
@@ -42,7 +55,8 @@ class ObjectMover(FanOutMover[FanOutJob]):
     """Copies chunks between a :class:`HostRegion` and an :class:`ObjectBackend`.
 
     ``reporter`` (usually the tier's :class:`ObjectTierManager`) is told from I/O threads
-    of keys whose objects turned out corrupt or missing.
+    of keys whose objects turned out corrupt or missing. ``codec`` encodes what this
+    mover stores (``None``: payloads as they are).
     """
 
     def __init__(
@@ -53,6 +67,7 @@ class ObjectMover(FanOutMover[FanOutJob]):
         *,
         delete_corrupt: bool = True,
         reporter: ChunkReporter | None = None,
+        codec: Codec | None = None,
     ) -> None:
         super().__init__("object tier")
         self.backend = backend
@@ -61,6 +76,8 @@ class ObjectMover(FanOutMover[FanOutJob]):
         self.delete_corrupt = delete_corrupt
         self.reporter = reporter
         self._digest = backend.identity.digest
+        self.codec = codec
+        self._scratch = Scratch()
 
     # -- the fan-out mover's hooks --------------------------------------------------
     def _plan(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> FanOutJob:
@@ -112,10 +129,10 @@ class ObjectMover(FanOutMover[FanOutJob]):
     def _store(self, slot: int, key: OffloadKey, name: str) -> int:
         size = self.geometry.key_chunk_bytes(key)
         payload = self.region.view(slot)[:size]
-        blob = encode_header(self._digest, key, payload) + payload
+        header, stored = encode_blob(self._digest, key, payload, self.codec)
         store = self.backend.store
-        self.backend.retrier.call(lambda: store.put_if_absent(name, [blob]))
-        return len(blob)
+        self.backend.retrier.call(lambda: store.put_if_absent(name, [header, stored]))
+        return HEADER_BYTES + size
 
     def _load(self, slot: int, key: OffloadKey, name: str) -> int:
         size = self.geometry.key_chunk_bytes(key)
@@ -132,18 +149,26 @@ class ObjectMover(FanOutMover[FanOutJob]):
             return self._read_checked(key, name, view[:size])
 
     def _read_checked(self, key: OffloadKey, name: str, payload: memoryview) -> int:
-        """Read ``name`` into a header buffer and ``payload`` and verify both."""
-        header = bytearray(HEADER_BYTES)
-        buffers = [memoryview(header), payload]
+        """Read ``name`` into a header buffer and ``payload``, verify (and decode) both."""
+        header_buf = bytearray(HEADER_BYTES)
+        buffers = [memoryview(header_buf), payload]
         store = self.backend.store
-        total = self.backend.retrier.call(lambda: store.get_into(name, buffers))
-        if total != HEADER_BYTES + len(payload):
+
+        def attempt() -> tuple[int, bytes]:
+            hasher = payload_hasher()
+            size = store.get_hashed(name, buffers, hasher)
+            return size, hasher.digest()
+
+        total, digest = self.backend.retrier.call(attempt)
+        largest = HEADER_BYTES + len(payload)
+        if not HEADER_BYTES <= total <= largest:
             raise CorruptChunkError(
-                "length",
-                f"object is {total} bytes, a chunk of this key is {HEADER_BYTES + len(payload)}",
+                "length", f"object is {total} bytes, a chunk of this key is {largest} at most"
             )
-        verify_payload(decode_header(header, namespace_digest=self._digest, key=key), payload)
-        return total
+        header = decode_header(header_buf, namespace_digest=self._digest, key=key)
+        finish_load(header, payload, total - HEADER_BYTES, self._scratch,
+                    stored_checksum=digest)
+        return largest
 
     def _on_corrupt(self, key: OffloadKey, name: str, exc: CorruptChunkError) -> None:
         log.warning("object tier: %s is corrupt (%s)%s", self.backend.store.describe(name),

@@ -22,11 +22,20 @@ Contract for implementers:
 
 from __future__ import annotations
 
+import bisect
+import io
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from kvtiers.core.buffers import Buffer
+
+
+class Hasher(Protocol):
+    """A streaming hash (``xxhash.xxh3_128()``): fed the bytes as they arrive."""
+
+    def update(self, data: Buffer, /) -> object: ...
 
 
 class ObjectMissing(Exception):
@@ -66,10 +75,28 @@ class ObjectStore(ABC):
 
     @abstractmethod
     def get_into(self, name: str, buffers: Sequence[memoryview]) -> int:
-        """Fill ``buffers`` in order with the object's leading bytes; return its size.
+        """Fill ``buffers`` in order with the object's bytes; return its size.
 
-        When the size differs from the buffers' total length the buffers may be left
-        untouched: the caller treats such an object as not what it expected."""
+        An object no larger than the buffers' total is read whole: the buffers are
+        filled in order up to its size, and the rest of them is left as it was (a chunk
+        stored encoded is shorter than the chunk). A larger one may leave the buffers
+        untouched: the caller treats it as not what it expected."""
+
+    def get_hashed(self, name: str, buffers: Sequence[memoryview], hasher: Hasher) -> int:
+        """:meth:`get_into`, also feeding ``hasher`` every byte that lands in
+        ``buffers[1:]`` (those after the first, a chunk's header), in order.
+
+        Note to implementers: the default hashes the bytes after the read; a backend that
+        reads in pieces overrides it to hash each piece as it lands."""
+        size = self.get_into(name, buffers)
+        if size <= sum(len(b) for b in buffers):
+            left = size - len(buffers[0])
+            for buffer in buffers[1:]:
+                if left <= 0:
+                    break
+                hasher.update(buffer[: min(len(buffer), left)])
+                left -= len(buffer)
+        return size
 
     @abstractmethod
     def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
@@ -121,3 +148,84 @@ class ObjectStore(ABC):
 
     def close(self) -> None:
         """Release connections. Idempotent."""
+
+
+class PartsReader(io.RawIOBase):
+    """A read-only, seekable file over the concatenation of ``parts``, without joining
+    them: a request body (a client library seeks back to hash it and to retry) whose
+    bytes are copied only as each block is read. The parts must not change while it is
+    in use."""
+
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        super().__init__()
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self._starts: list[int] = []
+        total = 0
+        for part in self._parts:
+            self._starts.append(total)
+            total += part.nbytes
+        self._size = total
+        self._position = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        done = 0
+        for start, part in zip(self._starts, self._parts, strict=True):
+            if done == out.nbytes:
+                break
+            end = start + part.nbytes
+            if end <= self._position + done:
+                continue
+            offset = self._position + done - start
+            count = min(part.nbytes - offset, out.nbytes - done)
+            out[done : done + count] = part[offset : offset + count]
+            done += count
+        self._position += done
+        return done
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = max(0, self._size - self._position)
+        count = left if size is None or size < 0 else min(size, left)
+        # The common case, a block inside one part (a client reads 8-16 KiB blocks): one
+        # slice, no loop.
+        index = bisect.bisect_right(self._starts, self._position) - 1
+        if index >= 0:
+            offset = self._position - self._starts[index]
+            part = self._parts[index]
+            if offset + count <= part.nbytes:
+                self._position += count
+                return part[offset : offset + count].tobytes()
+        pieces = []
+        position = self._position
+        for start, part in zip(self._starts, self._parts, strict=True):
+            if count == 0:
+                break
+            end = start + part.nbytes
+            if end <= position:
+                continue
+            offset = position - start
+            take = min(part.nbytes - offset, count)
+            pieces.append(part[offset : offset + take])
+            position += take
+            count -= take
+        self._position = position
+        return pieces[0].tobytes() if len(pieces) == 1 else b"".join(pieces)

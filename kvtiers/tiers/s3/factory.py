@@ -83,4 +83,5 @@ def build_tier(
         admission=config.admission, prefix=config.prefix,
         delete_corrupt=config.delete_corrupt,
         load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
+        codec=config.codec,
     )

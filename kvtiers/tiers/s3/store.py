@@ -28,10 +28,13 @@ deadline, and a request whose deadline passed while it waited fails without bein
 ``timeout_s`` caps every socket wait (connecting included) on its own.
 
 Checksums of request and response bodies are left to the chunk format (xxh3_128 in every
-header) rather than computed again per request. Credentials come from the standard AWS
-chain (environment, ``profile``, instance role) unless given explicitly (the embedded test
-server's dummy keys); they are never logged, and an endpoint is always shown with any
-``user:password@`` in its URL redacted (:func:`~kvtiers.config.tiers.redact_url`).
+header) rather than computed again per request; :meth:`S3Store.get_hashed` computes the
+payload's as the body lands. A put sends a read-only file view over the header and the
+payload (:class:`~kvtiers.tiers.object.store.PartsReader`), never a joined copy.
+Credentials come from the standard AWS chain (environment, ``profile``, instance role)
+unless given explicitly (the embedded test server's dummy keys); they are never logged,
+and an endpoint is always shown with any ``user:password@`` in its URL redacted
+(:func:`~kvtiers.config.tiers.redact_url`).
 """
 
 from __future__ import annotations
@@ -52,7 +55,14 @@ from botocore.retries import standard as botocore_standard
 from kvtiers.config.tiers import redact_url
 from kvtiers.errors import BackendUnavailableError, ConfigError
 from kvtiers.tiers.object.retry import OperationDeadlineError, remaining_s
-from kvtiers.tiers.object.store import Buffer, ObjectInfo, ObjectMissing, ObjectStore
+from kvtiers.tiers.object.store import (
+    Buffer,
+    Hasher,
+    ObjectInfo,
+    ObjectMissing,
+    ObjectStore,
+    PartsReader,
+)
 
 _NOT_FOUND_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 # Raised by a body read, after botocore has handed the response over (see get_into).
@@ -70,6 +80,8 @@ _THROTTLING_CODES = frozenset({
 
 #: The shortest socket wait a request is given, even with its deadline all but spent.
 _MIN_WAIT_S = 0.001
+#: Bytes read from a GET body per call: a piece is hashed while it is still in cache.
+_PIECE_BYTES = 256 * 1024
 #: Where botocore registers its retry handler on an S3 client's events.
 _RETRY_EVENT = "needs-retry.s3"
 _RETRY_HANDLER_ID = "retry-config-s3"
@@ -399,6 +411,14 @@ class S3Store(ObjectStore):
         return _content_length(response, self.describe(name))
 
     def get_into(self, name: str, buffers: Sequence[memoryview]) -> int:
+        return self._get(name, buffers, None)
+
+    def get_hashed(self, name: str, buffers: Sequence[memoryview], hasher: Hasher) -> int:
+        """Hashes each piece of ``buffers[1:]`` as it lands, while it is still in the CPU's
+        cache, instead of in a pass over the payload after the body."""
+        return self._get(name, buffers, hasher)
+
+    def _get(self, name: str, buffers: Sequence[memoryview], hasher: Hasher | None) -> int:
         try:
             response = self.client().get_object(Bucket=self.bucket, Key=name)
         except botocore.exceptions.ClientError as exc:
@@ -411,7 +431,7 @@ class S3Store(ObjectStore):
         except TransitError:
             body.close()
             raise
-        if size != sum(len(b) for b in buffers):
+        if size > sum(len(b) for b in buffers):
             body.close()
             return size
         raw: Any = getattr(body, "_raw_stream", None)
@@ -426,19 +446,25 @@ class S3Store(ObjectStore):
             and not raw.headers.get("content-encoding")
         )
         readinto = fp.readinto if direct else body.readinto
+        left = size
         try:
-            for buffer in buffers:
+            for index, whole in enumerate(buffers):
+                buffer = whole[: min(len(whole), left)]
+                left -= len(buffer)
                 filled = 0
                 while filled < len(buffer):
                     if remaining_s() == 0.0:
                         raise TimeoutError(f"{self.describe(name)}: the operation deadline "
                                            "passed while the body was being read")
-                    n = readinto(buffer[filled:])
+                    piece = buffer[filled : filled + _PIECE_BYTES]
+                    n = readinto(piece)
                     if not n:
                         raise TransitError(
                             f"{self.describe(name)}: the body ended after {filled} of "
                             f"{len(buffer)} bytes"
                         )
+                    if hasher is not None and index:
+                        hasher.update(piece[:n])
                     filled += n
         except _BODY_ERRORS as exc:
             body.close()
@@ -458,11 +484,13 @@ class S3Store(ObjectStore):
 
     def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
         """With ``conditional_writes`` off the put carries no condition: the last writer
-        wins, and True is returned."""
-        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        wins, and True is returned. The body is a read-only file view over ``parts``: no
+        joined copy of header and payload is made."""
         condition = {"IfNoneMatch": "*"} if self.conditional_writes else {}
         try:
-            self.client().put_object(Bucket=self.bucket, Key=name, Body=body, **condition)
+            self.client().put_object(
+                Bucket=self.bucket, Key=name, Body=PartsReader(parts), **condition
+            )
         except botocore.exceptions.ClientError as exc:
             code, status = _error_code(exc)
             if status == 412 or code == "PreconditionFailed":
