@@ -1,0 +1,503 @@
+"""kvtiers as SGLang HiCache's storage backend, with SGLang 0.5.23's own classes: the
+backend factory, ``HiCacheStorageConfig``, ``PoolTransfer`` and the hit policies. The
+host pools are the doubles of :mod:`kvtiers.testing.sglang` (SGLang's cannot be imported
+on a CPU torch; see there).
+
+What is checked: the ``dynamic`` factory builds the backend; pages round-trip byte-exact
+through file and S3 tiers, zero-copy (page-first layouts) and copied (``layer_first``,
+a gathered state pool), through the v1, generic and v2 calls; a restart finds every
+page; a change of identity is a cold miss; a damaged page is a miss; calls from several
+threads at once; per-rank namespaces; the extra config's errors; clear; stats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvtiers.testing.sglang import require_sglang
+
+require_sglang()
+
+from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
+    PoolHitPolicy,
+    PoolName,
+    PoolTransfer,
+)
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvtiers.core.chunkformat import HEADER_BYTES  # noqa: E402
+from kvtiers.errors import ConfigError, UnsupportedVersionError  # noqa: E402
+from kvtiers.integrations.sglang import KVTiersHiCacheStorage  # noqa: E402
+from kvtiers.integrations.sglang.version import check_sglang_version  # noqa: E402
+from kvtiers.testing.s3 import BUCKET, MotoServer  # noqa: E402
+from kvtiers.testing.sglang import (  # noqa: E402
+    MHATokenToKVPoolHost,
+    MLATokenToKVPoolHost,
+    StatePoolHost,
+    StorageConfig,
+    page_indices,
+    storage_config,
+)
+
+PAGE = 4
+DYNAMIC = {
+    "backend_name": "kvtiers",
+    "module_path": "kvtiers.integrations.sglang",
+    "class_name": "KVTiersHiCacheStorage",
+    "interface_v1": 1,
+}
+
+
+def page_keys(n: int, seed: str = "a") -> list[str]:
+    """``n`` SGLang-style page keys (sha256 hex digests)."""
+    return [hashlib.sha256(f"{seed}-{i}".encode()).hexdigest() for i in range(n)]
+
+
+def mha(layout: str = "page_first", **kw: Any) -> MHATokenToKVPoolHost:
+    pool = MHATokenToKVPoolHost(pages=32, page_size=PAGE, layers=2, heads=2, head_dim=8,
+                                layout=layout, **kw)
+    pool.fill_random(torch.Generator().manual_seed(7))
+    return pool
+
+
+def backend(
+    tiers: list[dict[str, Any]], pool: Any, *, extra_pools: tuple[tuple[str, Any], ...] = (),
+    model: str = "org/model", **config: Any,
+) -> KVTiersHiCacheStorage:
+    """The backend as SGLang builds it: the factory's ``dynamic`` route, then the host
+    pools' registration."""
+    extra = {**DYNAMIC, "kvtiers_config": {"tiers": tiers}, **config.pop("extra", {})}
+    built = StorageBackendFactory.create_backend(
+        "dynamic", storage_config(StorageConfig(model_name=model, extra_config=extra, **config)),
+        pool,
+    )
+    assert isinstance(built, KVTiersHiCacheStorage)
+    built.register_mem_pool_host(pool)
+    for name, extra_pool in extra_pools:
+        built.register_mem_host_pool_v2(extra_pool, name)
+    built.on_host_pools_registered()
+    return built
+
+
+def file_tier(root: Path, **kw: Any) -> list[dict[str, Any]]:
+    return [{"kind": "file", "root": str(root), **kw}]
+
+
+def pages_of(pool: Any, pages: list[int]) -> list[bytes]:
+    return [pool.page_bytes(p * pool.page_size) for p in pages]
+
+
+@pytest.fixture
+def s3_tier(s3_endpoint: MotoServer) -> list[dict[str, Any]]:
+    return [{"kind": "s3", "bucket": BUCKET, "prefix": "sglang",
+             "endpoint_url": s3_endpoint.endpoint_url, "threads": 2}]
+
+
+# -- the factory and the round trip -------------------------------------------------------
+def test_the_dynamic_factory_builds_the_backend(tmp_path: Path) -> None:
+    store = backend(file_tier(tmp_path), mha())
+    try:
+        assert store.namespaces()[0].startswith("org__model-")
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize(
+    ("layout", "zero_copy"),
+    [("page_first", True), ("page_first_direct", True), ("page_head", True),
+     ("layer_first", False)],
+)
+def test_pages_round_trip_byte_exact_through_a_file_tier(
+    tmp_path: Path, layout: str, zero_copy: bool
+) -> None:
+    pool = mha(layout)
+    store = backend(file_tier(tmp_path), pool)
+    try:
+        assert store._pools["kv"].zero_copy is zero_copy
+        keys = page_keys(6)
+        want = pages_of(pool, [1, 2, 3, 4, 5, 6])
+        assert store.batch_set_v1(keys, page_indices([1, 2, 3, 4, 5, 6], PAGE)) == [True] * 6
+        assert store.batch_exists(keys) == 6
+        pool.zero()
+        assert store.batch_get_v1(keys, page_indices([9, 10, 11, 12, 13, 14], PAGE)) == [True] * 6
+        assert pages_of(pool, [9, 10, 11, 12, 13, 14]) == want
+    finally:
+        store.close()
+
+
+def test_zero_copy_parts_are_views_of_the_host_pool(tmp_path: Path) -> None:
+    """A page-first page's parts are the pool's own memory: a load lands in the pool's
+    tensor itself, and a store reads it there."""
+    pool = mha()
+    store = backend(file_tier(tmp_path), pool)
+    try:
+        registered = store._pools["kv"]
+        views = registered.memory_views(page_indices([3], PAGE), 1)[0]
+        assert [len(v) for v in views] == list(registered.part_bytes) and len(views) == 2
+        views[0][0] = 0xAB
+        assert pool.kv_buffer[0, 3 * PAGE].view(torch.uint8).flatten()[0] == 0xAB
+    finally:
+        store.close()
+
+
+def test_mla_pages_round_trip_in_one_part(tmp_path: Path) -> None:
+    pool = MLATokenToKVPoolHost(pages=16, page_size=PAGE, layers=3, kv_cache_dim=24)
+    pool.fill_random(torch.Generator().manual_seed(3))
+    store = backend(file_tier(tmp_path), pool, is_mla_model=True)
+    try:
+        assert store._pools["kv"].parts == 1 and store._pools["kv"].zero_copy
+        keys = page_keys(3)
+        want = pages_of(pool, [1, 2, 3])
+        assert store.batch_set_v1(keys, page_indices([1, 2, 3], PAGE)) == [True] * 3
+        pool.zero()
+        assert store.batch_get_v1(keys, page_indices([4, 5, 6], PAGE)) == [True] * 3
+        assert pages_of(pool, [4, 5, 6]) == want
+    finally:
+        store.close()
+
+
+def test_pages_round_trip_through_s3(tmp_path: Path, s3_tier: list[dict[str, Any]]) -> None:
+    pool = mha()
+    store = backend(s3_tier, pool)
+    keys = page_keys(5)
+    want = pages_of(pool, [0, 1, 2, 3, 4])
+    try:
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2, 3, 4], PAGE)) == [True] * 5
+    finally:
+        store.close()
+    # A restart over the bucket: the index is rebuilt from its listing.
+    pool.zero()
+    again = backend(s3_tier, pool)
+    try:
+        assert again.batch_exists(keys) == 5
+        assert again.batch_get_v1(keys, page_indices([5, 6, 7, 8, 9], PAGE)) == [True] * 5
+        assert pages_of(pool, [5, 6, 7, 8, 9]) == want
+    finally:
+        again.close()
+
+
+def test_a_file_tier_above_s3_serves_what_either_holds(
+    tmp_path: Path, s3_tier: list[dict[str, Any]]
+) -> None:
+    pool = mha()
+    keys = page_keys(4)
+    want = pages_of(pool, [0, 1, 2, 3])
+    only_s3 = backend(s3_tier, pool)
+    try:
+        assert only_s3.batch_set_v1(keys[2:], page_indices([2, 3], PAGE)) == [True, True]
+    finally:
+        only_s3.close()
+    store = backend(file_tier(tmp_path) + s3_tier, pool)
+    try:
+        assert store.batch_set_v1(keys[:2], page_indices([0, 1], PAGE)) == [True, True]
+        assert store.batch_exists(keys) == 4
+        pool.zero()
+        assert store.batch_get_v1(keys, page_indices([4, 5, 6, 7], PAGE)) == [True] * 4
+        assert pages_of(pool, [4, 5, 6, 7]) == want
+        stats = store.kvtiers_stats()
+        assert stats["file.chunks"] == 4 and stats["s3.chunks"] == 8
+    finally:
+        store.close()
+
+
+def test_the_generic_path_stores_what_the_zero_copy_path_loads(tmp_path: Path) -> None:
+    """SGLang without ``interface_v1`` calls batch_set/batch_get with flat pages; their
+    chunks are the zero-copy parts, so either path reads what the other wrote."""
+    pool = mha()
+    store = backend(file_tier(tmp_path), pool)
+    try:
+        keys = page_keys(3)
+        want = pages_of(pool, [0, 1, 2])
+        values = [pool.get_data_page(p * PAGE, flat=True).contiguous() for p in (0, 1, 2)]
+        assert store.batch_set(keys, values) is True
+        pool.zero()
+        assert store.batch_get_v1(keys, page_indices([3, 4, 5], PAGE)) == [True] * 3
+        assert pages_of(pool, [3, 4, 5]) == want
+        targets = [pool.get_dummy_flat_data_page() for _ in keys]
+        got = store.batch_get(keys + page_keys(1, "missing"), targets + [
+            pool.get_dummy_flat_data_page()])
+        assert got[3] is None
+        assert [bytes(t.view(torch.uint8).numpy()) for t in got[:3] if t is not None] == want
+        assert store.exists(keys[0]) and not store.exists(page_keys(1, "missing")[0])
+        assert store.get(keys[1], pool.get_dummy_flat_data_page()) is not None
+        assert store.set(page_keys(1, "one")[0], values[0]) is True
+    finally:
+        store.close()
+
+
+# -- restart, identity, damage ------------------------------------------------------------
+def test_a_restart_finds_every_page(tmp_path: Path) -> None:
+    pool = mha()
+    keys = page_keys(20)
+    want = pages_of(pool, list(range(20)))
+    first = backend(file_tier(tmp_path), pool)
+    assert first.batch_set_v1(keys, page_indices(list(range(20)), PAGE)) == [True] * 20
+    first.close()
+    fresh = mha()
+    fresh.zero()
+    second = backend(file_tier(tmp_path), fresh)
+    try:
+        assert second.batch_exists(keys) == 20
+        assert second.batch_get_v1(keys, page_indices(list(range(20)), PAGE)) == [True] * 20
+        assert pages_of(fresh, list(range(20))) == want
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "org/other-model"},
+        {"pool": {"dtype": torch.float16}},  # same bytes per page, other dtype
+        {"pool": {"layout": "page_first_direct"}},
+        {"tp_size": 2},
+        {"extra": {"kvtiers_salt": "tenant-b"}},
+        {"extra": {"model_revision": "0123456789abcdef0123456789abcdef01234567"}},
+    ],
+    ids=["model", "dtype", "layout", "tp_size", "salt", "revision"],
+)
+def test_a_config_change_is_a_cold_miss(tmp_path: Path, change: dict[str, Any]) -> None:
+    keys = page_keys(4)
+    first = backend(file_tier(tmp_path), mha())
+    assert first.batch_set_v1(keys, page_indices([0, 1, 2, 3], PAGE)) == [True] * 4
+    before = first.namespaces()
+    first.close()
+    options = dict(change)
+    pool = mha(**options.pop("pool", {}))
+    other = backend(file_tier(tmp_path), pool, **options)
+    try:
+        assert other.batch_exists(keys) == 0
+        assert other.namespaces() != before
+    finally:
+        other.close()
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_page_is_a_miss_and_quarantined(tmp_path: Path) -> None:
+    pool = mha()
+    store = backend(file_tier(tmp_path), pool)
+    try:
+        keys = page_keys(4)
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2, 3], PAGE)) == [True] * 4
+        (chunk,) = tmp_path.glob(f"*/*/*/{keys[2]}_g1.kvc")
+        _flip(chunk, HEADER_BYTES + 5)
+        got = store.batch_get_v1(keys, page_indices([4, 5, 6, 7], PAGE))
+        assert got == [True, True, False, True]
+        assert store.batch_exists(keys) == 2
+        assert list(tmp_path.glob("*/quarantine/*"))
+        assert store.kvtiers_stats()["file.corrupt_chunks"] == 1
+    finally:
+        store.close()
+
+
+# -- threads -------------------------------------------------------------------------------
+def test_calls_from_several_threads_at_once_all_end_with_the_right_bytes(
+    tmp_path: Path,
+) -> None:
+    """Prefetch, backup and scheduler threads call at once: each waits for its own jobs
+    only, and every page round-trips."""
+    pool = MHATokenToKVPoolHost(pages=96, page_size=PAGE, layers=2, heads=2, head_dim=8)
+    pool.fill_random(torch.Generator().manual_seed(11))
+    store = backend(file_tier(tmp_path, threads=2), pool)
+    groups = [page_keys(8, f"t{t}") for t in range(3)]
+    want = [pages_of(pool, list(range(8 * t, 8 * t + 8))) for t in range(3)]
+    barrier = threading.Barrier(3)
+    errors: list[BaseException] = []
+
+    def run(t: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):
+                own = list(range(8 * t, 8 * t + 8))
+                assert store.batch_set_v1(groups[t], page_indices(own, PAGE)) == [True] * 8
+                assert store.batch_exists(groups[t]) == 8
+                into = [48 + p for p in own]
+                assert store.batch_get_v1(groups[t], page_indices(into, PAGE)) == [True] * 8
+                assert pages_of(pool, into) == want[t]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(3)]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        assert not any(thread.is_alive() for thread in threads)
+        assert not errors, errors
+    finally:
+        store.close()
+
+
+def test_wait_job_waits_for_one_job_only(tmp_path: Path) -> None:
+    """FanOutMover.wait_job returns for a job that ended while another is still held."""
+    from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec
+    from kvtiers.integrations.sglang.storage import LentRegion
+
+    pool = mha()
+    store = backend(file_tier(tmp_path), pool)
+    try:
+        shelf = store._build()[0]
+        mover = shelf.tiers[0].mover
+        region = shelf.region
+        gate = threading.Event()
+        blocked = region.lend([memoryview(bytearray(region.slot_bytes))])
+
+        class Held(LentRegion):
+            def view(self, slot_id: int) -> memoryview:
+                gate.wait(30)
+                return region.view(slot_id)
+
+        mover.region = Held(region.slot_bytes)
+        key = bytes(36)
+        mover.submit(1, CPULoadStoreSpec(blocked), FileLoadStoreSpec([str(tmp_path / "x")], [key]))
+        assert mover.wait_job(1, 0.05) is False
+        assert mover.wait_job(99, 0.05) is True  # never accepted: not in flight
+        gate.set()
+        assert mover.wait_job(1, 30) is True
+        mover.region = region
+        mover.get_finished()
+    finally:
+        store.close()
+
+
+# -- ranks ----------------------------------------------------------------------------------
+def test_each_tp_rank_has_its_own_namespace_and_mla_ranks_share_one(tmp_path: Path) -> None:
+    ranks = [backend(file_tier(tmp_path), mha(), tp_size=2, tp_rank=r) for r in (0, 1)]
+    try:
+        assert ranks[0].namespaces() != ranks[1].namespaces()
+    finally:
+        for rank in ranks:
+            rank.close()
+    mla = [
+        MLATokenToKVPoolHost(pages=16, page_size=PAGE, layers=2, kv_cache_dim=16)
+        for _ in (0, 1)
+    ]
+    mla[0].fill_random(torch.Generator().manual_seed(5))
+    keys = page_keys(3)
+    want = pages_of(mla[0], [0, 1, 2])
+    writer = backend(file_tier(tmp_path / "mla"), mla[0], is_mla_model=True, tp_size=2, tp_rank=0)
+    reader = backend(file_tier(tmp_path / "mla"), mla[1], is_mla_model=True, tp_size=2, tp_rank=1)
+    try:
+        assert writer.namespaces() == reader.namespaces()
+        assert writer.batch_set_v1(keys, page_indices([0, 1, 2], PAGE)) == [True] * 3
+        # The reader never stores (SGLang skips its backups; a call is refused).
+        assert reader.batch_set_v1(page_keys(1, "r"), page_indices([5], PAGE)) == [False]
+        # It finds what the writer stored after it started by a probe: the first query
+        # starts it, a later one sees the page.
+        first = reader.batch_exists(keys)
+        reader._build()[0].tiers[0].built.manager.wait_probes()  # type: ignore[attr-defined]
+        assert first == 0 and reader.batch_exists(keys) == 3
+        assert reader.batch_get_v1(keys, page_indices([4, 5, 6], PAGE)) == [True] * 3
+        assert pages_of(mla[1], [4, 5, 6]) == want
+    finally:
+        writer.close()
+        reader.close()
+
+
+# -- hybrid models: v2 ---------------------------------------------------------------------
+def test_extra_pools_round_trip_through_the_v2_calls(tmp_path: Path) -> None:
+    pool = mha()
+    state = StatePoolHost(pages=32, page_size=PAGE, layers=2, state_dim=6)
+    state.fill_random(torch.Generator().manual_seed(9))
+    store = backend(file_tier(tmp_path), pool, extra_pools=(("mamba", state),))
+    try:
+        assert not store._pools["mamba"].zero_copy
+        keys = page_keys(3)
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2], PAGE)) == [True] * 3
+        want = pages_of(state, [2])
+        put = PoolTransfer(name=PoolName.MAMBA, host_indices=page_indices([2], PAGE),
+                           keys=keys[2:], hit_policy=PoolHitPolicy.TRAILING_PAGES)
+        assert store.batch_set_v2([put]) == {PoolName.MAMBA: [True]}
+        result = store.batch_exists_v2(keys, [put])
+        assert (result.kv_hit_pages, result.restorable_prefix_pages) == (3, [3])
+        state.zero()
+        get = PoolTransfer(name=PoolName.MAMBA, host_indices=page_indices([7], PAGE),
+                           keys=keys[2:])
+        assert store.batch_get_v2([get]) == {PoolName.MAMBA: [True]}
+        assert pages_of(state, [7]) == want
+    finally:
+        store.close()
+
+
+# -- configuration ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("extra", "path"),
+    [
+        ({"kvtiers_cofig": "x.yaml"}, "hicache_storage_backend_extra_config.kvtiers_cofig"),
+        ({}, "hicache_storage_backend_extra_config.kvtiers_config"),
+        ({"kvtiers_config": {"tiers": [{"kind": "cpu", "capacity": "1GiB"}]}},
+         "hicache_storage_backend_extra_config.kvtiers_config.tiers[0].kind"),
+        ({"kvtiers_config": {"tiers": [{"kind": "file", "root": "/tmp/x", "write": "back"}]}},
+         "hicache_storage_backend_extra_config.kvtiers_config.tiers[0].write"),
+        ({"kvtiers_config": {"tiers": [{"kind": "file", "root": "/tmp/x", "capacity": 8}]}},
+         "hicache_storage_backend_extra_config.kvtiers_config.tiers[0].capacity"),
+        ({"kvtiers_salt": 3, "kvtiers_config": {"tiers": []}},
+         "hicache_storage_backend_extra_config.kvtiers_salt"),
+    ],
+    ids=["misspelt-key", "no-stack", "cpu-tier", "write-back", "bare-capacity", "salt-type"],
+)
+def test_a_bad_extra_config_is_one_line_naming_the_key(
+    extra: dict[str, Any], path: str
+) -> None:
+    config = storage_config(StorageConfig(model_name="m", extra_config={**DYNAMIC, **extra}))
+    with pytest.raises(ConfigError) as raised:
+        StorageBackendFactory.create_backend("dynamic", config, mha())
+    assert raised.value.path == path
+    assert "\n" not in str(raised.value)
+
+
+def test_a_stack_file_error_names_its_file_and_line(tmp_path: Path) -> None:
+    stack = tmp_path / "stack.yaml"
+    stack.write_text("tiers:\n  - kind: file\n    root: /tmp/x\n    threads: 0\n")
+    config = storage_config(StorageConfig(
+        model_name="m", extra_config={**DYNAMIC, "kvtiers_config": str(stack)}))
+    with pytest.raises(ConfigError) as raised:
+        StorageBackendFactory.create_backend("dynamic", config, mha())
+    assert raised.value.source == f"{stack}:4" and raised.value.path == "tiers[0].threads"
+
+
+def test_another_sglang_release_is_refused_in_one_line() -> None:
+    assert check_sglang_version("0.5.23") == "0.5.23"
+    with pytest.raises(UnsupportedVersionError, match="supports SGLang ==0.5.23"):
+        check_sglang_version("0.5.22")
+
+
+# -- the rest --------------------------------------------------------------------------------
+def test_clear_deletes_every_page(tmp_path: Path) -> None:
+    store = backend(file_tier(tmp_path), mha())
+    try:
+        keys = page_keys(3)
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2], PAGE)) == [True] * 3
+        store.clear()
+        assert store.batch_exists(keys) == 0
+        store._build()[0].tiers[0].built.manager.wait_deletions()  # type: ignore[attr-defined]
+        assert not list(tmp_path.glob("*/*/*/*.kvc"))
+    finally:
+        store.close()
+
+
+def test_get_stats_gives_sglang_its_storage_metrics(tmp_path: Path) -> None:
+    store = backend(file_tier(tmp_path), mha(), enable_storage_metrics=True)
+    try:
+        keys = page_keys(2)
+        store.batch_set_v1(keys, page_indices([0, 1], PAGE))
+        store.batch_get_v1(keys, page_indices([2, 3], PAGE))
+        metrics = store.get_stats()
+        assert (metrics.prefetch_pgs, metrics.backup_pgs) == ([2], [2])
+        assert store.get_stats().prefetch_pgs == []
+        stats = store.kvtiers_stats()
+        assert (stats["loaded_pages"], stats["stored_pages"]) == (2, 2)
+    finally:
+        store.close()
