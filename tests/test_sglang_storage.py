@@ -220,8 +220,8 @@ def test_the_generic_path_stores_what_the_zero_copy_path_loads(tmp_path: Path) -
         assert store.batch_get_v1(keys, page_indices([3, 4, 5], PAGE)) == [True] * 3
         assert pages_of(pool, [3, 4, 5]) == want
         targets = [pool.get_dummy_flat_data_page() for _ in keys]
-        got = store.batch_get(keys + page_keys(1, "missing"), targets + [
-            pool.get_dummy_flat_data_page()])
+        got = store.batch_get(
+            keys + page_keys(1, "missing"), [*targets, pool.get_dummy_flat_data_page()])
         assert got[3] is None
         assert [bytes(t.view(torch.uint8).numpy()) for t in got[:3] if t is not None] == want
         assert store.exists(keys[0]) and not store.exists(page_keys(1, "missing")[0])
@@ -470,7 +470,7 @@ def test_a_stack_file_error_names_its_file_and_line(tmp_path: Path) -> None:
 
 def test_another_sglang_release_is_refused_in_one_line() -> None:
     assert check_sglang_version("0.5.23") == "0.5.23"
-    with pytest.raises(UnsupportedVersionError, match="supports SGLang ==0.5.23"):
+    with pytest.raises(UnsupportedVersionError, match=r"supports SGLang ==0\.5\.23"):
         check_sglang_version("0.5.22")
 
 
