@@ -12,7 +12,6 @@ threads at once; per-rank namespaces; the extra config's errors; clear; stats.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -37,26 +36,19 @@ from kvtiers.integrations.sglang import KVTiersHiCacheStorage  # noqa: E402
 from kvtiers.integrations.sglang.version import check_sglang_version  # noqa: E402
 from kvtiers.testing.s3 import BUCKET, MotoServer  # noqa: E402
 from kvtiers.testing.sglang import (  # noqa: E402
+    DYNAMIC_EXTRA,
     MHATokenToKVPoolHost,
     MLATokenToKVPoolHost,
     StatePoolHost,
     StorageConfig,
+    build_backend,
     page_indices,
+    page_keys,
     storage_config,
 )
 
 PAGE = 4
-DYNAMIC = {
-    "backend_name": "kvtiers",
-    "module_path": "kvtiers.integrations.sglang",
-    "class_name": "KVTiersHiCacheStorage",
-    "interface_v1": 1,
-}
-
-
-def page_keys(n: int, seed: str = "a") -> list[str]:
-    """``n`` SGLang-style page keys (sha256 hex digests)."""
-    return [hashlib.sha256(f"{seed}-{i}".encode()).hexdigest() for i in range(n)]
+DYNAMIC = DYNAMIC_EXTRA
 
 
 def mha(layout: str = "page_first", **kw: Any) -> MHATokenToKVPoolHost:
@@ -66,22 +58,9 @@ def mha(layout: str = "page_first", **kw: Any) -> MHATokenToKVPoolHost:
     return pool
 
 
-def backend(
-    tiers: list[dict[str, Any]], pool: Any, *, extra_pools: tuple[tuple[str, Any], ...] = (),
-    model: str = "org/model", **config: Any,
-) -> KVTiersHiCacheStorage:
-    """The backend as SGLang builds it: the factory's ``dynamic`` route, then the host
-    pools' registration."""
-    extra = {**DYNAMIC, "kvtiers_config": {"tiers": tiers}, **config.pop("extra", {})}
-    built = StorageBackendFactory.create_backend(
-        "dynamic", storage_config(StorageConfig(model_name=model, extra_config=extra, **config)),
-        pool,
-    )
+def backend(tiers: list[dict[str, Any]], pool: Any, **kw: Any) -> KVTiersHiCacheStorage:
+    built = build_backend(tiers, pool, **kw)
     assert isinstance(built, KVTiersHiCacheStorage)
-    built.register_mem_pool_host(pool)
-    for name, extra_pool in extra_pools:
-        built.register_mem_host_pool_v2(extra_pool, name)
-    built.on_host_pools_registered()
     return built
 
 

@@ -28,7 +28,9 @@ module is skipped with the reason and the command that installs it.
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,13 @@ import torch
 
 #: Set by ``make test``: the SGLang tests must run, never skip.
 REQUIRE_ENV = "KVTIERS_REQUIRE_SGLANG"
+#: SGLang's keys of a dynamic backend's extra config, naming the kvtiers backend.
+DYNAMIC_EXTRA = {
+    "backend_name": "kvtiers",
+    "module_path": "kvtiers.integrations.sglang",
+    "class_name": "KVTiersHiCacheStorage",
+    "interface_v1": 1,
+}
 
 
 def require_sglang() -> None:
@@ -69,6 +78,33 @@ class StorageConfig:
     enable_storage_metrics: bool = False
     dcp_size: int = 1
     dcp_rank: int = 0
+
+
+def page_keys(n: int, seed: str = "a") -> list[str]:
+    """``n`` page keys shaped like SGLang's (sha256 hex digests)."""
+    return [hashlib.sha256(f"{seed}-{i}".encode()).hexdigest() for i in range(n)]
+
+
+def build_backend(
+    tiers: list[dict[str, Any]], pool: Any, *, extra_pools: Sequence[tuple[str, Any]] = (),
+    model: str = "org/model", extra: dict[str, Any] | None = None, **config: Any,
+) -> Any:
+    """The kvtiers backend as SGLang builds it: the factory's ``dynamic`` route with
+    ``tiers`` as the stack, then the host pools' registration. ``config`` sets
+    :class:`StorageConfig` fields."""
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    options = {**DYNAMIC_EXTRA, "kvtiers_config": {"tiers": tiers}, **(extra or {})}
+    built = StorageBackendFactory.create_backend(
+        "dynamic",
+        storage_config(StorageConfig(model_name=model, extra_config=options, **config)),
+        pool,
+    )
+    built.register_mem_pool_host(pool)
+    for name, extra_pool in extra_pools:
+        built.register_mem_host_pool_v2(extra_pool, name)
+    built.on_host_pools_registered()
+    return built
 
 
 def storage_config(config: StorageConfig) -> Any:

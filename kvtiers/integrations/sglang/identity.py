@@ -18,8 +18,9 @@ has the table):
   ``layer_names`` one per layer the pool holds, canonically
   ``<pool>.<part>.layer<L>[@<shard>]`` where ``<part>`` is ``part<j>of<n>`` (zero-copy) or
   ``page`` (copied), ``L`` the model's layer index (a pipeline stage holds its own), and
-  ``<shard>`` which slice of the page this rank holds: ``tp<r>of<n>`` for pools TP ranks
-  shard, ``pp<r>of<n>``, ``cp<r>of<n>`` and ``dcp<r>of<n>`` when those sizes exceed 1. The
+  ``<shard>`` which slice of the page this rank holds, joined by ``.``: ``pp<r>of<n>``,
+  ``cp<r>of<n>``, ``dcp<r>of<n>`` and (for pools TP ranks shard) ``tp<r>of<n>``, each when
+  that size exceeds 1. The
   rank of a shard has no field of its own; it is part of what the chunk's tensors are, so
   it is written where the tensors are named;
 * ``kv_layout`` each pool as ``<pool>=<layout>/<class>/<dtype>``, joined by ``;``, plus
@@ -123,7 +124,7 @@ def _shard(storage_config: Any, replicated: bool) -> str:
         parts.append(f"cp{storage_config.attn_cp_rank}of{storage_config.attn_cp_size}")
     if getattr(storage_config, "dcp_size", 1) > 1:
         parts.append(f"dcp{storage_config.dcp_rank}of{storage_config.dcp_size}")
-    if not replicated:
+    if not replicated and storage_config.tp_size > 1:
         parts.append(f"tp{storage_config.tp_rank}of{storage_config.tp_size}")
     return ".".join(parts)
 
