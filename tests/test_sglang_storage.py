@@ -13,6 +13,7 @@ threads at once; per-rank namespaces; the extra config's errors; clear; stats.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,12 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvtiers.core.chunkformat import HEADER_BYTES  # noqa: E402
+from kvtiers.core.keys import OffloadKey  # noqa: E402
+from kvtiers.core.specs import (  # noqa: E402
+    CPULoadStoreSpec,
+    FileLoadStoreSpec,
+    LoadStoreSpec,
+)
 from kvtiers.errors import ConfigError, UnsupportedVersionError  # noqa: E402
 from kvtiers.integrations.sglang import KVTiersHiCacheStorage  # noqa: E402
 from kvtiers.integrations.sglang.version import check_sglang_version  # noqa: E402
@@ -46,6 +53,7 @@ from kvtiers.testing.sglang import (  # noqa: E402
     page_keys,
     storage_config,
 )
+from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks  # noqa: E402
 
 PAGE = 4
 DYNAMIC = DYNAMIC_EXTRA
@@ -319,36 +327,34 @@ def test_calls_from_several_threads_at_once_all_end_with_the_right_bytes(
         store.close()
 
 
-def test_wait_job_waits_for_one_job_only(tmp_path: Path) -> None:
-    """FanOutMover.wait_job returns for a job that ended while another is still held."""
-    from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec
-    from kvtiers.integrations.sglang.storage import LentRegion
+def test_wait_job_waits_for_one_job_only() -> None:
+    """FanOutMover.wait_job returns once its job ended while another is still running,
+    and at once for a job never accepted."""
+    gates = {1: threading.Event(), 2: threading.Event()}
 
-    pool = mha()
-    store = backend(file_tier(tmp_path), pool)
-    try:
-        shelf = store._build()[0]
-        mover = shelf.tiers[0].mover
-        region = shelf.region
-        gate = threading.Event()
-        blocked = region.lend([memoryview(bytearray(region.slot_bytes))])
+    class Gated(FanOutMover[FanOutJob]):
+        def _plan(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> FanOutJob:
+            assert isinstance(src, CPULoadStoreSpec) and isinstance(dst, FileLoadStoreSpec)
+            return FanOutJob(job_id, True, plan_chunks(src.slot_ids, dst.keys, dst.paths))
 
-        class Held(LentRegion):
-            def view(self, slot_id: int) -> memoryview:
-                gate.wait(30)
-                return region.view(slot_id)
+        def _start_task(self, task: Callable[[], None]) -> None:
+            threading.Thread(target=task, daemon=True).start()
 
-        mover.region = Held(region.slot_bytes)
-        key = bytes(36)
-        mover.submit(1, CPULoadStoreSpec(blocked), FileLoadStoreSpec([str(tmp_path / "x")], [key]))
-        assert mover.wait_job(1, 0.05) is False
-        assert mover.wait_job(99, 0.05) is True  # never accepted: not in flight
-        gate.set()
-        assert mover.wait_job(1, 30) is True
-        mover.region = region
-        mover.get_finished()
-    finally:
-        store.close()
+        def _copy(self, job: FanOutJob, chunk: ChunkCopy) -> int:
+            assert gates[job.job_id].wait(30)
+            return 1
+
+    mover = Gated("gated")
+    key = OffloadKey(bytes(36))
+    for job_id in (1, 2):
+        mover.submit(job_id, CPULoadStoreSpec([job_id]), FileLoadStoreSpec(["x"], [key]))
+    gates[2].set()
+    assert mover.wait_job(2, 30) is True
+    assert mover.wait_job(1, 0.05) is False  # its gate is shut: still in flight
+    assert mover.wait_job(99, 0) is True
+    gates[1].set()
+    assert mover.wait_job(1, 30) is True
+    assert sorted(r.job_id for r in mover.get_finished()) == [1, 2]
 
 
 # -- ranks ----------------------------------------------------------------------------------
@@ -376,7 +382,7 @@ def test_each_tp_rank_has_its_own_namespace_and_mla_ranks_share_one(tmp_path: Pa
         # It finds what the writer stored after it started by a probe: the first query
         # starts it, a later one sees the page.
         first = reader.batch_exists(keys)
-        reader._build()[0].tiers[0].built.manager.wait_probes()  # type: ignore[attr-defined]
+        reader._build()[0].tiers[0].built.manager.wait_probes()
         assert first == 0 and reader.batch_exists(keys) == 3
         assert reader.batch_get_v1(keys, page_indices([4, 5, 6], PAGE)) == [True] * 3
         assert pages_of(mla[1], [4, 5, 6]) == want
@@ -461,7 +467,7 @@ def test_clear_deletes_every_page(tmp_path: Path) -> None:
         assert store.batch_set_v1(keys, page_indices([0, 1, 2], PAGE)) == [True] * 3
         store.clear()
         assert store.batch_exists(keys) == 0
-        store._build()[0].tiers[0].built.manager.wait_deletions()  # type: ignore[attr-defined]
+        store._build()[0].tiers[0].built.manager.wait_deletions()
         assert not list(tmp_path.glob("*/*/*/*.kvc"))
     finally:
         store.close()

@@ -46,8 +46,7 @@ MAX_PARTS = 8
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A writable 1-D byte view of a contiguous CPU tensor's memory (no copy)."""
-    flat = tensor.reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return tensor.reshape(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 @dataclass(frozen=True)
