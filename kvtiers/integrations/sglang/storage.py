@@ -142,7 +142,7 @@ class _Tier:
     """One built tier of one identity."""
 
     built: BuiltTier
-    driver: JobDriver[list[int]]
+    driver: JobDriver[_Job]
     mover: FanOutMover[Any]
     writes: bool
 
@@ -158,13 +158,24 @@ class _Shelf:
 
 @dataclass
 class _Chunk:
-    """One part of one page in a call: its key, its view, the tiers it is in."""
+    """One part of one page in a call: the page's place in the call, the chunk's key, the
+    memory it is read from or into, its identity's shelf, and whether it was stored or
+    loaded."""
 
     page: int
     key: OffloadKey
     view: memoryview
     shelf: _Shelf
     done: bool = False
+
+
+@dataclass
+class _Job:
+    """What a job copies (a driver's tag): its chunks, and the slots lent for them."""
+
+    chunks: list[_Chunk]
+    slots: list[int]
+    region: LentRegion
 
 
 @dataclass
@@ -213,11 +224,9 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         self._pools: dict[str, PagePool] = {}
         self._shelves: list[_Shelf] | None = None
         self._route: dict[str, tuple[_Shelf, int]] = {}
-        self._group_suffix = [i.to_bytes(GROUP_INDEX_BYTES, "big") for i in range(256)]
         self._job_ids = itertools.count(1)
-        self._done: dict[int, FinishedJob[list[int]]] = {}
-        # Job id -> the chunks it copies, their lent slots and the region lending them.
-        self._waiting: dict[int, tuple[list[_Chunk], list[int], LentRegion]] = {}
+        # Jobs that ended and were settled, until their caller takes note.
+        self._settled: set[int] = set()
         self._counters = _Counters()
         self._closed = False
         if not self.options.zero_copy_calls:
@@ -311,7 +320,7 @@ class KVTiersHiCacheStorage(HiCacheStorage):
                         "on per job; use a file, s3 or fsspec tier",
                         path="kvtiers_config",
                     )
-                driver: JobDriver[list[int]] = JobDriver(
+                driver: JobDriver[_Job] = JobDriver(
                     built.manager, built.mover, self._finished, ctx=_CTX
                 )
                 writes = identity.writer and built.admission == "always"
@@ -337,18 +346,17 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         if route is None:
             return None
         shelf, first = route
-        parts = self._pools[pool_name].parts
-        suffix = self._group_suffix
+        tails = [
+            (first + part).to_bytes(GROUP_INDEX_BYTES, "big")
+            for part in range(self._pools[pool_name].parts)
+        ]
         chunks = []
         for page, key in enumerate(keys):
             raw = page_hash(key)
             row = views[page] if views is not None else None
-            for part in range(parts):
-                group = first + part
-                tail = suffix[group] if group < len(suffix) else group.to_bytes(4, "big")
-                chunks.append(_Chunk(
-                    page, OffloadKey(raw + tail), row[part] if row is not None else _EMPTY, shelf
-                ))
+            for part, tail in enumerate(tails):
+                view = row[part] if row is not None else _EMPTY
+                chunks.append(_Chunk(page, OffloadKey(raw + tail), view, shelf))
         return chunks
 
     def _pool(self, name: str) -> PagePool | None:
@@ -546,8 +554,7 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         if not held:
             return []
         job_id = next(self._job_ids)
-        self._expect(job_id, held, slots, region)
-        tier.driver.load_held(job_id, slots)
+        tier.driver.load_held(job_id, _Job(held, slots, region))
         return [(tier, job_id)]
 
     # -- stores ---------------------------------------------------------------------
@@ -649,19 +656,22 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         slots = region.lend([c.view for c in chunks])
         slot_of = {c.key: s for c, s in zip(chunks, slots, strict=True)}
         job_id = next(self._job_ids)
-        accepted = tier.driver.store(job_id, list(slot_of), _CTX, slots, slots=slot_of)
-        if accepted is None:
+        # The job's chunks are the ones the tier accepts; it settles (and gives the slots
+        # back) once it ends, which may be inside store() when the submission fails.
+        job = _Job([], slots, region)
+        try:
+            accepted = tier.driver.store(job_id, list(slot_of), _CTX, job, slots=slot_of)
+        except BaseException:
             region.take_back(slots)
-            return []
-        taken = set(accepted)
-        for chunk in chunks:
-            if chunk.key not in taken:
-                chunk.done = True  # the tier holds it already
+            raise
         if not accepted:
             region.take_back(slots)
-            return []
-        self._expect(job_id, [c for c in chunks if c.key in taken], slots, region)
-        return [(tier, job_id)]
+        for chunk in chunks if accepted is not None else ():
+            if chunk.key in accepted:
+                job.chunks.append(chunk)
+            else:
+                chunk.done = True  # the tier holds it already
+        return [(tier, job_id)] if accepted else []
 
     # -- v2 transfers -------------------------------------------------------------------
     def _transfer(self, transfer: PoolTransfer, *, store: bool) -> list[bool]:
@@ -674,18 +684,18 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         return self._get_pool(name, keys, transfer.host_indices, prefetch=False)
 
     # -- jobs ---------------------------------------------------------------------------
-    def _expect(
-        self, job_id: int, chunks: list[_Chunk], slots: list[int], region: LentRegion
-    ) -> None:
-        self._waiting[job_id] = (chunks, slots, region)
-
-    def _finished(self, job: FinishedJob[list[int]]) -> None:
-        """A job ended (lock held: drivers call back from ``poll`` or a failed submit)."""
-        self._done[job.job_id] = job
+    def _finished(self, job: FinishedJob[_Job]) -> None:
+        """A job ended (lock held: drivers call back from ``poll`` or a failed submit):
+        mark the chunks that arrived, take the slots back."""
+        arrived = set(job.succeeded)
+        for chunk in job.tag.chunks:
+            if chunk.key in arrived:
+                chunk.done = True
+        job.tag.region.take_back(job.tag.slots)
+        self._settled.add(job.job_id)
 
     def _wait(self, jobs: Sequence[tuple[_Tier, int]]) -> None:
-        """Block until each job ended, then settle it: mark the chunks that arrived and
-        take the slots back."""
+        """Block until each job ended and was settled."""
         for tier, job_id in jobs:
             waited = 0.0
             while not tier.mover.wait_job(job_id, SLOW_CALL_S):
@@ -698,13 +708,7 @@ class KVTiersHiCacheStorage(HiCacheStorage):
             for tier, _ in jobs:
                 tier.driver.poll()
             for _, job_id in jobs:
-                job = self._done.pop(job_id)
-                chunks, slots, region = self._waiting.pop(job_id)
-                arrived = set(job.succeeded)
-                for chunk in chunks:
-                    if chunk.key in arrived:
-                        chunk.done = True
-                region.take_back(slots)
+                self._settled.remove(job_id)
 
     def _step(self, chunks: Sequence[_Chunk]) -> None:
         """End a manager step for every tier touched: drain movers' reports, flush
