@@ -666,8 +666,9 @@ class KVTiersHiCacheStorage(HiCacheStorage):
             raise
         if not accepted:
             region.take_back(slots)
+        taken = set(accepted or ())
         for chunk in chunks if accepted is not None else ():
-            if chunk.key in accepted:
+            if chunk.key in taken:
                 job.chunks.append(chunk)
             else:
                 chunk.done = True  # the tier holds it already
