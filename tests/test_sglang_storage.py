@@ -12,6 +12,7 @@ threads at once; per-rank namespaces; the extra config's errors; clear; stats.
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -486,3 +487,129 @@ def test_get_stats_gives_sglang_its_storage_metrics(tmp_path: Path) -> None:
         assert (stats["loaded_pages"], stats["stored_pages"]) == (2, 2)
     finally:
         store.close()
+
+
+def test_pages_already_stored_are_not_written_again(tmp_path: Path) -> None:
+    store = backend(file_tier(tmp_path), mha())
+    try:
+        keys = page_keys(4)
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2, 3], PAGE)) == [True] * 4
+        before = store.kvtiers_stats()["file.stores"]
+        assert store.batch_set_v1(keys, page_indices([4, 5, 6, 7], PAGE)) == [True] * 4
+        assert store.kvtiers_stats()["file.stores"] == before == 8
+    finally:
+        store.close()
+
+
+def test_a_tier_that_cannot_take_a_page_stores_nothing_visible(tmp_path: Path) -> None:
+    """A capacity below one chunk's blob: every store is refused, reported not stored,
+    and nothing is found afterwards."""
+    store = backend(file_tier(tmp_path, capacity="4KiB"), mha())
+    try:
+        keys = page_keys(2)
+        assert store.batch_set_v1(keys, page_indices([0, 1], PAGE)) == [False, False]
+        assert store.batch_exists(keys) == 0
+        assert not list(tmp_path.glob("*/*/*/*.kvc"))
+    finally:
+        store.close()
+
+
+def test_an_fsspec_tier_round_trips(tmp_path: Path) -> None:
+    pool = mha()
+    store = backend([{"kind": "fsspec", "url": f"memory://{tmp_path.name}"}], pool)
+    try:
+        keys = page_keys(3)
+        want = pages_of(pool, [0, 1, 2])
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2], PAGE)) == [True] * 3
+        pool.zero()
+        assert store.batch_get_v1(keys, page_indices([3, 4, 5], PAGE)) == [True] * 3
+        assert pages_of(pool, [3, 4, 5]) == want
+    finally:
+        store.close()
+
+
+def test_mla_layer_first_pages_are_copied_and_round_trip(tmp_path: Path) -> None:
+    pool = MLATokenToKVPoolHost(pages=16, page_size=PAGE, layers=3, kv_cache_dim=8,
+                                layout="layer_first")
+    pool.fill_random(torch.Generator().manual_seed(4))
+    store = backend(file_tier(tmp_path), pool, is_mla_model=True)
+    try:
+        assert not store._pools["kv"].zero_copy
+        keys = page_keys(2)
+        want = pages_of(pool, [0, 1])
+        assert store.batch_set_v1(keys, page_indices([0, 1], PAGE)) == [True, True]
+        pool.zero()
+        assert store.batch_get_v1(keys, page_indices([2, 3], PAGE)) == [True, True]
+        assert pages_of(pool, [2, 3]) == want
+    finally:
+        store.close()
+
+
+def test_keys_that_are_not_sha256_hex_are_hashed() -> None:
+    from kvtiers.integrations.sglang.storage import page_hash
+
+    digest = page_keys(1)[0]
+    assert page_hash(digest) == bytes.fromhex(digest)
+    assert page_hash("page-7") == hashlib.sha256(b"page-7").digest()
+    assert page_hash("zz" * 32) == hashlib.sha256(("zz" * 32).encode()).digest()
+
+
+def test_a_pool_registered_after_the_tiers_were_built_is_a_miss(tmp_path: Path) -> None:
+    pool = mha()
+    store = backend(file_tier(tmp_path), pool)
+    try:
+        late = StatePoolHost(pages=8, page_size=PAGE, layers=1, state_dim=4)
+        store.register_mem_host_pool_v2(late, "mamba")
+        transfer = PoolTransfer(name=PoolName.MAMBA, host_indices=page_indices([0], PAGE),
+                                keys=page_keys(1))
+        assert store.batch_set_v2([transfer]) == {PoolName.MAMBA: [False]}
+        assert store.batch_get_v2([transfer]) == {PoolName.MAMBA: [False]}
+    finally:
+        store.close()
+
+
+class _Args:
+    """SGLang's server arguments, as far as the identity reads them."""
+
+    def __init__(self, **values: Any) -> None:
+        self.model_path = "org/model"
+        self.revision: str | None = None
+        self.kv_cache_dtype = "auto"
+        self.dtype = "auto"
+        self.quantization: str | None = None
+        self.json_model_override_args = "{}"
+        self.speculative_algorithm: str | None = None
+        self.__dict__.update(values)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"kv_cache_dtype": "fp8_e5m2"}, {"quantization": "awq"}, {"dtype": "float16"},
+     {"json_model_override_args": '{"rope_scaling": {"factor": 4}}'},
+     {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "org/draft"},
+     {"revision": "0123456789abcdef0123456789abcdef01234567"}],
+    ids=["kv-dtype", "quantization", "dtype", "overrides", "draft", "revision"],
+)
+def test_server_arguments_that_change_the_bytes_change_the_namespace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, values: dict[str, Any]
+) -> None:
+    from kvtiers.integrations.sglang import storage
+
+    monkeypatch.setattr(storage, "engine_args", lambda: _Args(kv_cache_dtype="fp8_e4m3"))
+    base = backend(file_tier(tmp_path), mha())
+    base.close()
+    changed = {"kv_cache_dtype": "fp8_e4m3", **values}
+    monkeypatch.setattr(storage, "engine_args", lambda: _Args(**changed))
+    other = backend(file_tier(tmp_path), mha())
+    other.close()
+    assert base.namespaces() != other.namespaces()
+
+
+def test_a_revision_that_disagrees_with_sglangs_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtiers.integrations.sglang import storage
+
+    monkeypatch.setattr(storage, "engine_args", lambda: _Args(revision="a" * 40))
+    with pytest.raises(ConfigError, match="disagrees with SGLang's --revision"):
+        backend(file_tier(tmp_path), mha(), extra={"model_revision": "b" * 40})

@@ -66,6 +66,7 @@ from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
+from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.sglang.config import BackendOptions, parse_options
 from kvtiers.integrations.sglang.identity import (
     KV_POOL,
@@ -224,6 +225,7 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         self._pools: dict[str, PagePool] = {}
         self._shelves: list[_Shelf] | None = None
         self._route: dict[str, tuple[_Shelf, int]] = {}
+        self._namespaces: list[str] = []
         self._job_ids = itertools.count(1)
         # Jobs that ended and were settled, until their caller takes note.
         self._settled: set[int] = set()
@@ -300,6 +302,7 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         for shelf in shelves:
             for pool in shelf.identity.pools:
                 self._route[pool.name] = (shelf, shelf.identity.first_group(pool))
+            self._namespaces.append(NamespaceIdentity.from_config(shelf.identity.config).namespace)
         self._shelves = shelves
         return shelves
 
@@ -792,14 +795,12 @@ class KVTiersHiCacheStorage(HiCacheStorage):
             return stats
 
     def namespaces(self) -> list[str]:
-        """The namespace of each identity this rank stores or reads (one per tier)."""
+        """The namespace of each identity this rank stores or reads (the same in every
+        tier), once the tiers were built; still known after :meth:`close`."""
         with self._lock:
-            from kvtiers.filemapper import NamespaceIdentity
-
-            return [
-                NamespaceIdentity.from_config(shelf.identity.config).namespace
-                for shelf in self._build()
-            ]
+            if self._shelves is None:
+                self._build()
+            return list(self._namespaces)
 
     def close(self) -> None:
         """Stop every tier (each mover drained, bounded by its shutdown timeout).
