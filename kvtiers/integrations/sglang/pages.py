@@ -30,7 +30,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -96,6 +96,10 @@ class PagePool:
     _buffers: list[_Buffer]
     _flat_dtype: torch.dtype
     _flat_numel: int
+    _bases: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._bases = [b.base for b in self._buffers]
 
     @classmethod
     def register(cls, name: str, pool: Any) -> PagePool:
@@ -112,7 +116,7 @@ class PagePool:
         flat_bytes = dummy.numel() * dummy.element_size()
         buffers = _host_tensors(pool)
         parts, reason = _zero_copy_parts(pool, page_size, buffers)
-        self = cls(
+        registered = cls(
             name=name,
             pool=pool,
             part_bytes=parts or (flat_bytes,),
@@ -129,7 +133,7 @@ class PagePool:
                 f"its flat page {flat_bytes}; this pool's layout is not supported",
                 path="register_mem_pool_host",
             )
-        return self
+        return registered
 
     @property
     def parts(self) -> int:
@@ -214,7 +218,7 @@ class PagePool:
 
     def _range(self, ptr: int, size: int) -> memoryview:
         """The view of ``size`` bytes at address ``ptr`` inside one of the pool's tensors."""
-        at = bisect.bisect_right([b.base for b in self._buffers], ptr) - 1
+        at = bisect.bisect_right(self._bases, ptr) - 1
         if at >= 0:
             buffer = self._buffers[at]
             offset = ptr - buffer.base
