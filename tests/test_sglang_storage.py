@@ -613,3 +613,16 @@ def test_a_revision_that_disagrees_with_sglangs_is_refused(
     monkeypatch.setattr(storage, "engine_args", lambda: _Args(revision="a" * 40))
     with pytest.raises(ConfigError, match="disagrees with SGLang's --revision"):
         backend(file_tier(tmp_path), mha(), extra={"model_revision": "b" * 40})
+
+
+def test_layer_names_carry_the_stage_and_packed_draft_layers(tmp_path: Path) -> None:
+    pool = MHATokenToKVPoolHost(pages=8, page_size=PAGE, layers=3, heads=1, head_dim=8,
+                                start_layer=4)
+    pool.end_layer = 6  # a stage of layers 4-5 with one draft layer packed after them
+    store = backend(file_tier(tmp_path), pool, pp_size=2, pp_rank=1)
+    try:
+        names = store._build()[0].identity.config.groups[1].layer_names
+        assert names == ("kv.part1of2.layer4@pp1of2", "kv.part1of2.layer5@pp1of2",
+                         "kv.part1of2.draft0@pp1of2")
+    finally:
+        store.close()

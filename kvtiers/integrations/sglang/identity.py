@@ -17,7 +17,8 @@ has the table):
   part's bytes, ``attention`` ``full`` for the KV pool and the pool's name otherwise, and
   ``layer_names`` one per layer the pool holds, canonically
   ``<pool>.<part>.layer<L>[@<shard>]`` where ``<part>`` is ``part<j>of<n>`` (zero-copy) or
-  ``page`` (copied), ``L`` the model's layer index (a pipeline stage holds its own), and
+  ``page`` (copied), ``L`` the model's layer index (a pipeline stage holds its own; packed
+  draft layers follow as ``draft<d>``), and
   ``<shard>`` which slice of the page this rank holds, joined by ``.``: ``pp<r>of<n>``,
   ``cp<r>of<n>``, ``dcp<r>of<n>`` and (for pools TP ranks shard) ``tp<r>of<n>``, each when
   that size exceeds 1. The
@@ -129,12 +130,16 @@ def _shard(storage_config: Any, replicated: bool) -> str:
     return ".".join(parts)
 
 
-def _layers(pool: Any) -> range | None:
+def _layers(pool: Any) -> list[str] | None:
+    """The layers a page of ``pool`` holds: the model's ``layer<L>`` of its stage, then
+    ``draft<d>`` for the speculative draft layers packed after them (MTP)."""
     start, end = getattr(pool, "start_layer", None), getattr(pool, "end_layer", None)
-    if isinstance(start, int) and isinstance(end, int) and end > start:
-        return range(start, end)
     count = getattr(pool, "layer_num", None)
-    return range(count) if isinstance(count, int) and count > 0 else None
+    count = count if isinstance(count, int) and count > 0 else None
+    if isinstance(start, int) and isinstance(end, int) and end > start:
+        names = [f"layer{layer}" for layer in range(start, end)]
+        return names + [f"draft{d}" for d in range((count or 0) - len(names))]
+    return None if count is None else [f"layer{layer}" for layer in range(count)]
 
 
 def _groups(pool: PagePool, tokens_per_page: int, shard: str) -> list[OffloadingGroupConfig]:
@@ -144,7 +149,7 @@ def _groups(pool: PagePool, tokens_per_page: int, shard: str) -> list[Offloading
     for part, nbytes in enumerate(pool.part_bytes):
         label = f"part{part}of{pool.parts}" if pool.zero_copy else "page"
         names = (
-            tuple(f"{pool.name}.{label}.layer{layer}{suffix}" for layer in layers)
+            tuple(f"{pool.name}.{label}.{layer}{suffix}" for layer in layers)
             if layers is not None else (f"{pool.name}.{label}{suffix}",)
         )
         groups.append(OffloadingGroupConfig(
