@@ -626,3 +626,20 @@ def test_layer_names_carry_the_stage_and_packed_draft_layers(tmp_path: Path) -> 
                          "kv.part1of2.draft0@pp1of2")
     finally:
         store.close()
+
+
+def test_a_file_tier_capacity_holds_under_sglangs_stores(tmp_path: Path) -> None:
+    """Room for 8 chunks (4 pages of 2 parts): storing 8 pages keeps the 4 newest, and the
+    tier stays within its capacity."""
+    # A header and one part: tokens x layers x heads x head dim x 2 bytes (bf16).
+    blob = HEADER_BYTES + PAGE * 2 * 2 * 8 * 2
+    store = backend(file_tier(tmp_path, capacity=8 * blob), mha())
+    try:
+        keys = page_keys(8)
+        for i, key in enumerate(keys):
+            assert store.batch_set_v1([key], page_indices([i], PAGE)) == [True]
+        assert [store.exists(key) for key in keys] == [False] * 4 + [True] * 4
+        stats = store.kvtiers_stats()
+        assert stats["file.usage_bytes"] <= 8 * blob and stats["file.evictions"] == 8
+    finally:
+        store.close()
