@@ -32,13 +32,14 @@ def check_sglang_version(version: str | None = None) -> str:
         try:
             version = installed("sglang")
         except PackageNotFoundError:
-            version = "not installed"
-    match = _RELEASE.match(version.strip())
+            version = None
+    match = None if version is None else _RELEASE.match(version.strip())
     found = None if match is None else tuple(int(part) for part in match.groups())
-    if found is None or not SUPPORTED_LOW <= found < SUPPORTED_HIGH:
+    if version is None or found is None or not SUPPORTED_LOW <= found < SUPPORTED_HIGH:
+        has = "no SGLang" if version is None else f"SGLang {version}"
         raise UnsupportedVersionError(
             f"kvtiers.integrations.sglang supports SGLang {SUPPORTED_SPECIFIER}, this "
-            f"environment has SGLang {version}: install it with "
+            f"environment has {has}: install it with "
             f"pip install 'sglang{SUPPORTED_SPECIFIER}' (see docs/sglang.md)"
         )
     return version
