@@ -643,3 +643,22 @@ def test_a_file_tier_capacity_holds_under_sglangs_stores(tmp_path: Path) -> None
         assert stats["file.usage_bytes"] <= 8 * blob and stats["file.evictions"] == 8
     finally:
         store.close()
+
+
+def test_clear_deletes_every_object_of_an_s3_tier(
+    tmp_path: Path, s3_tier: list[dict[str, Any]]
+) -> None:
+    store = backend(s3_tier, mha())
+    keys = page_keys(3)
+    try:
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2], PAGE)) == [True] * 3
+        store.clear()
+        assert store.batch_exists(keys) == 0
+        store._build()[0].tiers[0].built.manager.wait_background()
+    finally:
+        store.close()
+    again = backend(s3_tier, mha())
+    try:
+        assert again.batch_exists(keys) == 0  # gone from the bucket, not only the index
+    finally:
+        again.close()
