@@ -662,3 +662,38 @@ def test_clear_deletes_every_object_of_an_s3_tier(
         assert again.batch_exists(keys) == 0  # gone from the bucket, not only the index
     finally:
         again.close()
+
+
+def test_a_load_from_an_s3_server_that_fails_every_request_ends_as_a_miss(
+    s3_endpoint: MotoServer,
+) -> None:
+    """Every GET reset: the load's chunks fail once their attempts run out, the call
+    returns (no page is reported loaded), and the pages are misses while they back off;
+    a flipped bit in transit is refused the same way."""
+    from urllib.parse import urlsplit
+
+    from tests.s3_fault_proxy import FaultProxy
+
+    upstream = urlsplit(s3_endpoint.endpoint_url)
+    assert upstream.hostname is not None and upstream.port is not None
+    proxy = FaultProxy(upstream.hostname, upstream.port)
+    tier = [{"kind": "s3", "bucket": BUCKET, "prefix": "faults", "threads": 2,
+             "endpoint_url": proxy.endpoint_url, "max_attempts": 2, "backoff_base_s": 0.001,
+             "backoff_max_s": 0.002, "op_deadline_s": 5.0}]
+    pool = mha()
+    store = backend(tier, pool)
+    try:
+        keys = page_keys(3)
+        assert store.batch_set_v1(keys, page_indices([0, 1, 2], PAGE)) == [True] * 3
+        proxy.arm("reset", 100, "GET")
+        assert store.batch_get_v1(keys, page_indices([3, 4, 5], PAGE)) == [False] * 3
+        assert store.batch_exists(keys) == 0  # backing off: a miss, not a hang
+        assert store.kvtiers_stats()["s3.load_failures"] == 6
+        proxy.clear()
+        flipped = page_keys(1, "flip")
+        assert store.batch_set_v1(flipped, page_indices([6], PAGE)) == [True]
+        proxy.arm("flip", 4, "GET")  # every read of the page, and its re-read
+        assert store.batch_get_v1(flipped, page_indices([7], PAGE)) == [False]
+    finally:
+        store.close()
+        proxy.close()
