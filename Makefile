@@ -18,6 +18,11 @@ VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
 	partial_json_parser==0.2.1.1.post7 propcache==0.5.4 py_cpuinfo==9.0.0 pybase64==1.5.1 \
 	safetensors==0.8.0 sniffio==1.3.1 starlette==1.10.0 tokenizers==0.23.3 \
 	transformers==5.24.0 truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
+# SGLang for the storage-backend tests, the light way: the wheel alone, plus what importing
+# its hicache_storage and backend_factory modules needs (sglang.srt.utils imports triton,
+# sglang.utils IPython). None of them replaces a package .venv already has.
+SGLANG := sglang==0.5.23
+SGLANG_DEPS := orjson==3.13.0 triton==3.9.0 ipython==9.18.1 traitlets==5.16.1
 
 # The demo's own environment: kvtiers with the demo extra and the CPU torch wheel, nothing
 # for development or vLLM. Quiet: pip's progress, notices and the root-user warning off.
@@ -37,6 +42,7 @@ $(STAMP): pyproject.toml Makefile
 	# imports; ~20 s). A plain `pip install vllm` pulls a CUDA torch and ~10 GB.
 	$(PY) -m pip install -q --no-deps "vllm==0.33.0" $(VLLM_TIERING_DEPS)
 	$(PY) -m pip install -q "msgspec==0.23.0" "psutil==7.2.2" "pyzmq==27.3.0" "regex==2026.11.19"
+	$(PY) -m pip install -q --no-deps "$(SGLANG)" $(SGLANG_DEPS)
 	touch $(STAMP)
 
 $(ENGINE_STAMP): pyproject.toml Makefile
@@ -55,8 +61,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvtiers tests
 
+# KVTIERS_REQUIRE_SGLANG: the SGLang tests fail instead of skipping if SGLang is missing.
 pytest: $(STAMP)
-	$(PY) -m pytest -q
+	KVTIERS_REQUIRE_SGLANG=1 $(PY) -m pytest -q
 
 test: lint typecheck pytest
 

@@ -259,6 +259,15 @@ class FanOutMover(Mover, Generic[_J]):
         with self._cond:
             self._cond.wait_for(lambda: not self._jobs)
 
+    def wait_job(self, job_id: int, timeout_s: float | None = None) -> bool:
+        """Block until job ``job_id`` is not in flight (finished, its result waiting for
+        :meth:`get_finished` or taken already; or never accepted), at most ``timeout_s``
+        seconds (``None``: as long as it takes). True once it is not in flight. Unlike
+        :meth:`drain` it does not wait for other jobs: a caller that runs jobs from
+        several threads waits for its own."""
+        with self._cond:
+            return self._cond.wait_for(lambda: job_id not in self._jobs, timeout=timeout_s)
+
     def shutdown(self) -> None:
         """Refuse new jobs, wait for the copies already running (at most
         :meth:`_shutdown_wait_s`), then release the pool. Idempotent."""

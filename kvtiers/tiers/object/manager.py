@@ -291,6 +291,15 @@ class ObjectTierManager(OffloadingManager):
         if self._probes is not None:
             self._probes.reset()
 
+    def clear(self) -> int:
+        """Delete every stored object of this namespace that no job is writing or
+        reading (an operator's wipe, such as SGLang's ``clear``); returns how many. Not
+        counted as evictions."""
+        self._drain()
+        victims = self.index.clear_ready()
+        self._delete(victims)
+        return len(victims)
+
     def get_stats(self) -> Mapping[str, float]:
         self._drain()
         stats: dict[str, float] = dict(self.index.stats())
