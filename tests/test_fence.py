@@ -190,7 +190,9 @@ def test_after_a_reset_keys_being_stored_or_loaded_are_miss_and_storable(
         stack.shutdown()
 
 
-def test_the_glue_drops_stale_completions_and_signals_the_flush(tmp_path: Path) -> None:
+def test_a_stale_completion_through_the_glue_frees_its_slots_not_the_new_ones(
+    tmp_path: Path,
+) -> None:
     stack = build(tmp_path, 16)
     glue = OffloadScheduler(stack.manager, stack.offloading)
     primary = stack.tiers[0].manager
@@ -204,7 +206,7 @@ def test_the_glue_drops_stale_completions_and_signals_the_flush(tmp_path: Path) 
         again = glue.plan_store("r", len(tokens), [list(range(8))])
         assert again is not None and again.keys == plan.keys
         assert primary.get_stats()["fenced_slots"] == 4
-        glue.complete(plan.job_id, success=True)  # stale: dropped, the fence lifts
+        glue.complete(plan.job_id, success=True)  # stale: frees its slots, the fence lifts
         assert primary.get_stats()["fenced_slots"] == 0
         assert [stack.manager.lookup(k, ReqContext("p")) for k in plan.keys] == [PENDING] * 4
         glue.complete(again.job_id, success=True)
@@ -315,6 +317,36 @@ def test_completions_that_name_a_wrong_generation_are_refused() -> None:
     assert tier.get_stats()["fenced_slots"] == 0
     tier.complete_store([key], ctx, generation=0)  # its slot is free already: nothing happens
     assert tier.free_slots == 2
+
+
+def test_the_glue_hands_each_stale_completion_its_generation(tmp_path: Path) -> None:
+    """Two jobs in flight at a reset: each one's completion frees its own fenced slots at
+    once (not at the last one's), never the keys' new reservations; the last one also
+    signals the flush."""
+    stack = build(tmp_path, 16)
+    glue = OffloadScheduler(stack.manager, stack.offloading)
+    primary = stack.tiers[0].manager
+    tokens = prompt(4)
+    try:
+        glue.add_request("r", tokens)
+        first = glue.plan_store("r", 2 * 16, [list(range(8))])
+        second = glue.plan_store("r", len(tokens), [list(range(8))])
+        assert first is not None and second is not None
+        glue.reset_cache()
+        again = glue.plan_store("r", len(tokens), [list(range(8))])
+        assert again is not None and again.keys == first.keys + second.keys
+        assert primary.get_stats()["fenced_slots"] == 4
+        glue.complete(first.job_id, success=True)
+        assert primary.get_stats()["fenced_slots"] == 2
+        glue.complete(second.job_id, success=True)
+        assert primary.get_stats()["fenced_slots"] == 0
+        probe = ReqContext("p")
+        assert [primary.lookup(k, probe) for k in again.keys] == [PENDING] * 4
+        glue.complete(again.job_id, success=True)
+        assert glue.match_prefix("r", max_tokens=len(tokens) - 1).tokens == 4 * 16
+        glue.finish_request("r")
+    finally:
+        stack.shutdown()
 
 
 # -- API misuse -------------------------------------------------------------------------
