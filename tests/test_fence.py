@@ -319,6 +319,31 @@ def test_completions_that_name_a_wrong_generation_are_refused() -> None:
     assert tier.free_slots == 2
 
 
+@pytest.mark.parametrize("named", [False, True], ids=["no-generation", "generation"])
+def test_a_store_completed_while_the_fence_is_up_counts_no_cpu_hit(
+    tmp_path: Path, named: bool
+) -> None:
+    stack = build(tmp_path, 8)
+    manager = stack.manager
+    keys = [make_offload_key(bytes([i]) * 16, 0) for i in (1, 2)]
+    ctx = ReqContext("r")
+    try:
+        assert manager.prepare_store(keys[:1], ctx) == keys[:1]  # fenced by the reset
+        manager.reset_cache()
+        assert manager.prepare_store(keys, ctx) == keys
+        before = manager.get_stats()["cpu.hits"]
+        if named:
+            manager.complete_store(keys, ctx, generation=manager.generation)
+        else:
+            manager.complete_store(keys, ctx)
+        manager.wait_idle()
+        stats = manager.get_stats()
+        assert stats["cpu.hits"] == before
+        assert stats["cascades"] == 2
+    finally:
+        stack.shutdown()
+
+
 def test_the_glue_hands_each_stale_completion_its_generation(tmp_path: Path) -> None:
     """Two jobs in flight at a reset: each one's completion frees its own fenced slots at
     once (not at the last one's), never the keys' new reservations; the last one also

@@ -268,8 +268,9 @@ class TieredManager(OffloadingManager):
         self._key_bytes = self._keys.key_bytes
         # Between reset_cache and on_reset_flushed a completion that names no generation
         # may name a key whose fenced slot it releases: only keys the primary then holds
-        # are cascaded.
+        # are cascaded, asked without counting a hit where the primary can say so.
         self._fence = False
+        self._slot_states = holding(self._primary)
         # (key, lower tier) of the latest promotion a lookup started: who serves that key.
         self._promoting: tuple[OffloadKey, BuiltTier] | None = None
         #: ``get_stats()`` as taken at the end of a step, for readers on other threads (the
@@ -425,7 +426,7 @@ class TieredManager(OffloadingManager):
         if self._fence and generation is None:
             # This completion may be of a job from before the reset that released a fenced
             # slot: such a key is not stored, so it cascades nowhere.
-            keys = [k for k in keys if self._primary.lookup(k, ctx) is LookupResult.HIT]
+            keys = self._stored(keys, ctx)
         loads = self._loads
         for key in keys:
             # Stored anew: no longer a promoted copy; and stored again after the primary
@@ -773,6 +774,14 @@ class TieredManager(OffloadingManager):
         self._fence = False
         for tier in self.tiers:
             tier.manager.on_reset_flushed()
+
+    def _stored(self, keys: list[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """The ``keys`` the primary holds ready; asked without counting a lookup when the
+        primary tells a slot's state (a cpu tier)."""
+        states = self._slot_states
+        if states is not None:
+            return [k for k in keys if states.slot_state(k) is SlotState.READY]
+        return [k for k in keys if self._primary.lookup(k, ctx) is LookupResult.HIT]
 
     def count_torn(self, chunks: int) -> None:
         """Count ``chunks`` stored chunks an adapter found incomplete (a rank's shard
