@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvtiers.core.keys import get_offload_group_idx
 from kvtiers.core.manager import LookupResult, ReqContext
-from kvtiers.errors import ClosedError, InvalidKeyError
+from kvtiers.errors import ClosedError, InvalidKeyError, UnknownKeyError
 from kvtiers.integrations.vllm import spec as vspec
 from kvtiers.integrations.vllm.engine import EngineConfigs
 from tests.test_vllm_contract import SLOT_BYTES, prefix, request, route1, route1_config
@@ -57,6 +57,27 @@ def test_a_reset_forgets_keys_in_flight_and_fences_their_slots_until_flushed(
     assert manager.prepare_store(storing, ctx()).keys_to_store == storing
     manager.complete_store(storing, ctx())
     # vLLM 0.33 reports the flush: the fenced slots come back.
+    manager.on_reset_flushed()
+    assert primary.get_stats()["fenced_slots"] == 0
+
+
+def test_a_completion_from_vllm_never_frees_fenced_slots(
+    engine: tuple[Any, Any, Any],
+) -> None:
+    """vLLM completes only jobs planned since the last reset: a completion naming a key
+    the reset forgot is refused, and the slot fenced for the old job stays fenced (its
+    worker may still write it) until the flush."""
+    _, manager, _ = engine
+    req = make_request(1, first_block=0)
+    keys = req.keys[0][:1]
+    assert manager.prepare_store(keys, ctx()) is not None
+    manager.reset_cache()
+    primary = manager.stack.tiers[0].manager
+    with pytest.raises(UnknownKeyError, match="never reserved"):
+        manager.complete_store(keys, ctx())
+    with pytest.raises(UnknownKeyError, match="pinned 0 times"):
+        manager.complete_load(keys, ctx())
+    assert primary.get_stats()["fenced_slots"] == 1
     manager.on_reset_flushed()
     assert primary.get_stats()["fenced_slots"] == 0
 

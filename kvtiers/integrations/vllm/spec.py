@@ -29,7 +29,9 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   checked where it enters, at ``prepare_store`` and ``prepare_load``).
 * Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
   ``reset_cache`` (0.32 and 0.33, by job id), so the stack forgets those keys at once
-  (``MISS``, a new store accepted) and fences their primary slots. vLLM 0.33 calls
+  (``MISS``, a new store accepted) and fences their primary slots, and every completion
+  vLLM hands over afterwards is of a job planned since: it reaches the stack with the
+  stack's current generation, so it never frees fenced memory. vLLM 0.33 calls
   ``on_reset_flushed`` once its workers finished those jobs: the slots come back then.
   vLLM 0.32 has no such call but sends the flush with the first step it schedules after
   the reset, and its workers run it before anything else of that step; it keeps up to
@@ -319,6 +321,7 @@ class KVTiersManager(vbase.OffloadingManager):
         self._tiered.complete_load(
             keys if self._same_keys else self._keys.all_to_kvtiers(keys),
             request.ctx if request is not None else kvtiers_context(req_context),
+            generation=self._tiered.generation,  # vLLM completes no job from before a reset
         )
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
@@ -360,26 +363,28 @@ class KVTiersManager(vbase.OffloadingManager):
         ours = ordered if self._same_keys else self._keys.all_to_kvtiers(ordered)
         request = self._requests.get(req_context.req_id)
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        # vLLM completes no job from before a reset: this one is of the current generation.
+        generation = self._tiered.generation
         if self._ledger is None:
-            self._tiered.complete_store(ours, ctx, success)
+            self._tiered.complete_store(ours, ctx, success, generation=generation)
             return
         if not success:
             for key in ours:
                 self._stamps.pop(key, None)
-            self._tiered.complete_store(ours, ctx, False)
+            self._tiered.complete_store(ours, ctx, False, generation=generation)
             return
         whole, torn = self._check_shards(ours)
         if whole:
-            self._tiered.complete_store(whole, ctx)
+            self._tiered.complete_store(whole, ctx, generation=generation)
         if torn:
-            self._tiered.complete_store(torn, ctx, False)
+            self._tiered.complete_store(torn, ctx, False, generation=generation)
 
     def _check_shards(
         self, keys: Collection[OffloadKey]
     ) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """``keys`` split into the chunks every rank wrote for their store and the torn
-        ones. Keys with no store under way here (forgotten by a reset) pass as whole: the
-        stack completes them as it completes any late job."""
+        ones. A key without a stamp passes as whole, for the stack to judge (vLLM completes
+        only keys it reserved since the last reset, and each of those has one)."""
         assert self._ledger is not None
         primary = self._tiered.tiers[0].manager
         assert isinstance(primary, CpuTierManager)
