@@ -1,12 +1,15 @@
 """A Hypothesis state machine over the composite (a CPU primary and an in-memory lower
-tier) with faults, driven the way an engine that drops stale completions drives it.
+tier) with faults, driven the way an engine drives it that drops stale completions, or
+delivers them with their generation, or both.
 
-Rules: engine stores and loads (prepared, then completed or, after a reset, dropped),
-lookups that start promotions, scheduler steps, lower-tier copy failures switched on and
-off, copies held in flight, resets with late writes into the memory of dropped jobs, and
-the flush that lifts the reset fence. Issue 11's acceptance: no key pending or pinned
-forever, usage equal to the sum of chunk sizes, nothing pinned after ``wait_idle``; and no
-wrong bytes, ever.
+Rules: engine stores and loads (prepared, then completed or, after a reset, dropped or
+completed late with their generation), lookups that start promotions, scheduler steps,
+lower-tier copy failures switched on and off, copies held in flight, resets with late
+writes into the memory of jobs from before them, and the flush that lifts the reset fence.
+A store's worker writes its slots when the job ends and a load's reads them then, so a slot
+completed or reused too early shows as wrong bytes. Acceptance: no key pending or pinned
+forever, usage equal to the sum of chunk sizes, nothing pinned after ``wait_idle``, no slot
+fenced once every job from before a reset ended; and no wrong bytes, ever.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from kvtiers.testing.doubles import (
     MemoryObjectStore,
     MemoryObjectTier,
 )
-from kvtiers.tiers.cpu.manager import CpuTierManager
+from kvtiers.tiers.cpu.manager import CpuTierManager, SlotState
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))
 SLOTS = 4
@@ -48,11 +51,13 @@ def payload(key: OffloadKey) -> bytes:
 
 @dataclass
 class Job:
-    """An engine job: its keys and the primary slots the manager gave them."""
+    """An engine job: its keys, the primary slots the manager gave them and the manager's
+    generation it was planned in."""
 
     keys: list[OffloadKey]
     slots: list[int]
     ctx: ReqContext
+    generation: int
     stale: bool = field(default=False)
 
 
@@ -80,28 +85,77 @@ class CompositeMachine(RuleBasedStateMachine):
     # -- the engine's jobs -----------------------------------------------------------
     @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5), r=st.integers(0, 1))
     def begin_store(self, keys: list[OffloadKey], r: int) -> None:
-        ctx = self.ctxs[r]
-        accepted = self.manager.prepare_store(keys, ctx)
-        if not accepted:
-            return
-        spec = self.manager.get_spec(accepted)
-        assert isinstance(spec, CPULoadStoreSpec)
-        slots = [int(s) for s in spec.slot_ids]
-        for key, slot in zip(accepted, slots, strict=True):
-            self.region.view(slot)[:CHUNK] = payload(key)
-        self.stores.append(Job(accepted, slots, ctx))
+        self._begin_store(keys, self.ctxs[r])
 
     @precondition(lambda self: any(not j.stale for j in self.stores))
-    @rule(data=st.data(), success=st.booleans())
-    def finish_store(self, data: st.DataObject, success: bool) -> None:
-        live = [j for j in self.stores if not j.stale]
-        job = data.draw(st.sampled_from(live))
-        self.stores.remove(job)
-        self.manager.complete_store(job.keys, job.ctx, success=success)
+    @rule(data=st.data(), success=st.booleans(), named=st.booleans())
+    def finish_store(self, data: st.DataObject, success: bool, named: bool) -> None:
+        """The worker writes the job's slots, then the engine completes it (naming its
+        generation or not: both are right for a job since the last reset)."""
+        job = data.draw(st.sampled_from([j for j in self.stores if not j.stale]))
+        self._finish_store(job, success, job.generation if named else None)
 
     @rule(key=st.sampled_from(KEYS), r=st.integers(0, 1))
     def lookup_and_load(self, key: OffloadKey, r: int) -> None:
-        ctx = self.ctxs[r]
+        self._load(key, self.ctxs[r])
+
+    @precondition(lambda self: any(not j.stale for j in self.loads))
+    @rule(data=st.data(), named=st.booleans())
+    def finish_load(self, data: st.DataObject, named: bool) -> None:
+        """The worker reads the job's slot, then the engine completes it."""
+        job = data.draw(st.sampled_from([j for j in self.loads if not j.stale]))
+        self.loads.remove(job)
+        read = bytes(self.region.view(job.slots[0])[:CHUNK])
+        assert read == payload(job.keys[0]), "wrong bytes: the slot changed under a load"
+        generation = job.generation if named else None
+        self.manager.complete_load(job.keys, job.ctx, generation=generation)
+
+    @precondition(lambda self: self.fenced_jobs > 0)
+    @rule(data=st.data(), success=st.booleans(), again=st.booleans(), r=st.integers(0, 1))
+    def finish_stale(self, data: st.DataObject, success: bool, again: bool, r: int) -> None:
+        """A job from before a reset ends late (a store writes its old slots) and the
+        engine delivers its completion with its generation. With ``again`` the engine
+        first stored the job's keys anew (and, for a load job, loads them again from their
+        new slots). The late completion frees only its own fenced slots: the newer jobs
+        keep their reservations and pins (see the invariants)."""
+        job = data.draw(st.sampled_from([j for j in self.stores + self.loads if j.stale]))
+        if again:
+            ctx = self.ctxs[r]
+            anew = self._begin_store(job.keys, ctx)
+            if anew is not None and job in self.loads:
+                self._finish_store(anew, True, anew.generation)
+                for key in job.keys:
+                    self._load(key, ctx)
+        self.fenced_jobs -= 1
+        if job in self.stores:
+            self.stores.remove(job)
+            for slot in job.slots:
+                self.region.view(slot)[:CHUNK] = b"\xee" * CHUNK
+            self.manager.complete_store(job.keys, job.ctx, success=success,
+                                        generation=job.generation)
+        else:
+            self.loads.remove(job)
+            self.manager.complete_load(job.keys, job.ctx, generation=job.generation)
+
+    def _begin_store(self, keys: list[OffloadKey], ctx: ReqContext) -> Job | None:
+        accepted = self.manager.prepare_store(keys, ctx)
+        if not accepted:
+            return None
+        spec = self.manager.get_spec(accepted)
+        assert isinstance(spec, CPULoadStoreSpec)
+        job = Job(accepted, [int(s) for s in spec.slot_ids], ctx, self.manager.generation)
+        self.stores.append(job)
+        return job
+
+    def _finish_store(self, job: Job, success: bool, generation: int | None) -> None:
+        self.stores.remove(job)
+        if success:
+            for key, slot in zip(job.keys, job.slots, strict=True):
+                self.region.view(slot)[:CHUNK] = payload(key)
+        self.manager.complete_store(job.keys, job.ctx, success=success, generation=generation)
+
+    def _load(self, key: OffloadKey, ctx: ReqContext) -> None:
+        """Look ``key`` up; when it is a HIT, pin it and check its slot's bytes."""
         result = self.manager.lookup(key, ctx)
         assert result is not RETRY
         if result is not HIT:
@@ -111,14 +165,7 @@ class CompositeMachine(RuleBasedStateMachine):
         assert isinstance(spec, CPULoadStoreSpec)
         slot = int(spec.slot_ids[0])
         assert bytes(self.region.view(slot)[:CHUNK]) == payload(key), "wrong bytes"
-        self.loads.append(Job([key], [slot], ctx))
-
-    @precondition(lambda self: any(not j.stale for j in self.loads))
-    @rule(data=st.data())
-    def finish_load(self, data: st.DataObject) -> None:
-        job = data.draw(st.sampled_from([j for j in self.loads if not j.stale]))
-        self.loads.remove(job)
-        self.manager.complete_load(job.keys, job.ctx)
+        self.loads.append(Job([key], [slot], ctx, self.manager.generation))
 
     @rule(r=st.integers(0, 1))
     def finish_request(self, r: int) -> None:
@@ -206,6 +253,25 @@ class CompositeMachine(RuleBasedStateMachine):
 
     # -- invariants ------------------------------------------------------------------
     @invariant()
+    def jobs_since_the_last_reset_hold_their_slots(self) -> None:
+        """A key a store writes stays reserved in its slot until that store ends; a key a
+        load reads stays pinned in its slot until that load ends (whatever a job from
+        before a reset completes meanwhile)."""
+        readers: dict[OffloadKey, int] = {}
+        for job in self.stores + self.loads:
+            if job.stale:
+                continue
+            for key, slot in zip(job.keys, job.slots, strict=True):
+                assert self.primary.slot_of(key) == slot, "a job's slot was given away"
+                if job in self.stores:
+                    assert self.primary.slot_state(key) is SlotState.WRITING, "stored early"
+                else:
+                    readers[key] = readers.get(key, 0) + 1
+        for key, count in readers.items():
+            # (Cascades pin the primary's slots too, while their movers read them.)
+            assert self.primary.pin_count(key) >= count, "a reader's pin was dropped"
+
+    @invariant()
     def usage_is_the_sum_of_chunk_sizes(self) -> None:
         index = self.lower.index
         assert index.usage == sum(entry.size for _, entry in index.items())
@@ -213,6 +279,8 @@ class CompositeMachine(RuleBasedStateMachine):
         stats = self.primary.get_stats()
         assert stats["usage_bytes"] == stats["chunks"] * GEOMETRY.slot_bytes
         assert stats["chunks"] + stats["fenced_slots"] <= SLOTS
+        if self.fenced_jobs == 0:
+            assert stats["fenced_slots"] == 0, "a slot fenced after its job ended"
 
 
 TestCompositeMachine = CompositeMachine.TestCase

@@ -1,5 +1,6 @@
 """Issue 11's scenarios for prefixes larger than the primary, ``reset_cache`` with engines
-that drop stale completions, and API misuse; issue 17's keys checked at the door.
+that drop stale completions or deliver them with their generation, and API misuse; issue
+17's keys checked at the door.
 
 Each scenario is one the issue observed on the project's own simulator, composite or vLLM
 adapter: a prefix that never became ready, a store that stored nothing, keys pending or
@@ -17,10 +18,12 @@ import pytest
 
 from kvtiers.core.keys import KeyFormat, make_offload_key
 from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.core.mover import HostRegion
 from kvtiers.engine import simulator
 from kvtiers.engine.scheduler import OffloadScheduler
 from kvtiers.engine.simulator import SimulatedEngine
 from kvtiers.errors import ClosedError, InvalidKeyError, UnknownKeyError
+from kvtiers.policies import load_policy
 from kvtiers.stack.builder import Stack, load_stack
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
@@ -187,7 +190,9 @@ def test_after_a_reset_keys_being_stored_or_loaded_are_miss_and_storable(
         stack.shutdown()
 
 
-def test_the_glue_drops_stale_completions_and_signals_the_flush(tmp_path: Path) -> None:
+def test_a_stale_completion_through_the_glue_frees_its_slots_not_the_new_ones(
+    tmp_path: Path,
+) -> None:
     stack = build(tmp_path, 16)
     glue = OffloadScheduler(stack.manager, stack.offloading)
     primary = stack.tiers[0].manager
@@ -201,9 +206,167 @@ def test_the_glue_drops_stale_completions_and_signals_the_flush(tmp_path: Path) 
         again = glue.plan_store("r", len(tokens), [list(range(8))])
         assert again is not None and again.keys == plan.keys
         assert primary.get_stats()["fenced_slots"] == 4
-        glue.complete(plan.job_id, success=True)  # stale: dropped, the fence lifts
+        glue.complete(plan.job_id, success=True)  # stale: frees its slots, the fence lifts
         assert primary.get_stats()["fenced_slots"] == 0
         assert [stack.manager.lookup(k, ReqContext("p")) for k in plan.keys] == [PENDING] * 4
+        glue.complete(again.job_id, success=True)
+        assert glue.match_prefix("r", max_tokens=len(tokens) - 1).tokens == 4 * 16
+        glue.finish_request("r")
+    finally:
+        stack.shutdown()
+
+
+# -- reset_cache with engines that deliver stale completions ----------------------------
+def fill(region: HostRegion, slot: int, byte: int) -> None:
+    view = region.view(slot)
+    view[:] = bytes([byte]) * len(view)
+
+
+def test_a_stale_store_completion_leaves_the_keys_new_reservation_alone(
+    tmp_path: Path,
+) -> None:
+    """The old job's completion arrives while the key's new store is still being written:
+    it frees the old slot only, so the unwritten slot is never served nor cascaded (with a
+    valid checksum) into the file tier."""
+    stack = build(tmp_path, 8)
+    manager = stack.manager
+    primary = stack.tiers[0].manager
+    region = stack.tiers[0].region
+    assert isinstance(primary, CpuTierManager) and region is not None
+    key = make_offload_key(b"\x01" * 16, 0)
+    ctx = ReqContext("r")
+    try:
+        old = manager.generation
+        assert manager.prepare_store([key], ctx) == [key]
+        manager.reset_cache()
+        assert manager.prepare_store([key], ctx) == [key]
+        new_slot = primary.slot_of(key)
+        assert new_slot is not None
+        fill(region, new_slot, 0xEE)  # the new job has not written yet
+        manager.complete_store([key], ctx, generation=old)
+        manager.wait_idle()
+        assert primary.lookup(key, ctx) is PENDING
+        assert primary.get_stats()["fenced_slots"] == 0
+        assert stack.tiers[1].manager.get_stats()["chunks"] == 0
+        fill(region, new_slot, 0x42)  # now it has
+        manager.complete_store([key], ctx, generation=manager.generation)
+        manager.wait_idle()
+        assert stack.tiers[1].manager.get_stats()["chunks"] == 1
+    finally:
+        stack.shutdown()
+    # What the file tier holds is the new job's bytes.
+    again = build(tmp_path, 8)
+    try:
+        assert again.manager.lookup(key, ctx) is PENDING
+        again.manager.wait_idle()
+        assert again.manager.lookup(key, ctx) is HIT
+        again.manager.prepare_load([key], ctx)
+        primary, region = again.tiers[0].manager, again.tiers[0].region
+        assert isinstance(primary, CpuTierManager) and region is not None
+        slot = primary.slot_of(key)
+        assert slot is not None
+        view = region.view(slot)
+        assert bytes(view) == b"\x42" * len(view)
+        again.manager.complete_load([key], ctx)
+    finally:
+        again.shutdown()
+
+
+def test_a_stale_load_completion_never_drops_a_newer_pin() -> None:
+    """The old load's completion arrives while a new load of the key reads its new slot:
+    the new pin holds, so no store takes that slot from under the reader."""
+    tier = CpuTierManager(2, 4 * KIB, load_policy("lru")(2))
+    key, x, y = (make_offload_key(bytes([i]) * 16, 0) for i in (1, 2, 3))
+    ctx = ReqContext("r")
+    assert tier.prepare_store([key], ctx) == [key]
+    tier.complete_store([key], ctx)
+    old = tier.generation
+    tier.prepare_load([key], ctx)  # a load in flight at the reset
+    tier.reset_cache()
+    assert tier.prepare_store([key], ctx) == [key]
+    tier.complete_store([key], ctx, generation=tier.generation)
+    tier.prepare_load([key], ctx)  # the new load, reading the new slot
+    reading = tier.slot_of(key)
+    tier.complete_load([key], ctx, generation=old)
+    assert tier.pin_count(key) == 1
+    assert tier.get_stats()["fenced_slots"] == 0
+    # Two stores want both slots: only the old load's (now free) one is theirs.
+    assert tier.prepare_store([x, y], ctx) == [x]
+    assert tier.slot_of(key) == reading and tier.slot_of(x) != reading
+    tier.complete_load([key], ctx, generation=tier.generation)
+    assert tier.pin_count(key) == 0
+
+
+def test_completions_that_name_a_wrong_generation_are_refused() -> None:
+    tier = CpuTierManager(2, 4 * KIB, load_policy("lru")(2))
+    key = make_offload_key(b"\x01" * 16, 0)
+    ctx = ReqContext("r")
+    assert tier.prepare_store([key], ctx) == [key]
+    tier.reset_cache()
+    with pytest.raises(ValueError, match="generation 2 is not one this CPU tier has had"):
+        tier.complete_store([key], ctx, generation=2)
+    with pytest.raises(ValueError, match="generation -1"):
+        tier.complete_load([key], ctx, generation=-1)
+    # The key was forgotten by the reset: no job of the current generation holds it.
+    with pytest.raises(UnknownKeyError, match="in generation 1"):
+        tier.complete_store([key], ctx, generation=1)
+    with pytest.raises(UnknownKeyError, match="pinned 0 times"):
+        tier.complete_load([key], ctx, generation=1)
+    assert tier.get_stats()["fenced_slots"] == 1
+    tier.complete_store([key], ctx, generation=0)
+    assert tier.get_stats()["fenced_slots"] == 0
+    tier.complete_store([key], ctx, generation=0)  # its slot is free already: nothing happens
+    assert tier.free_slots == 2
+
+
+@pytest.mark.parametrize("named", [False, True], ids=["no-generation", "generation"])
+def test_a_store_completed_while_the_fence_is_up_counts_no_cpu_hit(
+    tmp_path: Path, named: bool
+) -> None:
+    stack = build(tmp_path, 8)
+    manager = stack.manager
+    keys = [make_offload_key(bytes([i]) * 16, 0) for i in (1, 2)]
+    ctx = ReqContext("r")
+    try:
+        assert manager.prepare_store(keys[:1], ctx) == keys[:1]  # fenced by the reset
+        manager.reset_cache()
+        assert manager.prepare_store(keys, ctx) == keys
+        before = manager.get_stats()["cpu.hits"]
+        if named:
+            manager.complete_store(keys, ctx, generation=manager.generation)
+        else:
+            manager.complete_store(keys, ctx)
+        manager.wait_idle()
+        stats = manager.get_stats()
+        assert stats["cpu.hits"] == before
+        assert stats["cascades"] == 2
+    finally:
+        stack.shutdown()
+
+
+def test_the_glue_hands_each_stale_completion_its_generation(tmp_path: Path) -> None:
+    """Two jobs in flight at a reset: each one's completion frees its own fenced slots at
+    once (not at the last one's), never the keys' new reservations; the last one also
+    signals the flush."""
+    stack = build(tmp_path, 16)
+    glue = OffloadScheduler(stack.manager, stack.offloading)
+    primary = stack.tiers[0].manager
+    tokens = prompt(4)
+    try:
+        glue.add_request("r", tokens)
+        first = glue.plan_store("r", 2 * 16, [list(range(8))])
+        second = glue.plan_store("r", len(tokens), [list(range(8))])
+        assert first is not None and second is not None
+        glue.reset_cache()
+        again = glue.plan_store("r", len(tokens), [list(range(8))])
+        assert again is not None and again.keys == first.keys + second.keys
+        assert primary.get_stats()["fenced_slots"] == 4
+        glue.complete(first.job_id, success=True)
+        assert primary.get_stats()["fenced_slots"] == 2
+        glue.complete(second.job_id, success=True)
+        assert primary.get_stats()["fenced_slots"] == 0
+        probe = ReqContext("p")
+        assert [primary.lookup(k, probe) for k in again.keys] == [PENDING] * 4
         glue.complete(again.job_id, success=True)
         assert glue.match_prefix("r", max_tokens=len(tokens) - 1).tokens == 4 * 16
         glue.finish_request("r")

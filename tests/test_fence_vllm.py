@@ -1,5 +1,6 @@
 """vLLM's reset fence and keys checked at the door, through KVTiersOffloadingSpec's manager
-driven as vLLM 0.33's connector drives it (see tests/test_vllm_spec.py for the setup)."""
+driven as vLLM 0.33's connector drives it (see tests/test_vllm_spec.py for the setup), and
+as vLLM 0.32's drives it with steps in flight."""
 
 from __future__ import annotations
 
@@ -8,15 +9,24 @@ from typing import Any
 
 import pytest
 import torch
+from vllm.config import AttentionConfig, ParallelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from kvtiers.core.keys import get_offload_group_idx
 from kvtiers.core.manager import LookupResult, ReqContext
-from kvtiers.errors import ClosedError, InvalidKeyError
+from kvtiers.errors import ClosedError, InvalidKeyError, UnknownKeyError
 from kvtiers.integrations.vllm import spec as vspec
+from kvtiers.integrations.vllm.engine import EngineConfigs
 from tests.test_vllm_contract import SLOT_BYTES, prefix, request, route1, route1_config
 from tests.test_vllm_contract import store as store_keys
-from tests.test_vllm_spec import ctx, engine, kv, make_request, store
+from tests.test_vllm_identity import Engine, kv_cache_config
+from tests.test_vllm_identity import vllm_config as engine_vllm_config
+from tests.test_vllm_spec import ctx, engine, kv, make_request, store, vllm_config
 
 __all__ = ["engine", "kv"]  # fixtures
 
@@ -51,21 +61,173 @@ def test_a_reset_forgets_keys_in_flight_and_fences_their_slots_until_flushed(
     assert primary.get_stats()["fenced_slots"] == 0
 
 
+def test_a_completion_from_vllm_never_frees_fenced_slots(
+    engine: tuple[Any, Any, Any],
+) -> None:
+    """vLLM completes only jobs planned since the last reset: a completion naming a key
+    the reset forgot is refused, and the slot fenced for the old job stays fenced (its
+    worker may still write it) until the flush."""
+    _, manager, _ = engine
+    req = make_request(1, first_block=0)
+    keys = req.keys[0][:1]
+    assert manager.prepare_store(keys, ctx()) is not None
+    manager.reset_cache()
+    primary = manager.stack.tiers[0].manager
+    with pytest.raises(UnknownKeyError, match="never reserved"):
+        manager.complete_store(keys, ctx())
+    with pytest.raises(UnknownKeyError, match="pinned 0 times"):
+        manager.complete_load(keys, ctx())
+    assert primary.get_stats()["fenced_slots"] == 1
+    manager.on_reset_flushed()
+    assert primary.get_stats()["fenced_slots"] == 0
+
+
 def test_without_a_flush_signal_the_slots_come_back_after_the_grace_steps(
     engine: tuple[Any, Any, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _, manager, _ = engine
+    scheduler, manager, _ = engine
     monkeypatch.setattr(vspec, "_FLUSH_SIGNAL", False)  # vLLM 0.32
     req = make_request(1, first_block=0)
     assert manager.prepare_store(req.keys[0][:2], ctx()) is not None
     manager.reset_cache()
     primary = manager.stack.tiers[0].manager
     end = vbase.ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
-    for _ in range(vspec.RESET_GRACE_STEPS - 1):
+    # No engine config here: pipeline_parallel_size + 1 steps.
+    assert scheduler.reset_grace_steps == 2
+    for _ in range(scheduler.reset_grace_steps - 1):
+        # An idle engine steps on until the flush has reached its workers.
+        assert manager.has_pending_work()
         manager.on_schedule_end(end)
         assert primary.get_stats()["fenced_slots"] == 2
     manager.on_schedule_end(end)
     assert primary.get_stats()["fenced_slots"] == 0
+    assert not manager.has_pending_work()
+
+
+def _engine_config(pp: int, async_scheduling: bool) -> Any:
+    """vLLM's own config with the fields its in-flight depth reads."""
+    config = VllmConfig.__new__(VllmConfig)
+    scheduler = SchedulerConfig(
+        max_model_len=1024, is_encoder_decoder=False, async_scheduling=async_scheduling
+    )
+    object.__setattr__(config, "parallel_config", ParallelConfig(pipeline_parallel_size=pp))
+    object.__setattr__(config, "scheduler_config", scheduler)
+    object.__setattr__(config, "attention_config", AttentionConfig())
+    return config
+
+
+@pytest.mark.parametrize(
+    ("pp", "async_scheduling", "v2", "steps"),
+    [
+        pytest.param(1, False, False, 1, id="one-step"),
+        pytest.param(1, True, False, 2, id="async"),
+        pytest.param(3, False, False, 3, id="pp3"),
+        pytest.param(4, True, False, 4, id="pp4-async"),
+        pytest.param(2, True, True, 3, id="pp2-async-v2-runner"),
+    ],
+)
+def test_the_grace_steps_are_the_steps_the_engine_keeps_in_flight(
+    monkeypatch: pytest.MonkeyPatch, pp: int, async_scheduling: bool, v2: bool, steps: int
+) -> None:
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1" if v2 else "0")
+    engine = EngineConfigs(vllm=_engine_config(pp, async_scheduling), kv_cache=None)
+    assert engine.vllm.max_concurrent_batches == steps
+    assert vspec.reset_grace_steps(engine, pp) == steps
+    # Without the engine's config: the most either vLLM keeps in flight.
+    assert vspec.reset_grace_steps(None, pp) == pp + 1
+
+
+def test_the_spec_reads_the_grace_steps_from_the_connectors_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Built by vLLM's connector as its engine core builds it: a synchronous engine (one
+    step in flight) lifts the fence after one step, not the two of an unknown engine."""
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    model = Engine(model="org/fence")
+    config = engine_vllm_config(model, "spec", tmp_path)
+    object.__setattr__(config, "scheduler_config", SchedulerConfig(
+        max_model_len=1024, is_encoder_decoder=False, async_scheduling=False
+    ))
+    connector = OffloadingConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config(model))
+    try:
+        manager = connector.connector_scheduler.manager
+        assert isinstance(manager, vspec.KVTiersManager)
+        monkeypatch.setattr(vspec, "_FLUSH_SIGNAL", False)
+        keys = [vbase.make_offload_key(b"\x05" * 32, 0)]
+        assert manager.prepare_store(keys, ctx()) is not None
+        manager.reset_cache()
+        primary = manager.stack.tiers[0].manager
+        assert primary.get_stats()["fenced_slots"] == 1
+        manager.on_schedule_end(vbase.ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        assert primary.get_stats()["fenced_slots"] == 0
+    finally:
+        connector.shutdown()
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3, 4])
+def test_on_vllm_032_no_promotion_lands_where_a_store_from_before_the_reset_still_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    """vLLM 0.32 with ``depth`` steps in flight (its batch queue): the reset's flush of the
+    jobs in flight travels with step 1 after it, whose workers run it (here: the late
+    writes of a store from before the reset into its old slots) only once step 1 left the
+    queue, i.e. before step ``depth + 1`` is scheduled. Every step looks up chunks the
+    file tier holds, which the stack promotes into free primary slots. Whatever lands there
+    must still be intact after the flush."""
+    monkeypatch.setattr(vspec, "_FLUSH_SIGNAL", False)
+    spec = OffloadingSpecFactory.create_spec(vllm_config(tmp_path / "kv"))
+    spec.reset_grace_steps = depth  # what the spec reads from such an engine (see above)
+    manager = spec.get_manager()
+    primary = manager.stack.tiers[0].manager
+    region = manager.stack.tiers[0].region
+    offloading = manager.stack.offloading
+    end = vbase.ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+
+    def slot(key: Any) -> int | None:
+        found: int | None = primary.slot_of(spec.keys.to_kvtiers(key))
+        return found
+
+    def chunk(key: Any) -> int:
+        return offloading.chunk_bytes(get_offload_group_idx(spec.keys.to_kvtiers(key)))
+
+    try:
+        first, second = make_request(1, first_block=0), make_request(2, first_block=12)
+        promoted = first.keys[0][:2] + first.keys[1][:2]  # fills the 4 slots
+        late = second.keys[0][:2] + second.keys[1][:2]
+        out = manager.prepare_store(promoted, ctx("a"))
+        assert out is not None and list(out.keys_to_store) == promoted
+        payload = {key: bytes([i + 1]) * chunk(key) for i, key in enumerate(promoted)}
+        for key in promoted:
+            region.view(slot(key))[: chunk(key)] = payload[key]
+        manager.complete_store(promoted, ctx("a"))
+        manager.stack.manager.wait_idle()  # in the file tier now
+        # A store in flight at the reset takes all 4 slots (evicting the chunks above).
+        assert manager.prepare_store(late, ctx("b")) is not None
+        old_slots = [slot(key) for key in late]
+        manager.reset_cache()
+        executed = 0  # the last step whose execution started on the workers
+
+        def run_up_to(step: int) -> None:
+            nonlocal executed
+            while executed < step:
+                executed += 1
+                if executed == 1:  # the flush: the old store writes its slots late
+                    for old in old_slots:
+                        region.view(old)[:] = b"\xee" * len(region.view(old))
+
+        for step in range(1, depth + 3):
+            run_up_to(step - depth)  # the batch queue holds at most depth - 1 steps
+            for key in promoted:
+                manager.lookup(key, ctx("c"))
+            manager.on_schedule_end(end)
+            manager.stack.manager.wait_idle()  # promotions land
+        run_up_to(depth + 3)
+        landed = [key for key in promoted if slot(key) is not None]
+        assert landed == promoted  # the fence lifted and every chunk was promoted
+        for key in landed:
+            assert bytes(region.view(slot(key))[: chunk(key)]) == payload[key], "wrong bytes"
+    finally:
+        manager.shutdown()
 
 
 @pytest.mark.parametrize("bad", ["text-key", None, b"\x01\x02"])

@@ -32,12 +32,19 @@ class RecordingTier(InMemoryTier):
         self.calls: list[tuple[str, list[OffloadKey], bool]] = []
 
     def complete_store(
-        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Collection[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        generation: int | None = None,
     ) -> None:
         self.calls.append(("store", list(keys), success))
         super().complete_store(keys, ctx, success)
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
         self.calls.append(("load", list(keys), True))
         super().complete_load(keys, ctx)
 

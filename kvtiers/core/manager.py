@@ -206,13 +206,33 @@ class OffloadingManager(ABC):
         """Mark ``keys`` recently used (no pin). Unknown keys are ignored."""
 
     def complete_store(
-        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Collection[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        generation: int | None = None,
     ) -> None:
         """Finish a store: on success the keys become ``HIT``; on failure their
-        reservations are freed and they are ``MISS``."""
+        reservations are freed and they are ``MISS``.
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        """Drop one pin of each key."""
+        ``generation`` is the job's: :attr:`generation` as read when ``prepare_store``
+        reserved the keys. A completion of an older generation is that of a job from before
+        a :meth:`reset_cache`: it frees the memory fenced for that job and nothing else (the
+        key's newer reservation, if any, waits for its own job), and stores nothing. A
+        generation newer than the tier's raises ``ValueError``. ``None`` (the default)
+        names no generation: the key's current reservation is completed when it has one,
+        else memory fenced for it — right for an engine that never delivers a completion of
+        a job from before a reset (vLLM drops them); an engine that does deliver them must
+        pass each job's generation. A tier that keeps every reservation and pin across a
+        reset ignores it."""
+
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
+        """Drop one pin of each key. ``generation`` is the job's, read when
+        ``prepare_load`` pinned the keys, as for :meth:`complete_store`: a completion of an
+        older generation drops only what the reset fenced for that job, never a newer pin."""
 
     @abstractmethod
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
@@ -232,16 +252,25 @@ class OffloadingManager(ABC):
         """Whether the engine must keep stepping (asynchronous work is in flight)."""
         return False
 
+    @property
+    def generation(self) -> int:
+        """The tier's reset generation: 0 at first, one more at each :meth:`reset_cache`
+        (see there). An engine reads it when it plans a job and
+        passes it with the job's completion (``complete_store`` / ``complete_load``). A
+        tier that keeps every reservation and pin across a reset stays at 0."""
+        return 0
+
     def reset_cache(self) -> None:
         """Drop every chunk this manager can drop (persistent tiers keep their data).
 
         Keys being stored or pinned by a load are dropped too: they answer ``MISS`` at once
-        and a new store of them is accepted. The memory their jobs still touch is *fenced*:
-        not reused until the job's completion names the key (when no newer reservation or
-        pin of it is held) or :meth:`on_reset_flushed` says no such job runs any more.
-        Engines drop the completions of jobs from before a reset (vLLM does, and so does
-        :meth:`~kvtiers.engine.scheduler.OffloadScheduler.reset_cache`); they call
-        :meth:`on_reset_flushed` once their workers finished those jobs."""
+        and a new store of them is accepted, and :attr:`generation` moves on. The memory
+        their jobs still touch is *fenced*: not reused until the job's completion, carrying
+        its generation, names the key, or :meth:`on_reset_flushed` says no such job runs any
+        more. An engine either drops the completions of jobs from before a reset (vLLM
+        does) or delivers them with their generation (as
+        :class:`~kvtiers.engine.scheduler.OffloadScheduler` does); either way it calls
+        :meth:`on_reset_flushed` once its workers finished those jobs."""
 
     def on_reset_flushed(self) -> None:
         """No job from before the last :meth:`reset_cache` touches this tier's memory any

@@ -15,13 +15,16 @@ from token ids), and turns the manager's group-unaware answers into per-group tr
 * :meth:`OffloadScheduler.plan_store` — reserve newly full chunks of every group in one
   ``prepare_store`` and describe, per group, which GPU blocks fill the accepted chunks.
 * :meth:`OffloadScheduler.complete` — route a worker's job result back to
-  ``complete_load`` / ``complete_store``.
-* :meth:`OffloadScheduler.reset_cache` — vLLM's reset fence: the manager drops every chunk,
-  completions of jobs from before the reset are dropped here, and the manager hears
-  ``on_reset_flushed`` once the last of those jobs has finished.
+  ``complete_load`` / ``complete_store``, with the manager generation the job was planned
+  in.
+* :meth:`OffloadScheduler.reset_cache` — the reset fence: the manager drops every chunk and
+  fences the memory of jobs in flight; their completions reach it with their (older)
+  generation, so each frees its own job's fenced slots and nothing newer, and the manager
+  hears ``on_reset_flushed`` once the last of those jobs has finished.
 
 Invariant: every key pinned or reserved here is released exactly once, by ``complete``, or
-by the manager's reset (for jobs in flight at a reset).
+by the manager's reset (for jobs in flight at a reset, whose completions then release only
+their fenced memory).
 """
 
 from __future__ import annotations
@@ -88,10 +91,11 @@ class OffloadScheduler:
         self.manager = manager
         self.config = config
         self._requests: dict[str, _Request] = {}
-        self._jobs: dict[int, TransferPlan] = {}
+        # Job id → its plan and the manager generation it was planned in.
+        self._jobs: dict[int, tuple[TransferPlan, int]] = {}
         self._job_ids = itertools.count()
         self._block_lcm = math.lcm(*(g.tokens_per_block for g in config.groups))
-        # Jobs in flight at the last reset_cache: their completions are dropped.
+        # Jobs in flight at a reset_cache whose completions have not come yet.
         self._fenced_jobs: set[int] = set()
 
     # -- requests -------------------------------------------------------------------
@@ -273,26 +277,26 @@ class OffloadScheduler:
         groups: list[GroupTransfer],
     ) -> TransferPlan:
         plan = TransferPlan(next(self._job_ids), kind, req_id, tuple(keys), tuple(groups))
-        self._jobs[plan.job_id] = plan
+        self._jobs[plan.job_id] = (plan, self.manager.generation)
         return plan
 
     def complete(self, job_id: int, success: bool) -> TransferPlan:
-        """Route a finished worker job back to the manager."""
+        """Route a finished worker job back to the manager, with its generation: a job
+        from before a reset frees only its own fenced memory (the manager forgot its keys,
+        which may be reserved or pinned anew since)."""
         try:
-            plan = self._jobs.pop(job_id)
+            plan, generation = self._jobs.pop(job_id)
         except KeyError:
             raise UnknownKeyError(f"job {job_id} is not in flight") from None
+        ctx = self._ctx_of(plan.req_id)
+        if plan.kind == "load":
+            self.manager.complete_load(plan.keys, ctx, generation=generation)
+        else:
+            self.manager.complete_store(plan.keys, ctx, success=success, generation=generation)
         if job_id in self._fenced_jobs:
-            # From before a reset: the manager forgot its keys (their slots are fenced).
             self._fenced_jobs.discard(job_id)
             if not self._fenced_jobs:
                 self.manager.on_reset_flushed()
-            return plan
-        ctx = self._ctx_of(plan.req_id)
-        if plan.kind == "load":
-            self.manager.complete_load(plan.keys, ctx)
-        else:
-            self.manager.complete_store(plan.keys, ctx, success=success)
         return plan
 
     def _ctx_of(self, req_id: str) -> ReqContext:
@@ -300,9 +304,9 @@ class OffloadScheduler:
         return request.ctx if request is not None else ReqContext(req_id=req_id)
 
     def reset_cache(self) -> None:
-        """Drop every chunk the manager can drop, as vLLM's connector does: jobs in flight
-        still finish on the workers, but their completions are dropped here (the manager
-        has forgotten their keys and fenced their slots) and the manager hears
+        """Drop every chunk the manager can drop: jobs in flight still finish on the
+        workers; the manager has forgotten their keys and fenced their memory, which each
+        one's completion frees (it carries the job's older generation), and it hears
         ``on_reset_flushed`` when the last one finished (at once when none is in flight).
         Active requests store again from their first chunk."""
         self.manager.reset_cache()

@@ -58,8 +58,9 @@ demoted chunk's slot reused before every copy of it ended (a failed demotion lea
 nothing in the lower tier: its reservation is freed);
 ``reset_cache`` drains movers before freeing primary slots, and a completion of a job from
 before a reset (which releases a fenced slot, see ``OffloadingManager.reset_cache``)
-cascades nothing. All methods run on the scheduler thread; movers touch only memory the
-composite pinned or reserved for them.
+cascades nothing and completes no newer reservation: the composite's ``generation`` is the
+primary's, handed down with every completion. All methods run on the scheduler thread;
+movers touch only memory the composite pinned or reserved for them.
 """
 
 from __future__ import annotations
@@ -265,9 +266,11 @@ class TieredManager(OffloadingManager):
         # The door's numbers, read on every lookup.
         self._group_limit = self._keys.group_limit
         self._key_bytes = self._keys.key_bytes
-        # Between reset_cache and on_reset_flushed a completion may name a key whose
-        # fenced slot it releases: only keys the primary then holds are cascaded.
+        # Between reset_cache and on_reset_flushed a completion that names no generation
+        # may name a key whose fenced slot it releases: only keys the primary then holds
+        # are cascaded, asked without counting a hit where the primary can say so.
         self._fence = False
+        self._slot_states = holding(self._primary)
         # (key, lower tier) of the latest promotion a lookup started: who serves that key.
         self._promoting: tuple[OffloadKey, BuiltTier] | None = None
         #: ``get_stats()`` as taken at the end of a step, for readers on other threads (the
@@ -395,22 +398,35 @@ class TieredManager(OffloadingManager):
             self._headroom.reserved(len(accepted))
         return accepted
 
+    @property
+    def generation(self) -> int:
+        """The primary's: the only tier whose memory an engine's jobs touch."""
+        return self._primary.generation
+
     def complete_store(
-        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Collection[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        generation: int | None = None,
     ) -> None:
         """Finish a primary store; on success cascade ``keys`` to admitting lower tiers.
 
         ``keys`` must be keys this manager's ``prepare_store`` returned (else
-        :class:`~kvtiers.errors.UnknownKeyError`, before anything changed)."""
+        :class:`~kvtiers.errors.UnknownKeyError`, before anything changed). A completion
+        of an older ``generation`` (see ``OffloadingManager.complete_store``) only frees the
+        primary's fenced slots and cascades nothing."""
         self._door(keys, ctx, "complete_store")
         keys = list(keys)
-        self._primary.complete_store(keys, ctx, success)
-        if not success or not keys:
+        stale = generation is not None and generation != self._primary.generation
+        self._primary.complete_store(keys, ctx, success, generation=generation)
+        if stale or not success or not keys:
             return
-        if self._fence:
-            # A completion of a job from before the reset released a fenced slot: that
-            # key is not stored, so it cascades nowhere.
-            keys = [k for k in keys if self._primary.lookup(k, ctx) is LookupResult.HIT]
+        if self._fence and generation is None:
+            # This completion may be of a job from before the reset that released a fenced
+            # slot: such a key is not stored, so it cascades nowhere.
+            keys = self._stored(keys, ctx)
         loads = self._loads
         for key in keys:
             # Stored anew: no longer a promoted copy; and stored again after the primary
@@ -682,9 +698,11 @@ class TieredManager(OffloadingManager):
         for tier in self.tiers:
             tier.manager.touch(keys, ctx)
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
         self._door(keys, ctx, "complete_load")
-        self._primary.complete_load(keys, ctx)
+        self._primary.complete_load(keys, ctx, generation=generation)
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         self._door((), ctx, "on_new_request")
@@ -756,6 +774,14 @@ class TieredManager(OffloadingManager):
         self._fence = False
         for tier in self.tiers:
             tier.manager.on_reset_flushed()
+
+    def _stored(self, keys: list[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """The ``keys`` the primary holds ready; asked without counting a lookup when the
+        primary tells a slot's state (a cpu tier)."""
+        states = self._slot_states
+        if states is not None:
+            return [k for k in keys if states.slot_state(k) is SlotState.READY]
+        return [k for k in keys if self._primary.lookup(k, ctx) is LookupResult.HIT]
 
     def count_torn(self, chunks: int) -> None:
         """Count ``chunks`` stored chunks an adapter found incomplete (a rank's shard

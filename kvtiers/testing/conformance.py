@@ -382,6 +382,33 @@ class TierConformanceTests:
         manager.on_reset_flushed()
         assert self.store(manager, [2]) == [conformance_key(2)]
 
+    def test_a_completion_from_before_a_reset_completes_nothing_newer(self) -> None:
+        """A completion carries the generation its job was planned in. A tier whose reset
+        dropped the job's key (its generation moved on) stores nothing for it: the key's
+        new reservation waits for its own job's bytes. A tier that kept the reservation
+        (its generation did not move) completes it with the old job's bytes."""
+        manager = self.new_manager()
+        key = conformance_key(0)
+        old, new = (conformance_payload(i, self.chunk_size) for i in (0, 1))
+        generation = manager.generation
+        assert manager.prepare_store([key], self.ctx) == [key]
+        self.write_chunk(manager, manager.get_spec([key]), 0, old)
+        manager.reset_cache()
+        again = manager.prepare_store([key], self.ctx)
+        manager.complete_store([key], self.ctx, generation=generation)
+        self.settle(manager)
+        if manager.generation == generation:
+            assert again == []
+            assert self.load(manager, 0) == old
+            return
+        assert again == [key]
+        assert self.states(manager, [0]) == [PENDING]
+        self.write_chunk(manager, manager.get_spec([key]), 0, new)
+        manager.complete_store([key], self.ctx, generation=manager.generation)
+        self.settle(manager)
+        assert self.settled_states(manager, [0]) == [HIT]
+        assert self.load(manager, 0) == new
+
     def test_persisted_chunks_survive_reopen(self) -> None:
         manager = self.new_manager()
         self.require(manager, persistent=True)

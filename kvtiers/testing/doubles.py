@@ -114,7 +114,9 @@ class MemoryObjectTier(InMemoryTier):
         self._drain_forgotten()
         return super().lookup(key, ctx)
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
         super().complete_load(keys, ctx)
         self._drain_forgotten()
 

@@ -86,13 +86,21 @@ class InMemoryTier(OffloadingManager):
         self.index.touch(keys)
 
     def complete_store(
-        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Collection[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        generation: int | None = None,
     ) -> None:
+        # A reset keeps every reservation and pin here, so every completion is current.
         done = self.index.finish(keys, success)
         if not success:
             self._release(done)
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
         self._release(self.index.unpin(keys))
 
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:

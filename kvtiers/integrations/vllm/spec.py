@@ -28,12 +28,16 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   composite keeps them; a key it does not hold is a ``MISS`` unchecked: every key is
   checked where it enters, at ``prepare_store`` and ``prepare_load``).
 * Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
-  ``reset_cache`` (0.32 and 0.33), so the stack forgets those keys at once (``MISS``, a new
-  store accepted) and fences their primary slots. vLLM 0.33 calls ``on_reset_flushed``
-  once its workers finished those jobs: the slots come back then. vLLM 0.32 has no such
-  call but flushes the jobs to its workers in the next step: the slots come back at the
-  end of the second step after the reset (:data:`RESET_GRACE_STEPS`), when even an
-  asynchronously scheduled step has run that flush.
+  ``reset_cache`` (0.32 and 0.33, by job id), so the stack forgets those keys at once
+  (``MISS``, a new store accepted) and fences their primary slots, and every completion
+  vLLM hands over afterwards is of a job planned since: it reaches the stack with the
+  stack's current generation, so it never frees fenced memory. vLLM 0.33 calls
+  ``on_reset_flushed`` once its workers finished those jobs: the slots come back then.
+  vLLM 0.32 has no such call but sends the flush with the first step it schedules after
+  the reset, and its workers run it before anything else of that step; it keeps up to
+  ``max_concurrent_batches`` steps in flight, so the slots come back at the end of that
+  many steps after the reset (:func:`reset_grace_steps`), when the flush step has run
+  (meanwhile the engine is kept stepping).
 * The worker adapter splits each packed ``GPULoadStoreSpec(block_ids, group_sizes,
   block_indices)`` into one :class:`~kvtiers.core.specs.GroupTransfer` per group, the
   group's offloaded spec carrying ``block_indices[g]`` as its ``gpu_block_offset``, and
@@ -89,7 +93,7 @@ from kvtiers.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, GroupTransfer
 from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker, TransferResult
 from kvtiers.errors import ConfigError
-from kvtiers.integrations.vllm.engine import find_engine_configs
+from kvtiers.integrations.vllm.engine import EngineConfigs, find_engine_configs
 from kvtiers.integrations.vllm.translate import (
     EXTRA_CONFIG,
     KeyMap,
@@ -113,12 +117,28 @@ logger = logging.getLogger(__name__)
 _CONFIG_INFO_KEYS = (
     "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "kvtiers_tiers"
 )
-#: Steps after a reset at whose end the fenced slots come back when vLLM (0.32) never calls
-#: ``on_reset_flushed``: step 1 carries the flush to the workers, and with asynchronous
-#: scheduling step 2 is planned while step 1 runs.
-RESET_GRACE_STEPS = 2
 #: Whether this vLLM tells its manager when a reset's jobs have finished (0.33 does).
 _FLUSH_SIGNAL = hasattr(vbase.OffloadingManager, "on_reset_flushed")
+
+
+def reset_grace_steps(engine: EngineConfigs | None, pp_size: int) -> int:
+    """Steps after a reset at whose end the fenced slots come back when vLLM (0.32) never
+    calls ``on_reset_flushed``: as many as the engine keeps in flight.
+
+    The reset's flush travels with the first step scheduled after it (step ``N + 1``), and
+    a worker runs it before anything else of that step. The engine schedules a step only
+    while fewer than ``max_concurrent_batches`` steps are in flight (1 without a batch
+    queue, 2 with asynchronous scheduling, the pipeline stages with pipeline parallelism,
+    one more with both on vLLM's newer model runner), so with ``d`` that depth, step
+    ``N + 1`` has run once step ``N + d + 1`` is scheduled. Slots freed at the end of step
+    ``N + d`` are then written from the scheduler's side (a promotion) no earlier than
+    step ``N + d + 1``, and by the workers (a store) only in a later step than the flush.
+    Without the engine's config: ``pp_size + 1``, the most either version keeps in flight.
+    """
+    depth = getattr(engine.vllm, "max_concurrent_batches", None) if engine is not None else None
+    if isinstance(depth, int) and depth >= 1:
+        return depth
+    return pp_size + 1
 
 
 class KVTiersLoadStoreSpec(vbase.LoadStoreSpec):
@@ -191,6 +211,7 @@ class KVTiersManager(vbase.OffloadingManager):
         keys: KeyMap,
         *,
         events_enabled: bool,
+        reset_grace_steps: int,
         ledger: ShardLedger | None = None,
     ) -> None:
         self.stack = stack
@@ -206,8 +227,10 @@ class KVTiersManager(vbase.OffloadingManager):
         self._events: list[Any] = []
         # vLLM keys the primary removed since the last PrepareStoreOutput, in order.
         self._evicted: dict[Any, None] = {}
-        # Steps left before a reset's fenced slots come back (vLLM without a flush signal).
+        # Steps left before a reset's fenced slots come back (vLLM without a flush signal),
+        # and how many a reset starts with.
         self._fence_steps: int | None = None
+        self._reset_grace_steps = reset_grace_steps
         self._requests: dict[str, _Request] = {}
         self._primary = primary = stack.manager.tiers[0].manager
         # Each announced request's keys found by the one-call lookup, by request id.
@@ -298,6 +321,7 @@ class KVTiersManager(vbase.OffloadingManager):
         self._tiered.complete_load(
             keys if self._same_keys else self._keys.all_to_kvtiers(keys),
             request.ctx if request is not None else kvtiers_context(req_context),
+            generation=self._tiered.generation,  # vLLM completes no job from before a reset
         )
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
@@ -339,26 +363,28 @@ class KVTiersManager(vbase.OffloadingManager):
         ours = ordered if self._same_keys else self._keys.all_to_kvtiers(ordered)
         request = self._requests.get(req_context.req_id)
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        # vLLM completes no job from before a reset: this one is of the current generation.
+        generation = self._tiered.generation
         if self._ledger is None:
-            self._tiered.complete_store(ours, ctx, success)
+            self._tiered.complete_store(ours, ctx, success, generation=generation)
             return
         if not success:
             for key in ours:
                 self._stamps.pop(key, None)
-            self._tiered.complete_store(ours, ctx, False)
+            self._tiered.complete_store(ours, ctx, False, generation=generation)
             return
         whole, torn = self._check_shards(ours)
         if whole:
-            self._tiered.complete_store(whole, ctx)
+            self._tiered.complete_store(whole, ctx, generation=generation)
         if torn:
-            self._tiered.complete_store(torn, ctx, False)
+            self._tiered.complete_store(torn, ctx, False, generation=generation)
 
     def _check_shards(
         self, keys: Collection[OffloadKey]
     ) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """``keys`` split into the chunks every rank wrote for their store and the torn
-        ones. Keys with no store under way here (forgotten by a reset) pass as whole: the
-        stack completes them as it completes any late job."""
+        ones. A key without a stamp passes as whole, for the stack to judge (vLLM completes
+        only keys it reserved since the last reset, and each of those has one)."""
         assert self._ledger is not None
         primary = self._tiered.tiers[0].manager
         assert isinstance(primary, CpuTierManager)
@@ -415,6 +441,8 @@ class KVTiersManager(vbase.OffloadingManager):
             )
         )
         if self._fence_steps is not None:
+            # (vLLM 0.32 calls this first in a step, before the step's stores: those are
+            # written by the workers after the flush, which an earlier step carried.)
             self._fence_steps -= 1
             if self._fence_steps <= 0:
                 self._fence_steps = None
@@ -428,7 +456,9 @@ class KVTiersManager(vbase.OffloadingManager):
         self._drain_events()
 
     def has_pending_work(self) -> bool:
-        return self._tiered.has_pending_work()
+        """Also while a reset's grace steps run: an idle engine steps on, so the flush
+        reaches its workers and the fenced slots come back."""
+        return self._fence_steps is not None or self._tiered.has_pending_work()
 
     def reset_cache(self) -> None:
         """vLLM drops the completions of jobs in flight now: their keys are forgotten and
@@ -436,7 +466,7 @@ class KVTiersManager(vbase.OffloadingManager):
         self._tiered.reset_cache()
         self._stamps.clear()
         if not _FLUSH_SIGNAL:
-            self._fence_steps = RESET_GRACE_STEPS
+            self._fence_steps = self._reset_grace_steps
         self._drain_events()
 
     def on_reset_flushed(self) -> None:
@@ -734,6 +764,8 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         if persistent:
             warn_unstable_hashes(self.hash_algorithm)
         self.keys = KeyMap([group.group_id for group in config.groups])
+        #: What a reset's fence waits for on vLLM 0.32 (see :func:`reset_grace_steps`).
+        self.reset_grace_steps = reset_grace_steps(engine, par.pp_size)
         self._manager: KVTiersManager | None = None
 
     def get_manager(self) -> KVTiersManager:
@@ -752,6 +784,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
                 self.keys,
                 events_enabled=self.config.enable_kv_cache_events,
                 ledger=ledger,
+                reset_grace_steps=self.reset_grace_steps,
             )
         return self._manager
 

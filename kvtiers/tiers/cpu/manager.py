@@ -3,8 +3,9 @@
 State per slot is explicit: :class:`SlotState` ``FREE`` / ``WRITING`` (reserved by
 ``prepare_store``, bytes in flight) / ``READY`` (stored), and, separately, a pin count per
 pinned key (``prepare_load`` … ``complete_load``). ``reset_cache`` *fences* the slots of
-keys being written or pinned: the keys are gone (``MISS``), their slots stay out of use
-until the job that holds each ends (its completion) or ``on_reset_flushed``.
+keys being written or pinned and moves the tier to its next ``generation``: the keys are
+gone (``MISS``), their slots stay out of use until the job that holds each ends (its
+completion, carrying the job's generation) or ``on_reset_flushed``.
 :meth:`CpuTierManager.evict_held` evicts chunks but *holds* their slots for the caller (the
 composite copies them to a write-back tier: a demotion) until :meth:`release_held`.
 Invariants:
@@ -20,6 +21,8 @@ Invariants:
   is atomic; what fits is the policy's to say, ``EvictionPolicy.evictable``);
 - ``complete_store`` / ``complete_load`` of a key this tier never reserved or pinned raise
   :class:`~kvtiers.errors.UnknownKeyError` before changing anything;
+- a completion of an older generation (a job from before a reset) releases only that job's
+  fenced slot, never the key's newer reservation or pin;
 - the number of non-free slots never exceeds ``num_slots``.
 
 Recency follows prefix order: a request's prompt head is shared by the most requests, so
@@ -187,13 +190,16 @@ class CpuTierManager(OffloadingManager):
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._pins: dict[OffloadKey, int] = {}
         # The reset fence: key → its fenced slots, oldest first; slot → completions it
-        # still waits for (1 for a store, the pin count for a load).
+        # still waits for (1 for a store, the pin count for a load), and the generation of
+        # the jobs that hold it.
         self._fenced: dict[OffloadKey, list[int]] = {}
         self._fence_holds: dict[int, int] = {}
+        self._fence_generation: dict[int, int] = {}
         # Slots of evicted chunks held for the caller of evict_held until release_held.
         self._held: set[int] = set()
         self._events: list[OffloadingEvent] = []
-        # Bumped by reset_cache: a request's access state from before a reset is stale.
+        # Bumped by reset_cache: a request's access state, and a job, from before a reset
+        # are stale.
         self._generation = 0
         self._hits = 0
         self._misses = 0
@@ -367,16 +373,30 @@ class CpuTierManager(OffloadingManager):
         return accepted
 
     def complete_store(
-        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Collection[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        generation: int | None = None,
     ) -> None:
+        """See :meth:`OffloadingManager.complete_store`: a completion of an older
+        ``generation`` releases the slot fenced for its job; with the current one, only
+        the key's live reservation is completed; without one, the live reservation, else a
+        fenced slot."""
+        if generation is not None and generation != self._generation:
+            self._complete_fenced(keys, _WRITING, generation, "complete_store")
+            return
         slots = self._slots
         state = self._state
-        fenced = self._fenced
+        # A completion that names the current generation never reaches a fenced slot.
+        fenced = self._fenced if generation is None else {}
         for key in keys:
             if key not in slots and key not in fenced:
                 raise UnknownKeyError(
                     f"complete_store: key {_shown(key)} was never reserved by prepare_store "
-                    "in the CPU tier (complete only the keys prepare_store returned)"
+                    "in the CPU tier (complete only the keys prepare_store returned"
+                    + ("" if generation is None else f", in generation {generation}") + ")"
                 )
         # One pass that changes each slot's state as it goes, so a key named twice is
         # no longer WRITING (or no longer present) the second time: it counts once.
@@ -394,7 +414,7 @@ class CpuTierManager(OffloadingManager):
                     insert(slot)
                     done.append(key)
                 elif fenced:
-                    self._release_fenced(key, _WRITING)
+                    self._release_fenced(key, _WRITING, None)
             self._stores += len(done)
             if done:
                 self._events.append(self._event(done, removed=False))
@@ -408,7 +428,7 @@ class CpuTierManager(OffloadingManager):
                     free.append(slot)
                     done.append(key)
                 elif fenced:
-                    self._release_fenced(key, _WRITING)
+                    self._release_fenced(key, _WRITING, None)
             self._store_failures += len(done)
             if done:
                 self._events.append(dataclasses.replace(
@@ -507,14 +527,21 @@ class CpuTierManager(OffloadingManager):
         for key in reversed(list(keys)):
             touch(slots[key])
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
         """Drop one pin per occurrence of each key. Raises, changing nothing, when a key
-        would drop more pins than it holds."""
+        would drop more pins than it holds. A completion of an older ``generation`` drops
+        only the pins fenced for its job; with the current one, only live pins; without
+        one, live pins first, then fenced ones."""
+        if generation is not None and generation != self._generation:
+            self._complete_fenced(keys, _READY, generation, "complete_load")
+            return
         pins = self._pins
         drops: dict[OffloadKey, int] = {}
         for key in keys:
             drops[key] = drops.get(key, 0) + 1
-        fenced = self._fenced
+        fenced = self._fenced if generation is None else {}
         for key, count in drops.items():
             held = pins.get(key, 0)
             if held < count and fenced:
@@ -534,7 +561,7 @@ class CpuTierManager(OffloadingManager):
                 # Pins beyond the live ones are those of loads from before a reset.
                 pins.pop(key, None)
                 for _ in range(count - held):
-                    self._release_fenced(key, _READY)
+                    self._release_fenced(key, _READY, None)
 
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         # Earliest keys last, so a prompt's first chunks (shared by the most requests)
@@ -581,6 +608,11 @@ class CpuTierManager(OffloadingManager):
         events, self._events = self._events, []
         return events
 
+    @property
+    def generation(self) -> int:
+        """Resets so far: the generation a job planned now belongs to."""
+        return self._generation
+
     def reset_cache(self) -> None:
         """Drop every chunk: ready, unpinned slots are free at once; the slots of keys
         being written or pinned are fenced (see the module docstring)."""
@@ -605,6 +637,7 @@ class CpuTierManager(OffloadingManager):
                 held = 1
             self._fenced.setdefault(key, []).append(slot)
             self._fence_holds[slot] = held
+            self._fence_generation[slot] = self._generation
         self._slots.clear()
         writing.clear()
         pins.clear()
@@ -618,6 +651,7 @@ class CpuTierManager(OffloadingManager):
             self._state[slot] = _FREE
             self._free.append(slot)
         self._fence_holds.clear()
+        self._fence_generation.clear()
         self._fenced.clear()
 
     def get_stats(self) -> Mapping[str, float]:
@@ -670,14 +704,36 @@ class CpuTierManager(OffloadingManager):
             if self._state[slot] == _READY
         )
 
-    def _release_fenced(self, key: OffloadKey, kind: int) -> None:
-        """One completion of a job from before the reset that holds a fenced slot of
-        ``key`` (a store's for ``kind`` WRITING, a load's for READY), oldest first; the
-        slot is free when its last completion came. No such slot: nothing happens."""
+    def _complete_fenced(
+        self, keys: Collection[OffloadKey], kind: int, generation: int, method: str
+    ) -> None:
+        """A completion of a job of an older ``generation``: one release of its fenced
+        slot per key named (see :meth:`_release_fenced`); nothing else changes."""
+        if not 0 <= generation < self._generation:
+            raise ValueError(
+                f"{method}: generation {generation} is not one this CPU tier has had (it is "
+                f"at {self._generation}); pass the generation read when the job's keys were "
+                "reserved or pinned"
+            )
+        if self._fenced:
+            for key in keys:
+                self._release_fenced(key, kind, generation)
+
+    def _release_fenced(self, key: OffloadKey, kind: int, generation: int | None) -> None:
+        """One completion of a job from before a reset that holds a fenced slot of
+        ``key`` (a store's for ``kind`` WRITING, a load's for READY) of ``generation`` (any,
+        oldest first, for ``None``); the slot is free when its last completion came. No such
+        slot (``on_reset_flushed`` freed it): nothing happens."""
         slots = self._fenced.get(key)
         if not slots:
             return
-        index = next((i for i, slot in enumerate(slots) if self._state[slot] == kind), None)
+        state = self._state
+        born = self._fence_generation
+        index = next(
+            (i for i, slot in enumerate(slots)
+             if state[slot] == kind and (generation is None or born[slot] == generation)),
+            None,
+        )
         if index is None:
             return
         slot = slots[index]
@@ -686,6 +742,7 @@ class CpuTierManager(OffloadingManager):
             self._fence_holds[slot] = holds
             return
         del self._fence_holds[slot]
+        del born[slot]
         del slots[index]
         if not slots:
             del self._fenced[key]

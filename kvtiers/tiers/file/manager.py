@@ -649,15 +649,23 @@ class FileTierManager(OffloadingManager):
             self._room_unlinks.extend(unlinks)
 
     def complete_store(
-        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Collection[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        generation: int | None = None,
     ) -> None:
+        # Persistent: a reset keeps every reservation, so every completion is current.
         self.index.finish(keys, success)
 
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         self.index.pin(keys)
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
         self._drain_forgotten()
         self.index.unpin(keys)
 

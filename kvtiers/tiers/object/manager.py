@@ -233,12 +233,20 @@ class ObjectTierManager(OffloadingManager):
         self.index.touch(keys)
 
     def complete_store(
-        self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
+        self,
+        keys: Collection[OffloadKey],
+        ctx: ReqContext,
+        success: bool = True,
+        *,
+        generation: int | None = None,
     ) -> None:
+        # Persistent: a reset keeps every reservation, so every completion is current.
         self.index.finish(keys, success)
         self._drain()
 
-    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+    def complete_load(
+        self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
+    ) -> None:
         self.index.unpin(keys)
         self._drain()
 
