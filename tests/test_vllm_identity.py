@@ -687,8 +687,10 @@ def kvtiers_diff(capsys: pytest.CaptureFixture[str], root: Path, a: str, b: str)
 
     capsys.readouterr()
     assert cli.main(["diff", str(root), a, b]) == 0
-    return [line.strip() for line in capsys.readouterr().out.splitlines()
-            if line.startswith("  ")]
+    lines = capsys.readouterr().out.splitlines()
+    # The field lines follow "N field(s) differ"; the A/B lines above may wrap (indented).
+    start = next(i for i, line in enumerate(lines) if line.endswith(("differs:", "differ:")))
+    return [line.strip() for line in lines[start + 1:]]
 
 
 def test_kvtiers_diff_names_the_load_format_and_the_identity_source(
