@@ -136,7 +136,8 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
     "held_slots": _g("kvtiers_tier_held_slots",
                      "Slots of evicted chunks held while their demotion copies them."),
     "fenced_slots": _g("kvtiers_tier_fenced_slots",
-                       "Slots held for jobs from before a reset until the engine's flush."),
+                       "Slots held for jobs from before a reset until their completion or the "
+                       "engine's flush."),
     "usage_bytes": _g("kvtiers_tier_usage_bytes", "Bytes held now."),
     "capacity_bytes": _g("kvtiers_tier_capacity_bytes",
                          "Configured capacity in bytes (0: bounded only by the medium)."),
