@@ -392,6 +392,9 @@ class FileTierManager(OffloadingManager):
         # Evictions handed to the composite (hand_over_evictions): key → its file, kept
         # until released, and the keys not yet taken; the full-disk episode's handed keys.
         self._handing = False
+        # With wanted_only: only the chunks marked by want_evictions (kept while indexed).
+        self._wanted_only = False
+        self._wanted: set[OffloadKey] = set()
         self._handed: dict[OffloadKey, Path] = {}
         self._fresh: list[OffloadKey] = []
         self._room_keys: set[OffloadKey] = set()
@@ -557,7 +560,12 @@ class FileTierManager(OffloadingManager):
     def _drain_forgotten(self) -> None:
         reported = self._reports.drain()
         if reported:
-            self.index.discard(reported)
+            self._unwant(self.index.discard(reported))
+
+    def _unwant(self, gone: Iterable[OffloadKey]) -> None:
+        """These keys left the index otherwise than by eviction: their marks go too."""
+        if self._wanted:
+            self._wanted.difference_update(gone)
 
     # -- lookup ---------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -659,13 +667,9 @@ class FileTierManager(OffloadingManager):
                     "file tier %s: the disk is full; evicted %d least recently used chunks "
                     "to make room", self.namespace_dir, len(victims),
                 )
-                if self._handing:
-                    self._delete(victims)
-                    self._room_keys = set(victims)
-                else:
-                    self._room_unlinks = self._deleter.delete(
-                        self.mapper.path(key) for key in victims
-                    )
+                self._room_unlinks = self._delete(victims)
+                # Handed over: their unlinks start when the composite releases them.
+                self._room_keys = {key for key in victims if key in self._handed}
         if self._room_keys:
             # Handed over: their unlinks start when the composite releases them.
             self._room_keys.intersection_update(self._handed)
@@ -678,21 +682,43 @@ class FileTierManager(OffloadingManager):
             space.retry_now()
         return space.admits()
 
-    def _delete(self, victims: list[OffloadKey]) -> None:
+    def _delete(self, victims: list[OffloadKey]) -> list[Future[bool]]:
+        """Evicted chunks' files: kept for the composite when it takes them over (all of
+        them, or the wanted ones), unlinked otherwise; the unlinks started."""
         if not victims:
-            return
+            return []
+        path = self.mapper.path
         if self._handing:
-            path = self.mapper.path
+            wanted = self._wanted
+            doomed = []
             for key in victims:
-                self._handed[key] = path(key)
-            self._fresh.extend(victims)
-        else:
-            self._deleter.delete(self.mapper.path(key) for key in victims)
+                if not self._wanted_only or key in wanted:
+                    self._handed[key] = path(key)
+                    self._fresh.append(key)
+                else:
+                    doomed.append(key)
+                wanted.discard(key)
+            victims = doomed
+        return self._deleter.delete(path(key) for key in victims)
 
     # -- evictions handed to the composite (stack.placement.HandingTier) --------------
-    def hand_over_evictions(self) -> None:
-        """From now on, keep evicted chunks' files for the composite (module docstring)."""
+    def hand_over_evictions(self, wanted_only: bool = False) -> None:
+        """From now on, keep evicted chunks' files for the composite (module docstring):
+        every one, or with ``wanted_only`` those marked by :meth:`want_evictions`."""
         self._handing = True
+        self._wanted_only = wanted_only
+
+    def want_evictions(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Mark the chunks of ``keys`` the index holds to be handed over at eviction; the
+        keys it does not hold."""
+        index = self.index
+        absent = []
+        for key in keys:
+            if key in index:
+                self._wanted.add(key)
+            else:
+                absent.append(key)
+        return absent
 
     def take_evicted(self) -> list[OffloadKey]:
         """The chunks evicted since the last call whose files are kept for the caller."""
@@ -724,6 +750,8 @@ class FileTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext, success: bool = True
     ) -> None:
         done = self.index.finish(keys, success)
+        if not success:
+            self._unwant(done)
         if not self._revived:
             return
         for key in done:
@@ -745,7 +773,7 @@ class FileTierManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         self._drain_forgotten()
-        self.index.unpin(keys)
+        self._unwant(self.index.unpin(keys))
 
     def get_spec(self, keys: Collection[OffloadKey]) -> FileLoadStoreSpec:
         self.index.require_addressable(keys)
