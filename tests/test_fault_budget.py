@@ -15,6 +15,7 @@ from kvtiers.config.tiers import FileTierConfig
 from kvtiers.core.manager import ScheduleEndContext
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
+from kvtiers.filemapper.scan import ScannedEntry
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.tiers.file import manager as file_manager
 from tests.test_file_support import BLOB, CTX, offloading_config, open_tier
@@ -122,11 +123,11 @@ def unreadable(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[Path]]:
     real_scan = file_manager.scan_namespace
     real_stat = os.stat
 
-    def scan(directory: Path) -> Iterator[object]:
+    def scan(directory: Path) -> Iterator[ScannedEntry]:
         for item in real_scan(directory):
             yield item
-            if Path(item.entry.path).parent in denied:  # type: ignore[attr-defined]
-                raise PermissionError(errno.EACCES, "Permission denied", item.entry.path)  # type: ignore[attr-defined]
+            if Path(item.entry.path).parent in denied:
+                raise PermissionError(errno.EACCES, "Permission denied", item.entry.path)
 
     def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
         if Path(str(path)).parent in denied and Path(str(path)).name == "manifest.json":

@@ -469,8 +469,17 @@ def test_a_requests_key_positions_are_the_end_tokens_vllm_recorded(tmp_path: Pat
     seen: list[Any] = []
     composite = manager.stack.manager
     real_lookup, real_new = composite.lookup, composite.on_new_request
-    composite.lookup = lambda key, c: seen.append(c) or real_lookup(key, c)  # type: ignore[method-assign]
-    composite.on_new_request = lambda c: seen.append(c) or real_new(c)  # type: ignore[method-assign]
+
+    def lookup(key: Any, c: Any) -> Any:
+        seen.append(c)
+        return real_lookup(key, c)
+
+    def on_new_request(c: Any) -> Any:
+        seen.append(c)
+        return real_new(c)
+
+    composite.lookup = lookup
+    composite.on_new_request = on_new_request
     try:
         key = req.keys[1][1]
         manager.lookup(key, vctx)  # not announced yet

@@ -392,9 +392,9 @@ def _key_position(ctx: Any, keys: KeyMap) -> Callable[[OffloadKey], int | None] 
     read with kvtiers' keys."""
     position = getattr(ctx, "get_offload_key_position", None)
     if position is None or keys.identity:
-        return position  # type: ignore[no-any-return]
+        return position
     to_vllm = keys.to_vllm
-    return lambda key: position(to_vllm(key))  # type: ignore[no-any-return]
+    return lambda key: position(to_vllm(key))
 
 
 def vllm_request_context(ctx: RequestOffloadingContext) -> Any:
