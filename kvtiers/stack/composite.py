@@ -19,13 +19,17 @@ so the scheduler sees one manager.
   ``through`` and whose frequency admission it passes; the primary slot stays pinned
   while the mover reads it. ``after_hits`` N admits a chunk once it was referenced N
   times: loaded (``prepare_load``), or stored again after the primary lost it; a
-  ``through`` tier gets it at the reference that makes the count N.
+  ``through`` tier gets it at the reference that makes the count N. A ``back`` tier below
+  a handing tier is decided for then too: the handing tier keeps the mark with the chunk
+  (``want_evictions``) and hands over only marked chunks; one it no longer holds is
+  written down at once, from the primary.
 * **Demotion** (``back`` tiers): at the end of each step the composite keeps as many
   primary slots free as the primary reserved in its busiest recent step, by evicting
   chunks through ``evict_held``: the evicted chunks' slots stay held, and readable, while
   the ``back`` tiers' movers copy them out; a slot is released once every copy of it
   ended, succeeded or failed. A chunk the primary evicts by itself (a step that needed
-  more than the free room) is not written back: it is simply gone. That is the first
+  more than the free room) is not written back: it is simply gone (``demotions_dropped``
+  when a ``back`` tier would have taken it and does not hold it). That is the first
   hop, for ``back`` tiers whose nearest writing tier above is the primary (or a tier that
   cannot hand evictions over); below a tier that can (the file tier, a
   :class:`~kvtiers.stack.placement.HandingTier`) the *second hop* writes what that tier

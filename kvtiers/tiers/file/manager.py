@@ -39,11 +39,15 @@ namespace first (by its newest chunk), oldest chunk first within one. Foreign by
 against the budget and go before this namespace's own chunks whenever room is needed:
 at start if the root is over budget, then by each ``prepare_store`` that needs room. The
 budget is settled by the namespaces that open; ones that keep writing meanwhile are
-trimmed when the next namespace opens.
+trimmed when the next namespace opens. A foreign chunk's bytes count as freed when its
+unlink is queued; one whose unlink fails counts again once the deleter says so (checked at
+each store and step end), and the tier comes back within the budget. A directory it cannot
+measure is named in one warning at start.
 
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
 deleter can never remove a freshly published file and the scheduler never waits on it.
+If that store fails, the old file's eviction stands (unlinked, or handed over again).
 
 Above a ``write: back`` tier the composite calls :meth:`FileTierManager.hand_over_evictions`
 (docs/architecture.md, "Placement"): from then on every chunk evicted after start-up — by
@@ -52,7 +56,9 @@ at once but keeps its file until the composite has read it for the tier below an
 ``release_evicted`` (a full-disk episode's stores wait for those unlinks as for the
 others). Chunks beyond capacity at start-up are deleted as before: no composite holds the
 tier yet. A handed-over key stored again is the tier's own again, and releasing it deletes
-nothing; a probe never indexes a handed-over file.
+nothing; a probe never indexes a handed-over file. With ``wanted_only`` only the chunks
+marked by :meth:`FileTierManager.want_evictions` are handed over (a frequency-admitting
+tier below); the mark lives and dies with the index entry.
 """
 
 from __future__ import annotations
