@@ -178,6 +178,30 @@ def test_a_bad_deadline_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixtu
     assert DEADLINE_PARAM in caplog.text
 
 
+@pytest.mark.parametrize("value", [
+    10**400, -1, -0.5, math.nan, math.inf, -math.inf, True, False, "0.25", None, [0.25],
+], ids=lambda value: "401 digits" if value == 10**400 else repr(value))
+def test_a_bad_deadline_of_any_kind_is_ignored_with_one_warning(
+    value: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A deadline no float holds (a 401-digit integer) must not raise out of a lookup (the
+    scheduler would die); nor may any other bad value. One warning per request, however
+    many lookups and plans it makes."""
+    ctx = ReqContext("r", kv_transfer_params={DEADLINE_PARAM: value})
+    cost = model()
+    with caplog.at_level("WARNING", logger="kvtiers.stack.cost"):
+        assert promoted(cost, ["s3"] * 40, ctx) == 40
+        run_pass(cost, ["s3"] * 40, ctx)
+    warnings = [r for r in caplog.records if DEADLINE_PARAM in r.getMessage()]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert len(warnings[0].getMessage()) < 200
+
+
+def test_a_large_finite_deadline_is_no_limit() -> None:
+    ctx = ReqContext("r", kv_transfer_params={DEADLINE_PARAM: 10**300})
+    assert promoted(model(), ["s3"] * 40, ctx) == 40
+
+
 def test_tiers_copy_in_parallel() -> None:
     # Alternating chunks of two tiers of 0.2 s latency: 0.2 s + half the bytes each, not
     # twice the latency.
@@ -198,6 +222,60 @@ def test_a_group_that_misses_early_limits_every_group() -> None:
     # Group 1 reaches 64 tokens: two s3 chunks of group 0 cannot pay 0.2 s.
     assert answers == [HIT, MISS]
     assert cost.decisions["r"].cut_tokens == 0
+
+
+def test_positions_come_from_the_engine_not_the_lookup_order() -> None:
+    """An engine that records where each key's chunk ends (vLLM does) may look a prefix up
+    in any order: the plan places chunks by those positions. Here the head (8 chunks) is
+    in s3 and the rest (32) in the primary, looked up tail first: promoting the head pays
+    (0.64 s of prefill saved for 0.22 s), stopping before it would leave the whole prompt
+    to recompute."""
+    cost = model()
+    ctx = ReqContext("r")
+    ends = {key(i): (i + 1) * TOKENS for i in range(40)}
+    ctx.key_position = ends.get
+
+    def tail_first() -> list[LookupResult]:
+        answers: list[LookupResult] = []
+        for i in reversed(range(40)):
+            if i >= 8:
+                answers.append(HIT)
+            else:
+                held = cost.hold(key(i), "s3", ctx)
+                answers.append(PENDING if held is None else held)
+            cost.looked_up(key(i), ctx, answers[-1])
+        cost.end_step()
+        return answers[32:]
+
+    assert tail_first() == [PENDING] * 8  # deferred
+    assert tail_first() == [PENDING] * 8, "the head must be promoted"
+    assert cost.decisions["r"].cut_tokens == 40 * TOKENS
+
+
+def test_chunks_before_a_groups_first_lookup_limit_nothing() -> None:
+    """The engine asks from the first chunk it lacks (its own prefix cache has the
+    ones before) and, for a sliding-window group, for the window only: chunks never
+    asked for neither shorten the usable prefix nor cost a promotion."""
+    shapes = (ChunkShape(TOKENS, CHUNK), ChunkShape(TOKENS, CHUNK))
+    cost = model(shapes=shapes)
+    ctx = ReqContext("r")
+    ends = {key(i, g): (i + 1) * TOKENS for i in range(40) for g in range(2)}
+    ctx.key_position = ends.get
+
+    def step() -> None:
+        for i in range(4, 40):  # chunks 0-3 are in the engine's own cache
+            held = cost.hold(key(i), "s3", ctx)
+            cost.looked_up(key(i), ctx, PENDING if held is None else held)
+        for i in reversed(range(36, 40)):  # the window of 4 chunks at the end
+            held = cost.hold(key(i, 1), "s3", ctx)
+            cost.looked_up(key(i, 1), ctx, PENDING if held is None else held)
+        cost.end_step()
+
+    step()
+    step()
+    decision = cost.decisions["r"]
+    assert decision.cut_tokens == 40 * TOKENS
+    assert decision.load_s == pytest.approx(0.2 + 40 * CHUNK / (50 * MB))
 
 
 def test_a_chunk_that_appears_past_the_cut_opens_the_plan_again() -> None:
@@ -387,3 +465,95 @@ def test_a_fresh_context_per_lookup_still_decides(stack: Stack) -> None:
     stack.manager.wait_idle()
     assert stack.lookups(40, ReqContext("r")) == [HIT] * 40
     assert math.isclose(stack.manager.get_stats()["promotion_plans"], 1)
+
+
+# -- a hybrid model, looked up in vLLM's order ---------------------------------------------
+WINDOW = 4  # the sliding-window group's window, in chunks
+HYBRID = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(CHUNK, CHUNK))
+
+
+def vllm_lookup(manager: TieredManager, ctx: ReqContext, chunks: int) -> int | None:
+    """The usable prefix in tokens of a prompt of ``chunks`` full chunks and one token
+    more, as vLLM 0.33's scheduler finds it (``OffloadingConnectorScheduler.
+    _lookup_complete_chunks``), ``None`` when deferred: group 0 (full attention) forward
+    from its first chunk until a ``MISS``, then group 1 (a sliding window of
+    :data:`WINDOW` chunks) backward from the end of the prefix group 0 allows until
+    :data:`WINDOW` consecutive hits; both again while one shortens it."""
+    limit = chunks * TOKENS  # the prompt's last token is always computed
+    hit = 0
+    deferred = False
+    groups: tuple[int, ...] = (0, 1)
+    while groups:
+        todo, groups = groups, ()
+        for group in todo:
+            end = -(-limit // TOKENS)
+            found: int | None = 0
+            if group == 0:
+                for i in range(end):
+                    result = manager.lookup(key(i, 0), ctx)
+                    if result is MISS:
+                        break
+                    if result is not HIT:
+                        deferred = True
+                    found += 1  # type: ignore[operator]
+            else:
+                found, pending, run = None, False, 0
+                for i in reversed(range(end)):
+                    result = manager.lookup(key(i, 1), ctx)
+                    run = run + 1 if result in (HIT, PENDING) else 0
+                    pending = (pending or result is PENDING) and run > 0
+                    if run == WINDOW:
+                        found = i + WINDOW
+                        break
+                deferred = deferred or pending
+                found = run if found is None else found
+            if found == 0:
+                return 0
+            limit = min(limit, found * TOKENS)  # type: ignore[operator]
+            if limit < hit and not deferred:
+                groups = (1,)
+            hit = limit
+    return None if deferred else hit
+
+
+def test_a_hybrid_model_looked_up_in_vllm_order_loads_its_whole_prefix() -> None:
+    """vLLM scans a sliding-window group backwards from the end: the plan must place its
+    chunks where they are in the prompt, or the cut stops at the window's length and the
+    request crawls a window per replan."""
+    chunks = 24
+    region = BytearrayRegion(128, HYBRID.slot_bytes)
+    lower = MemoryObjectTier(256, MemoryObjectStore())
+    manager = TieredManager([
+        BuiltTier("cpu", InMemoryTier(128), region=region),
+        BuiltTier("s3", lower, mover=MemoryMover(region, HYBRID, lower)),
+    ])
+    manager.cost = model(shapes=(ChunkShape(TOKENS, CHUNK), ChunkShape(TOKENS, CHUNK)))
+    try:
+        writer = ReqContext("writer")
+        keys = [key(i, g) for g in range(2) for i in range(chunks)]
+        assert manager.prepare_store(keys, writer) == keys
+        spec = manager.get_spec(keys)
+        assert isinstance(spec, CPULoadStoreSpec)
+        for k, slot in zip(keys, spec.slot_ids, strict=True):
+            region.view(int(slot))[:CHUNK] = conformance_payload(k[0], CHUNK)
+        manager.complete_store(keys, writer)
+        manager.wait_idle()
+        manager.reset_cache()
+        manager.on_reset_flushed()
+
+        ctx = ReqContext("r")
+        # vLLM records each key's end token as it makes the key.
+        ends = {key(i, g): (i + 1) * TOKENS for g in range(2) for i in range(chunks)}
+        ctx.key_position = ends.get
+        usable = None
+        for _ in range(3):  # deferred, promoted, landed
+            usable = vllm_lookup(manager, ctx, chunks)
+            manager.on_schedule_end(ScheduleEndContext())
+            manager.wait_idle()
+            if usable is not None:
+                break
+        assert usable == chunks * TOKENS
+        # Group 0's 24 chunks and group 1's window: nothing else was promoted.
+        assert manager.get_stats()["promotions"] == chunks + WINDOW
+    finally:
+        manager.shutdown()

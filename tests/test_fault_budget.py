@@ -3,16 +3,22 @@ root share one capacity, the least recently used namespace's chunks going first.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from kvtiers.config.tiers import FileTierConfig
+from kvtiers.core.manager import ScheduleEndContext
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
+from kvtiers.filemapper.scan import ScannedEntry
 from kvtiers.testing.conformance import conformance_key
-from tests.test_file_support import BLOB, offloading_config, open_tier
+from kvtiers.tiers.file import manager as file_manager
+from tests.test_file_support import BLOB, CTX, offloading_config, open_tier
 
 BUDGET = 4  # chunks
 
@@ -75,3 +81,102 @@ def test_a_namespace_opened_over_a_root_over_budget_trims_the_others(tmp_path: P
 def test_root_scope_needs_a_capacity() -> None:
     with pytest.raises(ConfigError, match="set a capacity"):
         FileTierConfig(name="file", root="/tmp/x", capacity_scope="root")
+
+
+def test_other_namespaces_chunks_that_cannot_be_unlinked_still_count(tmp_path: Path) -> None:
+    """A chunk of another namespace given up for room but whose unlink fails is still on
+    disk: its bytes must not count as freed, so this namespace's own chunks give way."""
+    old = open_tier(tmp_path, identity=identity("old"))
+    old.store(range(3))
+    old.close()
+    old_dir = old.manager.namespace_dir
+    tier = open_tier(tmp_path, capacity_chunks=BUDGET, identity=identity("new"),
+                     capacity_scope="root")
+    manager = tier.manager
+
+    def refuse(path: Path) -> None:
+        if old_dir in path.parents:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        os.unlink(path)
+
+    manager._deleter._unlink = refuse  # the deleter's test hook
+    try:
+        assert len(tier.store([100, 101])) == 2  # room from "old", whose unlinks fail
+        for _ in range(BUDGET + 1):
+            manager.wait_deletions()
+            manager.on_schedule_end(ScheduleEndContext())
+        manager.wait_deletions()
+        files = chunk_files(tmp_path)
+        assert files[old_dir.name] == 3
+        assert sum(files.values()) <= BUDGET, files
+        assert manager.get_stats()["usage_bytes"] == files[manager.namespace_dir.name] * BLOB
+    finally:
+        tier.close()
+
+
+@pytest.fixture
+def unreadable(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[Path]]:
+    """Directories (namespaces, or one of their fan-out directories) whose listing fails
+    with EACCES, as for a directory of another user (these tests run as root, where
+    permissions do not stop a read)."""
+    denied: set[Path] = set()
+    real_scan = file_manager.scan_namespace
+    real_stat = os.stat
+
+    def scan(directory: Path) -> Iterator[ScannedEntry]:
+        for item in real_scan(directory):
+            yield item
+            if Path(item.entry.path).parent in denied:
+                raise PermissionError(errno.EACCES, "Permission denied", item.entry.path)
+
+    def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        if Path(str(path)).parent in denied and Path(str(path)).name == "manifest.json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(file_manager, "scan_namespace", scan)
+    monkeypatch.setattr(file_manager.os, "stat", stat)
+    yield denied
+
+
+@pytest.mark.parametrize("where", ["namespace", "fan-out directory"])
+def test_a_namespace_the_root_budget_cannot_measure_is_named_in_a_warning(
+    tmp_path: Path, unreadable: set[Path], where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    old = open_tier(tmp_path, identity=identity("old"))
+    old.store(range(3))
+    old.close()
+    old_dir = old.manager.namespace_dir
+    if where == "namespace":
+        unreadable.add(old_dir)
+    else:
+        unreadable.update(path.parent for path in old_dir.glob("??/??/*.kvc"))
+    with caplog.at_level(logging.WARNING, logger="kvtiers.tiers.file.manager"):
+        tier = open_tier(tmp_path, capacity_chunks=BUDGET, identity=identity("new"),
+                         capacity_scope="root")
+    tier.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "could not measure" in warnings[0] and str(old_dir) in warnings[0], warnings
+
+
+def test_a_failed_store_under_an_evicted_chunks_name_leaves_no_file_behind(
+    tmp_path: Path,
+) -> None:
+    """A store of an evicted key cancels the old file's queued unlink (the name is reused);
+    if that store fails, the old file must still go: nothing indexes it."""
+    tier = open_tier(tmp_path, capacity_chunks=1)
+    manager = tier.manager
+    key0 = conformance_key(0)
+    try:
+        tier.store([0])
+        manager.deletions_gate.clear()
+        tier.store([1])  # evicts 0; its unlink waits behind the gate
+        assert manager.prepare_store([key0], CTX) == [key0]  # cancels it, evicts 1
+        manager.complete_store([key0], CTX, success=False)
+        manager.deletions_gate.set()
+        manager.wait_deletions()
+        assert not manager.mapper.path(key0).exists(), "an unindexed chunk file was left"
+        assert manager.get_stats()["chunks"] == 0
+    finally:
+        tier.close()

@@ -43,18 +43,18 @@ def key(i: int) -> OffloadKey:
 
 
 class Stack:
-    """A CPU primary of ``slots`` slots over a bytearray and in-memory lower tiers of
-    ``lower_chunks`` chunks (or one count per tier), one per write policy given (over
-    ``stores``, when given, which they index at start); ``handing``: tiers that can hand
-    their evictions over."""
+    """A CPU primary of ``slots`` slots (evicting by ``policy``) over a bytearray and
+    in-memory lower tiers of ``lower_chunks`` chunks (or one count per tier), one per
+    write policy given (over ``stores``, when given, which they index at start);
+    ``handing``: tiers that can hand their evictions over."""
 
     def __init__(
         self, *writes: WritePolicy, slots: int = 4,
         stores: list[MemoryObjectStore] | None = None,
-        lower_chunks: int | tuple[int, ...] = 64, handing: bool = False,
+        lower_chunks: int | tuple[int, ...] = 64, handing: bool = False, policy: str = "lru",
     ) -> None:
         self.region = BytearrayRegion(slots, GEOMETRY.slot_bytes)
-        self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy("lru")(slots))
+        self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy(policy)(slots))
         self.lower: list[MemoryObjectTier] = []
         self.movers: list[MemoryMover] = []
         tiers: list[BuiltTier] = [BuiltTier("cpu", self.primary, region=self.region)]
@@ -187,6 +187,63 @@ def test_frequency_admission_under_write_back(stacks: list[Stack]) -> None:
     stack.load(1)
     stack.step()  # both evicted to keep 2 free; only the loaded one is written
     assert stack.held(0) == {1}
+
+
+@pytest.mark.parametrize("policy", ["arc", "s3fifo"])
+def test_a_loaded_chunk_the_primary_keeps_long_is_written_back_when_it_goes(
+    stacks: list[Stack], policy: str
+) -> None:
+    """A frequency-keeping policy keeps a chunk loaded thrice while many more are stored
+    than the reference table holds (4 x 4 slots); its count must still be there when the
+    primary finally demotes it."""
+    stacks.append(stack := Stack(WritePolicy("back", after_hits=1), policy=policy))
+    stack.store(0)
+    stack.step()
+    for _ in range(3):
+        stack.load(0)
+    stack.step()
+    for i in range(100, 140):  # one-time prompts, far more than the table remembers
+        stack.store(i)
+        stack.step()
+    assert stack.primary.slot_of(key(0)) is not None, "the policy kept the loaded chunk"
+    for _ in range(6):  # a new working set, reused: the loaded chunk goes at last
+        for i in range(200, 206):
+            if stack.manager.lookup(key(i), CTX) is HIT:
+                stack.load(i)
+            elif stack.primary.slot_of(key(i)) is None and stack.primary.free_slots:
+                stack.store(i)
+            stack.step()
+    assert stack.primary.slot_of(key(0)) is None
+    assert 0 in stack.held(0), "a chunk loaded three times was dropped uncounted"
+
+
+def test_demotions_dropped_counts_only_chunks_a_back_tier_would_take_and_lacks(
+    stacks: list[Stack],
+) -> None:
+    """The primary evicting by itself (a store that needs more than the free room) drops a
+    chunk only if a write-back tier would have been written and does not hold it."""
+    stacks.append(stack := Stack(WritePolicy("back", after_hits=1), slots=2))
+    stack.store(0, 1)
+    stack.load(0)
+    stack.store(2, 3)  # no step: no free room was kept, the primary evicts 0 and 1 itself
+    assert stack.manager.get_stats()["demotions_dropped"] == 1, "1 was never referenced"
+
+
+def test_a_chunk_the_back_tier_still_holds_is_not_counted_dropped(stacks: list[Stack]) -> None:
+    stacks.append(back := Stack(WritePolicy("back"), slots=2))
+    back.store(0, 1)
+    back.step()  # 0 and 1 are demoted to keep 2 slots free
+    assert back.held(0) == {0, 1}
+    assert back.manager.lookup(key(0), ReqContext(req_id="p")) is PENDING
+    back.step()
+    assert back.load(0) == conformance_payload(0, CHUNK)  # promoted from mem0, still there
+    stats = back.manager.get_stats()
+    evictions, dropped = stats["cpu.evictions"], stats["demotions_dropped"]
+    back.store(4, 5)  # one slot free: the primary evicts 0 by itself
+    assert back.primary.slot_of(key(0)) is None and 0 in back.held(0)
+    stats = back.manager.get_stats()
+    assert stats["cpu.evictions"] == evictions + 1
+    assert stats["demotions_dropped"] == dropped, "a chunk mem0 still holds counted dropped"
 
 
 @pytest.mark.parametrize("promoted", [True, False])

@@ -449,3 +449,46 @@ def test_worker_in_its_own_process_attaches_to_the_shared_primary(
     assert os.path.exists(f"/dev/shm/{name}")  # the creator (the scheduler) still maps it
     manager.shutdown()
     assert not os.path.exists(f"/dev/shm/{name}")
+
+
+def test_a_requests_key_positions_are_the_end_tokens_vllm_recorded(tmp_path: Path) -> None:
+    """The cost model places chunks by where they end in the prompt: the contexts the
+    adapter hands the stack read vLLM's record, through the key map (group ids 0 and 2
+    are positions 0 and 1)."""
+    req = make_request(5, first_block=0)
+    vctx = ctx()
+    ends = {}
+    for g, group_keys in enumerate(req.keys):
+        for c, key in enumerate(group_keys):
+            ends[key] = (c + 1) * TOKENS_PER_BLOCK[g] * F
+            vctx.set_offload_key_position(key, ends[key])
+    keys = translate.KeyMap(GROUP_IDS)
+    ours = translate.kvtiers_context(vctx, keys)
+    assert ours.key_position is not None
+    for key, end in ends.items():
+        assert ours.key_position(keys.to_kvtiers(key)) == end
+    manager = OffloadingSpecFactory.create_spec(vllm_config(tmp_path / "kv")).get_manager()
+    seen: list[Any] = []
+    composite = manager.stack.manager
+    real_lookup, real_new = composite.lookup, composite.on_new_request
+
+    def lookup(key: Any, c: Any) -> Any:
+        seen.append(c)
+        return real_lookup(key, c)
+
+    def on_new_request(c: Any) -> Any:
+        seen.append(c)
+        return real_new(c)
+
+    composite.lookup = lookup
+    composite.on_new_request = on_new_request
+    try:
+        key = req.keys[1][1]
+        manager.lookup(key, vctx)  # not announced yet
+        manager.on_new_request(vctx)
+        manager.lookup(key, vctx)
+        assert len(seen) == 3
+        for c in seen:
+            assert c.key_position is not None and c.key_position(keys.to_kvtiers(key)) == ends[key]
+    finally:
+        manager.shutdown()

@@ -117,7 +117,9 @@ class LowerTierConfig(TierConfig):
     write_after_hits: Annotated[int, Range(0)] = 0
     """Frequency admission: write only chunks referenced at least this many times — loaded
     from the primary, or stored again after the primary lost them (0: every chunk). Under
-    write: through the chunk is written at the reference that reaches the count."""
+    write: through the chunk is written at the reference that reaches the count; under
+    write: back it is admitted then and written when the tier above evicts it (at once,
+    if that tier no longer holds it)."""
     write_promoted: bool = False
     """Also write chunks promoted from a tier below this one (an S3 hit lands in the
     primary and, with this, in this file tier too): under write: through when the
@@ -213,7 +215,8 @@ class FileTierConfig(LowerTierConfig):
     capacity_scope: Literal["namespace", "root"] = "namespace"
     """What ``capacity`` bounds: this namespace, or (``root``) every namespace under the
     root together, other namespaces' chunks going first, least recently used namespace
-    first."""
+    first (one that cannot be unlinked keeps counting; a directory that cannot be read is
+    named in a warning and counts against nothing)."""
     io: Literal["auto", "posix", "kvikio"] = "auto"
     """I/O path: posix (pread/pwrite), kvikio (GPUDirect Storage), or auto (kvikio only
     when a CUDA driver loads and a probe succeeds)."""

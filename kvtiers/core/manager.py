@@ -16,7 +16,7 @@ Lifecycle of a key in a tier::
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any, ClassVar, NamedTuple, TypeVar
@@ -75,6 +75,12 @@ class ReqContext:
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
     load_tier_filter: TierFilter = TierFilter.ALL
+    #: The end token of a key's chunk in this request's tokens, as the engine records it
+    #: (vLLM does for every key it asks about), or ``None`` when it records none: the cost
+    #: model places a request's chunks by it, since an engine may look a prefix up in any
+    #: order (vLLM scans a sliding-window group from its end). Without it a group's chunks
+    #: are taken to be asked for in prefix order.
+    key_position: Callable[[OffloadKey], int | None] | None = field(default=None, repr=False)
     #: Keys no store or promotion for this request may evict: the chunks of its prefix
     #: that its lookups found in the primary or promoted into it, kept until it loads them
     #: (``prepare_load``) or finishes. A prefix larger than the primary then stops at what

@@ -19,13 +19,17 @@ so the scheduler sees one manager.
   ``through`` and whose frequency admission it passes; the primary slot stays pinned
   while the mover reads it. ``after_hits`` N admits a chunk once it was referenced N
   times: loaded (``prepare_load``), or stored again after the primary lost it; a
-  ``through`` tier gets it at the reference that makes the count N.
+  ``through`` tier gets it at the reference that makes the count N. A ``back`` tier below
+  a handing tier is decided for then too: the handing tier keeps the mark with the chunk
+  (``want_evictions``) and hands over only marked chunks; one it no longer holds is
+  written down at once, from the primary.
 * **Demotion** (``back`` tiers): at the end of each step the composite keeps as many
   primary slots free as the primary reserved in its busiest recent step, by evicting
   chunks through ``evict_held``: the evicted chunks' slots stay held, and readable, while
   the ``back`` tiers' movers copy them out; a slot is released once every copy of it
   ended, succeeded or failed. A chunk the primary evicts by itself (a step that needed
-  more than the free room) is not written back: it is simply gone. That is the first
+  more than the free room) is not written back: it is simply gone (``demotions_dropped``
+  when a ``back`` tier would have taken it and does not hold it). That is the first
   hop, for ``back`` tiers whose nearest writing tier above is the primary (or a tier that
   cannot hand evictions over); below a tier that can (the file tier, a
   :class:`~kvtiers.stack.placement.HandingTier`) the *second hop* writes what that tier
@@ -95,6 +99,7 @@ from kvtiers.stack.placement import (
     HoldingPrimary,
     handing,
     holding,
+    holds,
 )
 from kvtiers.tiers.cpu.manager import SlotState
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
@@ -243,17 +248,30 @@ class TieredManager(OffloadingManager):
                     f"{tiers[0].name!r} cannot: use write: through",
                     path=f"tiers[{back[0].index}].write",
                 )
+        #: Hops whose ``back`` tier admits by count: the tier above keeps the decision
+        #: with the chunk (``want_evictions``) and hands over only the chunks it names.
+        self._wanting = [hop for hop in self._hops if hop.target.write.after_hits > 0]
         for hop in self._hops:
-            hop.source.hand_over_evictions()
+            hop.source.hand_over_evictions(wanted_only=hop in self._wanting)
         table = TABLE_CHUNKS_PER_SLOT * (region.num_slots if region is not None else 1)
+        holder = self._holder
+        # A first-hop back tier that admits by count reads a chunk's count when the
+        # primary evicts it, however long it stayed: the primary's chunks keep theirs.
+        keeps = None
+        if holder is not None and any(lo.write.after_hits > 0 for lo in self._back):
+            def keeps(key: OffloadKey) -> bool:
+                return holder.slot_state(key) is not SlotState.FREE
         #: References per key (frequency admission): loads from the primary, and stores
         #: of a key stored before.
-        self._loads = BoundedTable(table)
+        self._loads = BoundedTable(table, keeps)
         #: Key in the primary → position of the lower tier it was promoted from.
         self._promoted = BoundedTable(table)
         self._headroom = Headroom()
         #: Held slot → demotion copies of it not yet ended.
         self._held: dict[int, int] = {}
+        #: The primary's events taken out of turn (to see which chunks a store evicted),
+        #: handed out first by take_events.
+        self._primary_events: list[OffloadingEvent] = []
         #: Requests (by id: an adapter may hand a new context object per call) whose
         #: ``ctx.keep`` names keys: demotions never evict those.
         self._keepers: dict[str, ReqContext] = {}
@@ -387,11 +405,18 @@ class TieredManager(OffloadingManager):
     ) -> list[OffloadKey] | None:
         self._door(keys, ctx, "prepare_store")
         if self._back:
-            # The primary evicting by itself drops chunks a back tier never receives.
+            # The primary evicting by itself drops chunks a back tier never receives: its
+            # events name them (those from before this call are set aside first).
             assert self._holder is not None
             before = self._holder.evictions
+            self._primary_events.extend(self._primary.take_events())
             accepted = self._primary.prepare_store(keys, ctx)
-            self._stats["demotions_dropped"] += self._holder.evictions - before
+            if self._holder.evictions != before:
+                events = list(self._primary.take_events())
+                self._primary_events.extend(events)
+                self._count_dropped(
+                    [k for e in events if e.removed and not e.metadata_only for k in e.keys]
+                )
         else:
             accepted = self._primary.prepare_store(keys, ctx)
         if accepted:
@@ -428,21 +453,31 @@ class TieredManager(OffloadingManager):
             # slot: such a key is not stored, so it cascades nowhere.
             keys = self._stored(keys, ctx)
         loads = self._loads
+        counts = []
         for key in keys:
             # Stored anew: no longer a promoted copy; and stored again after the primary
             # lost it (it was computed anew): one more reference.
             self._promoted.pop(key)
             if self._counting:
-                loads.set(key, loads.get(key) + 1 if key in loads else 0)
+                count = loads.get(key) + 1 if key in loads else 0
+                loads.set(key, count)
+                counts.append(count)
         for lower in self._through:
             self._cascade(lower, keys, ctx)
+        if self._wanting:
+            self._want(keys, counts)
 
     def _admits(self, lower: _Lower, key: OffloadKey) -> bool:
         """Whether ``lower``'s write policy takes ``key`` (in the primary) now: referenced
         often enough, and not promoted from below ``lower`` unless it takes those."""
-        write = lower.write
-        if write.after_hits and self._loads.get(key) < write.after_hits:
+        after_hits = lower.write.after_hits
+        if after_hits and self._loads.get(key) < after_hits:
             return False
+        return self._takes_from_source(lower, key)
+
+    def _takes_from_source(self, lower: _Lower, key: OffloadKey) -> bool:
+        """Whether ``lower`` takes ``key`` as far as the tier it was promoted from goes."""
+        write = lower.write
         source = self._promoted.get(key, 0)
         if source == lower.index:
             # Promoted from this very tier, which may have evicted it since: a demotion
@@ -455,6 +490,43 @@ class TieredManager(OffloadingManager):
         admitted = [key for key in keys if self._admits(lower, key)]
         if admitted and lower.jobs.store(next(self._job_ids), admitted, ctx, None) is None:
             self._stats["cascades_refused"] += len(admitted)
+
+    def _want(self, keys: list[OffloadKey], counts: list[int]) -> None:
+        """``keys`` (in the primary, ready) were referenced ``counts`` times: those that
+        reach a counting hop's threshold are wanted below. The tier above keeps that with
+        the chunk and hands it over when it evicts it; a chunk it no longer holds (it
+        evicted it before it was wanted, or never took it) is written down now, from the
+        primary, its last copy."""
+        for hop in self._wanting:
+            after_hits = hop.target.write.after_hits
+            due = [key for key, count in zip(keys, counts, strict=True) if count >= after_hits]
+            if not due:
+                continue
+            target = hop.target
+            down = [key for key in hop.source.want_evictions(due)
+                    if self._takes_from_source(target, key) and not holds(target.manager, key)]
+            if down:
+                self._store_down(hop, down)
+
+    def _store_down(self, hop: _Hop, keys: list[OffloadKey]) -> None:
+        """Demote ``keys`` to ``hop``'s ``back`` tier from their own primary slots (pinned
+        while the copy reads them); a refusal is counted."""
+        accepted: list[OffloadKey] | None = None
+        try:
+            accepted = hop.target.jobs.store(next(self._job_ids), keys, _INTERNAL,
+                                             _Demotion(None, hop))
+        finally:
+            if accepted is None:
+                self._stats["demotions_refused"] += len(keys)
+
+    def _count_dropped(self, victims: list[OffloadKey]) -> None:
+        """The primary evicted ``victims`` by itself: count those a first-hop ``back``
+        tier would have been written and does not hold (``demotions_dropped``)."""
+        self._stats["demotions_dropped"] += sum(
+            1 for key in victims
+            if any(self._admits(lower, key) and not holds(lower.manager, key)
+                   for lower in self._back)
+        )
 
     # -- demotion -------------------------------------------------------------------
     def _demote(self) -> None:
@@ -479,7 +551,8 @@ class TieredManager(OffloadingManager):
             held[slot] = held.get(slot, 0) + 1
         try:
             for lower in self._back:
-                admitted = [key for key in victims if self._admits(lower, key)]
+                admitted = [key for key in victims if self._admits(lower, key)
+                            and not holds(lower.manager, key)]
                 if not admitted:
                     continue
                 slots = {key: victims[key] for key in admitted}
@@ -534,20 +607,17 @@ class TieredManager(OffloadingManager):
         holder = self._holder
         assert holder is not None, "a stack with a back tier holds primary slots"
         target = hop.target
-        admitted = [key for key in evicted if self._admits(target, key)]
+        # A counting tier's admission was decided when the count was reached: the tier
+        # above hands over only the chunks wanted then (see _want).
+        admitted = [key for key in evicted if self._takes_from_source(target, key)
+                    and not holds(target.manager, key)]
         ready = [key for key in admitted if holder.slot_state(key) is SlotState.READY]
         in_primary = set(ready)
         staged = [key for key in admitted if key not in in_primary]
         reading: list[OffloadKey] = []
         try:
             if ready:
-                accepted: list[OffloadKey] | None = None
-                try:
-                    accepted = target.jobs.store(next(self._job_ids), ready, _INTERNAL,
-                                                 _Demotion(None, hop))
-                finally:
-                    if accepted is None:
-                        self._stats["demotions_refused"] += len(ready)
+                self._store_down(hop, ready)
             if staged:
                 slots = self._stage_slots(len(staged))
                 self._stats["demotions_dropped"] += len(staged) - len(slots)
@@ -687,6 +757,8 @@ class TieredManager(OffloadingManager):
                    if count == lower.write.after_hits]
             if due:
                 self._cascade(lower, due, ctx)
+        if self._wanting:
+            self._want(keys, counts)
 
     def get_spec(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
         if self._closed:
@@ -721,7 +793,8 @@ class TieredManager(OffloadingManager):
             tier.manager.on_request_finished(ctx)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        events: list[OffloadingEvent] = list(self._primary.take_events())
+        events, self._primary_events = self._primary_events, []
+        events.extend(self._primary.take_events())
         for lower in self._lower:
             for event in lower.manager.take_events():
                 if event.ownership is None:

@@ -9,7 +9,9 @@ Two parts (the formula is in docs/architecture.md, "Cost-aware promotion"):
   file (``load_latency_s``, ``load_bytes_per_s``) while there is no history.
 * :class:`CostModel` — per request, a plan: the lookups of the step in which a request
   first meets a lower-tier hit record where each of its chunks is (primary, a lower tier,
-  nowhere) and answer ``HIT_PENDING`` for lower-tier hits without starting a promotion;
+  nowhere), at its place in the prompt (the end token the engine recorded for the key,
+  ``ReqContext.key_position``; first-seen order per group from an engine that records
+  none), and answer ``HIT_PENDING`` for lower-tier hits without starting a promotion;
   at its first lower-tier hit in a later scheduler step the model picks the usable
   prefix length (the *cut*, in tokens) that minimises time-to-first-token, and from then
   on a lower-tier hit is promoted only if its chunk starts before the cut (``MISS``
@@ -28,6 +30,7 @@ Everything runs on the scheduler thread; nothing here sleeps or reads a clock.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -128,10 +131,13 @@ class ChunkShape:
 
 @dataclass
 class _Plan:
-    """One request's lookups: each key's position in its group (first-seen order), where
-    its chunk was found, when the plan opened, and, once decided, the cut in tokens."""
+    """One request's lookups: each key's position in its group (its chunk's index in the
+    request's prefix), where its chunk was found, when the plan opened, and, once decided,
+    the cut in tokens. ``deadline_s``: the request's own deadline, read once."""
 
+    deadline_s: float | None = None
     position: dict[OffloadKey, int] = field(default_factory=dict)
+    # Per group, the next position in first-seen order (for keys the engine gave none).
     seen_per_group: dict[int, int] = field(default_factory=dict)
     # Key → the lower tier holding it, or None: in the primary (or arriving there).
     found: dict[OffloadKey, str | None] = field(default_factory=dict)
@@ -141,11 +147,25 @@ class _Plan:
     # lower-tier hit of a later step, when the whole prefix has been looked up.
     opened: int | None = None
 
-    def place(self, key: OffloadKey) -> None:
-        if key not in self.position:
-            group = _group(key)
-            self.position[key] = self.seen_per_group.get(group, 0)
-            self.seen_per_group[group] = self.position[key] + 1
+    def place(self, key: OffloadKey, ctx: ReqContext, shapes: Sequence[ChunkShape]) -> bool:
+        """Record ``key``'s position: from the end token the engine recorded for it
+        (``ctx.key_position``), or, from an engine that records none, the next in its
+        group's first-seen order. False, placing nothing, for a key an engine that records
+        positions gave none: its place in the prefix is unknown."""
+        if key in self.position:
+            return True
+        group = _group(key)
+        if ctx.key_position is not None:
+            end = ctx.key_position(key)
+            if type(end) is not int or end <= 0:
+                return False
+            # The chunk ending at token ``end`` (a partial tail ends inside its chunk).
+            self.position[key] = -(-end // shapes[group].tokens) - 1
+            return True
+        position = self.seen_per_group.get(group, 0)
+        self.position[key] = position
+        self.seen_per_group[group] = position + 1
+        return True
 
 
 @dataclass(frozen=True)
@@ -202,7 +222,8 @@ class CostModel:
         answer instead (``HIT_PENDING`` while the plan is being formed, ``MISS`` when the
         chunk lies past the cut)."""
         plan = self._plan(ctx)
-        plan.place(key)
+        if not plan.place(key, ctx, self.shapes):
+            return None  # not in the plan: promoted, as without a cost model
         was = plan.found.get(key, _MISSING)
         plan.found[key] = tier
         if plan.cut_tokens is None:
@@ -232,7 +253,8 @@ class CostModel:
         lower tier), else arriving in the primary; ``MISS`` and ``RETRY`` are nowhere,
         unless the key is a lower-tier hit a decided cut declined."""
         plan = self._plan(ctx)
-        plan.place(key)
+        if not plan.place(key, ctx, self.shapes):
+            return
         if result is LookupResult.HIT:
             plan.found[key] = None
         elif result is LookupResult.HIT_PENDING:
@@ -263,11 +285,11 @@ class CostModel:
                 oldest = next(iter(self._plans))
                 del self._plans[oldest]
                 self.decisions.pop(oldest, None)
-            plan = self._plans[ctx.req_id] = _Plan()
+            plan = self._plans[ctx.req_id] = _Plan(deadline_s=_deadline(ctx))
         return plan
 
     def _decide(self, ctx: ReqContext, plan: _Plan) -> None:
-        decision = self.decide(plan, deadline_s=_deadline(ctx))
+        decision = self.decide(plan, deadline_s=plan.deadline_s)
         plan.cut_tokens = decision.cut_tokens
         self.decisions[ctx.req_id] = decision
         self.stats["promotion_plans"] += 1
@@ -276,25 +298,28 @@ class CostModel:
         """The cut that minimises predicted time-to-first-token for ``plan``.
 
         Candidates are the ends of the request's found chunks, up to the shortest group's
-        run of found chunks. A cut of ``P`` tokens needs, in every group, each chunk that
-        starts before ``P``; its promotions take the longest of the lower tiers' predicted
-        job times for the bytes each must send (tiers copy in parallel), and it saves
-        ``P / prefill_tokens_per_s`` of prefill. The cut with the largest saving net of load
-        time wins (ties: the shorter cut, fewer bytes moved); a cut whose load time exceeds
-        ``deadline_s`` is not a candidate, nor is any longer one."""
-        runs: dict[int, list[object]] = {}
+        run of found chunks. A group's run starts at its first chunk looked up: the engine
+        did not ask for the chunks before it (they are in its own prefix cache, or before a
+        sliding window), so they cost nothing and limit nothing. A cut of ``P`` tokens
+        needs, in every group, each chunk of its run that starts before ``P``; its
+        promotions take the longest of the lower tiers' predicted job times for the bytes
+        each must send (tiers copy in parallel), and it saves ``P / prefill_tokens_per_s``
+        of prefill. The cut with the largest saving net of load time wins (ties: the
+        shorter cut, fewer bytes moved); a cut whose load time exceeds ``deadline_s`` is
+        not a candidate, nor is any longer one."""
+        runs: dict[int, dict[int, object]] = {}
         for key, position in plan.position.items():
-            run = runs.setdefault(_group(key), [])
-            run.extend([_MISSING] * (position + 1 - len(run)))
-            run[position] = plan.found.get(key, _MISSING)
+            runs.setdefault(_group(key), {})[position] = plan.found.get(key, _MISSING)
         # (start token, group, tier) of each chunk in every group's leading found run.
         chunks: list[tuple[int, int, str | None]] = []
         reach = math.inf
         for group, run in runs.items():
             tokens = self.shapes[group].tokens
-            length = run.index(_MISSING) if _MISSING in run else len(run)
-            reach = min(reach, length * tokens)
-            for position in range(length):
+            first = end = min(run)
+            while run.get(end, _MISSING) is not _MISSING:
+                end += 1
+            reach = min(reach, end * tokens)
+            for position in range(first, end):
                 tier = run[position]
                 assert tier is None or isinstance(tier, str)
                 chunks.append((position * tokens, group, tier))
@@ -334,12 +359,21 @@ def _group(key: OffloadKey) -> int:
 
 
 def _deadline(ctx: ReqContext) -> float | None:
+    """The request's ``kvtiers_promotion_deadline_s``: a finite number of seconds >= 0, or
+    ``None`` (absent, or anything else: ignored with a warning naming the request)."""
     params = ctx.kv_transfer_params
     if not params or DEADLINE_PARAM not in params:
         return None
     value = params[DEADLINE_PARAM]
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-        log.warning("request %s: kv_transfer_params[%r] must be a number of seconds >= 0, "
-                    "got %r; ignored", ctx.req_id, DEADLINE_PARAM, value)
+    seconds = math.nan
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        with contextlib.suppress(OverflowError):  # an integer beyond any float stays NaN
+            seconds = float(value)
+    if not 0 <= seconds < math.inf:
+        shown = repr(value)
+        if len(shown) > 40:
+            shown = f"{shown[:37]}..."
+        log.warning("request %s: kv_transfer_params[%r] must be a finite number of seconds "
+                    ">= 0, got %s; ignored", ctx.req_id, DEADLINE_PARAM, shown)
         return None
-    return float(value)
+    return seconds

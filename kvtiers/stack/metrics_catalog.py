@@ -56,8 +56,9 @@ _PROMOTIONS = ("Chunks copied up from a lower tier into the primary, by outcome 
                "failed, refused: no primary slot free, so the lookup missed).")
 _CASCADES = ("Chunks written through from the primary to lower tiers, by outcome (done, "
              "failed, refused: a lower tier had no room or admission said never).")
-_DEMOTIONS = ("Chunks the primary evicted and wrote to write-back lower tiers, by outcome "
-              "(done, failed, refused: a lower tier had no room).")
+_DEMOTIONS = ("Chunks evicted from a tier and written to the write-back tiers below it, by "
+              "outcome (done, failed, refused: a lower tier had no room, dropped: no copy "
+              "could be made before the chunk was gone).")
 
 STACK: Mapping[str, MetricSpec] = MappingProxyType({
     "hits": _c("kvtiers_stack_lookups", _LOOKUPS, result="hit"),

@@ -7,31 +7,41 @@ the chunks it evicts over instead of deleting them (:class:`HandingTier`, the se
 
 The tables are small and bounded, on the scheduler thread: no I/O, no threads. They
 forget their oldest entries beyond a limit, so memory stays bounded however many
-distinct chunks pass through; a forgotten count only delays a chunk's admission.
+distinct chunks pass through; the reference counts never forget a chunk the primary
+holds while a ``write: back`` tier below it admits by count, so a forgotten count only
+delays a chunk's admission. Below a handing tier the decision is kept with the chunk in
+that tier instead (:meth:`HandingTier.want_evictions`), however long it holds it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import OffloadingManager
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.tiers.cpu.manager import SlotState
+from kvtiers.tiers.index import ChunkIndex
 
 #: Steps over which the primary's demand for slots is remembered (see :class:`Headroom`).
 HEADROOM_STEPS = 8
 
 
 class BoundedTable:
-    """key → int, forgetting the entries set longest ago beyond ``limit`` entries."""
+    """key → int, forgetting the entries set longest ago beyond ``limit`` entries.
 
-    def __init__(self, limit: int) -> None:
+    ``keeps``: an entry it is true for is not forgotten but renewed (set again, as the
+    newest); it must be true for fewer than ``limit`` keys at a time (else the oldest
+    goes anyway). Each renewed entry is passed over for ``limit`` further entries, so a
+    ``set`` costs O(1) amortized."""
+
+    def __init__(self, limit: int, keeps: Callable[[OffloadKey], bool] | None = None) -> None:
         if limit < 1:
             raise ValueError(f"a bounded table needs a limit of at least 1, got {limit}")
         self.limit = limit
+        self._keeps = keeps
         self._values: dict[OffloadKey, int] = {}
 
     def get(self, key: OffloadKey, default: int = 0) -> int:
@@ -42,8 +52,16 @@ class BoundedTable:
         values = self._values
         values.pop(key, None)
         values[key] = value
-        if len(values) > self.limit:
-            del values[next(iter(values))]
+        if len(values) <= self.limit:
+            return
+        keeps = self._keeps
+        if keeps is not None:
+            for _ in range(len(values) - 1):
+                oldest = next(iter(values))
+                if not keeps(oldest):
+                    break
+                values[oldest] = values.pop(oldest)
+        del values[next(iter(values))]
 
     def add(self, keys: Iterable[OffloadKey]) -> list[int]:
         """Count one more for each key (each once however often named); the new counts,
@@ -122,15 +140,41 @@ class HandingTier(Protocol):
     step, :meth:`evicted_spec` addresses them for the tier's mover to read. A key stored
     into the tier again meanwhile is the tier's own again: releasing it deletes nothing.
     Keys the tier no longer holds for the caller are ignored by :meth:`release_evicted`;
-    ``shutdown`` deletes what was never released."""
+    ``shutdown`` deletes what was never released.
 
-    def hand_over_evictions(self) -> None: ...
+    With ``wanted_only`` only the chunks named to :meth:`want_evictions` since the tier
+    took them (stored, or being stored) are handed over; the others are deleted at
+    eviction as before. The mark lives with the chunk: it goes when the chunk leaves the
+    tier, and a key stored anew is unmarked."""
+
+    def hand_over_evictions(self, wanted_only: bool = False) -> None: ...
+
+    def want_evictions(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Mark the chunks of ``keys`` the tier holds (stored or being stored) to be
+        handed over at eviction; returns the others, which it does not hold."""
+        ...
 
     def take_evicted(self) -> list[OffloadKey]: ...
 
     def evicted_spec(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec: ...
 
     def release_evicted(self, keys: Iterable[OffloadKey]) -> None: ...
+
+
+@runtime_checkable
+class IndexedTier(Protocol):
+    """A lower tier whose bookkeeping is a :class:`~kvtiers.tiers.index.ChunkIndex` (the
+    file, object and reference tiers): what it holds can be asked without a lookup."""
+
+    @property
+    def index(self) -> ChunkIndex: ...
+
+
+def holds(manager: OffloadingManager, key: OffloadKey) -> bool:
+    """Whether ``manager`` holds ``key``, stored or being stored, as far as its own
+    bookkeeping knows (nothing is counted, nothing probed); ``False`` for a tier that
+    cannot say."""
+    return isinstance(manager, IndexedTier) and key in manager.index
 
 
 def handing(manager: OffloadingManager) -> HandingTier | None:

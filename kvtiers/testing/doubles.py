@@ -132,19 +132,37 @@ class MemoryObjectTier(InMemoryTier):
 class HandingMemoryTier(MemoryObjectTier):
     """A :class:`MemoryObjectTier` that can hand the chunks it evicts to the composite
     (:class:`~kvtiers.stack.placement.HandingTier`), as the file tier does: once asked, an
-    evicted chunk leaves the index at once but its object stays in the store until
-    :meth:`release_evicted`. ``handed`` names the objects kept for the caller."""
+    evicted chunk (every one, or with ``wanted_only`` each one marked by
+    :meth:`want_evictions`) leaves the index at once but its object stays in the store
+    until :meth:`release_evicted`. ``handed`` names the objects kept for the caller."""
 
     def __init__(
         self, capacity_chunks: int, store: MemoryObjectStore, *, persistent: bool = True
     ) -> None:
+        self._wanted: set[OffloadKey] = set()  # before the index is rebuilt
         super().__init__(capacity_chunks, store, persistent=persistent)
         self._handing = False
+        self._wanted_only = False
         self.handed: set[OffloadKey] = set()
         self._fresh: list[OffloadKey] = []
 
-    def hand_over_evictions(self) -> None:
+    def hand_over_evictions(self, wanted_only: bool = False) -> None:
         self._handing = True
+        self._wanted_only = wanted_only
+
+    def want_evictions(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        absent = []
+        for key in keys:
+            if key in self.index:
+                self._wanted.add(key)
+            else:
+                absent.append(key)
+        return absent
+
+    def _release(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
+        self._wanted.difference_update(keys)
+        super()._release(keys)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
@@ -154,10 +172,15 @@ class HandingMemoryTier(MemoryObjectTier):
         change = self.index.reserve(keys, 1)
         if change is None:
             return None
-        # The victims' slots go, their objects stay until released.
-        InMemoryTier._release(self, change.victims)
-        self.handed.update(change.victims)
-        self._fresh.extend(change.victims)
+        handed = [key for key in change.victims
+                  if not self._wanted_only or key in self._wanted]
+        kept = set(handed)
+        self._release(key for key in change.victims if key not in kept)
+        # The handed victims' slots go, their objects stay until released.
+        self._wanted.difference_update(handed)
+        InMemoryTier._release(self, handed)
+        self.handed.update(handed)
+        self._fresh.extend(handed)
         for key in change.keys:
             self.handed.discard(key)  # stored anew: the tier's own again
             self._slots[key] = self._free_slots.pop()

@@ -252,7 +252,7 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._requests.get(ctx.req_id)
-        return known.ctx if known is not None else kvtiers_context(ctx)
+        return known.ctx if known is not None else kvtiers_context(ctx, self._keys)
 
     def _spec(self, keys: Collection[OffloadKey], stamp: int = 0) -> KVTiersLoadStoreSpec:
         """The spec of ``keys``, just reserved or pinned by a call that passed the stack's
@@ -283,7 +283,7 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def lookup(self, key: Any, req_context: Any) -> Any:
         request = self._requests.get(req_context.req_id)
-        ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        ctx = request.ctx if request is not None else kvtiers_context(req_context, self._keys)
         ours = key if self._same_keys else self._keys.to_kvtiers(key)
         result = self._tiered.lookup(ours, ctx)
         if result is _HIT:
@@ -418,7 +418,7 @@ class KVTiersManager(vbase.OffloadingManager):
         return int(self._tiered.get_stats()["torn_chunks"])
 
     def on_new_request(self, req_context: Any) -> Any:
-        ctx = kvtiers_context(req_context)
+        ctx = kvtiers_context(req_context, self._keys)
         request = self._requests[req_context.req_id] = _Request(ctx)
         if self._one_call:
             self._found[req_context.req_id] = request.found

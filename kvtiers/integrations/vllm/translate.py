@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from vllm.v1.kv_offload import base as vbase
@@ -440,13 +440,25 @@ def _tier_filter(filter_: Any) -> TierFilter:
     )
 
 
-def kvtiers_context(ctx: Any) -> ReqContext:
-    """kvtiers' request context for vLLM's ``ReqContext`` ``ctx``."""
+def kvtiers_context(ctx: Any, keys: KeyMap | None = None) -> ReqContext:
+    """kvtiers' request context for vLLM's ``ReqContext`` ``ctx``. With ``keys`` (the key
+    map of the stack it is for) a key's position is the end token vLLM recorded for it."""
     return ReqContext(
         req_id=ctx.req_id,
         kv_transfer_params=ctx.kv_transfer_params,
         load_tier_filter=_tier_filter(ctx.load_tier_filter),
+        key_position=None if keys is None else _key_position(ctx, keys),
     )
+
+
+def _key_position(ctx: Any, keys: KeyMap) -> Callable[[OffloadKey], int | None] | None:
+    """vLLM's record of the end token of each key in ``ctx`` (0.32 and 0.33 keep one),
+    read with kvtiers' keys."""
+    position = getattr(ctx, "get_offload_key_position", None)
+    if position is None or keys.identity:
+        return position
+    to_vllm = keys.to_vllm
+    return lambda key: position(to_vllm(key))
 
 
 def vllm_request_context(ctx: RequestOffloadingContext) -> Any:

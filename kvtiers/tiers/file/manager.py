@@ -39,11 +39,15 @@ namespace first (by its newest chunk), oldest chunk first within one. Foreign by
 against the budget and go before this namespace's own chunks whenever room is needed:
 at start if the root is over budget, then by each ``prepare_store`` that needs room. The
 budget is settled by the namespaces that open; ones that keep writing meanwhile are
-trimmed when the next namespace opens.
+trimmed when the next namespace opens. A foreign chunk's bytes count as freed when its
+unlink is queued; one whose unlink fails counts again once the deleter says so (checked at
+each store and step end), and the tier comes back within the budget. A directory it cannot
+measure is named in one warning at start.
 
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
 one whose unlink is running makes that store return ``None`` (try again later), so the
 deleter can never remove a freshly published file and the scheduler never waits on it.
+If that store fails, the old file's eviction stands (unlinked, or handed over again).
 
 Above a ``write: back`` tier the composite calls :meth:`FileTierManager.hand_over_evictions`
 (docs/architecture.md, "Placement"): from then on every chunk evicted after start-up — by
@@ -52,7 +56,9 @@ at once but keeps its file until the composite has read it for the tier below an
 ``release_evicted`` (a full-disk episode's stores wait for those unlinks as for the
 others). Chunks beyond capacity at start-up are deleted as before: no composite holds the
 tier yet. A handed-over key stored again is the tier's own again, and releasing it deletes
-nothing; a probe never indexes a handed-over file.
+nothing; a probe never indexes a handed-over file. With ``wanted_only`` only the chunks
+marked by :meth:`FileTierManager.want_evictions` are handed over (a frequency-admitting
+tier below); the mark lives and dies with the index entry.
 """
 
 from __future__ import annotations
@@ -129,11 +135,12 @@ class _Deleter:
         # Queued unlinks per path; a cancelled path's count is dropped, so they skip it.
         self._pending: dict[Path, int] = {}
         self._running: Path | None = None
-        self._futures: list[Future[None]] = []
+        self._futures: list[Future[bool]] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter")
 
-    def delete(self, paths: Iterable[Path]) -> list[Future[None]]:
-        """Queue unlinks of ``paths``; their futures (done once each unlink ran)."""
+    def delete(self, paths: Iterable[Path]) -> list[Future[bool]]:
+        """Queue unlinks of ``paths``; their futures, done once each unlink ran: False when
+        the file could not be removed (it is still there), True otherwise."""
         paths = list(paths)
         with self._lock:
             for path in paths:
@@ -162,12 +169,12 @@ class _Deleter:
         self.gate.set()
         self._pool.shutdown(wait=True)
 
-    def _unlink_one(self, path: Path) -> None:
+    def _unlink_one(self, path: Path) -> bool:
         self.gate.wait()
         with self._lock:
             count = self._pending.get(path, 0)
             if not count:
-                return
+                return True  # cancelled: the name is reused
             if count == 1:
                 del self._pending[path]
             else:
@@ -180,9 +187,11 @@ class _Deleter:
             pass
         except OSError as exc:
             logger.warning("file tier: could not remove evicted chunk %s: %s", path, exc)
+            return False
         finally:
             with self._lock:
                 self._running = None
+        return True
 
 
 class _Prober:
@@ -238,21 +247,32 @@ class _Prober:
 
 class _Foreign:
     """Other namespaces' chunk files under the root, in the order they are given up:
-    least recently used namespace first, oldest chunk first within one."""
+    least recently used namespace first, oldest chunk first within one. ``unreadable``:
+    each directory under the root that could not be measured (in whole or in part), with
+    the error; their unmeasured chunks count against nothing."""
 
     def __init__(self, root: Path, own: str) -> None:
         self.usage = 0
         self._chunks: list[tuple[Path, int]] = []
+        self.unreadable: list[tuple[str, OSError]] = []
         namespaces = []
         try:
             with os.scandir(root) as it:
                 candidates = [e for e in it if e.name != own and e.is_dir(follow_symlinks=False)]
-        except OSError:
+        except OSError as exc:
+            self.unreadable.append((str(root), exc))
             candidates = []
         for entry in candidates:
-            if not os.path.isfile(os.path.join(entry.path, MANIFEST_NAME)):
+            try:
+                os.stat(os.path.join(entry.path, MANIFEST_NAME))
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # not a namespace
+            except OSError as exc:
+                self.unreadable.append((entry.path, exc))
                 continue
-            files = _chunk_files(entry.path)
+            files, error = _chunk_files(entry.path)
+            if error is not None:
+                self.unreadable.append((entry.path, error))
             newest = max((mtime for mtime, _, _ in files), default=0.0)
             namespaces.append((newest, entry.name, sorted(files)))
         for _, _, files in sorted(namespaces):
@@ -261,24 +281,25 @@ class _Foreign:
                 self.usage += size
         self._next = 0
 
-    def take(self, nbytes: int) -> tuple[list[Path], int]:
-        """The next chunks to give up, freeing at least ``nbytes`` (or all that are
-        left), and the bytes they free."""
-        paths = []
+    def take(self, nbytes: int) -> list[tuple[Path, int]]:
+        """The next chunks to give up, with their sizes, freeing at least ``nbytes`` (or
+        all that are left); their bytes no longer count in :attr:`usage`."""
+        taken = []
         freed = 0
         chunks = self._chunks
         while freed < nbytes and self._next < len(chunks):
             path, size = chunks[self._next]
             self._next += 1
-            paths.append(path)
+            taken.append((path, size))
             freed += size
         self.usage -= freed
-        return paths, freed
+        return taken
 
 
-def _chunk_files(namespace_dir: str) -> list[tuple[float, str, int]]:
-    """``(mtime, path, size)`` of the regular chunk files of one namespace directory (those
-    found before an unreadable directory, if one stops the walk)."""
+def _chunk_files(namespace_dir: str) -> tuple[list[tuple[float, str, int]], OSError | None]:
+    """``(mtime, path, size)`` of the regular chunk files of one namespace directory, and
+    the error of an unreadable directory that stopped the walk (the files are those found
+    before it), or ``None``."""
     found = []
     try:
         for item in scan_namespace(Path(namespace_dir)):
@@ -290,9 +311,9 @@ def _chunk_files(namespace_dir: str) -> list[tuple[float, str, int]]:
                 continue
             if stat.S_ISREG(st.st_mode):
                 found.append((st.st_mtime, item.entry.path, st.st_size))
-    except OSError:  # an unreadable directory: give up what was found so far
-        return found
-    return found
+    except OSError as exc:
+        return found, exc
+    return found, None
 
 
 class FileTierManager(OffloadingManager):
@@ -377,22 +398,30 @@ class FileTierManager(OffloadingManager):
         # Evictions handed to the composite (hand_over_evictions): key → its file, kept
         # until released, and the keys not yet taken; the full-disk episode's handed keys.
         self._handing = False
+        # With wanted_only: only the chunks marked by want_evictions (kept while indexed).
+        self._wanted_only = False
+        self._wanted: set[OffloadKey] = set()
         self._handed: dict[OffloadKey, Path] = {}
         self._fresh: list[OffloadKey] = []
         self._room_keys: set[OffloadKey] = set()
+        # Keys being stored whose evicted chunk's file was kept for the store to take its
+        # name: True for a handed-over one, False for one whose unlink was cancelled.
+        self._revived: dict[OffloadKey, bool] = {}
         self._prober = _Prober(mapper) if shared else None
         self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
         self._closed = False
         # The latch's episode this manager last made room for, and the unlinks of the
         # chunks it evicted then (stores wait for them before one tries again).
         self._room_for = 0
-        self._room_unlinks: list[Future[None]] = []
+        self._room_unlinks: list[Future[bool]] = []
+        # capacity_scope "root": the other namespaces' chunks, and the unlinks of those
+        # given up with the bytes each frees.
+        self._foreign: _Foreign | None = None
+        self._foreign_unlinks: list[tuple[Future[bool], int]] = []
         start = time.perf_counter()
         removed = self._rebuild(SHARED_TEMP_AGE_S if shared else 0.0)
-        self._foreign = (
+        if capacity_scope == "root" and capacity_bytes is not None:
             self._share_root(capacity_bytes)
-            if capacity_scope == "root" and capacity_bytes is not None else None
-        )
         self.rebuild_s = time.perf_counter() - start
         if removed:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
@@ -443,34 +472,80 @@ class FileTierManager(OffloadingManager):
         self._delete(self.index.add_ready((key, size) for _mtime, key, size in found).victims)
         return removed
 
-    def _share_root(self, capacity: int) -> _Foreign:
+    def _share_root(self, capacity: int) -> None:
         """Measure the other namespaces under the root, trim them to the shared budget
         and give this namespace's index what is left."""
         foreign = _Foreign(self.mapper.root, self.namespace_dir.name)
-        over = self.index.usage + foreign.usage - capacity
-        if over > 0:
-            paths, _ = foreign.take(over)
-            self._deleter.delete(paths)
-            logger.info(
-                "file tier %s: the root is over its shared capacity; removed %d chunks of "
-                "other namespaces, least recently used first", self.namespace_dir, len(paths),
+        if foreign.unreadable:
+            where, error = foreign.unreadable[0]
+            logger.warning(
+                "file tier %s: capacity_scope root could not measure %d director%s under "
+                "the root (%s: %s); chunks there count against no capacity and are never "
+                "removed: make them readable by this process, or remove them",
+                self.namespace_dir, len(foreign.unreadable),
+                "y" if len(foreign.unreadable) == 1 else "ies", where, error.strerror or error,
             )
+        self._foreign = foreign
+        over = self.index.usage + foreign.usage - capacity
         self.index.capacity = capacity - foreign.usage
-        return foreign
+        if over > 0:
+            count = self._give_up_foreign(over)
+            logger.info(
+                "file tier %s: the root is over its shared capacity; removing %d chunks of "
+                "other namespaces, least recently used first", self.namespace_dir, count,
+            )
+
+    def _give_up_foreign(self, nbytes: int) -> int:
+        """Unlink other namespaces' chunks freeing at least ``nbytes`` (or all that are
+        left), their bytes added to this namespace's share now; how many. An unlink that
+        fails takes its bytes back (:meth:`_keep_budget`)."""
+        assert self._foreign is not None and self.index.capacity is not None
+        taken = self._foreign.take(nbytes)
+        unlinks = self._deleter.delete(path for path, _ in taken)
+        for (_, size), unlink in zip(taken, unlinks, strict=True):
+            self._foreign_unlinks.append((unlink, size))
+            self.index.capacity += size
+        return len(taken)
+
+    def _keep_budget(self) -> None:
+        """Count the foreign chunks whose unlinks failed as there again (their bytes leave
+        this namespace's share) and come back within the budget: other namespaces'
+        chunks first, then this one's least recently used."""
+        failed = 0
+        running = []
+        for unlink, size in self._foreign_unlinks:
+            if not unlink.done():
+                running.append((unlink, size))
+            elif not unlink.result():
+                failed += size
+        self._foreign_unlinks = running
+        if not failed:
+            return
+        foreign = self._foreign
+        index = self.index
+        assert foreign is not None and index.capacity is not None
+        foreign.usage += failed
+        index.capacity -= failed
+        over = index.usage - index.capacity
+        if over > 0:
+            self._give_up_foreign(over)
+            over = index.usage - index.capacity
+        if over > 0:
+            self._delete(index.evict_lru(over))
 
     def _room_from_foreign(self, keys: Collection[OffloadKey]) -> None:
         """Give up other namespaces' chunks before this namespace's own for a store."""
-        foreign = self._foreign
-        if foreign is None or not foreign.usage:
+        if self._foreign is None:
+            return
+        self._keep_budget()
+        if not self._foreign.usage:
             return
         index = self.index
         assert index.capacity is not None
         need = len({key for key in keys if key not in index}) * self.reserve_bytes
         short = index.usage + need - index.capacity
         if short > 0:
-            paths, freed = foreign.take(short)
-            self._deleter.delete(paths)
-            index.capacity += freed
+            self._give_up_foreign(short)
 
     # -- the mover's side channel ---------------------------------------------------
     def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
@@ -491,7 +566,12 @@ class FileTierManager(OffloadingManager):
     def _drain_forgotten(self) -> None:
         reported = self._reports.drain()
         if reported:
-            self.index.discard(reported)
+            self._unwant(self.index.discard(reported))
+
+    def _unwant(self, gone: Iterable[OffloadKey]) -> None:
+        """These keys left the index otherwise than by eviction: their marks go too."""
+        if self._wanted:
+            self._wanted.difference_update(gone)
 
     # -- lookup ---------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -567,10 +647,16 @@ class FileTierManager(OffloadingManager):
             self._deleter.delete(cancelled)
             return None
         self._delete(change.victims)
+        if cancelled:
+            kept = set(cancelled)
+            for key in change.keys:
+                if path(key) in kept:
+                    self._revived[key] = False
         if self._handed:
             for key in change.keys:
                 # Stored anew: its name is the tier's again, never deleted at release.
-                self._handed.pop(key, None)
+                if self._handed.pop(key, None) is not None:
+                    self._revived[key] = True
         if self._probes is not None:
             for key in change.keys:
                 self._probes.stored(key)
@@ -587,13 +673,9 @@ class FileTierManager(OffloadingManager):
                     "file tier %s: the disk is full; evicted %d least recently used chunks "
                     "to make room", self.namespace_dir, len(victims),
                 )
-                if self._handing:
-                    self._delete(victims)
-                    self._room_keys = set(victims)
-                else:
-                    self._room_unlinks = self._deleter.delete(
-                        self.mapper.path(key) for key in victims
-                    )
+                self._room_unlinks = self._delete(victims)
+                # Handed over: their unlinks start when the composite releases them.
+                self._room_keys = {key for key in victims if key in self._handed}
         if self._room_keys:
             # Handed over: their unlinks start when the composite releases them.
             self._room_keys.intersection_update(self._handed)
@@ -606,21 +688,43 @@ class FileTierManager(OffloadingManager):
             space.retry_now()
         return space.admits()
 
-    def _delete(self, victims: list[OffloadKey]) -> None:
+    def _delete(self, victims: list[OffloadKey]) -> list[Future[bool]]:
+        """Evicted chunks' files: kept for the composite when it takes them over (all of
+        them, or the wanted ones), unlinked otherwise; the unlinks started."""
         if not victims:
-            return
+            return []
+        path = self.mapper.path
         if self._handing:
-            path = self.mapper.path
+            wanted = self._wanted
+            doomed = []
             for key in victims:
-                self._handed[key] = path(key)
-            self._fresh.extend(victims)
-        else:
-            self._deleter.delete(self.mapper.path(key) for key in victims)
+                if not self._wanted_only or key in wanted:
+                    self._handed[key] = path(key)
+                    self._fresh.append(key)
+                else:
+                    doomed.append(key)
+                wanted.discard(key)
+            victims = doomed
+        return self._deleter.delete(path(key) for key in victims)
 
     # -- evictions handed to the composite (stack.placement.HandingTier) --------------
-    def hand_over_evictions(self) -> None:
-        """From now on, keep evicted chunks' files for the composite (module docstring)."""
+    def hand_over_evictions(self, wanted_only: bool = False) -> None:
+        """From now on, keep evicted chunks' files for the composite (module docstring):
+        every one, or with ``wanted_only`` those marked by :meth:`want_evictions`."""
         self._handing = True
+        self._wanted_only = wanted_only
+
+    def want_evictions(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """Mark the chunks of ``keys`` the index holds to be handed over at eviction; the
+        keys it does not hold."""
+        index = self.index
+        absent = []
+        for key in keys:
+            if key in index:
+                self._wanted.add(key)
+            else:
+                absent.append(key)
+        return absent
 
     def take_evicted(self) -> list[OffloadKey]:
         """The chunks evicted since the last call whose files are kept for the caller."""
@@ -657,7 +761,23 @@ class FileTierManager(OffloadingManager):
         generation: int | None = None,
     ) -> None:
         # Persistent: a reset keeps every reservation, so every completion is current.
-        self.index.finish(keys, success)
+        done = self.index.finish(keys, success)
+        if not success:
+            self._unwant(done)
+        if not self._revived:
+            return
+        for key in done:
+            handed = self._revived.pop(key, None)
+            if handed is None or success:
+                continue
+            # The store that took over an evicted chunk's name failed: that chunk's file
+            # is still there, unindexed. Its eviction stands: handed over again, or
+            # unlinked as it was going to be.
+            if handed:
+                self._handed[key] = self.mapper.path(key)
+                self._fresh.append(key)
+            else:
+                self._deleter.delete([self.mapper.path(key)])
 
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
@@ -667,7 +787,7 @@ class FileTierManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
     ) -> None:
         self._drain_forgotten()
-        self.index.unpin(keys)
+        self._unwant(self.index.unpin(keys))
 
     def get_spec(self, keys: Collection[OffloadKey]) -> FileLoadStoreSpec:
         self.index.require_addressable(keys)
@@ -687,6 +807,8 @@ class FileTierManager(OffloadingManager):
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain_forgotten()
         self._flush_probes()
+        if self._foreign is not None:
+            self._keep_budget()
 
     def has_pending_work(self) -> bool:
         if self._prober is None or self._probes is None:
