@@ -173,6 +173,8 @@ class ChunkIndexMachine(RuleBasedStateMachine):
         if self.capacity is not None and self._usage() > self.capacity:
             victims = self._pick(self._usage() - self.capacity, set()) or self._evictable(set())
         assert self.index.add_ready(found) == IndexChange(added, victims)
+        if added:  # what the tier holds is announced, found or stored
+            self.events.append((added, False))
         self._evict(victims)
 
     @rule(keys=keys_st)

@@ -242,7 +242,9 @@ class ChunkIndex:
         """Index already-stored chunks ``(key, size)`` (a rebuild, oldest first, or probe
         hits) as ``READY`` and most recent, skipping keys already indexed; with a
         capacity, evict least recently used ``READY``, unpinned keys (the new ones too,
-        if need be) until ``usage`` is within it."""
+        if need be) until ``usage`` is within it. The added keys are announced stored
+        (one event), like a finished store: what a tier holds is announced however it
+        came to hold it."""
         entries = self._entries
         added = []
         for key, size in found:
@@ -252,6 +254,8 @@ class ChunkIndex:
             self.usage += size
             added.append(key)
         self.ready_count += len(added)
+        if added:
+            self._record(added, removed=False)
         victims: list[OffloadKey] = []
         capacity = self.capacity
         if capacity is not None and self.usage > capacity:
