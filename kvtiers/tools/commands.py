@@ -34,6 +34,7 @@ from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
+from kvtiers.tools.summary import summary_report
 
 DAY_S = 86400.0
 #: Text reports wrap at this many columns.
@@ -166,6 +167,9 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
             except _Malformed as exc:
                 lines = [f"  manifest: malformed ({exc}; every chunk here reads as a miss)"]
         chunks = census.chunks
+        summary, summary_line = summary_report(location, namespace)
+        if summary_line:
+            lines.append(summary_line)
         report.append({
             "namespace": namespace,
             "manifest": manifest,
@@ -176,6 +180,7 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
             "temp_files": len(census.temps),
             "other_files": len(census.other),
             "not_regular_files": len(census.irregular),
+            "summary": summary,
             "lines": lines,
         })
     if as_json:
