@@ -29,4 +29,6 @@ def build_tier(
         threads=config.threads, capacity_bytes=config.capacity, shared=config.shared,
         admission=config.admission,
         load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
+        list_interval_s=config.list_interval_s, list_max_chunks=config.list_max_chunks,
+        summary_interval_s=config.summary_interval_s,
     )
