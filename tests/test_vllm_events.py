@@ -149,3 +149,39 @@ def test_route1_spreads_a_large_announcement_over_steps_in_order(
             (vbase.Medium.STORAGE, "file")}
     finally:
         manager.shutdown()
+
+
+def test_route2_announces_other_servers_chunks_remote_whatever_its_locality(
+    tmp_path: Path,
+) -> None:
+    from tests.test_vllm_tiers import Primary, build, finished, job, keys, make_spec
+
+    spec = make_spec()
+    config = {"type": "KVTiersFileTier", "module_path": "kvtiers.integrations.vllm",
+              "root": str(tmp_path / "kv"), "io": "posix", "threads": 2, "shared": True}
+    reader = build({**config, "list_interval_s": 60, "locality": "LOCAL"}, Primary(), spec,
+                   enable_kv_events=True)
+    primary = Primary()
+    writer = build(config, primary, spec, enable_kv_events=True)
+    try:
+        ks = keys(3, 4)
+        for chunk in range(4):
+            primary.fill(chunk, seed=chunk)
+        writer.submit_store(job(1, ks, [0, 1, 2, 3], promotion=False))
+        assert [r.success for r in finished(writer)] == [True]
+        [own] = writer.take_events()
+        assert own.removal_expected and own.locality is vbase.Locality.LOCAL
+
+        assert list(reader.take_events()) == []
+        reader.manager.listing.list_soon()
+        reader.on_schedule_end(END)
+        reader.manager.listing.wait()
+        reader.on_schedule_end(END)
+        [event] = reader.take_events()
+        assert sorted(event.keys) == sorted(ks)  # vLLM's keys (group ids 0 and 3)
+        assert (event.removed, event.medium, event.locality, event.ownership) == (
+            False, vbase.Medium.STORAGE, vbase.Locality.REMOTE, "KVTiersFileTier")
+        assert event.removal_expected
+    finally:
+        writer.shutdown()
+        reader.shutdown()

@@ -176,6 +176,11 @@ class SharedListing:
                 self._removed_now = set()
                 self._running = self._pool.submit(self._run)
 
+    def list_soon(self) -> None:
+        """Start a listing at the next step (once none runs), whatever the interval: for
+        tools and tests; the interval counts from that listing on."""
+        self._last_start = self._clock() - self.interval_s
+
     @property
     def busy(self) -> bool:
         """Whether a listing runs or its keys are still being compared."""
