@@ -50,6 +50,20 @@ def test_a_reopened_file_tier_announces_the_chunks_it_found(tmp_path: Path) -> N
         reopened.close()
 
 
+def test_a_tier_reopened_over_capacity_announces_only_what_it_keeps(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    tier.store(range(5))
+    tier.close()
+    reopened = open_tier(tmp_path, capacity_chunks=3)
+    try:
+        [event] = reopened.manager.take_events()  # no store then removal of the other two
+        held = [k for k in (conformance_key(i) for i in range(5))
+                if reopened.manager.lookup(k, CTX) is LookupResult.HIT]
+        assert not event.removed and sorted(event.keys) == sorted(held) and len(held) == 3
+    finally:
+        reopened.close()
+
+
 def test_a_reopened_object_tier_announces_the_chunks_it_listed() -> None:
     url = f"memory://kvtiers-{uuid.uuid4().hex}/cache"
     config = offloading_config()

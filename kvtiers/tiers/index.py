@@ -242,9 +242,10 @@ class ChunkIndex:
         """Index already-stored chunks ``(key, size)`` (a rebuild, oldest first, or probe
         hits) as ``READY`` and most recent, skipping keys already indexed; with a
         capacity, evict least recently used ``READY``, unpinned keys (the new ones too,
-        if need be) until ``usage`` is within it. The added keys are announced stored
-        (one event), like a finished store: what a tier holds is announced however it
-        came to hold it."""
+        if need be) until ``usage`` is within it. What this leaves indexed of the added
+        keys is announced stored (one event), like a finished store: what a tier holds is
+        announced however it came to hold it; the evicted keys that were indexed before
+        are announced removed, those just added and evicted at once not at all."""
         entries = self._entries
         added = []
         for key, size in found:
@@ -254,8 +255,6 @@ class ChunkIndex:
             self.usage += size
             added.append(key)
         self.ready_count += len(added)
-        if added:
-            self._record(added, removed=False)
         victims: list[OffloadKey] = []
         capacity = self.capacity
         if capacity is not None and self.usage > capacity:
@@ -264,7 +263,17 @@ class ChunkIndex:
                 # Pinned and writing entries alone exceed capacity: evict what can go.
                 picked = [k for k, e in entries.items() if e.state is _READY and not e.pins]
             victims = picked
-            self._evict(victims)
+            for key in victims:
+                self._remove(key)
+            self._counters["evictions"] += len(victims)
+        gone = set(victims)
+        kept = [key for key in added if key not in gone] if gone else added
+        if kept:
+            self._record(kept, removed=False)
+        fresh = set(added)
+        announced = [key for key in victims if key not in fresh]
+        if announced:
+            self._record(announced, removed=True)
         return IndexChange(added, victims)
 
     def evict_lru(self, nbytes: int) -> list[OffloadKey]:
