@@ -26,7 +26,7 @@ Invariants, kept in step on every operation so that :meth:`ChunkIndex.stats` is 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, KeysView, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -102,6 +102,10 @@ class ChunkIndex:
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
+
+    def keys(self) -> KeysView[OffloadKey]:
+        """The indexed keys, being written included (a live, read-only view)."""
+        return self._entries.keys()
 
     def get(self, key: OffloadKey) -> ChunkEntry | None:
         """The entry of ``key`` (do not modify it), or ``None``."""

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
@@ -157,17 +157,18 @@ class SharedListing:
             self._events = []
         return out
 
-    def on_schedule_end(self, holds: Callable[[OffloadKey], bool]) -> None:
+    def on_schedule_end(self, held: Sequence[Container[OffloadKey]]) -> None:
         """Take in a finished listing, compare up to :data:`KEYS_PER_STEP` of its keys
-        with the index (``holds``: whether the index has the key, being written
-        included), and start the next listing when one is due."""
+        with what the tier holds (``held``: containers of the keys it has, being written
+        included; dicts or sets, tested with ``in``), and start the next listing when one
+        is due."""
         if self._closed:
             return
         if self._listing is None and self._running is not None and self._running.done():
             self._take(self._running)
             self._running = None
         if self._listing is not None:
-            self._compare(holds)
+            self._compare(held)
         if self._listing is None and self._running is None:
             now = self._clock()
             if now - self._last_start >= self.interval_s:
@@ -241,7 +242,7 @@ class SharedListing:
         self._pending = list(listing.keys)
         self._withdrawing = False
 
-    def _compare(self, holds: Callable[[OffloadKey], bool]) -> None:
+    def _compare(self, held: Sequence[Container[OffloadKey]]) -> None:
         listing = self._listing
         assert listing is not None
         budget = KEYS_PER_STEP
@@ -249,15 +250,19 @@ class SharedListing:
             batch = self._pending[-budget:]
             del self._pending[-budget:]
             budget -= len(batch)
-            announced = self.announced
-            skip_now, skip_before = self._removed_now, self._removed_before
-            fresh = [
-                key for key in batch
-                if key not in announced and key not in skip_now and key not in skip_before
-                and not holds(key)
-            ]
+            # Set differences first (the common case, a key already announced, costs no
+            # Python-level test), then what the tier holds.
+            candidates = set(batch)
+            candidates -= self.announced
+            candidates -= self._removed_now
+            candidates -= self._removed_before
+            for container in held:
+                if not candidates:
+                    break
+                candidates = {key for key in candidates if key not in container}
+            fresh = [key for key in batch if key in candidates]
             if fresh:
-                announced.update(fresh)
+                self.announced.update(fresh)
                 self._events.append(self._event(fresh, removed=False))
             if self._pending:
                 return

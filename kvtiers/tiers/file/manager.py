@@ -705,14 +705,10 @@ class FileTierManager(OffloadingManager):
         self._drain_forgotten()
         self._flush_probes()
         if self.listing is not None:
-            self.listing.on_schedule_end(self._holds)
+            # This tier's keys: indexed, or evicted and kept for the composite.
+            self.listing.on_schedule_end((self.index.keys(), self._handed))
 
     # -- the background listing (shared directories, kvtiers.tiers.listing) ----------
-    def _holds(self, key: OffloadKey) -> bool:
-        """Whether ``key``'s file is this tier's: indexed, or evicted and kept for the
-        composite."""
-        return key in self.index or key in self._handed
-
     def _listed_keys(self) -> Iterator[OffloadKey]:
         """The chunk files of the namespace (listing thread; names only, no ``stat``
         where the directory entry tells a regular file)."""

@@ -278,7 +278,8 @@ class ObjectTierManager(OffloadingManager):
         self._drain()
         self._background = [f for f in self._background if not f.done()]
         if self.listing is not None and not self._closed:
-            self.listing.on_schedule_end(self._holds)
+            # This tier's keys: indexed, or being deleted by it.
+            self.listing.on_schedule_end((self.index.keys(), self._deleting))
         if self._probes is None or self._closed:
             return
         batch = self._probes.take_batch()
@@ -303,10 +304,6 @@ class ObjectTierManager(OffloadingManager):
         return run
 
     # -- the background listing (shared namespaces, kvtiers.tiers.listing) -------------
-    def _holds(self, key: OffloadKey) -> bool:
-        """Whether ``key``'s object is this tier's: indexed, or being deleted by it."""
-        return key in self.index or key in self._deleting
-
     def _listed_keys(self) -> Iterator[OffloadKey]:
         """The chunk objects of the namespace (listing thread; one paginated listing)."""
         backend = self.backend
