@@ -99,8 +99,8 @@ def listing(namespace: Namespace, clock: Clock) -> Iterator[SharedListing]:
     shared.close()
 
 
-def list_once(listing: SharedListing, clock: Clock, held: set[OffloadKey] = frozenset()
-              ) -> list[OffloadingEvent]:
+def list_once(listing: SharedListing, clock: Clock,
+              held: frozenset[OffloadKey] = frozenset()) -> list[OffloadingEvent]:
     """One interval on: start a listing, wait for its thread, take it in; the events."""
     clock.now += INTERVAL_S
     listing.on_schedule_end((held,))
@@ -128,14 +128,14 @@ def test_chunks_the_index_lacks_are_announced_remote_and_withdrawn_when_gone(
     listing: SharedListing, namespace: Namespace, clock: Clock
 ) -> None:
     namespace.keys = keys(range(5))
-    events = list_once(listing, clock, held={conformance_key(0)})
+    events = list_once(listing, clock, held=frozenset({conformance_key(0)}))
     assert sorted(listed(events, removed=False)) == sorted(keys(range(1, 5)))
     assert all(e.locality is Locality.REMOTE and e.medium is Medium.STORAGE for e in events)
     assert listing.stats()["announced_chunks"] == 4
     # Listed again unchanged: nothing new. Two gone: withdrawn, once.
-    assert list_once(listing, clock, held={conformance_key(0)}) == []
+    assert list_once(listing, clock, held=frozenset({conformance_key(0)})) == []
     namespace.keys = keys([0, 1, 2])
-    events = list_once(listing, clock, held={conformance_key(0)})
+    events = list_once(listing, clock, held=frozenset({conformance_key(0)}))
     assert sorted(listed(events, removed=True)) == sorted(keys([3, 4]))
     assert listed(events, removed=False) == []
 

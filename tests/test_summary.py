@@ -63,7 +63,7 @@ def test_leading_counts_a_prefixs_chunks_up_to_the_first_absent_one() -> None:
 def test_an_empty_namespace_has_a_summary_that_holds_nothing() -> None:
     summary = NamespaceSummary.decode(NamespaceSummary.build([], namespace_digest=DIGEST).encode())
     assert summary.keys == 0 and summary.bits == 64
-    assert key(1) not in summary and "not bytes" not in summary  # type: ignore[operator]
+    assert key(1) not in summary and "not bytes" not in summary
 
 
 # -- the format -----------------------------------------------------------------------------
