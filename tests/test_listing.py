@@ -183,6 +183,25 @@ def test_an_incomplete_listing_announces_but_withdraws_nothing(
         shared.close()
 
 
+def test_a_complete_listing_withdraws_what_incomplete_ones_announced(
+    namespace: Namespace, clock: Clock
+) -> None:
+    shared = SharedListing(namespace.list, interval_s=INTERVAL_S, max_chunks=3,
+                           medium=Medium.STORAGE, where="test", clock=clock)
+    try:
+        namespace.keys = keys(range(3))
+        list_once(shared, clock)
+        namespace.keys = keys(range(10, 15))  # over the bound: incomplete
+        assert len(listed(list_once(shared, clock), removed=False)) == 3
+        before = set(shared.announced)  # chunks 0-2 and three of 10-14
+        namespace.keys = keys([11])  # complete again
+        events = list_once(shared, clock)
+        assert set(listed(events, removed=True)) == before - {conformance_key(11)}
+        assert shared.announced == {conformance_key(11)}
+    finally:
+        shared.close()
+
+
 def test_a_failing_listing_is_incomplete_and_tried_again_later(
     listing: SharedListing, namespace: Namespace, clock: Clock,
     caplog: pytest.LogCaptureFixture,
@@ -223,10 +242,18 @@ def test_each_step_compares_a_bounded_number_of_keys(
             shared.on_schedule_end((Held(),))
             compared.append(len(calls))
             announced.append(len(listed(shared.observe([]), removed=False)))
-        assert compared[:3] == [KEYS_PER_STEP, KEYS_PER_STEP, 5]
-        assert announced[:3] == [KEYS_PER_STEP, KEYS_PER_STEP, 5]
-        # Then the withdrawal pass over what is announced, as bounded: two steps more.
-        assert compared[3:] == [0, 0] and announced[3:] == [0, 0]
+        assert compared == [KEYS_PER_STEP, KEYS_PER_STEP, 5]
+        assert announced == [KEYS_PER_STEP, KEYS_PER_STEP, 5]
+        # Then all gone, in one listing: the withdrawals are as bounded per step.
+        namespace.keys = []
+        clock.now += INTERVAL_S
+        shared.on_schedule_end(())
+        shared.wait()
+        withdrawn = []
+        while shared.busy:
+            shared.on_schedule_end(())
+            withdrawn.append(len(listed(shared.observe([]), removed=True)))
+        assert withdrawn == [KEYS_PER_STEP, KEYS_PER_STEP, 5]
     finally:
         shared.close()
 

@@ -26,7 +26,10 @@ injected clock and only once the previous listing's results were taken in; a lis
 stops after ``max_chunks`` chunks (it is then incomplete: it announces what it found,
 withdraws nothing and writes no summary, and a warning says so once); the scheduler
 thread only polls for a finished listing and compares at most :data:`KEYS_PER_STEP` keys
-per :meth:`SharedListing.on_schedule_end`. It never lists, reads or writes itself.
+per :meth:`SharedListing.on_schedule_end`, first the listed keys, then the keys a
+complete listing no longer found (the listing thread works those out, against every key
+listed since the last complete listing). It never lists, reads or writes itself, nor
+walks a whole key set in one step.
 
 A chunk the index removed during the current listing or the one before is not announced
 by it: its file or object may have been listed just before this server's own delete
@@ -59,11 +62,15 @@ CLOSE_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class Listing:
-    """One listing of a namespace: the chunk keys it found, whether it saw the whole
-    namespace (no error, under the bound), when it began (wall clock, nanoseconds) and
-    how long it took; ``error`` says why an incomplete listing stopped early."""
+    """One listing of a namespace: the chunk keys it found (a set, and in an order to
+    compare them by), whether it saw the whole namespace (no error, under the bound),
+    when it began (wall clock, nanoseconds) and how long it took; ``gone``: the keys an
+    earlier listing found that this complete one did not (the only ones it may
+    withdraw); ``error`` says why an incomplete listing stopped early."""
 
     keys: frozenset[OffloadKey]
+    order: tuple[OffloadKey, ...]
+    gone: tuple[OffloadKey, ...]
     complete: bool
     started_ns: int
     seconds: float
@@ -115,8 +122,13 @@ class SharedListing:
         # The listing under way and the one whose keys are being compared.
         self._running: Future[Listing] | None = None
         self._listing: Listing | None = None
-        self._pending: list[OffloadKey] = []
-        self._withdrawing = False
+        # How far the listing being compared got: in its keys, in its gone keys.
+        self._position = 0
+        self._gone_position = 0
+        # Listing thread only: every key listed since the last complete listing (a
+        # superset of what is announced, so a complete listing's gone keys are found
+        # off the scheduler's thread).
+        self._since_complete: frozenset[OffloadKey] = frozenset()
         # The first listing waits one interval: at start the index was just rebuilt
         # from the namespace itself.
         self._last_start = clock()
@@ -239,16 +251,16 @@ class SharedListing:
                     self.where, self.max_chunks, self.max_chunks,
                 )
         self._listing = listing
-        self._pending = list(listing.keys)
-        self._withdrawing = False
+        self._position = self._gone_position = 0
 
     def _compare(self, held: Sequence[Container[OffloadKey]]) -> None:
         listing = self._listing
         assert listing is not None
         budget = KEYS_PER_STEP
-        if not self._withdrawing:
-            batch = self._pending[-budget:]
-            del self._pending[-budget:]
+        order = listing.order
+        if self._position < len(order):
+            batch = order[self._position : self._position + budget]
+            self._position += len(batch)
             budget -= len(batch)
             # Set differences first (the common case, a key already announced, costs no
             # Python-level test), then what the tier holds.
@@ -264,17 +276,17 @@ class SharedListing:
             if fresh:
                 self.announced.update(fresh)
                 self._events.append(self._event(fresh, removed=False))
-            if self._pending:
+            if self._position < len(order):
                 return
-            self._withdrawing = True
-            self._pending = list(self.announced) if listing.complete else []
-        batch = self._pending[-budget:] if budget else []
-        del self._pending[len(self._pending) - len(batch):]
-        gone = [key for key in batch if key not in listing.keys and key in self.announced]
-        if gone:
-            self.announced.difference_update(gone)
-            self._events.append(self._event(gone, removed=True))
-        if not self._pending:
+        gone_keys = listing.gone
+        if budget and self._gone_position < len(gone_keys):
+            batch = gone_keys[self._gone_position : self._gone_position + budget]
+            self._gone_position += len(batch)
+            gone = [key for key in batch if key in self.announced]
+            if gone:
+                self.announced.difference_update(gone)
+                self._events.append(self._event(gone, removed=True))
+        if self._gone_position >= len(gone_keys):
             self._listing = None
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
@@ -302,8 +314,15 @@ class SharedListing:
         except Exception as exc:  # an unreachable store is an incomplete listing, logged
             complete = False
             error = f"{type(exc).__name__}: {exc}"
-        listing = Listing(frozenset(found), complete, started_ns, time.perf_counter() - start,
-                          error)
+        keys = frozenset(found)
+        if complete:
+            gone = tuple(self._since_complete - keys)
+            self._since_complete = keys
+        else:
+            gone = ()
+            self._since_complete = self._since_complete | keys
+        listing = Listing(keys, tuple(found), gone, complete, started_ns,
+                          time.perf_counter() - start, error)
         if complete and self._summary is not None and not self._closed:
             try:
                 self._summary(listing)
