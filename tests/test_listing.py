@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,12 +29,14 @@ from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.testing.driver import TierDriver
 from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET, MotoServer
 from kvtiers.tiers import listing as listing_module
 from kvtiers.tiers.fsspec.store import FsspecStore
 from kvtiers.tiers.listing import KEYS_PER_STEP, SharedListing
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.manager import ObjectTierManager
 from kvtiers.tiers.object.mover import ObjectMover
+from kvtiers.tiers.object.store import ObjectStore
 from tests.test_file_support import CTX, IDENTITY, open_tier
 
 END = ScheduleEndContext()
@@ -347,15 +349,27 @@ def test_another_servers_chunks_on_a_shared_root_become_events_and_a_summary(
         reader.close()
 
 
-# -- and through an object tier (fsspec memory://) ------------------------------------------
-def test_another_servers_objects_become_events_and_a_summary(clock: Clock) -> None:
-    url = f"memory://kvtiers-{uuid.uuid4().hex}/cache"
+# -- and through an object tier (fsspec memory://, S3 on moto) -------------------------------
+@pytest.fixture(params=["memory", "s3"])
+def object_store(request: pytest.FixtureRequest) -> Callable[[], ObjectStore]:
+    if request.param == "memory":
+        url = f"memory://kvtiers-{uuid.uuid4().hex}/cache"
+        return lambda: FsspecStore(url)
+    from kvtiers.tiers.s3.store import S3Store
+
+    endpoint: MotoServer = request.getfixturevalue("s3_endpoint")
+    return lambda: S3Store(BUCKET, region="us-east-1", endpoint_url=endpoint.endpoint_url)
+
+
+def test_another_servers_objects_become_events_and_a_summary(
+    clock: Clock, object_store: Callable[[], ObjectStore]
+) -> None:
     config = offloading_config()
     identity = NamespaceIdentity.from_config(config)
     geometry = ChunkGeometry.from_config(config)
 
     def manager(**listing: object) -> ObjectTierManager:
-        backend = ObjectBackend(FsspecStore(url), identity, threads=2)
+        backend = ObjectBackend(object_store(), identity, prefix="kv", threads=2)
         return ObjectTierManager(backend, max_chunk_bytes=geometry.max_chunk_bytes,
                                  shared=True, clock=clock, **listing)  # type: ignore[arg-type]
 
