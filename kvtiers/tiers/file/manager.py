@@ -18,7 +18,9 @@ Invariants:
   returns ``None`` and changes nothing;
 - the scheduler thread never does file I/O: evicted files are unlinked on a one-thread
   deleter executor (dropped from the index at once), shared-directory existence probes
-  run as batches on a one-thread probe executor, and movers report corrupt or vanished
+  run as batches on a one-thread probe executor, a shared directory's background listing
+  (``list_interval_s``, :mod:`kvtiers.tiers.listing`) and its summary run on a thread of
+  their own, and movers report corrupt or vanished
   chunks through :meth:`forget`, a thread-safe queue drained on the next
   scheduler-thread call;
 - a key whose load failed otherwise is a ``MISS`` while its
@@ -318,7 +320,8 @@ class FileTierManager(OffloadingManager):
     (failed loads reported by movers), ``unreadable_chunks`` (keys forgotten after lasting
     load failures), ``backing_off`` (keys with a failure record), ``probes`` and
     ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
-    codes; the name is in :attr:`io_backend_name`).
+    codes; the name is in :attr:`io_backend_name`); with ``list_interval_s`` also the
+    listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)

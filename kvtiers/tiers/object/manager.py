@@ -19,7 +19,8 @@ namespaces other engines write into: an index miss is booked in a
 :class:`~kvtiers.tiers.probe.ProbeBook` for a batched existence probe (sent in
 :meth:`on_schedule_end`) and answers ``RETRY`` until it resolves to ``HIT`` or ``MISS``;
 negative answers are remembered for ``negative_ttl_s`` so a cold key is not probed every
-step.
+step. With ``list_interval_s`` the namespace is also listed in the background, on a
+thread of its own, to announce what other engines published (:mod:`kvtiers.tiers.listing`).
 
 A key whose load failed (the mover's ``load_failed``) is a ``MISS`` while its
 :class:`~kvtiers.tiers.backoff.LoadBackoff` says so and is forgotten after lasting
@@ -71,7 +72,8 @@ class ObjectTierManager(OffloadingManager):
     ``vanished_chunks`` (reported missing), ``chunks``, ``usage_bytes``,
     ``capacity_bytes`` (0 when unbounded), ``corrupt_chunks``, ``retries``,
     ``load_failures``, ``unreadable_chunks`` and ``backing_off`` (see
-    :mod:`kvtiers.tiers.backoff`).
+    :mod:`kvtiers.tiers.backoff`); with ``list_interval_s`` also the listing's
+    (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
