@@ -251,7 +251,7 @@ def test_each_step_compares_a_bounded_number_of_keys(
         clock.now += INTERVAL_S
         shared.on_schedule_end(())
         shared.wait()
-        withdrawn = []
+        withdrawn: list[int] = []
         while shared.busy:
             shared.on_schedule_end(())
             withdrawn.append(len(listed(shared.observe([]), removed=True)))
