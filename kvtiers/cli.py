@@ -268,6 +268,35 @@ def _run_diff(args: argparse.Namespace) -> int:
         location.close()
 
 
+def _configure_has(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Ask a namespace's summary (a Bloom filter of its chunk keys, which a shared tier "
+        "with list_interval_s and summary_interval_s keeps beside the manifest) whether "
+        "the store holds chunks, without listing it. Exit status 0 when every key is "
+        "present, 1 when one is absent or there is no readable summary. A present answer "
+        "is wrong for about 0.82% of keys never stored; an absent one is never wrong for a "
+        "chunk that was there when the summary was made."
+    )
+    _add_location(parser)
+    parser.add_argument("namespace", metavar="NAMESPACE",
+                        help="the namespace (kvtiers inspect lists them)")
+    parser.add_argument("keys", nargs="+", metavar="KEY",
+                        help="chunk keys, a prefix's in token order: each chunk's file name "
+                        "(<hash hex>_g<group>) or the key's bytes in hex")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of text")
+
+
+def _run_has(args: argparse.Namespace) -> int:
+    from kvtiers.tools.summary import has
+
+    location = _open(args)
+    try:
+        return has(location, args.namespace, args.keys, sys.stdout, as_json=args.json)
+    finally:
+        location.close()
+
+
 COMMANDS: tuple[Command, ...] = (
     Command(
         name="demo",
@@ -305,6 +334,12 @@ COMMANDS: tuple[Command, ...] = (
         help="name the identity fields that differ between two namespaces (why a cache missed)",
         configure=_configure_diff,
         run=_run_diff,
+    ),
+    Command(
+        name="has",
+        help="ask a namespace's summary whether the store holds a prefix's chunks",
+        configure=_configure_has,
+        run=_run_has,
     ),
     Command(
         name="validate",

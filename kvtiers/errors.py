@@ -67,6 +67,16 @@ class CorruptChunkError(KVTiersError):
         super().__init__(f"corrupt chunk: {check} check failed{suffix}")
 
 
+class SummaryError(KVTiersError):
+    """A namespace summary failed verification; ``check`` names the check that failed."""
+
+    def __init__(self, check: str, detail: str = "") -> None:
+        self.check = check
+        self.detail = detail
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(f"unreadable namespace summary: {check} check failed{suffix}")
+
+
 class UnknownKeyError(KVTiersError, KeyError):
     """A key is not in the state an operation needs (e.g. ``get_spec`` of an unpinned key)."""
 

@@ -173,7 +173,18 @@ class ChunkIndexMachine(RuleBasedStateMachine):
         if self.capacity is not None and self._usage() > self.capacity:
             victims = self._pick(self._usage() - self.capacity, set()) or self._evictable(set())
         assert self.index.add_ready(found) == IndexChange(added, victims)
-        self._evict(victims)
+        # What the tier holds is announced, found or stored; a key found and evicted at
+        # once is neither announced nor withdrawn.
+        kept = [key for key in added if key not in victims]
+        if kept:
+            self.events.append((kept, False))
+        for key in victims:
+            self._remove(key)
+        if victims:
+            self.counters["evictions"] += len(victims)
+        earlier = [key for key in victims if key not in added]
+        if earlier:
+            self.events.append((earlier, True))
 
     @rule(keys=keys_st)
     def discard(self, keys: list[OffloadKey]) -> None:

@@ -711,6 +711,26 @@ BAD_STACKS = [
         "",
         "the top level must be a mapping",
     ),
+    (
+        "listing-without-shared",
+        f"tiers:\n{CPU}  - kind: s3\n    bucket: kv-cache\n    list_interval_s: 60  # <-\n",
+        "tiers[1].list_interval_s",
+        "set shared: true as well, or remove list_interval_s",
+    ),
+    (
+        "summary-without-listing",
+        f"tiers:\n{CPU}  - kind: file\n    root: /d\n    shared: true\n"
+        "    summary_interval_s: 300  # <-\n",
+        "tiers[1].summary_interval_s",
+        "set list_interval_s as well",
+    ),
+    (
+        "listing-too-often",
+        f"tiers:\n{CPU}  - kind: fsspec\n    url: memory://kv\n    shared: true\n"
+        "    list_interval_s: 0.1  # <-\n",
+        "tiers[1].list_interval_s",
+        "at least 1",
+    ),
     ("scalar-top-level", "just words  # <-\n", "", "the top level must be a mapping"),
     ("unknown-top-level-key", f"teirs:  # <-\n{CPU}", "teirs", "did you mean 'tiers'"),
     ("missing-tiers", "model:  # <-\n  name: m\n", "tiers", "missing required key 'tiers'"),

@@ -40,6 +40,9 @@ DEFAULT_OP_DEADLINE_S = 30.0
 #: :mod:`kvtiers.tiers.backoff`'s defaults).
 DEFAULT_LOAD_BACKOFF_S = 1.0
 DEFAULT_LOAD_BACKOFF_MAX_S = 60.0
+#: Default ``list_max_chunks`` (kept equal to
+#: :data:`kvtiers.tiers.listing.DEFAULT_LIST_MAX_CHUNKS`).
+DEFAULT_LIST_MAX_CHUNKS = 1_000_000
 
 SIMPLE_NAME = Matches(r"[A-Za-z0-9._-]+", "a simple name of letters, digits, '.', '_' and '-'")
 # A /dev/shm file name: no leading dot (the region's temp names start with one), short.
@@ -63,6 +66,24 @@ def _check_codec(codec: str) -> None:
     problem = codec_problem(codec)
     if problem is not None:
         raise ConfigError(problem, path="codec")
+
+
+def _check_listing(config: LowerTierConfig, shared: bool) -> None:
+    """The background listing of a shared namespace (docs/sharing.md, "Announcing other
+    servers' chunks"): only over a shared namespace, and the summary only after listings."""
+    if config.list_interval_s is not None and not shared:
+        raise ConfigError(
+            "list_interval_s lists a namespace other servers write into, to announce their "
+            "chunks; set shared: true as well, or remove list_interval_s",
+            path="list_interval_s",
+        )
+    if config.summary_interval_s is not None and config.list_interval_s is None:
+        raise ConfigError(
+            "the namespace summary is rebuilt from the background listing; set "
+            "list_interval_s as well (for example list_interval_s: 60), or remove "
+            "summary_interval_s",
+            path="summary_interval_s",
+        )
 
 
 def _check_load_backoff(base_s: float, max_s: float) -> None:
@@ -131,6 +152,17 @@ class LowerTierConfig(TierConfig):
     load_bytes_per_s: Size | None = None
     """Expected promotion bandwidth of this lower tier, a size per second (``50MB``):
     seeds the cost model with ``load_latency_s``."""
+    list_interval_s: Annotated[float, Range(1)] | None = None
+    """With ``shared: true``: list the namespace in the background at most this often and
+    announce the chunks other servers published there (and those that vanished) as KV
+    events with locality REMOTE (docs/sharing.md, docs/vllm.md). Unset: no listing."""
+    list_max_chunks: Annotated[int, Range(1)] = DEFAULT_LIST_MAX_CHUNKS
+    """A listing stops after this many chunks (it then withdraws nothing and writes no
+    summary): bounds its memory and time (docs/sharing.md gives the cost per chunk)."""
+    summary_interval_s: Annotated[float, Range(1)] | None = None
+    """With ``list_interval_s``: after a complete listing, republish the namespace summary
+    (a Bloom filter of its chunk keys beside the manifest, docs/on-disk-format.md) at most
+    this often. Unset: no summary."""
 
 
 #: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
@@ -266,6 +298,7 @@ class FileTierConfig(LowerTierConfig):
 
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        _check_listing(self, self.shared)
         if self.capacity_scope == "root" and self.capacity is None:
             raise ConfigError(
                 "capacity_scope: root shares the tier's capacity among the root's "
@@ -522,6 +555,7 @@ class S3TierConfig(LowerTierConfig):
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
         _check_codec(self.codec)
+        _check_listing(self, self.shared)
         if self.endpoint_url == "embedded":
             missing = missing_modules(EMBEDDED_SERVER_MODULES)
             if missing:
@@ -592,6 +626,7 @@ class FsspecTierConfig(LowerTierConfig):
     def _check(self) -> None:
         _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
         _check_codec(self.codec)
+        _check_listing(self, self.shared)
         problem = _fsspec_root_problem(self.url) or _fsspec_protocol_problem(self.url)
         if problem is not None:
             raise ConfigError(problem, path="url")

@@ -146,6 +146,9 @@ class OffloadingEvent:
     # A removal of bookkeeping only (a reservation freed after a failed store or
     # promotion): the keys were never announced as stored, so nothing was evicted.
     metadata_only: bool = False
+    # Announced by a background listing of a shared namespace: chunks another server
+    # published (stored) or that vanished from it (removed), not this tier's own.
+    listed: bool = False
 
 
 @dataclass(frozen=True)

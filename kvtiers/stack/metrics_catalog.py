@@ -91,6 +91,9 @@ STACK: Mapping[str, MetricSpec] = MappingProxyType({
 """The composite's own stats (no ``tier.`` prefix)."""
 
 _TIER_LOOKUPS = "Lookups this tier answered, by result."
+_LISTINGS = ("Background listings of a shared namespace, by outcome (complete; incomplete: "
+             "stopped at list_max_chunks or by an error).")
+_SUMMARIES = "Namespace summaries republished after a listing, by outcome (written, failed)."
 _STORES = "Chunks this tier finished storing, by outcome (done, failed)."
 
 TIER: Mapping[str, MetricSpec] = MappingProxyType({
@@ -143,6 +146,16 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
     "capacity_bytes": _g("kvtiers_tier_capacity_bytes",
                          "Configured capacity in bytes (0: bounded only by the medium)."),
     "capacity_chunks": _g("kvtiers_tier_capacity_chunks", "Capacity in chunks."),
+    "listings": _c("kvtiers_tier_listings", _LISTINGS, outcome="complete"),
+    "listings_incomplete": _c("kvtiers_tier_listings", _LISTINGS, outcome="incomplete"),
+    "listed_chunks": _g("kvtiers_tier_listed_chunks",
+                        "Chunks the last background listing of the namespace found."),
+    "listing_s": _g("kvtiers_tier_listing_seconds",
+                    "Seconds the last background listing of the namespace took."),
+    "announced_chunks": _g("kvtiers_tier_announced_chunks",
+                           "Chunks other servers published that listings announced (live)."),
+    "summaries": _c("kvtiers_tier_summaries", _SUMMARIES, outcome="written"),
+    "summary_failures": _c("kvtiers_tier_summaries", _SUMMARIES, outcome="failed"),
     "io_backend": MetricSpec("kvtiers_tier_io", "info",
                              "The I/O path the file tier uses (label backend)."),
 })

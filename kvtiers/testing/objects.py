@@ -90,6 +90,13 @@ class ObjectStoreConformance:
         assert not store.put_if_absent(name, [b"second, longer"])
         assert store.read(name, 100) == b"first"
 
+    def test_a_put_replaces_the_object_whole(self, store: ObjectStore, prefix: str) -> None:
+        name = f"{prefix}/summary"
+        store.put(name, [b"first, the longer one"])
+        store.put(name, [b"sec", memoryview(b"ond")])
+        assert store.read(name, 100) == b"second"
+        assert [info.name for info in store.list(f"{prefix}/")] == [name]
+
     def test_racing_puts_store_exactly_one(self, store: ObjectStore, prefix: str) -> None:
         name = f"{prefix}/raced"
         writers = 4

@@ -26,7 +26,7 @@ Invariants, kept in step on every operation so that :meth:`ChunkIndex.stats` is 
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, KeysView, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -102,6 +102,10 @@ class ChunkIndex:
 
     def __contains__(self, key: object) -> bool:
         return key in self._entries
+
+    def keys(self) -> KeysView[OffloadKey]:
+        """The indexed keys, being written included (a live, read-only view)."""
+        return self._entries.keys()
 
     def get(self, key: OffloadKey) -> ChunkEntry | None:
         """The entry of ``key`` (do not modify it), or ``None``."""
@@ -242,7 +246,10 @@ class ChunkIndex:
         """Index already-stored chunks ``(key, size)`` (a rebuild, oldest first, or probe
         hits) as ``READY`` and most recent, skipping keys already indexed; with a
         capacity, evict least recently used ``READY``, unpinned keys (the new ones too,
-        if need be) until ``usage`` is within it."""
+        if need be) until ``usage`` is within it. What this leaves indexed of the added
+        keys is announced stored (one event), like a finished store: what a tier holds is
+        announced however it came to hold it; the evicted keys that were indexed before
+        are announced removed, those just added and evicted at once not at all."""
         entries = self._entries
         added = []
         for key, size in found:
@@ -260,7 +267,17 @@ class ChunkIndex:
                 # Pinned and writing entries alone exceed capacity: evict what can go.
                 picked = [k for k, e in entries.items() if e.state is _READY and not e.pins]
             victims = picked
-            self._evict(victims)
+            for key in victims:
+                self._remove(key)
+            self._counters["evictions"] += len(victims)
+        gone = set(victims)
+        kept = [key for key in added if key not in gone] if gone else added
+        if kept:
+            self._record(kept, removed=False)
+        fresh = set(added)
+        announced = [key for key in victims if key not in fresh]
+        if announced:
+            self._record(announced, removed=True)
         return IndexChange(added, victims)
 
     def evict_lru(self, nbytes: int) -> list[OffloadKey]:

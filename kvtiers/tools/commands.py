@@ -37,6 +37,7 @@ from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
+from kvtiers.tools.summary import summary_report
 from kvtiers.tools.text import say
 
 DAY_S = 86400.0
@@ -163,6 +164,9 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
             except _Malformed as exc:
                 lines = [f"  manifest: malformed ({exc}; every chunk here reads as a miss)"]
         chunks = census.chunks
+        summary, summary_line = summary_report(location, namespace)
+        if summary_line:
+            lines.append(summary_line)
         report.append({
             "namespace": namespace,
             "manifest": manifest,
@@ -173,6 +177,7 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
             "temp_files": len(census.temps),
             "other_files": len(census.other),
             "not_regular_files": len(census.irregular),
+            "summary": summary,
             "lines": lines,
         })
     if as_json:

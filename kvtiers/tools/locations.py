@@ -34,6 +34,7 @@ from kvtiers.core.publish import ensure_dir, is_temp_name
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import MANIFEST_NAME, QUARANTINE_DIR
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
+from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.object.local import LocalStore
 from kvtiers.tiers.object.store import ObjectInfo, ObjectMissing, ObjectStore
 
@@ -80,12 +81,13 @@ class Location(ABC):
         return sorted(found)
 
     def entries(self, namespace: str) -> Iterator[Entry]:
-        """Every entry of ``namespace`` except its manifest and its quarantine."""
-        skip = f"{namespace}/{MANIFEST_NAME}"
+        """Every entry of ``namespace`` except its manifest, its summary and its
+        quarantine."""
+        skip = (f"{namespace}/{MANIFEST_NAME}", f"{namespace}/{SUMMARY_NAME}")
         quarantine = f"{namespace}/{QUARANTINE_DIR}/"
         for info in self.store.list(self._full(f"{namespace}/")):
             name = self._relative(info.name)
-            if name != skip and not name.startswith(quarantine):
+            if name not in skip and not name.startswith(quarantine):
                 yield Entry(name, info.size, info.mtime, info.irregular)
 
     def read(self, name: str, limit: int) -> bytes:

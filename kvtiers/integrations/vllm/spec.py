@@ -14,7 +14,11 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   ``reset_cache`` or ``take_events`` wait for the next output), none of them among its
   keys to store; each removal is reported once. Every event is kept for ``take_events``
   when vLLM publishes KV events, else dropped; a reservation freed after a failed store or
-  promotion is a ``metadata_only`` removal (never an eviction).
+  promotion is a ``metadata_only`` removal (never an eviction). ``take_events`` hands vLLM
+  at most :data:`MAX_EVENT_KEYS_PER_CALL` keys per call, in order, so what a persistent
+  tier announces at start-up goes out over several steps; stores are self-describing
+  (vLLM's ``self_describing_kv_events``) unless the extra config turns that off
+  (docs/vllm.md, "What a router sees").
 * vLLM's contract, as its own CPU manager keeps it: a job's keys (handed back as a set)
   enter recency tail first by the end-token positions vLLM records in the request context,
   and an announced request's keys are refreshed, tail first, when it finishes, so a
@@ -69,6 +73,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+from collections import deque
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -119,6 +124,9 @@ _CONFIG_INFO_KEYS = (
 )
 #: Whether this vLLM tells its manager when a reset's jobs have finished (0.33 does).
 _FLUSH_SIGNAL = hasattr(vbase.OffloadingManager, "on_reset_flushed")
+#: Keys at most in the events one ``take_events`` hands vLLM (they go out in one batch):
+#: a persistent tier's announcement of what it holds at start-up is spread over steps.
+MAX_EVENT_KEYS_PER_CALL = 16384
 
 
 def reset_grace_steps(engine: EngineConfigs | None, pp_size: int) -> int:
@@ -224,7 +232,7 @@ class KVTiersManager(vbase.OffloadingManager):
         self._same_keys = keys.identity
         self._num_groups = len(stack.offloading.groups)
         self._events_enabled = events_enabled
-        self._events: list[Any] = []
+        self._events: deque[Any] = deque()
         # vLLM keys the primary removed since the last PrepareStoreOutput, in order.
         self._evicted: dict[Any, None] = {}
         # Steps left before a reset's fenced slots come back (vLLM without a flush signal),
@@ -430,9 +438,11 @@ class KVTiersManager(vbase.OffloadingManager):
         self._found.pop(req_context.req_id, None)
 
     def take_events(self) -> Iterable[Any]:
+        """The events since the last call, oldest first, at most
+        :data:`MAX_EVENT_KEYS_PER_CALL` keys of them (the rest, in order, at the next
+        calls)."""
         self._drain_events()
-        events, self._events = self._events, []
-        return events
+        return _take_keys(self._events, MAX_EVENT_KEYS_PER_CALL)
 
     def on_schedule_end(self, context: Any) -> None:
         self._tiered.on_schedule_end(
@@ -499,6 +509,38 @@ class KVTiersManager(vbase.OffloadingManager):
         self.stack.shutdown()
         if self._ledger is not None:
             self._ledger.close()
+
+
+def _take_keys(events: deque[Any], limit: int) -> list[Any]:
+    """The oldest of ``events`` (vLLM's) holding at most ``limit`` keys in all, taken off
+    the queue; an event too large for what is left is split, its tail left at the head."""
+    taken: list[Any] = []
+    while events and limit > 0:
+        event = events[0]
+        if len(event.keys) <= limit:
+            taken.append(events.popleft())
+            limit -= len(event.keys)
+            continue
+        taken.append(dataclasses.replace(event, keys=event.keys[:limit]))
+        events[0] = dataclasses.replace(event, keys=event.keys[limit:])
+        break
+    return taken
+
+
+def _events_config(config: VllmOffloadingConfig, extra_config: Any) -> Any:
+    """vLLM's event settings for this spec: as vLLM's own, except that stores are
+    self-describing (block hashes, tokens, block size) unless ``self_describing_kv_events``
+    in the extra config is ``false``."""
+    described = extra_config.get("self_describing_kv_events", True)
+    if not isinstance(described, bool):
+        raise ConfigError(
+            f"expected true or false, got {described!r}",
+            path=f"{EXTRA_CONFIG}.self_describing_kv_events",
+        )
+    return vbase.OffloadingKVEventsConfig(
+        enable_kv_cache_events=config.enable_kv_cache_events,
+        self_describing_kv_events=described,
+    )
 
 
 def _byte_rows(tensor: Any, index: int) -> Any:
@@ -711,9 +753,10 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
     ``kvtiers`` (the stack inline); optional ``model_revision``, ``kvtiers_salt``,
     ``kvtiers_parallel_agnostic``, ``prefix_caching_hash_algo`` (when the engine's config
     cannot be read; it must agree when it can), ``kvtiers_identity`` (see
-    :func:`~kvtiers.integrations.vllm.translate.identity_source`) and
+    :func:`~kvtiers.integrations.vllm.translate.identity_source`),
     ``kvtiers_group_bytes_per_block`` (see
-    :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`). Every other identity
+    :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`) and
+    ``self_describing_kv_events`` (default true here). Every other identity
     input is read from the configs of the vLLM connector building the spec (see
     :mod:`kvtiers.integrations.vllm.engine`).
     """
@@ -725,6 +768,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
 
     def __init__(self, config: VllmOffloadingConfig) -> None:
         super().__init__(config)
+        self.kv_events_config = _events_config(config, self.extra_config)
         if config.canonical_layout:
             raise ConfigError(
                 "canonical_layout is not supported by kvtiers' vLLM spec; remove it",

@@ -482,12 +482,19 @@ def vllm_event(
     locality: Any = None,
 ) -> Any | None:
     """vLLM's ``OffloadingEvent`` for a kvtiers event (``ownership`` fills a missing one;
-    ``locality``, a vLLM ``Locality``, replaces the tier kind's). ``None`` for a
-    bookkeeping-only removal this vLLM cannot express."""
+    ``locality``, a vLLM ``Locality``, replaces the tier kind's, but not the ``REMOTE`` of
+    a chunk another server published, announced by a listing). ``None`` for a
+    bookkeeping-only removal this vLLM cannot express.
+
+    Every store is ``removal_expected``: each kvtiers tier announces the removal of what
+    it announced stored (evictions, vanished chunks), so vLLM's event tracker keeps a
+    chunk's self-describing payload (its block hashes, tokens and block size) until the
+    last tier holding it removes it, and every removal names the same hashes as the
+    store did."""
     if event.metadata_only and not HAS_METADATA_ONLY:
         return None
-    if locality is None and event.locality is not None:
-        locality = vbase.Locality(event.locality.value)
+    if event.listed or (locality is None and event.locality is not None):
+        locality = None if event.locality is None else vbase.Locality(event.locality.value)
     extra = {"metadata_only": True} if event.metadata_only else {}
     return vbase.OffloadingEvent(
         keys=keys.all_to_vllm(event.keys),
@@ -495,5 +502,6 @@ def vllm_event(
         removed=event.removed,
         locality=locality,
         ownership=event.ownership if event.ownership is not None else ownership,
+        removal_expected=not event.removed,
         **extra,
     )

@@ -71,6 +71,9 @@ def build_tier(
         load_backoff_s=config.load_backoff_s,
         load_backoff_max_s=config.load_backoff_max_s,
         capacity_scope=config.capacity_scope,
+        list_interval_s=config.list_interval_s,
+        list_max_chunks=config.list_max_chunks,
+        summary_interval_s=config.summary_interval_s,
     )
     settings = PublishSettings(
         file_mode=config.file_mode,

@@ -18,7 +18,9 @@ Invariants:
   returns ``None`` and changes nothing;
 - the scheduler thread never does file I/O: evicted files are unlinked on a one-thread
   deleter executor (dropped from the index at once), shared-directory existence probes
-  run as batches on a one-thread probe executor, and movers report corrupt or vanished
+  run as batches on a one-thread probe executor, a shared directory's background listing
+  (``list_interval_s``, :mod:`kvtiers.tiers.listing`) and its summary run on a thread of
+  their own, and movers report corrupt or vanished
   chunks through :meth:`forget`, a thread-safe queue drained on the next
   scheduler-thread call;
 - a key whose load failed otherwise is a ``MISS`` while its
@@ -68,7 +70,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Literal
@@ -87,7 +89,7 @@ from kvtiers.core.manager import (
     ScheduleEndContext,
     TierCapabilities,
 )
-from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE
+from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
 from kvtiers.core.specs import FileLoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import (
@@ -98,6 +100,7 @@ from kvtiers.filemapper import (
     scan_namespace,
 )
 from kvtiers.filemapper.manifest import MANIFEST_NAME
+from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import (
     DEFAULT_LOAD_BACKOFF_MAX_S,
     DEFAULT_LOAD_BACKOFF_S,
@@ -107,6 +110,7 @@ from kvtiers.tiers.backoff import (
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.index import ChunkIndex
+from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
 logger = logging.getLogger(__name__)
@@ -337,7 +341,8 @@ class FileTierManager(OffloadingManager):
     (failed loads reported by movers), ``unreadable_chunks`` (keys forgotten after lasting
     load failures), ``backing_off`` (keys with a failure record), ``probes`` and
     ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
-    codes; the name is in :attr:`io_backend_name`).
+    codes; the name is in :attr:`io_backend_name`); with ``list_interval_s`` also the
+    listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
@@ -361,6 +366,9 @@ class FileTierManager(OffloadingManager):
         load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
         load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
         capacity_scope: Literal["namespace", "root"] = "namespace",
+        list_interval_s: float | None = None,
+        list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
+        summary_interval_s: float | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -370,6 +378,11 @@ class FileTierManager(OffloadingManager):
             )
         if capacity_scope == "root" and capacity_bytes is None:
             raise ValueError("capacity_scope 'root' shares a capacity; give capacity_bytes")
+        if list_interval_s is not None and not shared:
+            raise ValueError("a namespace listing is for shared directories; set shared")
+        if summary_interval_s is not None and list_interval_s is None:
+            raise ValueError("the namespace summary is written after listings; set "
+                             "list_interval_s")
         self.mapper = mapper
         self.geometry = geometry
         self.capacity_bytes = capacity_bytes
@@ -423,6 +436,20 @@ class FileTierManager(OffloadingManager):
         if capacity_scope == "root" and capacity_bytes is not None:
             self._share_root(capacity_bytes)
         self.rebuild_s = time.perf_counter() - start
+        self._file_mode, self._dir_mode = file_mode, dir_mode
+        self.summary: SummaryWriter | None = None
+        self.listing: SharedListing | None = None
+        if list_interval_s is not None:
+            if summary_interval_s is not None:
+                self.summary = SummaryWriter(
+                    self._publish_summary, namespace_digest=mapper.identity.digest,
+                    interval_s=summary_interval_s, clock=clock,
+                )
+            self.listing = SharedListing(
+                self._listed_keys, interval_s=list_interval_s, max_chunks=list_max_chunks,
+                medium=self.medium, where=f"file tier {self.namespace_dir}",
+                summary=self.summary, clock=clock,
+            )
         if removed:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
         if self.unindexed_entries:
@@ -802,13 +829,34 @@ class FileTierManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        return self.index.take_events()
+        events = self.index.take_events()
+        return events if self.listing is None else self.listing.observe(events)
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain_forgotten()
         self._flush_probes()
         if self._foreign is not None:
             self._keep_budget()
+        if self.listing is not None:
+            # This tier's keys: indexed, or evicted and kept for the composite.
+            self.listing.on_schedule_end((self.index.keys(), self._handed))
+
+    # -- the background listing (shared directories, kvtiers.tiers.listing) ----------
+    def _listed_keys(self) -> Iterator[OffloadKey]:
+        """The chunk files of the namespace (listing thread; names only, no ``stat``
+        where the directory entry tells a regular file)."""
+        for item in scan_namespace(self.namespace_dir):
+            if item.is_temp:
+                continue
+            key = item.chunk_key()
+            if key is not None and item.entry.is_file(follow_symlinks=False):
+                yield key
+
+    def _publish_summary(self, data: bytes) -> None:
+        publish_bytes(
+            self.namespace_dir / SUMMARY_NAME, [data], file_mode=self._file_mode,
+            dir_mode=self._dir_mode, root=self.mapper.root,
+        )
 
     def has_pending_work(self) -> bool:
         if self._prober is None or self._probes is None:
@@ -844,6 +892,9 @@ class FileTierManager(OffloadingManager):
         stats["usage_bytes"] = self.index.usage
         stats["capacity_bytes"] = self.capacity_bytes or 0
         stats["io_backend"] = self.io_backend
+        if self.listing is not None:
+            stats.update(self.listing.stats())
+            stats["summaries"] = 0 if self.summary is None else self.summary.written
         return stats
 
     def shutdown(self) -> None:
@@ -852,6 +903,8 @@ class FileTierManager(OffloadingManager):
         self._closed = True
         if self._prober is not None:
             self._prober.close()
+        if self.listing is not None:
+            self.listing.close()
         # Handed over and never released: nobody reads them any more.
         self._deleter.delete(self._handed.values())
         self._handed.clear()

@@ -173,6 +173,13 @@ class FsspecStore(ObjectStore):
             return False
         return True
 
+    def put(self, name: str, parts: Sequence[Buffer]) -> None:
+        path = self._path(name)
+        if self._local:
+            publish_bytes(Path(path), parts)
+        else:
+            self.fs.pipe_file(path, b"".join(parts), **self._bounded())
+
     def delete(self, name: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self._path(name), **self._bounded())

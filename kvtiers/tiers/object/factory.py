@@ -18,6 +18,7 @@ from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S
+from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.manager import ObjectTierManager
 from kvtiers.tiers.object.mover import ObjectMover
@@ -53,11 +54,16 @@ def build_object_tier(
     load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
     load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
     codec: str = "none",
+    list_interval_s: float | None = None,
+    list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
+    summary_interval_s: float | None = None,
 ) -> BuiltTier:
     """The object tier ``name`` over ``store``; opening the namespace (checking or
     publishing its manifest) happens here, and any failure closes the store. A key whose
     load failed is a miss for ``load_backoff_s``, doubled per failure up to
-    ``load_backoff_max_s``. ``codec`` (a ``codec:`` setting) encodes stored payloads."""
+    ``load_backoff_max_s``. ``codec`` (a ``codec:`` setting) encodes stored payloads; the
+    ``list_*`` and ``summary_interval_s`` settings are the background listing's
+    (:mod:`kvtiers.tiers.listing`)."""
     backend = ObjectBackend(
         store,
         NamespaceIdentity.from_config(offloading),
@@ -75,6 +81,9 @@ def build_object_tier(
             shared=shared,
             load_backoff_s=load_backoff_s,
             load_backoff_max_s=load_backoff_max_s,
+            list_interval_s=list_interval_s,
+            list_max_chunks=list_max_chunks,
+            summary_interval_s=summary_interval_s,
         )
     except BaseException:
         backend.close()

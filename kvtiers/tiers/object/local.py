@@ -146,6 +146,9 @@ class LocalStore(ObjectStore):
             return False
         return True
 
+    def put(self, name: str, parts: Sequence[Buffer]) -> None:
+        publish_bytes(self.root / name, parts, root=self.root)
+
     def delete(self, name: str) -> None:
         try:
             self._path(name).unlink(missing_ok=True)

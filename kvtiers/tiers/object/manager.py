@@ -19,7 +19,8 @@ namespaces other engines write into: an index miss is booked in a
 :class:`~kvtiers.tiers.probe.ProbeBook` for a batched existence probe (sent in
 :meth:`on_schedule_end`) and answers ``RETRY`` until it resolves to ``HIT`` or ``MISS``;
 negative answers are remembered for ``negative_ttl_s`` so a cold key is not probed every
-step.
+step. With ``list_interval_s`` the namespace is also listed in the background, on a
+thread of its own, to announce what other engines published (:mod:`kvtiers.tiers.listing`).
 
 A key whose load failed (the mover's ``load_failed``) is a ``MISS`` while its
 :class:`~kvtiers.tiers.backoff.LoadBackoff` says so and is forgotten after lasting
@@ -33,7 +34,7 @@ import functools
 import queue
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Future, wait
 
 from kvtiers.core.chunkformat import HEADER_BYTES
@@ -50,6 +51,7 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.specs import ObjectLoadStoreSpec
+from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import (
     DEFAULT_LOAD_BACKOFF_MAX_S,
     DEFAULT_LOAD_BACKOFF_S,
@@ -57,6 +59,7 @@ from kvtiers.tiers.backoff import (
     MoverReports,
 )
 from kvtiers.tiers.index import ChunkIndex
+from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
@@ -69,7 +72,8 @@ class ObjectTierManager(OffloadingManager):
     ``vanished_chunks`` (reported missing), ``chunks``, ``usage_bytes``,
     ``capacity_bytes`` (0 when unbounded), ``corrupt_chunks``, ``retries``,
     ``load_failures``, ``unreadable_chunks`` and ``backing_off`` (see
-    :mod:`kvtiers.tiers.backoff`).
+    :mod:`kvtiers.tiers.backoff`); with ``list_interval_s`` also the listing's
+    (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
@@ -87,7 +91,15 @@ class ObjectTierManager(OffloadingManager):
         clock: Callable[[], float] = time.monotonic,
         load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
         load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
+        list_interval_s: float | None = None,
+        list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
+        summary_interval_s: float | None = None,
     ) -> None:
+        if list_interval_s is not None and not shared:
+            raise ValueError("a namespace listing is for shared namespaces; set shared")
+        if summary_interval_s is not None and list_interval_s is None:
+            raise ValueError("the namespace summary is written after listings; set "
+                             "list_interval_s")
         self.backend = backend
         self.reserve_bytes = HEADER_BYTES + max_chunk_bytes
         self.capacity_bytes = capacity_bytes
@@ -113,6 +125,19 @@ class ObjectTierManager(OffloadingManager):
         self._closed = False
         backend.open_namespace()
         self._rebuild()
+        self.summary: SummaryWriter | None = None
+        self.listing: SharedListing | None = None
+        if list_interval_s is not None:
+            if summary_interval_s is not None:
+                self.summary = SummaryWriter(
+                    self._publish_summary, namespace_digest=backend.identity.digest,
+                    interval_s=summary_interval_s, clock=clock,
+                )
+            self.listing = SharedListing(
+                self._listed_keys, interval_s=list_interval_s, max_chunks=list_max_chunks,
+                medium=self.medium, where=f"object tier at {where}", summary=self.summary,
+                clock=clock,
+            )
 
     @property
     def negative_ttl_s(self) -> float | None:
@@ -255,12 +280,16 @@ class ObjectTierManager(OffloadingManager):
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._drain()
-        return self.index.take_events()
+        events = self.index.take_events()
+        return events if self.listing is None else self.listing.observe(events)
 
     # -- shared namespaces: batched existence probes --------------------------------
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain()
         self._background = [f for f in self._background if not f.done()]
+        if self.listing is not None and not self._closed:
+            # This tier's keys: indexed, or being deleted by it.
+            self.listing.on_schedule_end((self.index.keys(), self._deleting))
         if self._probes is None or self._closed:
             return
         batch = self._probes.take_batch()
@@ -283,6 +312,21 @@ class ObjectTierManager(OffloadingManager):
                 self._probed.put((key, size))
 
         return run
+
+    # -- the background listing (shared namespaces, kvtiers.tiers.listing) -------------
+    def _listed_keys(self) -> Iterator[OffloadKey]:
+        """The chunk objects of the namespace (listing thread; one paginated listing)."""
+        backend = self.backend
+        for info in backend.store.list(backend.namespace_prefix + "/"):
+            if info.irregular is None:
+                key = backend.key_of(info.name)
+                if key is not None:
+                    yield key
+
+    def _publish_summary(self, data: bytes) -> None:
+        backend = self.backend
+        name = f"{backend.namespace_prefix}/{SUMMARY_NAME}"
+        backend.retrier.call(lambda: backend.store.put(name, [data]))
 
     def wait_background(self) -> None:
         """Block until every delete and probe started so far is done (tests, demos);
@@ -323,10 +367,15 @@ class ObjectTierManager(OffloadingManager):
         stats["load_failures"] = self.backoff.failures
         stats["unreadable_chunks"] = self.backoff.forgotten
         stats["backing_off"] = len(self.backoff)
+        if self.listing is not None:
+            stats.update(self.listing.stats())
+            stats["summaries"] = 0 if self.summary is None else self.summary.written
         return stats
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self.listing is not None:
+            self.listing.close()
         self.backend.close()

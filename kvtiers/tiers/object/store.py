@@ -12,7 +12,8 @@ Contract for implementers:
   missing object is not an error;
 - :meth:`ObjectStore.put_if_absent` returns ``False`` (and writes nothing) when the
   object already exists — a racing writer has stored it, which for a chunk means the
-  chunk is there;
+  chunk is there; :meth:`ObjectStore.put` replaces an object whole (the namespace
+  summary is rewritten that way);
 - :meth:`ObjectStore.is_transient` says which exceptions are worth retrying by the caller
   (throttling, server errors other than 501 Not Implemented, dropped connections,
   timeouts — or, for a store whose client retries its own requests, only what that
@@ -101,6 +102,12 @@ class ObjectStore(ABC):
     @abstractmethod
     def put_if_absent(self, name: str, parts: Sequence[Buffer]) -> bool:
         """Store the concatenation of ``parts`` unless ``name`` exists; True if stored."""
+
+    @abstractmethod
+    def put(self, name: str, parts: Sequence[Buffer]) -> None:
+        """Store the concatenation of ``parts`` as ``name``, replacing any object there in
+        one step: a reader gets the old object or the new one whole. For objects that
+        are rewritten (the namespace summary), never for chunks."""
 
     @abstractmethod
     def delete(self, name: str) -> None:

@@ -84,4 +84,6 @@ def build_tier(
         delete_corrupt=config.delete_corrupt,
         load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
         codec=config.codec,
+        list_interval_s=config.list_interval_s, list_max_chunks=config.list_max_chunks,
+        summary_interval_s=config.summary_interval_s,
     )

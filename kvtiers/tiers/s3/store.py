@@ -498,6 +498,10 @@ class S3Store(ObjectStore):
             raise
         return True
 
+    def put(self, name: str, parts: Sequence[Buffer]) -> None:
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        self.client().put_object(Bucket=self.bucket, Key=name, Body=body)
+
     def delete(self, name: str) -> None:
         self.client().delete_object(Bucket=self.bucket, Key=name)
 
