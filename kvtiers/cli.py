@@ -40,7 +40,9 @@ class Command:
 
 
 def _one_line(text: str) -> str:
-    return " ".join(text.split())
+    from kvtiers.tools.text import visible
+
+    return visible(" ".join(text.split()))
 
 
 def _configure_validate(parser: argparse.ArgumentParser) -> None:

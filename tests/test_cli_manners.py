@@ -88,6 +88,29 @@ def test_text_reports_fit_80_columns(root: Path, command: str) -> None:
     assert done.stdout and max(len(line) for line in done.stdout.splitlines()) <= 80
 
 
+#: What a manifest on shared storage could hold to drive a reader's terminal: an escape
+#: sequence (clear the screen), an 8-bit CSI, a right-to-left override, a line separator.
+HOSTILE = "team/m\x1b[2J\x9b31m\u202eevil\u2028x"
+
+
+def test_reports_show_a_stored_control_character_as_its_escape(tmp_path: Path) -> None:
+    model = {"name": HOSTILE, "salt": HOSTILE,
+             "groups": [{"tokens_per_block": 16, "num_layers": 1, "page_bytes": "2KiB"}]}
+    stack_file = tmp_path / "stack.yaml"
+    stack_file.write_text(json.dumps({
+        "tiers": [{"kind": "cpu", "capacity": "1MiB"},
+                  {"kind": "file", "root": str(tmp_path / "root")}],
+        "model": model,
+    }))
+    load_stack(stack_file).shutdown()
+    for args in (["inspect", str(tmp_path / "root")], ["identity", str(stack_file)]):
+        done = _cli(*args)
+        assert done.returncode == 0, done.stderr
+        assert all(line.isprintable() for line in done.stdout.split("\n")), done.stdout
+        # Escaped, not dropped (identity writes values as JSON, which escapes ESC itself).
+        assert "\\x9b31m\\u202eevil\\u2028x" in "".join(done.stdout.split()), done.stdout
+
+
 def test_a_closed_pipe_ends_the_command_quietly(root: Path) -> None:
     read_end, write_end = os.pipe()
     os.close(read_end)  # the reader is gone before the first byte is written

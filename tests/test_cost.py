@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from fractions import Fraction
 
 import pytest
 from hypothesis import given
@@ -179,14 +180,20 @@ def test_a_bad_deadline_is_ignored_with_a_warning(caplog: pytest.LogCaptureFixtu
 
 
 @pytest.mark.parametrize("value", [
-    10**400, -1, -0.5, math.nan, math.inf, -math.inf, True, False, "0.25", None, [0.25],
-], ids=lambda value: "401 digits" if value == 10**400 else repr(value))
+    pytest.param(10**400, id="401 digits"),
+    -1, -0.5, math.nan, math.inf, -math.inf, True, False, "0.25", None, [0.25],
+    # Values whose repr raises: Python writes no integer of more than 4,300 digits as
+    # text (sys.get_int_max_str_digits), and a Fraction's repr writes its numerator.
+    pytest.param(10**5000, id="5001 digits"),
+    pytest.param(Fraction(10**5000, 3), id="a fraction of 5001 digits"),
+], ids=repr)
 def test_a_bad_deadline_of_any_kind_is_ignored_with_one_warning(
     value: object, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A deadline no float holds (a 401-digit integer) must not raise out of a lookup (the
-    scheduler would die); nor may any other bad value. One warning per request, however
-    many lookups and plans it makes."""
+    scheduler would die); nor may any other bad value, one too long to write in the
+    warning included. One warning per request, however many lookups and plans it
+    makes."""
     ctx = ReqContext("r", kv_transfer_params={DEADLINE_PARAM: value})
     cost = model()
     with caplog.at_level("WARNING", logger="kvtiers.stack.cost"):

@@ -1,5 +1,6 @@
 """The docs say what the code does: every metric the stack exports is in the README's
-metrics table with each of its label values, and every page names metrics as exported."""
+metrics table with each of its label values, every page names metrics as exported, and
+the output a page shows of ``kvtiers diff`` is worded as the command words it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from kvtiers.stack.metrics_catalog import HISTOGRAMS, STACK, TIER
+from kvtiers.tools.identity import differ_heading
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -62,3 +64,14 @@ def test_the_pages_name_counters_as_exported() -> None:
     for page in PAGES:
         for name in re.findall(r"kvtiers_(?:stack|tier)_[a-z_]+", page.read_text()):
             assert name not in counters, f"{page.name} names {name}, exported as {name}_total"
+
+
+def test_the_pages_show_diff_headings_as_diff_prints_them() -> None:
+    """A page quoting ``kvtiers diff`` shows its "N field(s) differ(s):" line as printed."""
+    heading = re.compile(r"^\s*(\d+) fields? differs?:\s*$", re.MULTILINE)
+    for page in PAGES:
+        for match in heading.finditer(page.read_text()):
+            shown = match.group(0).strip()
+            assert shown == differ_heading(int(match.group(1))), (
+                f"{page.name} shows {shown!r}; kvtiers diff prints "
+                f"{differ_heading(int(match.group(1)))!r}")

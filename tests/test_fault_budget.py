@@ -16,9 +16,9 @@ from kvtiers.core.manager import ScheduleEndContext
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.filemapper.scan import ScannedEntry
-from kvtiers.testing.conformance import conformance_key
+from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.tiers.file import manager as file_manager
-from tests.test_file_support import BLOB, CTX, offloading_config, open_tier
+from tests.test_file_support import BLOB, CHUNK, CTX, offloading_config, open_tier
 
 BUDGET = 4  # chunks
 
@@ -105,6 +105,49 @@ def test_other_namespaces_chunks_that_cannot_be_unlinked_still_count(tmp_path: P
         for _ in range(BUDGET + 1):
             manager.wait_deletions()
             manager.on_schedule_end(ScheduleEndContext())
+        manager.wait_deletions()
+        files = chunk_files(tmp_path)
+        assert files[old_dir.name] == 3
+        assert sum(files.values()) <= BUDGET, files
+        assert manager.get_stats()["usage_bytes"] == files[manager.namespace_dir.name] * BLOB
+    finally:
+        tier.close()
+
+
+def test_chunks_being_written_when_unlinks_fail_give_way_once_written(
+    tmp_path: Path,
+) -> None:
+    """Other namespaces' unlinks that fail while this namespace's store is still being
+    written leave it over the budget for the moment (a chunk being written cannot be
+    evicted); once the store is done, its chunks give way at the next step end."""
+    old = open_tier(tmp_path, identity=identity("old"))
+    old.store(range(3))
+    old.close()
+    old_dir = old.manager.namespace_dir
+    tier = open_tier(tmp_path, capacity_chunks=BUDGET, identity=identity("new"),
+                     capacity_scope="root")
+    manager = tier.manager
+
+    def refuse(path: Path) -> None:
+        if old_dir in path.parents:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        os.unlink(path)
+
+    manager._deleter._unlink = refuse  # the deleter's test hook
+    ids = (100, 101)
+    keys = [conformance_key(i) for i in ids]
+    for slot, i in enumerate(ids):
+        tier.region.view(slot)[:CHUNK] = conformance_payload(i, CHUNK)
+    try:
+        slots = {key: slot for slot, key in enumerate(keys)}
+        assert tier.driver.store(next(tier.jobs), keys, CTX, None, slots=slots) == keys
+        # Every unlink of "old" fails, and is seen, before the store is polled.
+        for _ in range(BUDGET + 1):
+            manager.wait_deletions()
+            manager.on_schedule_end(ScheduleEndContext())
+        tier.driver.drain()
+        assert {key for job in tier._finished for key in job.result.succeeded_keys} == set(keys)
+        manager.on_schedule_end(ScheduleEndContext())
         manager.wait_deletions()
         files = chunk_files(tmp_path)
         assert files[old_dir.name] == 3

@@ -370,10 +370,16 @@ def _deadline(ctx: ReqContext) -> float | None:
         with contextlib.suppress(OverflowError):  # an integer beyond any float stays NaN
             seconds = float(value)
     if not 0 <= seconds < math.inf:
-        shown = repr(value)
-        if len(shown) > 40:
-            shown = f"{shown[:37]}..."
         log.warning("request %s: kv_transfer_params[%r] must be a finite number of seconds "
-                    ">= 0, got %s; ignored", ctx.req_id, DEADLINE_PARAM, shown)
+                    ">= 0, got %s; ignored", ctx.req_id, DEADLINE_PARAM, _shown(value))
         return None
     return seconds
+
+
+def _shown(value: object) -> str:
+    """``value``'s repr cut to 40 characters, for a warning; its type when it has none."""
+    try:
+        shown = repr(value)
+    except Exception:  # an int of over 4,300 digits has no text; any __repr__ may raise
+        return f"a value of type {type(value).__name__} that cannot be written out"
+    return shown if len(shown) <= 40 else f"{shown[:37]}..."

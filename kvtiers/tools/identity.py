@@ -77,6 +77,11 @@ def stored_identity(location: Location, namespace: str) -> dict[str, Any]:
     return identity
 
 
+def differ_heading(count: int) -> str:
+    """The line ``diff`` opens its list of ``count`` (>= 1) differing fields with."""
+    return "1 field differs:" if count == 1 else f"{count} fields differ:"
+
+
 def diff(location: Location, first: str, second: str, out: TextIO) -> int:
     """Name every identity field that differs between two namespaces; always 0."""
     a, b = stored_identity(location, first), stored_identity(location, second)
@@ -86,7 +91,7 @@ def diff(location: Location, first: str, second: str, out: TextIO) -> int:
     if not found:
         say(out, "the identities are identical")
         return 0
-    say(out, "1 field differs:" if len(found) == 1 else f"{len(found)} fields differ:")
+    say(out, differ_heading(len(found)))
     for name in sorted(found):
         value_a, value_b = found[name]
         say(out, f"  {name}: {_show(value_a)} -> {_show(value_b)}")

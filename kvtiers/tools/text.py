@@ -5,6 +5,12 @@ columns past the line's own indent (or under a value column the caller names, wh
 words fit there). A word is never broken (a chunk name, a namespace or a JSON string
 stays whole and copyable), so only a single word longer than the width makes a line
 wider than it.
+
+What a report prints may come from storage other programs write (a manifest's model
+name, salt or layer names on a shared bucket), so a character that is not printable —
+a control such as ESC or an 8-bit CSI, a format character such as a right-to-left
+override, a line separator — is written as its Python escape (``\x1b``, ``\u202e``):
+the report shows what the value holds and never drives the terminal.
 """
 
 from __future__ import annotations
@@ -21,10 +27,21 @@ def _wrap(line: str, indent: int) -> list[str]:
                          break_long_words=False) or [""]
 
 
+def visible(text: str) -> str:
+    """``text`` with every character that is not printable written as its escape."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() else char.encode("unicode_escape").decode("ascii")
+        for char in text
+    )
+
+
 def say(out: TextIO, line: str, *, hang: int | None = None) -> None:
-    """Print ``line`` wrapped to :data:`WIDTH` columns. Continuation lines start at column
-    ``hang`` when given and every piece fits there, else two columns past the line's
-    indent."""
+    """Print ``line`` wrapped to :data:`WIDTH` columns, its characters that are not
+    printable escaped (:func:`visible`). Continuation lines start at column ``hang`` when
+    given and every piece fits there, else two columns past the line's indent."""
+    line = visible(line)
     lines = None
     if hang is not None:
         lines = _wrap(line, hang)

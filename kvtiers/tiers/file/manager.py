@@ -43,7 +43,8 @@ at start if the root is over budget, then by each ``prepare_store`` that needs r
 budget is settled by the namespaces that open; ones that keep writing meanwhile are
 trimmed when the next namespace opens. A foreign chunk's bytes count as freed when its
 unlink is queued; one whose unlink fails counts again once the deleter says so (checked at
-each store and step end), and the tier comes back within the budget. A directory it cannot
+each store and step end), and the tier comes back within the budget (this namespace's
+chunks being written or loaded then give way once they can). A directory it cannot
 measure is named in one warning at start.
 
 An eviction whose unlink is still queued when the same key is stored again is cancelled;
@@ -546,17 +547,18 @@ class FileTierManager(OffloadingManager):
             elif not unlink.result():
                 failed += size
         self._foreign_unlinks = running
-        if not failed:
-            return
         foreign = self._foreign
         index = self.index
         assert foreign is not None and index.capacity is not None
-        foreign.usage += failed
-        index.capacity -= failed
-        over = index.usage - index.capacity
-        if over > 0:
-            self._give_up_foreign(over)
+        if failed:
+            foreign.usage += failed
+            index.capacity -= failed
             over = index.usage - index.capacity
+            if over > 0:
+                self._give_up_foreign(over)
+        # Checked whether or not an unlink failed just now: chunks that were being written
+        # or loaded when one did could not give way then, and must once they can.
+        over = index.usage - index.capacity
         if over > 0:
             self._delete(index.evict_lru(over))
 
