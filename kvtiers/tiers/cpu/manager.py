@@ -52,9 +52,8 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import filterfalse
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import numpy as np
 
 from kvtiers.core.keys import KeyFormat, OffloadKey
 from kvtiers.core.manager import (
@@ -99,6 +98,15 @@ _R = TypeVar("_R")
 #: ``_slots``' value for a key being written. -1 is never a slot, and CPython keeps one
 #: object for it, so comparing by identity is exact and reads nothing.
 _BEING_WRITTEN = -1
+
+
+def _protected(*parts: Collection[OffloadKey]) -> Collection[OffloadKey]:
+    """The union of ``parts``, skipping the empty ones: the one part itself when only one
+    is left (eviction then tests each candidate with one C-level ``in``)."""
+    kept = tuple(filter(None, parts))
+    if len(kept) == 1:
+        return kept[0]
+    return _Protected(*kept) if kept else ()
 
 
 class _Protected(Collection[OffloadKey]):
@@ -170,6 +178,7 @@ class CpuTierManager(OffloadingManager):
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.policy = policy
+        self._shields = policy.shields_request_head
         # The region this manager's slots index; closed by shutdown().
         self.region = region
         # An instance-level declaration: LRU order holds only for policies that keep it.
@@ -198,6 +207,8 @@ class CpuTierManager(OffloadingManager):
         # Slots of evicted chunks held for the caller of evict_held until release_held.
         self._held: set[int] = set()
         self._events: list[OffloadingEvent] = []
+        # Where removed keys go instead of events once forward_removals was called.
+        self._removed: list[OffloadKey] | None = None
         # Bumped by reset_cache: a request's access state, and a job, from before a reset
         # are stale.
         self._generation = 0
@@ -208,7 +219,8 @@ class CpuTierManager(OffloadingManager):
         self._evictions = 0
         self._loads = 0
         self._closed = False
-        # Called by shutdown(): each closes one function lookup_as made.
+        # Called by shutdown(): each closes one function lookup_as made, or is a caller's
+        # (on_shutdown).
         self._closers: list[Callable[[], None]] = []
 
     # -- queries --------------------------------------------------------------------
@@ -317,44 +329,51 @@ class CpuTierManager(OffloadingManager):
                     "pinned by prepare_load in the CPU tier"
                 )
             ids.append(slot)
-        return CPULoadStoreSpec(np.array(ids, dtype=np.int64))
+        return CPULoadStoreSpec(ids)
 
     # -- store ----------------------------------------------------------------------
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         slots = self._slots
-        accepted = [key for key in keys if key not in slots]
+        free = self._free
+        # C-level filters, not comprehensions: no frame per call (a batch is often 1 key).
+        accepted = list(filterfalse(slots.__contains__, keys))
         if len(accepted) > 1:
             accepted = list(dict.fromkeys(accepted))  # a key named twice is reserved once
-        shortfall = len(accepted) - len(self._free)
+        # _access(ctx), inlined: once per store on the scheduler's path.
+        access = ctx.get_state(_RequestAccess)
+        if access is not None and (
+            access.owner is not self or access.generation != self._generation
+        ):
+            access = None
+        shortfall = len(accepted) - len(free)
         if shortfall > 0:
-            protected: Collection[OffloadKey] = self._pins
-            present = [key for key in keys if key in slots]
+            # Every key is absent, or some are present (or named twice): only then look.
+            present = [] if len(accepted) == len(keys) else list(filter(slots.__contains__, keys))
             # An announced request's earlier keys (nearer its head) outlive its later ones
             # where the policy asks (as in vLLM's LRU, where a running request's keys rank
             # tail first); a policy's own rule keeps it scan-resistant (ARC: a long prompt
             # does not take T2's keys, it stores what T1 has room for).
-            access = self._access(ctx) if self.policy.shields_request_head else None
-            shielded: Collection[OffloadKey] = () if access is None else access.seen
-            if present or ctx.keep or shielded:
-                # Keys the caller counts as stored must survive the store that names them,
-                # and the request's own prefix must survive its own stores and promotions.
-                protected = _Protected(self._pins, present, ctx.keep, shielded)
+            shielded: Collection[OffloadKey] = (
+                access.seen if access is not None and self._shields else ()
+            )
+            # Keys the caller counts as stored must survive the store that names them,
+            # and the request's own prefix must survive its own stores and promotions.
+            protected = _protected(self._pins, present, ctx.keep, shielded)
             order = self._order
             victims = order.evict(shortfall, protected, shielded)
             if victims is None:
                 # Not all fit: reserve the leading keys that do (a prompt longer than the
                 # tier still stores its head, which then cascades to the lower tiers).
-                fit = len(self._free) + order.evictable(protected, shielded)
+                fit = len(free) + order.evictable(protected, shielded)
                 if fit <= 0:
                     return None
                 del accepted[fit:]
-                victims = order.evict(fit - len(self._free), protected, shielded)
+                victims = order.evict(fit - len(free), protected, shielded)
                 assert victims is not None
             if victims:
                 self._drop(victims)
-        free = self._free
         state = self._state
         writing = self._writing
         for key in accepted:
@@ -362,7 +381,6 @@ class CpuTierManager(OffloadingManager):
             slots[key] = _BEING_WRITTEN
             writing[key] = slot
             state[slot] = _WRITING
-        access = self._access(ctx)
         if access is not None:
             access.seen.update(dict.fromkeys(keys))
             if len(accepted) < len(keys):
@@ -391,13 +409,17 @@ class CpuTierManager(OffloadingManager):
         state = self._state
         # A completion that names the current generation never reaches a fenced slot.
         fenced = self._fenced if generation is None else {}
-        for key in keys:
-            if key not in slots and key not in fenced:
-                raise UnknownKeyError(
-                    f"complete_store: key {_shown(key)} was never reserved by prepare_store "
-                    "in the CPU tier (complete only the keys prepare_store returned"
-                    + ("" if generation is None else f", in generation {generation}") + ")"
-                )
+        # One C-level pass for the usual completion, where every key is reserved.
+        if not all(map(slots.__contains__, keys)):
+            for key in keys:
+                if key not in slots and key not in fenced:
+                    raise UnknownKeyError(
+                        f"complete_store: key {_shown(key)} was never reserved by "
+                        "prepare_store in the CPU tier (complete only the keys prepare_store "
+                        "returned"
+                        + ("" if generation is None else f", in generation {generation}")
+                        + ")"
+                    )
         # One pass that changes each slot's state as it goes, so a key named twice is
         # no longer WRITING (or no longer present) the second time: it counts once.
         done = []
@@ -416,7 +438,7 @@ class CpuTierManager(OffloadingManager):
                 elif fenced:
                     self._release_fenced(key, _WRITING, None)
             self._stores += len(done)
-            if done:
+            if done and self._removed is None:
                 self._events.append(self._event(done, removed=False))
         else:
             free = self._free
@@ -430,7 +452,7 @@ class CpuTierManager(OffloadingManager):
                 elif fenced:
                     self._release_fenced(key, _WRITING, None)
             self._store_failures += len(done)
-            if done:
+            if done and self._removed is None:
                 self._events.append(dataclasses.replace(
                     self._event(done, removed=True), metadata_only=True
                 ))
@@ -462,7 +484,7 @@ class CpuTierManager(OffloadingManager):
             held[key] = slot
         self._held.update(victims)
         self._evictions += len(victims)
-        self._events.append(self._event(list(held), removed=True))
+        self._removal(list(held))
         return held
 
     def hold_free(self, count: int) -> list[int]:
@@ -538,6 +560,16 @@ class CpuTierManager(OffloadingManager):
             self._complete_fenced(keys, _READY, generation, "complete_load")
             return
         pins = self._pins
+        if len(keys) == 1:
+            # One key with a live pin (the usual batch of one): nothing to count.
+            (key,) = keys
+            held = pins.get(key, 0)
+            if held > 1:
+                pins[key] = held - 1
+                return
+            if held:
+                del pins[key]
+                return
         drops: dict[OffloadKey, int] = {}
         for key in keys:
             drops[key] = drops.get(key, 0) + 1
@@ -608,6 +640,22 @@ class CpuTierManager(OffloadingManager):
         events, self._events = self._events, []
         return events
 
+    def forward_removals(self) -> list[OffloadKey]:
+        """Build no events from now on: every key this tier removes (an evicted chunk's,
+        one :meth:`reset_cache` forgot; never a freed reservation, which was not stored) is
+        appended, in order, to the list returned instead, which the caller empties, and
+        :meth:`take_events` returns no more. For an adapter that publishes no events and
+        reports evictions itself: an event object per call is what a small batch costs
+        most. Removals of events not yet taken move onto the list."""
+        if self._removed is None:
+            removed: list[OffloadKey] = []
+            for event in self._events:
+                if event.removed and not event.metadata_only:
+                    removed += event.keys
+            self._events.clear()
+            self._removed = removed
+        return self._removed
+
     @property
     def generation(self) -> int:
         """Resets so far: the generation a job planned now belongs to."""
@@ -643,7 +691,7 @@ class CpuTierManager(OffloadingManager):
         pins.clear()
         self._generation += 1
         if removed:
-            self._events.append(self._event(removed, removed=True))
+            self._removal(removed)
 
     def on_reset_flushed(self) -> None:
         """Free every fenced slot: no job from before the last reset touches them."""
@@ -671,7 +719,14 @@ class CpuTierManager(OffloadingManager):
             "capacity_bytes": self.num_slots * self.slot_bytes,
         }
 
+    def on_shutdown(self, callback: Callable[[], None]) -> None:
+        """Have :meth:`shutdown` call ``callback`` (once, on this thread): for a caller
+        that calls this tier directly and must stop doing so then."""
+        self._closers.append(callback)
+
     def shutdown(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         for close in self._closers:
             close()
@@ -695,7 +750,11 @@ class CpuTierManager(OffloadingManager):
             free.append(slot)
             keys.append(key)
         self._evictions += len(keys)
-        self._events.append(self._event(keys, removed=True))
+        removed = self._removed
+        if removed is None:
+            self._events.append(self._event(keys, removed=True))
+        else:
+            removed += keys
 
     def _fenced_pins(self, key: OffloadKey) -> int:
         """Pins the fenced slots of ``key`` still wait for."""
@@ -748,6 +807,14 @@ class CpuTierManager(OffloadingManager):
             del self._fenced[key]
         self._state[slot] = _FREE
         self._free.append(slot)
+
+    def _removal(self, keys: list[OffloadKey]) -> None:
+        """Report ``keys`` removed: an event, or onto the list :meth:`forward_removals`
+        handed out."""
+        if self._removed is None:
+            self._events.append(self._event(keys, removed=True))
+        else:
+            self._removed += keys
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
         return OffloadingEvent(
