@@ -311,6 +311,10 @@ class TieredManager(OffloadingManager):
             raise TypeError(f"{where}: expected a ReqContext, got {type(ctx).__name__}")
         self._keys.check_all(keys, where)
 
+    #: The door, for a caller that reaches a one-tier stack's primary itself (the vLLM
+    #: adapter's one-call mode): it raises as the composite's own call would.
+    door = _door
+
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         # The door, inlined: this is called once per chunk of every waiting request.
         limit = self._group_limit
