@@ -409,15 +409,16 @@ class KVTiersManager(vbase.OffloadingManager):
             ):
                 self._refuse(keys, ctx, "prepare_load")
                 break
-        primary = self._primary
-        primary.prepare_load(keys, ctx)
+        if self._num_groups == 1:
+            spec = KVTiersLoadStoreSpec((self._primary.prepare_load_spec(keys, ctx),))
+        else:
+            self._primary.prepare_load(keys, ctx)
+            spec = self._spec(keys)
         # Pinned now: the request's prefix no longer needs protecting by name.
         ctx.keep.clear()
         if request is not None:
             request.found.clear()
-        if self._num_groups == 1:
-            return KVTiersLoadStoreSpec((primary.get_spec(keys),))
-        return self._spec(keys)
+        return spec
 
     def _complete_load_direct(self, keys: Collection[Any], req_context: Any) -> None:
         request = self._requests.get(req_context.req_id)

@@ -525,7 +525,17 @@ class CpuTierManager(OffloadingManager):
 
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._pin(keys, ctx)
+
+    def prepare_load_spec(self, keys: Collection[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        """:meth:`prepare_load`, then the spec of its keys (what :meth:`get_spec` gives
+        now), in one pass over them: for a caller that asks for both at once."""
+        return CPULoadStoreSpec(self._pin(keys, ctx))
+
+    def _pin(self, keys: Collection[OffloadKey], ctx: ReqContext) -> list[int]:
+        """:meth:`prepare_load`; returns the keys' slots."""
         slots = self._slots
+        ids = []
         for key in keys:
             slot = slots.get(key)
             if slot is None or slot is _BEING_WRITTEN:
@@ -533,6 +543,7 @@ class CpuTierManager(OffloadingManager):
                     f"prepare_load: key {_shown(key)} is not stored in the CPU tier "
                     "(look it up first; only HIT keys can be loaded)"
                 )
+            ids.append(slot)
         pins = self._pins
         for key in keys:
             pins[key] = pins.get(key, 0) + 1
@@ -543,11 +554,12 @@ class CpuTierManager(OffloadingManager):
             # Counted as a use when the request finishes, in prefix order.
             access.seen.update(dict.fromkeys(keys))
             access.reused.update(keys)
-            return
+            return ids
         # Earliest keys last (see touch); every key is ready (checked above).
         touch = self._order.touch
-        for key in reversed(list(keys)):
-            touch(slots[key])
+        for slot in reversed(ids):
+            touch(slot)
+        return ids
 
     def complete_load(
         self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
