@@ -170,8 +170,19 @@ class _Request:
 
 #: The calls the direct mode answers itself (see KVTiersManager._go_direct).
 _DIRECT_CALLS = (
-    "prepare_load", "complete_load", "prepare_store", "complete_store", "on_request_finished"
+    "prepare_load",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "on_request_finished",
+    "take_events",
 )
+
+
+def _no_events() -> list[Any]:
+    """``take_events`` of the direct mode when vLLM publishes none: the primary builds
+    none (it forwards its removals), so there is nothing to drain."""
+    return []
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 _VHIT, _VMISS = vbase.LookupResult.HIT, vbase.LookupResult.MISS
 
@@ -277,6 +288,7 @@ class KVTiersManager(vbase.OffloadingManager):
         if not self._events_enabled:
             self._removed = primary.forward_removals()
             self.prepare_store = self._prepare_store_direct  # type: ignore[method-assign]
+            self.take_events = _no_events  # type: ignore[method-assign]
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._requests.get(ctx.req_id)

@@ -222,6 +222,8 @@ class CpuTierManager(OffloadingManager):
         # Called by shutdown(): each closes one function lookup_as made, or is a caller's
         # (on_shutdown).
         self._closers: list[Callable[[], None]] = []
+        # The hits and misses of each function lookup_as made.
+        self._lookup_counts: list[Callable[[], tuple[int, int]]] = []
 
     # -- queries --------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -258,18 +260,26 @@ class CpuTierManager(OffloadingManager):
         ``req_id``) a key found present is appended to its request's list: the caller
         moves those keys into ``ctx.keep`` before a call that reads it (a list costs less
         to fill and to drop than a set)."""
-        manager = self
         slot_of: Callable[[Any], int | None] = self._slots.get
+        # Counted in the function's own cells (cheaper than the manager's attributes),
+        # which get_stats adds up.
+        hits = misses = 0
+
+        def counts() -> tuple[int, int]:
+            return hits, misses
+
+        self._lookup_counts.append(counts)
         if keys is None:
 
             def lookup(key: Any, ctx: Any) -> _R:
+                nonlocal hits, misses
                 slot = slot_of(key)
                 if slot is None:
-                    manager._misses += 1
+                    misses += 1
                     return miss
                 if slot is _BEING_WRITTEN:
                     return pending
-                manager._hits += 1
+                hits += 1
                 return hit
 
             return lookup
@@ -292,13 +302,14 @@ class CpuTierManager(OffloadingManager):
         self._closers.append(close)
 
         def checked_lookup(key: Any, ctx: Any) -> _R:
+            nonlocal hits, misses
             try:
                 slot = slot_of(key)
             except TypeError:  # unhashable: not a key
                 refuse(key)
                 raise
             if slot is None:
-                manager._misses += 1
+                misses += 1
                 return miss
             # Only keys the door let in were ever stored: a present key needs its type
             # checked alone (an equal bytes subclass is still refused).
@@ -309,7 +320,7 @@ class CpuTierManager(OffloadingManager):
                 keys_found.append(key)
             if slot is _BEING_WRITTEN:
                 return pending
-            manager._hits += 1
+            hits += 1
             return hit
 
         return checked_lookup
@@ -628,11 +639,13 @@ class CpuTierManager(OffloadingManager):
         if access is None:
             return
         access.owner = None
+        if not access.seen:
+            return
         slots = self._slots
         touch = self._order.touch
         refresh = self._order.refresh
         reused = access.reused
-        for key in reversed(list(access.seen)):
+        for key in reversed(access.seen):
             slot = slots.get(key)
             if slot is None or slot is _BEING_WRITTEN:
                 continue  # evicted or not written yet: not tracked
@@ -717,8 +730,8 @@ class CpuTierManager(OffloadingManager):
     def get_stats(self) -> Mapping[str, float]:
         chunks = len(self._slots)
         return {
-            "hits": self._hits,
-            "misses": self._misses,
+            "hits": self._hits + sum(count()[0] for count in self._lookup_counts),
+            "misses": self._misses + sum(count()[1] for count in self._lookup_counts),
             "stores": self._stores,
             "store_failures": self._store_failures,
             "evictions": self._evictions,
