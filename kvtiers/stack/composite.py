@@ -96,7 +96,7 @@ from kvtiers.stack.placement import (
     handing,
     holding,
 )
-from kvtiers.tiers.cpu.manager import SlotState
+from kvtiers.tiers.cpu.manager import CpuTierManager, SlotState
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -216,6 +216,13 @@ class TieredManager(OffloadingManager):
             )
         # Placement (docs/architecture.md, "Placement").
         self._through = [lo for lo in self._lower if lo.writes and lo.write.mode == "through"]
+        if isinstance(self._primary, CpuTierManager) and any(
+            lo.write.after_hits == 0 for lo in self._through
+        ):
+            # Every chunk the primary stores is copied below: what it evicts lives on there,
+            # so a store that does not fit whole may evict for its head, which then reaches
+            # the tiers below ("Prefixes larger than the primary" in docs/architecture.md).
+            self._primary.staging = True
         back = [lo for lo in self._lower if lo.writes and lo.write.mode == "back"]
         #: ``back`` tiers written when the primary evicts (the first hop) ...
         self._back: list[_Lower] = []

@@ -16,9 +16,10 @@ Invariants:
   and the request's ``ctx.keep`` keys are passed to it as protected, so eviction never
   picks a writing or pinned chunk, nor a chunk of the prefix the storing request holds;
 - ``prepare_store`` reserves every key it returns and changes nothing else but the
-  evictions that make room for them; when not all fit it reserves the leading keys that
-  do, and when none fits it returns ``None`` and changes nothing (the policy's ``evict``
-  is atomic; what fits is the policy's to say, ``EvictionPolicy.evictable``);
+  evictions that make room for them; when not all fit it evicts nothing and reserves the
+  leading keys the free slots hold (a ``staging`` tier evicts for them too, as far as the
+  policy allows: ``EvictionPolicy.evictable``), and when none fits it returns ``None``
+  and changes nothing (the policy's ``evict`` is atomic);
 - ``complete_store`` / ``complete_load`` of a key this tier never reserved or pinned raise
   :class:`~kvtiers.errors.UnknownKeyError` before changing anything;
 - a completion of an older generation (a job from before a reset) releases only that job's
@@ -179,6 +180,10 @@ class CpuTierManager(OffloadingManager):
         self.slot_bytes = slot_bytes
         self.policy = policy
         self._shields = policy.shields_request_head
+        #: Whether this tier stages chunks for lower tiers that are written through (every
+        #: chunk it stores is copied below: the composite sets it): a store that does not
+        #: fit whole then evicts for its leading keys too, not only the free slots.
+        self.staging = False
         # The region this manager's slots index; closed by shutdown().
         self.region = region
         # An instance-level declaration: LRU order holds only for policies that keep it.
@@ -375,13 +380,18 @@ class CpuTierManager(OffloadingManager):
             order = self._order
             victims = order.evict(shortfall, protected, shielded)
             if victims is None:
-                # Not all fit: reserve the leading keys that do (a prompt longer than the
-                # tier still stores its head, which then cascades to the lower tiers).
-                fit = len(free) + order.evictable(protected, shielded)
+                # Not all fit: reserve the leading keys the free slots hold. Evicting for
+                # them would give up chunks the next requests reuse for the head of one
+                # prompt that does not fit (benchmarks/results/hit_rate.md), except where
+                # this tier stages for lower tiers: there what it evicts lives on below,
+                # and the head it keeps reaches them.
+                fit = len(free)
+                if self.staging:
+                    fit += order.evictable(protected, shielded)
                 if fit <= 0:
                     return None
                 del accepted[fit:]
-                victims = order.evict(fit - len(free), protected, shielded)
+                victims = order.evict(fit - len(free), protected, shielded) if self.staging else []
                 assert victims is not None
             if victims:
                 self._drop(victims)
