@@ -3,8 +3,11 @@ plus the details the shared conformance suite leaves open (slot states, stats, f
 
 from __future__ import annotations
 
+import copy
+import pickle
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -314,6 +317,67 @@ def test_stats_and_events() -> None:
         ([KEYS[0]], True, Medium.CPU, False),
         ([KEYS[2]], True, Medium.CPU, True),
     ]
+
+
+def test_forwarded_removals_replace_events() -> None:
+    """After forward_removals every removed key lands on its list, in order, and no event
+    is built; a freed reservation (never stored) is no removal."""
+    manager = make_manager(capacity=2)
+    manager.prepare_store(KEYS[:2], CTX)
+    manager.complete_store(KEYS[:2], CTX)
+    manager.prepare_store([KEYS[2]], CTX)  # evicts KEYS[0]: an event not taken yet
+    removed = manager.forward_removals()
+    assert removed == [KEYS[0]]  # the pending removal moved onto the list
+    assert manager.forward_removals() is removed
+    assert list(manager.take_events()) == []
+    manager.complete_store([KEYS[2]], CTX, success=False)
+    assert removed == [KEYS[0]]
+    removed.clear()
+    assert manager.prepare_store([KEYS[3]], CTX) == [KEYS[3]]  # the freed slot
+    manager.complete_store([KEYS[3]], CTX)
+    assert manager.prepare_store([KEYS[4]], CTX) == [KEYS[4]]  # evicts KEYS[1]
+    manager.reset_cache()  # forgets KEYS[3]; KEYS[4], being written, is fenced
+    assert removed == [KEYS[1], KEYS[3]]
+    assert list(manager.take_events()) == []
+    assert manager.get_stats()["evictions"] == 2
+
+
+def test_shutdown_calls_each_callback_once() -> None:
+    manager = make_manager()
+    calls: list[str] = []
+    manager.on_shutdown(lambda: calls.append("closed"))
+    manager.shutdown()
+    manager.shutdown()
+    assert calls == ["closed"]
+
+
+def test_prepare_load_spec_pins_and_addresses_as_prepare_load_and_get_spec() -> None:
+    one, two = make_manager(policy="arc"), make_manager(policy="arc")
+    for manager in (one, two):
+        manager.prepare_store(KEYS[:3], CTX)
+        manager.complete_store(KEYS[:3], CTX)
+    keys = [KEYS[2], KEYS[0], KEYS[2]]
+    spec = one.prepare_load_spec(keys, CTX)
+    two.prepare_load(keys, CTX)
+    assert spec.slot_ids.tolist() == two.get_spec(keys).slot_ids.tolist()
+    assert [one.pin_count(k) for k in KEYS[:3]] == [two.pin_count(k) for k in KEYS[:3]] == [1, 0, 2]
+    with pytest.raises(UnknownKeyError, match="prepare_load"):
+        one.prepare_load_spec([KEYS[1], KEYS[5]], CTX)
+    assert one.pin_count(KEYS[1]) == 0
+
+
+def test_a_spec_made_from_a_list_is_a_snapshot_read_as_an_int64_array() -> None:
+    """The slots are converted on first read (by the worker), as the list was given."""
+    slots = [3, 1]
+    spec = CPULoadStoreSpec(slots)
+    slots.append(7)
+    assert len(spec) == 2
+    copied = copy.copy(spec).set_gpu_block_offset(1)
+    again = pickle.loads(pickle.dumps(spec))
+    for each in (spec, copied, again):
+        assert each.slot_ids.dtype == np.int64 and each.slot_ids.tolist() == [3, 1]
+        assert each.block_ids is each.slot_ids and len(each) == 2
+    assert (spec.gpu_block_offset, copied.gpu_block_offset) == (0, 1)
 
 
 @pytest.mark.parametrize(("policy", "recency"), [("lru", True), ("arc", False), ("s3fifo", False)])
