@@ -26,7 +26,10 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   one-tier ``cpu`` stack answers ``lookup`` from the primary in one call (which keeps the
   composite's door for keys it finds and lists them for the request's ``ctx.keep``, as the
   composite keeps them; a key it does not hold is a ``MISS`` unchecked: every key is
-  checked where it enters, at ``prepare_store`` and ``prepare_load``).
+  checked where it enters, at ``prepare_store`` and ``prepare_load``). Such a stack (with
+  no shard ledger) is also called directly for loads, stores and finishes, the door's key
+  tests inlined (:meth:`KVTiersManager._go_direct`), and when vLLM publishes no events the
+  primary builds none: it forwards the keys it removes.
 * Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
   ``reset_cache`` (0.32 and 0.33, by job id), so the stack forgets those keys at once
   (``MISS``, a new store accepted) and fences their primary slots, and every completion
