@@ -565,17 +565,21 @@ class CpuTierManager(OffloadingManager):
                     "(look it up first; only HIT keys can be loaded)"
                 )
             ids.append(slot)
-        pins = self._pins
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
         self._loads += len(keys)
+        pins = self._pins
         # _access(ctx), inlined: once per load on the scheduler's path.
         access = ctx.get_state(_RequestAccess)
         if access is not None and access.owner is self and access.generation == self._generation:
-            # Counted as a use when the request finishes, in prefix order.
-            access.seen.update(dict.fromkeys(keys))
+            # Counted as a use when the request finishes, in prefix order (one loop with the
+            # pins: a load is often of one key).
+            seen = access.seen
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+                seen[key] = None
             access.reused.update(keys)
             return ids
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
         # Earliest keys last (see touch); every key is ready (checked above).
         touch = self._order.touch
         for slot in reversed(ids):
