@@ -186,6 +186,8 @@ def _no_events() -> list[Any]:
     """``take_events`` of the direct mode when vLLM publishes none: the primary builds
     none (it forwards its removals), so there is nothing to drain."""
     return []
+
+
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 _VHIT, _VMISS = vbase.LookupResult.HIT, vbase.LookupResult.MISS
 
@@ -235,7 +237,7 @@ class KVTiersManager(vbase.OffloadingManager):
         self.stack = stack
         self._tiered = stack.manager
         self._door = stack.manager.door
-        # The door's numbers (the direct mode checks keys itself; see _enter).
+        # The door's numbers (the direct calls test keys themselves; see _refuse).
         self._key_format = stack.manager.key_format
         self._key_bytes = self._key_format.key_bytes
         self._group_limit = self._key_format.group_limit
@@ -279,10 +281,10 @@ class KVTiersManager(vbase.OffloadingManager):
                 self._go_direct(primary)
 
     def _go_direct(self, primary: CpuTierManager) -> None:
-        """Call the one-tier stack's primary itself, past the composite's door, for the
-        calls that load, store and finish (the composite adds nothing else to a stack of
-        one cpu tier); with no events to publish, the primary forwards the keys it removes
-        instead of building events."""
+        """Call the one-tier stack's primary itself for the calls that load, store and
+        finish, with the composite's door inlined (the composite adds nothing else to a
+        stack of one cpu tier); with no events to publish, the primary forwards the keys it
+        removes instead of building events. The primary's shutdown undoes it."""
         primary.on_shutdown(self._leave_direct)
         self.prepare_load = self._prepare_load_direct  # type: ignore[method-assign]
         self.complete_load = self._complete_load_direct  # type: ignore[method-assign]
