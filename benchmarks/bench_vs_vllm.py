@@ -413,8 +413,7 @@ def render(results: dict[str, Any]) -> str:
         "",
         f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, torch "
         f"{note['torch']}, vLLM {note['vllm']}, {note['date']}; load average at the start "
-        f"{note.get('load_start', '?')}, at the end {note.get('load_end', '?')} (other "
-        "engineers' tests on the same 2 cores).",
+        f"{note.get('load_start', '?')}, at the end {note.get('load_end', '?')}.",
         f"Command: `.venv/bin/python benchmarks/bench_vs_vllm.py {results['args']}`",
         "",
         "Microseconds per key (CPU time of the benchmark's thread), median of "
@@ -516,7 +515,13 @@ def summary(results: dict[str, Any]) -> list[str]:
         "a dict probe measure 0.75-0.8x of vLLM's MISS here, so MISS has no room for any "
         "per-key check in Python.",
         "- `request finish` after a lookup round drops the request's list of 1,024 found "
-        "keys (vLLM keeps no such list); its cost is that of dropping the references.",
+        "keys (vLLM keeps no such list); its cost is that of dropping the references, one "
+        "memory touch of each key object, the colder the larger the tier. That list is how "
+        "a request's own store never evicts what its lookups found (a guarantee vLLM's "
+        "manager does not give); recording those keys without a reference (their slots in "
+        "an integer array) would move the same memory read per key into the lookup HIT "
+        "row rather than save it. In vLLM's own flow a request loads what it found in the "
+        "step of the lookup, and the load drops the list.",
         "- Loads and stores of 1 key: route 1 adds the door's key tests, the request's "
         "context and vLLM's output objects on top of the CPU tier, about 0.5 us per call. "
         "With no KV events published the tier builds no event object (about 1 us each, "
