@@ -372,7 +372,8 @@ def test_a_spec_made_from_a_list_is_a_snapshot_read_as_an_int64_array() -> None:
     spec = CPULoadStoreSpec(slots)
     slots.append(7)
     assert len(spec) == 2
-    copied = copy.copy(spec).set_gpu_block_offset(1)
+    copied = copy.copy(spec)
+    copied.set_gpu_block_offset(1)
     again = pickle.loads(pickle.dumps(spec))
     for each in (spec, copied, again):
         assert each.slot_ids.dtype == np.int64 and each.slot_ids.tolist() == [3, 1]
