@@ -53,7 +53,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from machine import cores, cpu_model
+from machine import cores, cpu_model, load_average
 from route1 import SLOT_BYTES, route1_manager
 
 from kvtiers.core.keys import make_offload_key
@@ -392,6 +392,7 @@ def machine_note() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "vllm": vllm.__version__,
+        "load_start": load_average(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
     }
 
@@ -411,7 +412,8 @@ def render(results: dict[str, Any]) -> str:
         "# kvtiers' CPU tier vs vLLM's CPUOffloadingManager",
         "",
         f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, torch "
-        f"{note['torch']}, vLLM {note['vllm']}, {note['date']}.",
+        f"{note['torch']}, vLLM {note['vllm']}, {note['date']}; load average at the start "
+        f"{note.get('load_start', '?')}, at the end {note.get('load_end', '?')}.",
         f"Command: `.venv/bin/python benchmarks/bench_vs_vllm.py {results['args']}`",
         "",
         "Microseconds per key (CPU time of the benchmark's thread), median of "
@@ -502,8 +504,10 @@ def summary(results: dict[str, Any]) -> list[str]:
     out += [
         "- What the ratios show: `direct` against `route1` isolates the vLLM-facing adapter. "
         "Keys are not translated (vLLM's key objects are kvtiers' keys when every group is "
-        "offloaded), a request's context is translated once, and a one-tier `cpu` stack "
-        "answers `lookup` in one call into the CPU tier. A key the tier holds gets a type "
+        "offloaded), a request's context is translated once, a one-tier `cpu` stack "
+        "answers `lookup` in one call into the CPU tier, and the adapter makes its loads, "
+        "stores and finishes itself on the CPU tier (the composite's door inlined: a type, "
+        "a length and a group test per key). A key the tier holds gets a type "
         "test and is appended to the request's found list (moved into `ctx.keep` before a "
         "store reads it, so a request's store never evicts what its lookups found); a key "
         "it does not hold is a MISS unchecked: nothing is loaded or stored for a miss, and "
@@ -511,13 +515,23 @@ def summary(results: dict[str, Any]) -> list[str]:
         "a dict probe measure 0.75-0.8x of vLLM's MISS here, so MISS has no room for any "
         "per-key check in Python.",
         "- `request finish` after a lookup round drops the request's list of 1,024 found "
-        "keys (vLLM keeps no such list); its cost is that of dropping the references.",
-        "- Loads and stores of 1 key: route 1 adds the composite's door (two key checks), "
-        "the event drain that reports evicted keys, and vLLM's output objects, about 1-3 us "
-        "per call on top of the CPU tier. Under ARC the CPU tier alone (`direct`) is about "
-        "vLLM's cost at batch 1: the per-chunk work is memory-bound (a random key's dict "
-        "entry, the policy's list node, the victim's ghost entry) and each event object "
-        "costs about 1 us; batches amortise both.",
+        "keys (vLLM keeps no such list); its cost is that of dropping the references, one "
+        "memory touch of each key object, the colder the larger the tier. That list is how "
+        "a request's own store never evicts what its lookups found (a guarantee vLLM's "
+        "manager does not give); recording those keys without a reference (their slots in "
+        "an integer array) would move the same memory read per key into the lookup HIT "
+        "row rather than save it. In vLLM's own flow a request loads what it found in the "
+        "step of the lookup, and the load drops the list.",
+        "- Loads and stores of 1 key: route 1 adds the door's key tests, the request's "
+        "context and vLLM's output objects on top of the CPU tier, about 0.5 us per call. "
+        "With no KV events published the tier builds no event object (about 1 us each, "
+        "two per evicting store): it forwards the keys it removes, which the adapter "
+        "reports in the store's output, so route 1 stores cheaper than `direct`, which "
+        "takes the tier's events. A load's slots stay a list until the worker reads them "
+        "(converting a short list to an array cost more than the rest of a one-chunk "
+        "load); ARC picks victims by walking its lists' links, with no generator per call. "
+        "What is left is memory-bound: a random key's dict entry, the policy's list node, "
+        "the victim's ghost entry.",
         "- Worst calls: the multi-second ones are full garbage collections over the "
         "benchmark's millions of live objects (all three sides' keys), landing in whichever "
         "side allocates when the threshold trips (an engine process that does not freeze "
@@ -592,6 +606,7 @@ def main() -> None:
             for policy in args.policies:
                 for side in SIDES:
                     results["memory"].append(bench_memory(chunks, policy, side, seed=7))
+    results["machine"]["load_end"] = load_average()
     report = render(results)
     print(report)
     if not args.no_write:

@@ -20,3 +20,8 @@ def cpu_model() -> str:
 
 def cores() -> str:
     return str(os.cpu_count())
+
+
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages, as ``"a, b, c"``."""
+    return ", ".join(f"{value:.1f}" for value in os.getloadavg())

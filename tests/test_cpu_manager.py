@@ -3,8 +3,11 @@ plus the details the shared conformance suite leaves open (slot states, stats, f
 
 from __future__ import annotations
 
+import copy
+import pickle
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -42,6 +45,7 @@ class CpuTierMachine(RuleBasedStateMachine):
     the fenced slots come back at ``on_reset_flushed``; ``fenced`` counts them."""
 
     policy = "lru"
+    staging = False
     in_flight = Bundle("in_flight")
 
     def __init__(self) -> None:
@@ -49,6 +53,7 @@ class CpuTierMachine(RuleBasedStateMachine):
         self.region = SlotRegion(CAPACITY, SLOT_BYTES)
         policy = load_policy(self.policy)(CAPACITY)
         self.manager = CpuTierManager(CAPACITY, SLOT_BYTES, policy, region=self.region)
+        self.manager.staging = self.staging
         self.model: dict[OffloadKey, tuple[SlotState, bytes]] = {}
         self.pins: dict[OffloadKey, int] = {}
         self.generation = 0
@@ -72,18 +77,23 @@ class CpuTierMachine(RuleBasedStateMachine):
         before = self.observe()
         stats = dict(self.manager.get_stats())
         accepted = self.manager.prepare_store(keys, CTX)
-        new = set(keys) - set(self.model)
+        wanted = list(dict.fromkeys(k for k in keys if k not in self.model))
         busy = {k for k, (s, _) in self.model.items() if s is SlotState.WRITING}
         busy |= set(self.pins) | (set(keys) & set(self.model))
         room = CAPACITY - self.fenced - len(busy)
+        free = CAPACITY - self.fenced - len(self.model)
+        # All of them when they fit, evicting what it takes; else the leading keys the
+        # free slots hold, evicting nothing (a staging tier: all that fit).
+        fits = len(wanted) <= room
+        expected = wanted if fits else wanted[: max(room if self.staging else free, 0)]
         if accepted is None:
             assert self.observe() == before and dict(self.manager.get_stats()) == stats
-            assert new and room <= 0, "refused a store that fits"
+            assert wanted and not expected, "refused a store that fits"
             return ()
+        if not fits and not self.staging:
+            assert self.manager.get_stats()["evictions"] == stats["evictions"]
         self.sync_evictions()
-        wanted = list(dict.fromkeys(k for k in keys if k not in self.model))
-        # All that fit, leading keys first.
-        assert accepted == wanted[: max(room, 0)] or accepted == wanted
+        assert accepted == expected
         spec = self.manager.get_spec(accepted)
         assert isinstance(spec, CPULoadStoreSpec)
         self.generation += 1
@@ -164,12 +174,14 @@ class CpuTierMachine(RuleBasedStateMachine):
 
 
 for _name in BUILTIN_POLICIES:
-    _machine: type[CpuTierMachine] = type(
-        f"CpuTierMachine_{_name}", (CpuTierMachine,), {"policy": _name}
-    )
-    _case = _machine.TestCase
-    _case.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
-    globals()[f"TestCpuTierStateMachine_{_name}"] = _case
+    for _staging in (False, True):
+        _suffix = f"{_name}_staging" if _staging else _name
+        _machine: type[CpuTierMachine] = type(
+            f"CpuTierMachine_{_suffix}", (CpuTierMachine,), {"policy": _name, "staging": _staging}
+        )
+        _case = _machine.TestCase
+        _case.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+        globals()[f"TestCpuTierStateMachine_{_suffix}"] = _case
 
 
 # -- details beyond the conformance suite -------------------------------------------
@@ -216,6 +228,43 @@ def test_present_keys_of_a_batch_survive_the_eviction_it_causes() -> None:
     assert manager.lookup(KEYS[0], CTX) is LookupResult.HIT
     assert manager.lookup(KEYS[1], CTX) is LookupResult.MISS
     assert manager.prepare_store([KEYS[0], KEYS[3]], CTX) is None
+
+
+@pytest.mark.parametrize("policy", sorted(BUILTIN_POLICIES))
+def test_a_store_larger_than_the_room_left_takes_the_free_slots_and_evicts_nothing(
+    policy: str,
+) -> None:
+    """The chunks it would evict are what the next requests reuse: a store that cannot fit
+    whole keeps its leading keys in the free slots only (one-tier: nothing below to keep
+    what it evicts)."""
+    manager = make_manager(capacity=4, policy=policy)
+    assert manager.prepare_store(KEYS[:3], CTX) == KEYS[:3]
+    manager.complete_store(KEYS[:3], CTX)
+    # 6 new keys: 1 slot free and 3 chunks evictable are too few.
+    assert manager.prepare_store(KEYS[3:9], CTX) == [KEYS[3]]
+    assert [manager.lookup(key, CTX) for key in KEYS[:3]] == [LookupResult.HIT] * 3
+    assert manager.get_stats()["evictions"] == 0
+    manager.complete_store([KEYS[3]], CTX)
+    # Full: none fits without evicting, so none is reserved and nothing changes.
+    assert manager.prepare_store(KEYS[4:9], CTX) is None
+    assert manager.get_stats()["chunks"] == 4 and manager.get_stats()["evictions"] == 0
+    # A store that fits whole still evicts for it.
+    assert manager.prepare_store(KEYS[4:6], CTX) == KEYS[4:6]
+    assert manager.get_stats()["evictions"] == 2
+
+
+@pytest.mark.parametrize("policy", sorted(BUILTIN_POLICIES))
+def test_a_staging_tier_evicts_for_the_leading_keys_of_a_store_larger_than_the_room_left(
+    policy: str,
+) -> None:
+    """Under write-through lower tiers what the primary evicts lives on below, and the head
+    it keeps reaches them: a store that cannot fit whole takes every slot it can."""
+    manager = make_manager(capacity=4, policy=policy)
+    manager.staging = True
+    assert manager.prepare_store(KEYS[:3], CTX) == KEYS[:3]
+    manager.complete_store(KEYS[:3], CTX)
+    assert manager.prepare_store(KEYS[3:9], CTX) == KEYS[3:7]
+    assert manager.get_stats()["evictions"] == 3
 
 
 def test_under_arc_a_long_once_seen_prompt_keeps_its_head_and_the_reused_prefix() -> None:
@@ -268,6 +317,68 @@ def test_stats_and_events() -> None:
         ([KEYS[0]], True, Medium.CPU, False),
         ([KEYS[2]], True, Medium.CPU, True),
     ]
+
+
+def test_forwarded_removals_replace_events() -> None:
+    """After forward_removals every removed key lands on its list, in order, and no event
+    is built; a freed reservation (never stored) is no removal."""
+    manager = make_manager(capacity=2)
+    manager.prepare_store(KEYS[:2], CTX)
+    manager.complete_store(KEYS[:2], CTX)
+    manager.prepare_store([KEYS[2]], CTX)  # evicts KEYS[0]: an event not taken yet
+    removed = manager.forward_removals()
+    assert removed == [KEYS[0]]  # the pending removal moved onto the list
+    assert manager.forward_removals() is removed
+    assert list(manager.take_events()) == []
+    manager.complete_store([KEYS[2]], CTX, success=False)
+    assert removed == [KEYS[0]]
+    removed.clear()
+    assert manager.prepare_store([KEYS[3]], CTX) == [KEYS[3]]  # the freed slot
+    manager.complete_store([KEYS[3]], CTX)
+    assert manager.prepare_store([KEYS[4]], CTX) == [KEYS[4]]  # evicts KEYS[1]
+    manager.reset_cache()  # forgets KEYS[3]; KEYS[4], being written, is fenced
+    assert removed == [KEYS[1], KEYS[3]]
+    assert list(manager.take_events()) == []
+    assert manager.get_stats()["evictions"] == 2
+
+
+def test_shutdown_calls_each_callback_once() -> None:
+    manager = make_manager()
+    calls: list[str] = []
+    manager.on_shutdown(lambda: calls.append("closed"))
+    manager.shutdown()
+    manager.shutdown()
+    assert calls == ["closed"]
+
+
+def test_prepare_load_spec_pins_and_addresses_as_prepare_load_and_get_spec() -> None:
+    one, two = make_manager(policy="arc"), make_manager(policy="arc")
+    for manager in (one, two):
+        manager.prepare_store(KEYS[:3], CTX)
+        manager.complete_store(KEYS[:3], CTX)
+    keys = [KEYS[2], KEYS[0], KEYS[2]]
+    spec = one.prepare_load_spec(keys, CTX)
+    two.prepare_load(keys, CTX)
+    assert spec.slot_ids.tolist() == two.get_spec(keys).slot_ids.tolist()
+    assert [one.pin_count(k) for k in KEYS[:3]] == [two.pin_count(k) for k in KEYS[:3]] == [1, 0, 2]
+    with pytest.raises(UnknownKeyError, match="prepare_load"):
+        one.prepare_load_spec([KEYS[1], KEYS[5]], CTX)
+    assert one.pin_count(KEYS[1]) == 0
+
+
+def test_a_spec_made_from_a_list_is_a_snapshot_read_as_an_int64_array() -> None:
+    """The slots are converted on first read (by the worker), as the list was given."""
+    slots = [3, 1]
+    spec = CPULoadStoreSpec(slots)
+    slots.append(7)
+    assert len(spec) == 2
+    copied = copy.copy(spec)
+    copied.set_gpu_block_offset(1)
+    again = pickle.loads(pickle.dumps(spec))
+    for each in (spec, copied, again):
+        assert each.slot_ids.dtype == np.int64 and each.slot_ids.tolist() == [3, 1]
+        assert each.block_ids is each.slot_ids and len(each) == 2
+    assert (spec.gpu_block_offset, copied.gpu_block_offset) == (0, 1)
 
 
 @pytest.mark.parametrize(("policy", "recency"), [("lru", True), ("arc", False), ("s3fifo", False)])

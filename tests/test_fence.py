@@ -134,6 +134,41 @@ def test_a_store_larger_than_the_primary_stores_its_head_through_every_tier(
     assert again.verification_failures == 0
 
 
+@pytest.mark.parametrize(
+    ("lower", "stores", "evictions"),
+    [
+        # Written through to the file tier: what the primary evicts lives on below, and
+        # the prompt's head reaches the file tier through it.
+        pytest.param({"io": "posix"}, 29, 29, id="cpu+file-through"),
+        # Nothing below keeps what it would evict; the file tier takes only chunks loaded
+        # once (so not every victim is there either).
+        pytest.param({"io": "posix", "write_after_hits": 1}, 0, 0, id="cpu+file-after-hits"),
+        pytest.param(None, 0, 0, id="cpu-alone"),
+    ],
+)
+def test_a_prompt_larger_than_a_full_primary_evicts_for_its_head_only_above_a_written_through_tier(
+    tmp_path: Path, lower: dict[str, Any] | None, stores: int, evictions: int
+) -> None:
+    tiers: list[dict[str, Any]] = [{"kind": "cpu", "capacity": f"{29 * 4}KiB"}]
+    if lower is not None:
+        tiers.append({"kind": "file", "root": str(tmp_path), "threads": 2, **lower})
+    stack = load_stack({"tiers": tiers, "model": ONE_GROUP})
+    try:
+        run(stack, "fill", list(range(5000, 5000 + 29 * TOKENS_PER_CHUNK + 1)))
+        stack.manager.wait_idle()
+        before = stack.manager.get_stats()
+        report = run(stack, "long", prompt(30))
+        stack.manager.wait_idle()
+        stats = stack.manager.get_stats()
+    finally:
+        stack.shutdown()
+    assert before["cpu.chunks"] == 29
+    assert report.store_failures == 0
+    assert stats["cpu.stores"] - before["cpu.stores"] == stores
+    assert stats["cpu.evictions"] - before["cpu.evictions"] == evictions
+    assert stats["cpu.chunks"] == 29
+
+
 def test_a_requests_own_prefix_is_never_evicted_by_its_own_promotions(
     tmp_path: Path,
 ) -> None:

@@ -315,13 +315,14 @@ def test_a_one_tier_route1_lookup_after_shutdown_is_a_clear_error() -> None:
             manager.lookup(key, ctx)
 
 
-@pytest.mark.parametrize("tiers", ["cpu", "cpu+file"])
+@pytest.mark.parametrize("tiers", ["cpu", "cpu-no-events", "cpu+file"])
 def test_a_found_key_survives_the_same_requests_store(tiers: str, tmp_path: Path) -> None:
     """A request's lookup puts what it finds in its keep set: its own store evicts
     something else (the one-call lookup of a one-tier stack as the composite's)."""
     cpu = {"kind": "cpu", "capacity": 2 * SLOT_BYTES, "policy": "lru"}
-    lower = [{"kind": "file", "root": str(tmp_path), "io": "posix"}] if tiers != "cpu" else []
-    manager = OffloadingSpecFactory.create_spec(route1_config([cpu, *lower])).get_manager()
+    lower = [{"kind": "file", "root": str(tmp_path), "io": "posix"}] if tiers == "cpu+file" else []
+    config = route1_config([cpu, *lower], events=tiers != "cpu-no-events")
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
     try:
         older, newer, fresh = prefix(3, 3)
         store_keys(manager, "a", [older])
@@ -335,10 +336,11 @@ def test_a_found_key_survives_the_same_requests_store(tiers: str, tmp_path: Path
         manager.shutdown()
 
 
-def test_a_waiting_requests_finds_stay_kept_across_steps_and_are_held_once() -> None:
+@pytest.mark.parametrize("events", [True, False])
+def test_a_waiting_requests_finds_stay_kept_across_steps_and_are_held_once(events: bool) -> None:
     """A request vLLM looks up again every step while it waits keeps its found keys from
     its own store, and holds each of them once however many steps it waits."""
-    manager = route1(2, "lru")
+    manager = route1(2, "lru", events=events)
     try:
         older, newer, fresh = prefix(3, 3)
         store_keys(manager, "a", [older])
@@ -352,5 +354,90 @@ def test_a_waiting_requests_finds_stay_kept_across_steps_and_are_held_once() -> 
         assert manager._requests["c"].ctx.keep == {older}
         out = manager.prepare_store([fresh], ctx)
         assert out is not None and list(out.evicted_keys) == [newer]
+    finally:
+        manager.shutdown()
+
+
+# -- the direct calls of a one-tier cpu stack: the composite's rules without the composite --
+@pytest.mark.parametrize("events", [True, False])
+def test_a_one_tier_route1_refuses_every_call_once_its_stack_is_shut_down(events: bool) -> None:
+    """Shut down under the adapter (the stack's own shutdown), every call that names keys
+    raises as the composite's door does."""
+    manager = route1(2, "lru", events=events)
+    stored, fresh = prefix(4, 2)
+    store_keys(manager, "a", [stored])
+    ctx = request(manager, "b", [stored, fresh])
+    manager.stack.shutdown()
+    calls = {
+        "prepare_store": lambda: manager.prepare_store([fresh], ctx),
+        "complete_store": lambda: manager.complete_store({fresh}, ctx),
+        "prepare_load": lambda: manager.prepare_load([stored], ctx),
+        "complete_load": lambda: manager.complete_load({stored}, ctx),
+        "on_request_finished": lambda: manager.on_request_finished(ctx),
+    }
+    for where, call in calls.items():
+        with pytest.raises(ClosedError, match=f"{where}: this stack was shut down"):
+            call()
+
+
+@pytest.mark.parametrize("events", [True, False])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param("k" * 20, id="str"),
+        pytest.param(b"\x01\x02", id="short"),
+        pytest.param(vbase.make_offload_key(b"\x07" * 16, 1), id="group-out-of-range"),
+    ],
+)
+def test_a_one_tier_route1_refuses_a_bad_key_at_every_call_that_names_keys(
+    events: bool, bad: Any
+) -> None:
+    manager = route1(2, "lru", events=events)
+    try:
+        good = prefix(5, 1)
+        store_keys(manager, "a", good)  # the cache learns its key length
+        ctx = request(manager, "b", good)
+        before = dict(manager.stack.manager.get_stats())
+        calls = [
+            lambda: manager.prepare_store([good[0], bad], ctx),
+            lambda: manager.complete_store([good[0], bad], ctx),
+            lambda: manager.prepare_load([good[0], bad], ctx),
+            lambda: manager.complete_load([good[0], bad], ctx),
+        ]
+        for call in calls:
+            with pytest.raises(InvalidKeyError):
+                call()
+        assert dict(manager.stack.manager.get_stats()) == before
+        assert manager.lookup(good[0], ctx) is vbase.LookupResult.HIT
+    finally:
+        manager.shutdown()
+
+
+@pytest.mark.parametrize("events", [True, False])
+def test_a_one_tier_route1_reports_each_removal_once_in_the_next_store_output(
+    events: bool,
+) -> None:
+    """Published or not as events, the primary's removals reach vLLM in the next
+    PrepareStoreOutput, once each, never one of the keys it stores: a store's own
+    evictions, and a reset's removals at the store after it."""
+    manager = route1(2, "lru", events=events)
+    try:
+        head, tail, other = prefix(6, 3)
+        store_keys(manager, "a", [head, tail])
+        ctx = request(manager, "b", [other])
+        out = manager.prepare_store([other], ctx)
+        assert out is not None and out.evicted_keys == [tail]  # a prefix loses its tail first
+        manager.complete_store({other}, ctx)
+        manager.on_request_finished(ctx)
+        manager.reset_cache()  # removes head and other; no store is under way to say so
+        ctx = request(manager, "c", [head, tail])
+        out = manager.prepare_store([head, tail], ctx)
+        assert out is not None and list(out.keys_to_store) == [head, tail]
+        assert out.evicted_keys == [other]  # head is stored again: not evicted
+        manager.complete_store({head, tail}, ctx)
+        out = manager.prepare_store([head], ctx)
+        assert out is not None and out.evicted_keys == []
+        published = [e for e in manager.take_events() if e.removed]
+        assert bool(published) is events
     finally:
         manager.shutdown()

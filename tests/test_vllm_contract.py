@@ -121,11 +121,22 @@ def policy(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.mark.parametrize("side", ["route1", "vllm"])
+def side_manager(side: str, chunks: int, policy: str) -> Any:
+    """vLLM's own manager, or route 1 with events published or not (its direct calls then
+    forward the primary's removals instead of draining events)."""
+    if side == "vllm":
+        return vllm_manager(chunks, policy)
+    return route1(chunks, policy, events=side == "route1")
+
+
+SIDES = ["route1", "route1-no-events", "vllm"]
+
+
+@pytest.mark.parametrize("side", SIDES)
 def test_a_loaded_four_chunk_prefix_keeps_three_usable_chunks_after_one_eviction(
     policy: str, side: str
 ) -> None:
-    manager = route1(4, policy) if side == "route1" else vllm_manager(4, policy)
+    manager = side_manager(side, 4, policy)
     try:
         keys = prefix(1, 4)
         store(manager, "a", keys)
@@ -136,9 +147,9 @@ def test_a_loaded_four_chunk_prefix_keeps_three_usable_chunks_after_one_eviction
         manager.shutdown()
 
 
-@pytest.mark.parametrize("side", ["route1", "vllm"])
+@pytest.mark.parametrize("side", SIDES)
 def test_a_stored_prefix_loses_its_tail_first(policy: str, side: str) -> None:
-    manager = route1(4, policy) if side == "route1" else vllm_manager(4, policy)
+    manager = side_manager(side, 4, policy)
     try:
         keys = prefix(3, 4)
         store(manager, "a", keys)

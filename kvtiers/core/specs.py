@@ -65,7 +65,41 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
 
 class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
-    """CPU-tier slot ids, one per chunk, in key order."""
+    """CPU-tier slot ids, one per chunk, in key order.
+
+    A manager makes one per scheduler call, and the worker reads it: slot ids given as
+    anything but an array are copied into a list and become the ``np.int64`` array on
+    first read (``block_ids`` / ``slot_ids``, by the worker), so the scheduler's thread
+    builds no array per call (converting a short list costs more than the rest of a
+    one-chunk load)."""
+
+    def __init__(self, slot_ids: Iterable[int] | npt.NDArray[np.int64]) -> None:
+        if isinstance(slot_ids, np.ndarray):
+            super().__init__(slot_ids)
+        else:
+            self._listed = list(slot_ids)
+
+    # The array once made (BlockIDsLoadStoreSpec's attribute, behind the property), and
+    # the slot ids given until then.
+    _array: npt.NDArray[np.int64] | None = None
+    _listed: list[int] | None = None
+
+    @property
+    def block_ids(self) -> npt.NDArray[np.int64]:
+        array = self._array
+        if array is None:
+            array = self._array = np.array(self._listed, dtype=np.int64)
+            self._listed = None
+        return array
+
+    @block_ids.setter
+    def block_ids(self, ids: npt.NDArray[np.int64]) -> None:
+        self._array = ids
+        self._listed = None
+
+    def __len__(self) -> int:
+        listed = self._listed
+        return len(listed) if listed is not None else int(self.block_ids.shape[0])
 
     @property
     def slot_ids(self) -> npt.NDArray[np.int64]:

@@ -161,16 +161,6 @@ class _Lists(SlotOrder):
         nxt[before] = after
         prev[after] = before
 
-    def _walk(self, head: int, protected: Collection[Any]) -> Any:
-        """The list's unprotected slots, oldest first (the list must not change meanwhile)."""
-        nxt = self._next
-        keys = self._keys
-        slot = nxt[head]
-        while slot is not head:
-            if keys[slot] not in protected:
-                yield slot
-            slot = nxt[slot]
-
 
 class SlotLRU(_Lists):
     """:class:`~kvtiers.policies.lru.LRUPolicy` over slots: one list, oldest first."""
@@ -279,20 +269,29 @@ class SlotARC(_Lists):
         return self._len1 + self._len2
 
     def insert(self, slot: int) -> None:
-        key = self._keys[slot]
         b1 = self._b1
         b2 = self._b2
-        if b1 and key in b1:
-            if not self._grown:
-                self._grown = True
-                self._p = min(self.capacity, self._p + max(len(b2) // len(b1), 1))
-            del b1[key]
-        elif b2 and key in b2:
-            if not self._shrunk:
-                self._shrunk = True
-                self._p = max(0, self._p - max(len(b1) // len(b2), 1))
-            del b2[key]
-        self._append(slot, self._h1)
+        if b1 or b2:
+            key = self._keys[slot]
+            if key in b1:
+                if not self._grown:
+                    self._grown = True
+                    self._p = min(self.capacity, self._p + max(len(b2) // len(b1), 1))
+                del b1[key]
+            elif key in b2:
+                if not self._shrunk:
+                    self._shrunk = True
+                    self._p = max(0, self._p - max(len(b1) // len(b2), 1))
+                del b2[key]
+        # _append, inlined: once per stored chunk.
+        prev = self._prev
+        nxt = self._next
+        head = self._h1
+        last = prev[head]
+        nxt[last] = slot
+        prev[slot] = last
+        nxt[slot] = head
+        prev[head] = slot
         self._where[slot] = _FIRST
         self._len1 += 1
         if b1 or b2:
@@ -357,32 +356,43 @@ class SlotARC(_Lists):
     def _evict(self, n: int, protected: Collection[Any]) -> list[int]:
         return self._take(self._pick(n, protected, ()))
 
-    def _pick(
-        self, n: int, protected: Collection[Any], shielded: Collection[Any]
-    ) -> list[tuple[int, bool]]:
-        """``ARCPolicy._pick`` over slots: up to ``n`` victims in eviction order, each with
-        whether it comes from ``T1``."""
-        t1_free = self._walk(self._h1, protected)
-        t2_free = self._walk(self._h2, protected)
-        next_t1, next_t2 = next(t1_free, None), next(t2_free, None)
+    def _pick(self, n: int, protected: Collection[Any], shielded: Collection[Any]) -> list[int]:
+        """``ARCPolicy._pick`` over slots: up to ``n`` victims in eviction order (still
+        tracked: ``_where`` tells which list each is on). Each list is walked through its
+        links, past protected keys, without a generator: a batch of one is the usual."""
+        nxt = self._next
+        keys = self._keys
+        h1 = self._h1
+        h2 = self._h2
+        p = self._p
+        t1 = nxt[h1]
+        while t1 is not h1 and keys[t1] in protected:
+            t1 = nxt[t1]
+        t2 = nxt[h2]
+        while t2 is not h2 and keys[t2] in protected:
+            t2 = nxt[t2]
         t1_size = self._len1
         holds_shielded: bool | None = None
-        picks: list[tuple[int, bool]] = []
+        picks: list[int] = []
         while len(picks) < n:
-            if next_t1 is not None and (t1_size > self._p or next_t2 is None):
-                picks.append((next_t1, True))
+            if t1 is not h1 and (t1_size > p or t2 is h2):
+                picks.append(t1)
                 t1_size -= 1
-                next_t1 = next(t1_free, None)
+                t1 = nxt[t1]
+                while t1 is not h1 and keys[t1] in protected:
+                    t1 = nxt[t1]
                 continue
-            if next_t2 is None:
+            if t2 is h2:
                 break
-            if t1_size > self._p:
+            if t1_size > p:
                 if holds_shielded is None:
                     holds_shielded = self._t1_holds(shielded)
                 if holds_shielded:
                     break
-            picks.append((next_t2, False))
-            next_t2 = next(t2_free, None)
+            picks.append(t2)
+            t2 = nxt[t2]
+            while t2 is not h2 and keys[t2] in protected:
+                t2 = nxt[t2]
         return picks
 
     def _t1_holds(self, keys: Collection[Any]) -> bool:
@@ -394,23 +404,27 @@ class SlotARC(_Lists):
                 return True
         return False
 
-    def _take(self, picks: list[tuple[int, bool]]) -> list[int]:
+    def _take(self, picks: list[int]) -> list[int]:
         """Stop tracking the picked slots, remembering each key in its list's ghost list."""
         keys = self._keys
         where = self._where
-        victims: list[int] = []
-        for slot, from_t1 in picks:
-            self._unlink(slot)
-            where[slot] = _NONE
-            if from_t1:
+        prev = self._prev
+        nxt = self._next
+        for slot in picks:
+            # _unlink, inlined: once per victim.
+            before = prev[slot]
+            after = nxt[slot]
+            nxt[before] = after
+            prev[after] = before
+            if where[slot] == _FIRST:
                 self._len1 -= 1
                 self._b1[keys[slot]] = None
             else:
                 self._len2 -= 1
                 self._b2[keys[slot]] = None
-            victims.append(slot)
+            where[slot] = _NONE
         self._trim_ghosts()
-        return victims
+        return picks
 
     def _trim_ghosts(self) -> None:
         b1 = self._b1

@@ -101,7 +101,7 @@ from kvtiers.stack.placement import (
     holding,
     holds,
 )
-from kvtiers.tiers.cpu.manager import SlotState
+from kvtiers.tiers.cpu.manager import CpuTierManager, SlotState
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -221,6 +221,13 @@ class TieredManager(OffloadingManager):
             )
         # Placement (docs/architecture.md, "Placement").
         self._through = [lo for lo in self._lower if lo.writes and lo.write.mode == "through"]
+        if isinstance(self._primary, CpuTierManager) and any(
+            lo.write.after_hits == 0 for lo in self._through
+        ):
+            # Every chunk the primary stores is copied below: what it evicts lives on there,
+            # so a store that does not fit whole may evict for its head, which then reaches
+            # the tiers below ("Prefixes larger than the primary" in docs/architecture.md).
+            self._primary.staging = True
         back = [lo for lo in self._lower if lo.writes and lo.write.mode == "back"]
         #: ``back`` tiers written when the primary evicts (the first hop) ...
         self._back: list[_Lower] = []
@@ -328,6 +335,10 @@ class TieredManager(OffloadingManager):
         if type(ctx) is not ReqContext and not isinstance(ctx, ReqContext):
             raise TypeError(f"{where}: expected a ReqContext, got {type(ctx).__name__}")
         self._keys.check_all(keys, where)
+
+    #: The door, for a caller that reaches a one-tier stack's primary itself (the vLLM
+    #: adapter's one-call mode): it raises as the composite's own call would.
+    door = _door
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         # The door, inlined: this is called once per chunk of every waiting request.

@@ -81,6 +81,10 @@ def _cpu_file(root: Path) -> dict[str, Any]:
     }
 
 
+#: One cpu tier: the vLLM adapter calls it directly (no composite in the way).
+CPU_ONLY: dict[str, Any] = {"tiers": [{"kind": "cpu", "capacity": "64MiB", "policy": "arc"}]}
+
+
 def _cpu_file_s3(root: Path, s3: tuple[str, str]) -> dict[str, Any]:
     endpoint, bucket = s3
     stack = _cpu_file(root)
@@ -117,6 +121,11 @@ def first(workdir: Path, model_dir: Path, s3_bucket: tuple[str, str]) -> dict[st
             _engine("reference", model_dir, None),
             _engine("file_cold", model_dir, _cpu_file(workdir / "root-file")),
             _engine("s3_cold", model_dir, _cpu_file_s3(workdir / "root-s3", s3_bucket)),
+            _engine("cpu_cold", model_dir, CPU_ONLY),
+            _engine(
+                "cpu_reset_mid_run", model_dir, CPU_ONLY, reset_after_steps=1,
+                reset_max_steps=5000,
+            ),
         ],
     )
 
@@ -191,6 +200,30 @@ def test_cold_engine_gives_reference_tokens_and_writes_every_tier(
     if name == "s3_cold":
         assert kv["s3.stores"] == CHUNKS
     assert kv["cascade_failures"] == 0
+
+
+def test_a_one_tier_cpu_engine_gives_reference_tokens_and_stores_every_chunk(
+    first: dict[str, Any], reference: list[list[int]]
+) -> None:
+    res = result(first, "cpu_cold")
+    summarize("cpu_cold", res, reference)
+    assert res["tokens"] == reference
+    assert res["vllm"]["vllm:kv_offload_store_bytes"] == CHUNKS * CHUNK_PAYLOAD
+    kv = res["kvtiers"]
+    assert kv["cpu.stores"] == CHUNKS
+    assert kv["cpu.store_failures"] == 0
+
+
+def test_a_reset_mid_run_of_a_one_tier_cpu_engine_leaves_no_request_stuck(
+    first: dict[str, Any], reference: list[list[int]]
+) -> None:
+    res = result(first, "cpu_reset_mid_run")
+    summarize("cpu_reset_mid_run", res, reference)
+    reset = res["reset"]
+    assert reset["unfinished_at_reset"] == PROMPTS
+    assert not reset["unfinished"], f"requests still unfinished after the reset: {reset}"
+    assert res["tokens"] == reference
+    assert res["kvtiers"]["cpu.fenced_slots"] == 0
 
 
 @pytest.mark.parametrize("name", ["file_restart", "connector_restart"])

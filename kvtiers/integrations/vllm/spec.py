@@ -30,7 +30,10 @@ vLLM (0.33.0) loads it through ``OffloadingSpecFactory`` from ``spec_name`` +
   one-tier ``cpu`` stack answers ``lookup`` from the primary in one call (which keeps the
   composite's door for keys it finds and lists them for the request's ``ctx.keep``, as the
   composite keeps them; a key it does not hold is a ``MISS`` unchecked: every key is
-  checked where it enters, at ``prepare_store`` and ``prepare_load``).
+  checked where it enters, at ``prepare_store`` and ``prepare_load``). Such a stack (with
+  no shard ledger) is also called directly for loads, stores and finishes, the door's key
+  tests inlined (:meth:`KVTiersManager._go_direct`), and when vLLM publishes no events the
+  primary builds none: it forwards the keys it removes.
 * Resets follow vLLM's fence. vLLM drops the completions of jobs in flight at
   ``reset_cache`` (0.32 and 0.33, by job id), so the stack forgets those keys at once
   (``MISS``, a new store accepted) and fences their primary slots, and every completion
@@ -92,7 +95,7 @@ from kvtiers.config import (
 )
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
-from kvtiers.core.keys import OffloadKey, get_offload_group_idx
+from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey, get_offload_group_idx
 from kvtiers.core.manager import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, GroupTransfer, LoadStoreSpec
 from kvtiers.core.tier import BuiltTier
@@ -176,6 +179,23 @@ class _Request:
     found: list[OffloadKey] = field(default_factory=list)
 
 
+#: The calls the direct mode answers itself (see KVTiersManager._go_direct).
+_DIRECT_CALLS = (
+    "prepare_load",
+    "complete_load",
+    "prepare_store",
+    "complete_store",
+    "on_request_finished",
+    "take_events",
+)
+
+
+def _no_events() -> list[Any]:
+    """``take_events`` of the direct mode when vLLM publishes none: the primary builds
+    none (it forwards its removals), so there is nothing to drain."""
+    return []
+
+
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 _VHIT, _VMISS = vbase.LookupResult.HIT, vbase.LookupResult.MISS
 
@@ -224,6 +244,11 @@ class KVTiersManager(vbase.OffloadingManager):
     ) -> None:
         self.stack = stack
         self._tiered = stack.manager
+        self._door = stack.manager.door
+        # The door's numbers (the direct calls test keys themselves; see _refuse).
+        self._key_format = stack.manager.key_format
+        self._key_bytes = self._key_format.key_bytes
+        self._group_limit = self._key_format.group_limit
         # A sharded engine's ledger, and the stamp of every key stored and not completed.
         self._ledger = ledger
         self._stamps: dict[OffloadKey, int] = {}
@@ -247,6 +272,9 @@ class KVTiersManager(vbase.OffloadingManager):
             self._same_keys and len(stack.manager.tiers) == 1
             and isinstance(primary, CpuTierManager) and stack.manager.cost is None
         )
+        # The keys the primary removed, forwarded instead of events (the direct mode when
+        # vLLM publishes no events).
+        self._removed: list[OffloadKey] | None = None
         if self._one_call:
             # Nothing to translate and nowhere to promote from: the primary answers, with
             # the composite's door and keep set (kept as the request's found list).
@@ -257,6 +285,23 @@ class KVTiersManager(vbase.OffloadingManager):
                 keys=stack.manager.key_format,
                 found=self._found,
             )
+            if ledger is None:
+                self._go_direct(primary)
+
+    def _go_direct(self, primary: CpuTierManager) -> None:
+        """Call the one-tier stack's primary itself for the calls that load, store and
+        finish, with the composite's door inlined (the composite adds nothing else to a
+        stack of one cpu tier); with no events to publish, the primary forwards the keys it
+        removes instead of building events. The primary's shutdown undoes it."""
+        primary.on_shutdown(self._leave_direct)
+        self.prepare_load = self._prepare_load_direct  # type: ignore[method-assign]
+        self.complete_load = self._complete_load_direct  # type: ignore[method-assign]
+        self.complete_store = self._complete_store_direct  # type: ignore[method-assign]
+        self.on_request_finished = self._finished_direct  # type: ignore[method-assign]
+        if not self._events_enabled:
+            self._removed = primary.forward_removals()
+            self.prepare_store = self._prepare_store_direct  # type: ignore[method-assign]
+            self.take_events = _no_events  # type: ignore[method-assign]
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._requests.get(ctx.req_id)
@@ -361,6 +406,121 @@ class KVTiersManager(vbase.OffloadingManager):
             store_spec=self._spec(accepted, stamp),
             evicted_keys=list(evicted),
         )
+
+    def _leave_direct(self) -> None:
+        """The primary was shut down: back to the composite's calls, whose door refuses
+        every call from now on (so the direct calls never test for it)."""
+        for name in _DIRECT_CALLS:
+            self.__dict__.pop(name, None)
+
+    def _refuse(self, keys: Collection[Any], ctx: ReqContext, where: str) -> None:
+        """A direct call's key failed the door's tests (inlined in each direct call: the
+        context is the adapter's own, so its keys are all the door checks): the door
+        raises why, or learns the key length from the first key."""
+        self._door(keys, ctx, where)
+        self._key_bytes = self._key_format.key_bytes
+
+    # -- the direct mode (see _go_direct): the composite's calls, for a stack of one cpu tier
+    def _prepare_load_direct(
+        self, keys: Collection[Any], req_context: Any
+    ) -> KVTiersLoadStoreSpec:
+        request = self._requests.get(req_context.req_id)
+        ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        size = self._key_bytes  # the door, inlined (see _refuse)
+        limit = self._group_limit
+        for key in keys:
+            if type(key) is not bytes or len(key) != size or (
+                limit is not None and key[-GROUP_INDEX_BYTES:] >= limit
+            ):
+                self._refuse(keys, ctx, "prepare_load")
+                break
+        if self._num_groups == 1:
+            spec = KVTiersLoadStoreSpec((self._primary.prepare_load_spec(keys, ctx),))
+        else:
+            self._primary.prepare_load(keys, ctx)
+            spec = self._spec(keys)
+        # Pinned now: the request's prefix no longer needs protecting by name.
+        ctx.keep.clear()
+        if request is not None:
+            request.found.clear()
+        return spec
+
+    def _complete_load_direct(self, keys: Collection[Any], req_context: Any) -> None:
+        request = self._requests.get(req_context.req_id)
+        ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        size = self._key_bytes  # the door, inlined (see _refuse)
+        limit = self._group_limit
+        for key in keys:
+            if type(key) is not bytes or len(key) != size or (
+                limit is not None and key[-GROUP_INDEX_BYTES:] >= limit
+            ):
+                self._refuse(keys, ctx, "complete_load")
+                break
+        primary = self._primary
+        primary.complete_load(keys, ctx, generation=primary.generation)
+
+    def _prepare_store_direct(self, keys: Collection[Any], req_context: Any) -> Any:
+        request = self._requests.get(req_context.req_id)
+        if request is None:
+            ctx = kvtiers_context(req_context)
+        else:
+            ctx = request.ctx
+            if request.found:  # the store must not evict what the request's lookups found
+                _keep_found(request)
+        size = self._key_bytes  # the door, inlined (see _refuse)
+        limit = self._group_limit
+        for key in keys:
+            if type(key) is not bytes or len(key) != size or (
+                limit is not None and key[-GROUP_INDEX_BYTES:] >= limit
+            ):
+                self._refuse(keys, ctx, "prepare_store")
+                break
+        removed = self._removed
+        assert removed is not None
+        # Removals before this call (a reset's) may name keys it stores again.
+        earlier = len(removed)
+        accepted = self._primary.prepare_store(keys, ctx)
+        if accepted is None:
+            return None
+        evicted: list[OffloadKey] = []
+        if removed:
+            if earlier:
+                stored = set(accepted)
+                evicted = [key for key in removed[:earlier] if key not in stored]
+                evicted += removed[earlier:]
+            else:
+                evicted = removed[:]
+            removed.clear()
+        return vbase.PrepareStoreOutput(
+            keys_to_store=accepted, store_spec=self._spec(accepted), evicted_keys=evicted
+        )
+
+    def _complete_store_direct(
+        self, keys: Collection[Any], req_context: Any, success: bool = True
+    ) -> None:
+        ordered = _tail_first(keys, req_context)
+        request = self._requests.get(req_context.req_id)
+        ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        size = self._key_bytes  # the door, inlined (see _refuse)
+        limit = self._group_limit
+        for key in ordered:
+            if type(key) is not bytes or len(key) != size or (
+                limit is not None and key[-GROUP_INDEX_BYTES:] >= limit
+            ):
+                self._refuse(ordered, ctx, "complete_store")
+                break
+        primary = self._primary
+        # vLLM completes no job from before a reset: this one is of the current generation.
+        primary.complete_store(ordered, ctx, success, generation=primary.generation)
+
+    def _finished_direct(self, req_context: Any) -> None:
+        req_id = req_context.req_id
+        request = self._requests.get(req_id)
+        ctx = request.ctx if request is not None else kvtiers_context(req_context)
+        ctx.keep.clear()
+        self._primary.on_request_finished(ctx)
+        self._requests.pop(req_id, None)
+        self._found.pop(req_id, None)
 
     def complete_store(self, keys: Collection[Any], req_context: Any, success: bool = True) -> None:
         """vLLM hands a job's keys as a set: they enter recency tail first by the positions

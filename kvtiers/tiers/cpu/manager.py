@@ -16,9 +16,10 @@ Invariants:
   and the request's ``ctx.keep`` keys are passed to it as protected, so eviction never
   picks a writing or pinned chunk, nor a chunk of the prefix the storing request holds;
 - ``prepare_store`` reserves every key it returns and changes nothing else but the
-  evictions that make room for them; when not all fit it reserves the leading keys that
-  do, and when none fits it returns ``None`` and changes nothing (the policy's ``evict``
-  is atomic; what fits is the policy's to say, ``EvictionPolicy.evictable``);
+  evictions that make room for them; when not all fit it evicts nothing and reserves the
+  leading keys the free slots hold (a ``staging`` tier evicts for them too, as far as the
+  policy allows: ``EvictionPolicy.evictable``), and when none fits it returns ``None``
+  and changes nothing (the policy's ``evict`` is atomic);
 - ``complete_store`` / ``complete_load`` of a key this tier never reserved or pinned raise
   :class:`~kvtiers.errors.UnknownKeyError` before changing anything;
 - a completion of an older generation (a job from before a reset) releases only that job's
@@ -52,9 +53,8 @@ import dataclasses
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import filterfalse
 from typing import TYPE_CHECKING, Any, TypeVar
-
-import numpy as np
 
 from kvtiers.core.keys import KeyFormat, OffloadKey
 from kvtiers.core.manager import (
@@ -99,6 +99,15 @@ _R = TypeVar("_R")
 #: ``_slots``' value for a key being written. -1 is never a slot, and CPython keeps one
 #: object for it, so comparing by identity is exact and reads nothing.
 _BEING_WRITTEN = -1
+
+
+def _protected(*parts: Collection[OffloadKey]) -> Collection[OffloadKey]:
+    """The union of ``parts``, skipping the empty ones: the one part itself when only one
+    is left (eviction then tests each candidate with one C-level ``in``)."""
+    kept = tuple(filter(None, parts))
+    if len(kept) == 1:
+        return kept[0]
+    return _Protected(*kept) if kept else ()
 
 
 class _Protected(Collection[OffloadKey]):
@@ -170,6 +179,11 @@ class CpuTierManager(OffloadingManager):
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
         self.policy = policy
+        self._shields = policy.shields_request_head
+        #: Whether this tier stages chunks for lower tiers that are written through (every
+        #: chunk it stores is copied below: the composite sets it): a store that does not
+        #: fit whole then evicts for its leading keys too, not only the free slots.
+        self.staging = False
         # The region this manager's slots index; closed by shutdown().
         self.region = region
         # An instance-level declaration: LRU order holds only for policies that keep it.
@@ -198,6 +212,8 @@ class CpuTierManager(OffloadingManager):
         # Slots of evicted chunks held for the caller of evict_held until release_held.
         self._held: set[int] = set()
         self._events: list[OffloadingEvent] = []
+        # Where removed keys go instead of events once forward_removals was called.
+        self._removed: list[OffloadKey] | None = None
         # Bumped by reset_cache: a request's access state, and a job, from before a reset
         # are stale.
         self._generation = 0
@@ -208,8 +224,11 @@ class CpuTierManager(OffloadingManager):
         self._evictions = 0
         self._loads = 0
         self._closed = False
-        # Called by shutdown(): each closes one function lookup_as made.
+        # Called by shutdown(): each closes one function lookup_as made, or is a caller's
+        # (on_shutdown).
         self._closers: list[Callable[[], None]] = []
+        # The hits and misses of each function lookup_as made.
+        self._lookup_counts: list[Callable[[], tuple[int, int]]] = []
 
     # -- queries --------------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -246,18 +265,26 @@ class CpuTierManager(OffloadingManager):
         ``req_id``) a key found present is appended to its request's list: the caller
         moves those keys into ``ctx.keep`` before a call that reads it (a list costs less
         to fill and to drop than a set)."""
-        manager = self
         slot_of: Callable[[Any], int | None] = self._slots.get
+        # Counted in the function's own cells (cheaper than the manager's attributes),
+        # which get_stats adds up.
+        hits = misses = 0
+
+        def counts() -> tuple[int, int]:
+            return hits, misses
+
+        self._lookup_counts.append(counts)
         if keys is None:
 
             def lookup(key: Any, ctx: Any) -> _R:
+                nonlocal hits, misses
                 slot = slot_of(key)
                 if slot is None:
-                    manager._misses += 1
+                    misses += 1
                     return miss
                 if slot is _BEING_WRITTEN:
                     return pending
-                manager._hits += 1
+                hits += 1
                 return hit
 
             return lookup
@@ -280,13 +307,14 @@ class CpuTierManager(OffloadingManager):
         self._closers.append(close)
 
         def checked_lookup(key: Any, ctx: Any) -> _R:
+            nonlocal hits, misses
             try:
                 slot = slot_of(key)
             except TypeError:  # unhashable: not a key
                 refuse(key)
                 raise
             if slot is None:
-                manager._misses += 1
+                misses += 1
                 return miss
             # Only keys the door let in were ever stored: a present key needs its type
             # checked alone (an equal bytes subclass is still refused).
@@ -297,7 +325,7 @@ class CpuTierManager(OffloadingManager):
                 keys_found.append(key)
             if slot is _BEING_WRITTEN:
                 return pending
-            manager._hits += 1
+            hits += 1
             return hit
 
         return checked_lookup
@@ -317,44 +345,56 @@ class CpuTierManager(OffloadingManager):
                     "pinned by prepare_load in the CPU tier"
                 )
             ids.append(slot)
-        return CPULoadStoreSpec(np.array(ids, dtype=np.int64))
+        return CPULoadStoreSpec(ids)
 
     # -- store ----------------------------------------------------------------------
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         slots = self._slots
-        accepted = [key for key in keys if key not in slots]
+        free = self._free
+        # C-level filters, not comprehensions: no frame per call (a batch is often 1 key).
+        accepted = list(filterfalse(slots.__contains__, keys))
         if len(accepted) > 1:
             accepted = list(dict.fromkeys(accepted))  # a key named twice is reserved once
-        shortfall = len(accepted) - len(self._free)
+        # _access(ctx), inlined: once per store on the scheduler's path.
+        access = ctx.get_state(_RequestAccess)
+        if access is not None and (
+            access.owner is not self or access.generation != self._generation
+        ):
+            access = None
+        shortfall = len(accepted) - len(free)
         if shortfall > 0:
-            protected: Collection[OffloadKey] = self._pins
-            present = [key for key in keys if key in slots]
+            # Every key is absent, or some are present (or named twice): only then look.
+            present = [] if len(accepted) == len(keys) else list(filter(slots.__contains__, keys))
             # An announced request's earlier keys (nearer its head) outlive its later ones
             # where the policy asks (as in vLLM's LRU, where a running request's keys rank
             # tail first); a policy's own rule keeps it scan-resistant (ARC: a long prompt
             # does not take T2's keys, it stores what T1 has room for).
-            access = self._access(ctx) if self.policy.shields_request_head else None
-            shielded: Collection[OffloadKey] = () if access is None else access.seen
-            if present or ctx.keep or shielded:
-                # Keys the caller counts as stored must survive the store that names them,
-                # and the request's own prefix must survive its own stores and promotions.
-                protected = _Protected(self._pins, present, ctx.keep, shielded)
+            shielded: Collection[OffloadKey] = (
+                access.seen if access is not None and self._shields else ()
+            )
+            # Keys the caller counts as stored must survive the store that names them,
+            # and the request's own prefix must survive its own stores and promotions.
+            protected = _protected(self._pins, present, ctx.keep, shielded)
             order = self._order
             victims = order.evict(shortfall, protected, shielded)
             if victims is None:
-                # Not all fit: reserve the leading keys that do (a prompt longer than the
-                # tier still stores its head, which then cascades to the lower tiers).
-                fit = len(self._free) + order.evictable(protected, shielded)
+                # Not all fit: reserve the leading keys the free slots hold. Evicting for
+                # them would give up chunks the next requests reuse for the head of one
+                # prompt that does not fit (benchmarks/results/hit_rate.md), except where
+                # this tier stages for lower tiers: there what it evicts lives on below,
+                # and the head it keeps reaches them.
+                fit = len(free)
+                if self.staging:
+                    fit += order.evictable(protected, shielded)
                 if fit <= 0:
                     return None
                 del accepted[fit:]
-                victims = order.evict(fit - len(self._free), protected, shielded)
+                victims = order.evict(fit - len(free), protected, shielded) if self.staging else []
                 assert victims is not None
             if victims:
                 self._drop(victims)
-        free = self._free
         state = self._state
         writing = self._writing
         for key in accepted:
@@ -362,7 +402,6 @@ class CpuTierManager(OffloadingManager):
             slots[key] = _BEING_WRITTEN
             writing[key] = slot
             state[slot] = _WRITING
-        access = self._access(ctx)
         if access is not None:
             access.seen.update(dict.fromkeys(keys))
             if len(accepted) < len(keys):
@@ -391,13 +430,17 @@ class CpuTierManager(OffloadingManager):
         state = self._state
         # A completion that names the current generation never reaches a fenced slot.
         fenced = self._fenced if generation is None else {}
-        for key in keys:
-            if key not in slots and key not in fenced:
-                raise UnknownKeyError(
-                    f"complete_store: key {_shown(key)} was never reserved by prepare_store "
-                    "in the CPU tier (complete only the keys prepare_store returned"
-                    + ("" if generation is None else f", in generation {generation}") + ")"
-                )
+        # One C-level pass for the usual completion, where every key is reserved.
+        if not all(map(slots.__contains__, keys)):
+            for key in keys:
+                if key not in slots and key not in fenced:
+                    raise UnknownKeyError(
+                        f"complete_store: key {_shown(key)} was never reserved by "
+                        "prepare_store in the CPU tier (complete only the keys prepare_store "
+                        "returned"
+                        + ("" if generation is None else f", in generation {generation}")
+                        + ")"
+                    )
         # One pass that changes each slot's state as it goes, so a key named twice is
         # no longer WRITING (or no longer present) the second time: it counts once.
         done = []
@@ -416,7 +459,7 @@ class CpuTierManager(OffloadingManager):
                 elif fenced:
                     self._release_fenced(key, _WRITING, None)
             self._stores += len(done)
-            if done:
+            if done and self._removed is None:
                 self._events.append(self._event(done, removed=False))
         else:
             free = self._free
@@ -430,7 +473,7 @@ class CpuTierManager(OffloadingManager):
                 elif fenced:
                     self._release_fenced(key, _WRITING, None)
             self._store_failures += len(done)
-            if done:
+            if done and self._removed is None:
                 self._events.append(dataclasses.replace(
                     self._event(done, removed=True), metadata_only=True
                 ))
@@ -462,7 +505,7 @@ class CpuTierManager(OffloadingManager):
             held[key] = slot
         self._held.update(victims)
         self._evictions += len(victims)
-        self._events.append(self._event(list(held), removed=True))
+        self._removal(list(held))
         return held
 
     def hold_free(self, count: int) -> list[int]:
@@ -503,7 +546,17 @@ class CpuTierManager(OffloadingManager):
 
     # -- load -----------------------------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        self._pin(keys, ctx)
+
+    def prepare_load_spec(self, keys: Collection[OffloadKey], ctx: ReqContext) -> CPULoadStoreSpec:
+        """:meth:`prepare_load`, then the spec of its keys (what :meth:`get_spec` gives
+        now), in one pass over them: for a caller that asks for both at once."""
+        return CPULoadStoreSpec(self._pin(keys, ctx))
+
+    def _pin(self, keys: Collection[OffloadKey], ctx: ReqContext) -> list[int]:
+        """:meth:`prepare_load`; returns the keys' slots."""
         slots = self._slots
+        ids = []
         for key in keys:
             slot = slots.get(key)
             if slot is None or slot is _BEING_WRITTEN:
@@ -511,21 +564,27 @@ class CpuTierManager(OffloadingManager):
                     f"prepare_load: key {_shown(key)} is not stored in the CPU tier "
                     "(look it up first; only HIT keys can be loaded)"
                 )
-        pins = self._pins
-        for key in keys:
-            pins[key] = pins.get(key, 0) + 1
+            ids.append(slot)
         self._loads += len(keys)
+        pins = self._pins
         # _access(ctx), inlined: once per load on the scheduler's path.
         access = ctx.get_state(_RequestAccess)
         if access is not None and access.owner is self and access.generation == self._generation:
-            # Counted as a use when the request finishes, in prefix order.
-            access.seen.update(dict.fromkeys(keys))
+            # Counted as a use when the request finishes, in prefix order (one loop with the
+            # pins: a load is often of one key).
+            seen = access.seen
+            for key in keys:
+                pins[key] = pins.get(key, 0) + 1
+                seen[key] = None
             access.reused.update(keys)
-            return
+            return ids
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
         # Earliest keys last (see touch); every key is ready (checked above).
         touch = self._order.touch
-        for key in reversed(list(keys)):
-            touch(slots[key])
+        for slot in reversed(ids):
+            touch(slot)
+        return ids
 
     def complete_load(
         self, keys: Collection[OffloadKey], ctx: ReqContext, *, generation: int | None = None
@@ -538,6 +597,16 @@ class CpuTierManager(OffloadingManager):
             self._complete_fenced(keys, _READY, generation, "complete_load")
             return
         pins = self._pins
+        if len(keys) == 1:
+            # One key with a live pin (the usual batch of one): nothing to count.
+            (key,) = keys
+            held = pins.get(key, 0)
+            if held > 1:
+                pins[key] = held - 1
+                return
+            if held:
+                del pins[key]
+                return
         drops: dict[OffloadKey, int] = {}
         for key in keys:
             drops[key] = drops.get(key, 0) + 1
@@ -584,11 +653,13 @@ class CpuTierManager(OffloadingManager):
         if access is None:
             return
         access.owner = None
+        if not access.seen:
+            return
         slots = self._slots
         touch = self._order.touch
         refresh = self._order.refresh
         reused = access.reused
-        for key in reversed(list(access.seen)):
+        for key in reversed(access.seen):
             slot = slots.get(key)
             if slot is None or slot is _BEING_WRITTEN:
                 continue  # evicted or not written yet: not tracked
@@ -607,6 +678,22 @@ class CpuTierManager(OffloadingManager):
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
         return events
+
+    def forward_removals(self) -> list[OffloadKey]:
+        """Build no events from now on: every key this tier removes (an evicted chunk's,
+        one :meth:`reset_cache` forgot; never a freed reservation, which was not stored) is
+        appended, in order, to the list returned instead, which the caller empties, and
+        :meth:`take_events` returns no more. For an adapter that publishes no events and
+        reports evictions itself: an event object per call is what a small batch costs
+        most. Removals of events not yet taken move onto the list."""
+        if self._removed is None:
+            removed: list[OffloadKey] = []
+            for event in self._events:
+                if event.removed and not event.metadata_only:
+                    removed += event.keys
+            self._events.clear()
+            self._removed = removed
+        return self._removed
 
     @property
     def generation(self) -> int:
@@ -643,7 +730,7 @@ class CpuTierManager(OffloadingManager):
         pins.clear()
         self._generation += 1
         if removed:
-            self._events.append(self._event(removed, removed=True))
+            self._removal(removed)
 
     def on_reset_flushed(self) -> None:
         """Free every fenced slot: no job from before the last reset touches them."""
@@ -657,8 +744,8 @@ class CpuTierManager(OffloadingManager):
     def get_stats(self) -> Mapping[str, float]:
         chunks = len(self._slots)
         return {
-            "hits": self._hits,
-            "misses": self._misses,
+            "hits": self._hits + sum(count()[0] for count in self._lookup_counts),
+            "misses": self._misses + sum(count()[1] for count in self._lookup_counts),
             "stores": self._stores,
             "store_failures": self._store_failures,
             "evictions": self._evictions,
@@ -671,7 +758,14 @@ class CpuTierManager(OffloadingManager):
             "capacity_bytes": self.num_slots * self.slot_bytes,
         }
 
+    def on_shutdown(self, callback: Callable[[], None]) -> None:
+        """Have :meth:`shutdown` call ``callback`` (once, on this thread): for a caller
+        that calls this tier directly and must stop doing so then."""
+        self._closers.append(callback)
+
     def shutdown(self) -> None:
+        if self._closed:
+            return
         self._closed = True
         for close in self._closers:
             close()
@@ -695,7 +789,11 @@ class CpuTierManager(OffloadingManager):
             free.append(slot)
             keys.append(key)
         self._evictions += len(keys)
-        self._events.append(self._event(keys, removed=True))
+        removed = self._removed
+        if removed is None:
+            self._events.append(self._event(keys, removed=True))
+        else:
+            removed += keys
 
     def _fenced_pins(self, key: OffloadKey) -> int:
         """Pins the fenced slots of ``key`` still wait for."""
@@ -748,6 +846,14 @@ class CpuTierManager(OffloadingManager):
             del self._fenced[key]
         self._state[slot] = _FREE
         self._free.append(slot)
+
+    def _removal(self, keys: list[OffloadKey]) -> None:
+        """Report ``keys`` removed: an event, or onto the list :meth:`forward_removals`
+        handed out."""
+        if self._removed is None:
+            self._events.append(self._event(keys, removed=True))
+        else:
+            self._removed += keys
 
     def _event(self, keys: list[OffloadKey], *, removed: bool) -> OffloadingEvent:
         return OffloadingEvent(
