@@ -70,9 +70,11 @@ e2e: $(ENGINE_STAMP)
 # What kvtiers does for a real server (benchmarks/bench_serve.py): `vllm serve` processes
 # in make e2e's environment, driven by vLLM's own benchmark client; a full run writes
 # benchmarks/results/serve.*, `make bench-serve ARGS=--quick` (<= 10 minutes) only prints.
-# matplotlib draws the plot: the benchmark's own dependency, installed here when missing.
+# matplotlib (the plot) and py-spy (who holds the engine core's GIL) are the benchmark's
+# own dependencies, installed here when missing.
 bench-serve: $(ENGINE_STAMP)
 	$(EPY) -c "import matplotlib" 2>/dev/null || $(EPY) -m pip install -q "matplotlib>=3.8"
+	test -x $(ENGINE_VENV)/bin/py-spy || $(EPY) -m pip install -q "py-spy>=0.4"
 	PYTHONPATH=. $(EPY) benchmarks/bench_serve.py $(ARGS)
 
 $(DEMO_STAMP): pyproject.toml Makefile

@@ -52,7 +52,9 @@ import json
 import os
 import platform
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -77,14 +79,14 @@ SHAPE = dict(layers=8, hidden=512, intermediate=1536, heads=8, kv_heads=4, vocab
 LLAMA_KV_BYTES_PER_TOKEN = 16384
 BLOCK = 64
 MAX_MODEL_LEN = 10240
+#: No model hub: the servers' environment with the benchmark's own model.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 #: Environment of every server: vLLM's CPU build settings (ignored on a GPU), the dev
-#: endpoints (``/reset_prefix_cache``), no model hub, the S3 servers' test credentials.
+#: endpoints (``/reset_prefix_cache``), the S3 servers' test credentials.
 SERVER_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_CPU_KVCACHE_SPACE": "2",
     "VLLM_SERVER_DEV_MODE": "1",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
@@ -372,7 +374,8 @@ class Runner:
             path = self.scratch / f"{name}.yaml"
             path.write_text(json.dumps({**stack, "metrics": {"port": port}}))
             args += ["--kv-transfer-config", kv_transfer_config(path)]
-        server = VllmServer(self.model, args, log=self.scratch / f"{name}.log", env=SERVER_ENV)
+        env = SERVER_ENV if self.args.model else {**SERVER_ENV, **OFFLINE_ENV}
+        server = VllmServer(self.model, args, log=self.scratch / f"{name}.log", env=env)
         server.start()
         self.starts.append(server.start_s)
         try:
@@ -413,6 +416,29 @@ class Runner:
             with self.server(f"kv-{name}-{r}", stack) as (server, port):
                 records.append(self.phase(server, port, name, "kvtiers"))
         return records
+
+    def gil_probe(self, pyspy: str) -> dict[str, Any]:
+        """One more kvtiers cold phase (new tiers) with py-spy sampling the engine core's
+        GIL holder (``--gil --nonblocking``, 100 Hz); not part of the medians."""
+        root, prefix = self.scratch / "root-probe", "probe"
+        stack = self.stack(root, self.s3.seaweed.endpoint_url, prefix)
+        raw = self.scratch / "py-spy-gil.txt"
+        with self.server("kv-probe", stack) as (server, port):
+            engine = _process_tree(server.pid).get("EngineCore", server.pid)
+            spy = subprocess.Popen(
+                [pyspy, "record", "--gil", "--nonblocking", "-r", "100", "-f", "raw",
+                 "-o", str(raw), "-p", str(engine)],
+                stdout=self.log, stderr=subprocess.STDOUT)
+            try:
+                record = self.phase(server, port, "cold", "probe")
+            finally:
+                spy.send_signal(signal.SIGINT)
+                spy.wait(timeout=120)
+        if not raw.exists():
+            return {"error": f"py-spy wrote nothing; see {self.log.name}"}
+        return {**gil_categories(raw), "wall_s": record["wall_s"],
+                "tpot_multiturn_ms": group_stats(record["groups"]["multiturn"],
+                                                 self.groups[-1])["tpot_mean"]}
 
     def baseline(self, r: int) -> list[dict[str, Any]]:
         records = []
@@ -629,6 +655,38 @@ def measure_gil(s3: S3Servers, chunk_bytes: int, count: int) -> list[dict[str, A
     return rows
 
 
+def py_spy_binary() -> str | None:
+    """py-spy (``pip install py-spy``): beside this Python first, then on ``PATH``."""
+    beside = Path(sys.executable).with_name("py-spy")
+    return str(beside) if beside.is_file() else shutil.which("py-spy")
+
+
+def gil_categories(raw: Path) -> dict[str, Any]:
+    """A ``py-spy record --gil -f raw`` file, the samples by who held the GIL: kvtiers'
+    mover threads, kvtiers called on vLLM's scheduler thread, the rest of that thread,
+    other threads; with the kvtiers frames that held it most."""
+    shares: dict[str, int] = {}
+    frames: dict[str, int] = {}
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        names = stack.split(";")
+        mover = names[0].startswith("Thread._bootstrap")
+        ours = [f for f in names if "kvtiers/" in f]
+        if mover:
+            key = "kvtiers mover threads" if ours else "other threads"
+        else:
+            key = "kvtiers on the scheduler thread" if ours else "vLLM's engine-core thread"
+        shares[key] = shares.get(key, 0) + int(count)
+        if ours:
+            leaf = next((f for f in reversed(names) if "kvtiers/" in f or "botocore/" in f
+                         or "boto3/" in f), ours[-1])
+            frames[leaf] = frames.get(leaf, 0) + int(count)
+    top = sorted(frames.items(), key=lambda item: -item[1])[:8]
+    return {"samples": shares, "top_frames": top}
+
+
 # -- report -----------------------------------------------------------------------------
 def _ms(triple: list[float] | tuple[float, float, float], digits: int = 0) -> str:
     median, lo, hi = triple
@@ -725,6 +783,19 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
             lines.append(f"| {row['what']} | {row['chunk_bytes'] >> 10} KiB "
                          f"| {row['held_ms']:.3f} | {row['longest_ms']:.3f} "
                          f"| {row['wall_ms']:.3f} |")
+    profile = results.get("gil_profile")
+    if profile and "samples" in profile:
+        total = sum(profile["samples"].values()) or 1
+        lines += ["", "## Who holds the engine core's GIL while stores cascade", "",
+                  "`py-spy record --gil --nonblocking` (100 Hz) on `VLLM::EngineCore` "
+                  "through one more kvtiers cold phase (new tiers, not in the medians; "
+                  f"{profile['wall_s']:.0f} s, multi-turn TPOT "
+                  f"{profile['tpot_multiturn_ms']:.0f} ms): samples by the thread holding "
+                  "the GIL.", "", "| holder | samples | share |", "|---|---|---|"]
+        for key, count in sorted(profile["samples"].items(), key=lambda item: -item[1]):
+            lines.append(f"| {key} | {count} | {100 * count / total:.1f}% |")
+        lines += ["", "kvtiers frames that held it most: " + "; ".join(
+            f"`{frame}` {count}" for frame, count in profile["top_frames"]) + "."]
     lines += ["", *results.get("notes", [])]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -906,6 +977,13 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
         if not args.no_gil:
             chunk = args.block_size * LLAMA_KV_BYTES_PER_TOKEN
             results["gil"] = measure_gil(s3, chunk, 50 if args.quick else 200)
+            pyspy = py_spy_binary()
+            if pyspy is None:
+                print("bench_serve: py-spy is not installed: no GIL profile of the engine "
+                      "core (pip install py-spy)")
+            else:
+                results["gil_profile"] = runner.gil_probe(pyspy)
+                print(f"GIL profile of the engine core: {results['gil_profile']}")
         note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
     finally:
         s3.stop()
