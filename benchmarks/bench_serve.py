@@ -116,8 +116,8 @@ class Plan:
     multiturn_output: int
 
 
-FULL = Plan(rounds=3, prefixes=((2048, 4, 3), (8192, 2, 2)), suffix=256, output=16,
-            ladder=(64, 128, 256, 512, 1024, 2048), ladder_each=2, conversations=4, turns=4,
+FULL = Plan(rounds=3, prefixes=((2048, 4, 2), (8192, 2, 2)), suffix=256, output=16,
+            ladder=(64, 128, 256, 512, 1024, 2048), ladder_each=1, conversations=3, turns=3,
             multiturn_output=32)
 QUICK = Plan(rounds=1, prefixes=((2048, 2, 2),), suffix=128, output=8,
              ladder=(256, 2048), ladder_each=1, conversations=2, turns=2,
@@ -791,9 +791,12 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
                   "through one more kvtiers cold phase (new tiers, not in the medians; "
                   f"{profile['wall_s']:.0f} s, multi-turn TPOT "
                   f"{profile['tpot_multiturn_ms']:.0f} ms): samples by the thread holding "
-                  "the GIL.", "", "| holder | samples | share |", "|---|---|---|"]
+                  "the GIL (a sample where no thread held it is not counted): their share "
+                  "of the samples and of the phase's wall time.", "",
+                  "| holder | samples | of the samples | of the wall time |", "|---|---|---|---|"]
         for key, count in sorted(profile["samples"].items(), key=lambda item: -item[1]):
-            lines.append(f"| {key} | {count} | {100 * count / total:.1f}% |")
+            lines.append(f"| {key} | {count} | {100 * count / total:.1f}% "
+                         f"| {count / profile['wall_s']:.1f}% |")
         lines += ["", "kvtiers frames that held it most: " + "; ".join(
             f"`{frame}` {count}" for frame, count in profile["top_frames"]) + "."]
     lines += ["", *results.get("notes", [])]
@@ -977,11 +980,11 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
         if not args.no_gil:
             chunk = args.block_size * LLAMA_KV_BYTES_PER_TOKEN
             results["gil"] = measure_gil(s3, chunk, 50 if args.quick else 200)
-            pyspy = py_spy_binary()
-            if pyspy is None:
+            pyspy = None if args.quick else py_spy_binary()
+            if pyspy is None and not args.quick:
                 print("bench_serve: py-spy is not installed: no GIL profile of the engine "
                       "core (pip install py-spy)")
-            else:
+            elif pyspy is not None:
                 results["gil_profile"] = runner.gil_probe(pyspy)
                 print(f"GIL profile of the engine core: {results['gil_profile']}")
         note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
