@@ -833,7 +833,7 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
         print("bench_serve: matplotlib is not installed; no plot (pip install matplotlib)")
         return False
     prefix_groups = [g for g in results["groups"] if g.startswith("prefix-")]
-    fig, axes = plt.subplots(1, len(prefix_groups), figsize=(6.5 * len(prefix_groups), 4.5),
+    fig, axes = plt.subplots(1, len(prefix_groups), figsize=(8 * len(prefix_groups), 4.5),
                              squeeze=False)
     for ax, gname in zip(axes[0], prefix_groups, strict=True):
         labels, firsts, rests = [], [], []
@@ -842,13 +842,14 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
                 row = summary["table"].get(f"{side}/{phase}/{gname}")
                 if row is None:
                     continue
-                labels.append(f"{'base' if side == 'baseline' else 'kvtiers'}\n{phase}")
+                short = phase.replace("second-", "2nd: ")
+                labels.append(f"{'none' if side == 'baseline' else 'kvtiers'}\n{short}")
                 firsts.append(row["first_mean"][0])
                 rests.append(row["rest_mean"][0])
         xs = range(len(labels))
         ax.bar([x - 0.2 for x in xs], firsts, 0.4, label="first request of each prefix")
         ax.bar([x + 0.2 for x in xs], rests, 0.4, label="the other requests")
-        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_xticks(list(xs), labels, fontsize=7, rotation=30)
         ax.set_ylabel("TTFT, ms (median over rounds)")
         ax.set_title(f"{gname}: TTFT per phase")
         ax.legend(fontsize=8)
