@@ -145,7 +145,7 @@ def multiturn_trace(path: Path, plan: Plan) -> None:
     message the next turn's prompt repeats. Conversation ``c``'s turn ``t`` arrives at
     ``4 t + c`` seconds."""
     system = list(range(16))
-    lines = []
+    lines: list[dict[str, Any]] = []
     next_id = 1000
     for c in range(plan.conversations):
         history = list(system)
@@ -591,7 +591,7 @@ def break_even(results: dict[str, Any], by: dict[tuple[str, str], list[dict[str,
 
 
 # -- what holds the GIL -----------------------------------------------------------------
-def gil_hold(operation: Callable[[], None], count: int) -> dict[str, float]:
+def gil_hold(operation: Callable[[], object], count: int) -> dict[str, float]:
     """Run ``operation`` ``count`` times while a Python thread spins; the time the
     spinner could not run (the GIL held by the operation's thread: gaps over 50 µs) per
     operation, its longest single gap, and the operation's wall time, in ms."""
@@ -618,6 +618,12 @@ def gil_hold(operation: Callable[[], None], count: int) -> dict[str, float]:
             "wall_ms": wall * 1000 / count}
 
 
+def _putter(store: Any, parts: list[Any]) -> Callable[[], object]:
+    """One put of ``parts`` under a new name per call."""
+    names = iter(range(10**9))
+    return lambda: store.put_if_absent(f"gil/{next(names)}", parts)
+
+
 def measure_gil(s3: S3Servers, chunk_bytes: int, count: int) -> list[dict[str, Any]]:
     """GIL hold per chunk of the pieces of a store: the payload checksum, the header, the
     S3 body and request (through the tier's store, both servers) and a file publish."""
@@ -640,10 +646,8 @@ def measure_gil(s3: S3Servers, chunk_bytes: int, count: int) -> list[dict[str, A
     for label, url in (("SeaweedFS", s3.seaweed.endpoint_url), ("moto", s3.moto_url)):
         store = S3Store(BUCKET, endpoint_url=url, credentials=("testing", "testing"),
                         region="us-east-1")
-        names = iter(range(10**9))
         rows.append({"what": f"S3Store.put_if_absent, {label}",
-                     **gil_hold(lambda store=store, names=names: store.put_if_absent(
-                         f"gil/{next(names)}", [header, payload]), count)})
+                     **gil_hold(_putter(store, [header, payload]), count)})
     with tempfile.TemporaryDirectory(prefix="kvtiers-gil-") as tmp:
         backend, settings = PosixBackend(), PublishSettings(root=Path(tmp))
         names = iter(range(10**9))
@@ -769,9 +773,9 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
                        if r["side"] == side and r["phase"] == phase]
             if not records:
                 continue
-            cells = [f"{statistics.median(r['cpu_s'].get(role, 0.0) for r in records):.1f}"
-                     for role in ROLES]
-            lines.append(f"| {side} | {phase} | " + " | ".join(cells) + " |")
+            cpu = [f"{statistics.median(r['cpu_s'].get(role, 0.0) for r in records):.1f}"
+                   for role in ROLES]
+            lines.append(f"| {side} | {phase} | " + " | ".join(cpu) + " |")
     if results.get("gil"):
         lines += ["", "## GIL held per chunk", "",
                   "One thread runs the operation while another Python thread spins; *held* "
