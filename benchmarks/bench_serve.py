@@ -574,7 +574,8 @@ def break_even(results: dict[str, Any], by: dict[tuple[str, str], list[dict[str,
         return {length: statistics.median(v) for length, v in sorted(values.items())}
 
     recompute = per_length(by.get(("baseline", "restart"), []))
-    out: dict[str, Any] = {"recompute": recompute, "tiers": {}}
+    out: dict[str, Any] = {"recompute": recompute, "recompute_fit": line_fit(recompute),
+                           "tiers": {}}
     for tier, phase in TIER_PHASES.items():
         load = per_length(by.get(("kvtiers", phase), []))
         if not load:
@@ -586,8 +587,36 @@ def break_even(results: dict[str, Any], by: dict[tuple[str, str], list[dict[str,
             if all(beats[i:]):
                 even = n
                 break
-        out["tiers"][tier] = {"load": load, "break_even": even}
+        out["tiers"][tier] = {"load": load, "break_even": even, "fit": line_fit(load)}
     return out
+
+
+def line_fit(ttft_by_length: dict[int, float]) -> tuple[float, float]:
+    """Least-squares ``ttft = fixed + per_token * length`` (ms, ms per token)."""
+    xs, ys = list(ttft_by_length), list(ttft_by_length.values())
+    if len(xs) < 2:
+        return float("nan"), float("nan")
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+             / sum((x - mx) ** 2 for x in xs))
+    return my - slope * mx, slope
+
+
+def promotion_seeds(be: dict[str, Any], kv_bytes_per_token: int) -> dict[str, Any]:
+    """The ``promotion:`` settings the break-even table gives: the prefill rate from the
+    recompute line's slope, and per tier the fixed cost loading adds over recomputing's
+    (``load_latency_s``) and the bandwidth its slope implies (``load_bytes_per_s``)."""
+    fixed_r, per_token_r = be["recompute_fit"]
+    seeds: dict[str, Any] = {"prefill_tokens_per_s": 1000 / per_token_r
+                             if per_token_r > 0 else float("nan"), "tiers": {}}
+    for tier, row in be["tiers"].items():
+        fixed, per_token = row["fit"]
+        seeds["tiers"][tier] = {
+            "load_latency_s": max(0.0, (fixed - fixed_r) / 1000),
+            "load_bytes_per_s": kv_bytes_per_token * 1000 / per_token
+            if per_token > 0 else float("inf"),
+        }
+    return seeds
 
 
 # -- what holds the GIL -----------------------------------------------------------------
@@ -764,6 +793,23 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
             cells = " | ".join(f"{row['load'].get(n, float('nan')):.0f}" for n in lengths)
             even = "never" if row["break_even"] is None else f"{row['break_even']} tokens"
             lines.append(f"| {tier} | {cells} | {even} |")
+        seeds = promotion_seeds(be, results.get("kv_bytes_per_token",
+                                                LLAMA_KV_BYTES_PER_TOKEN))
+        fixed_r, per_token_r = be["recompute_fit"]
+        lines += ["", "A line through each row (`ttft = fixed + per token x length`): "
+                  f"recomputing {fixed_r:.0f} ms + {per_token_r * 1000:.0f} ms per 1,000 "
+                  f"tokens, a prefill rate of {seeds['prefill_tokens_per_s']:,.0f} tokens/s; "
+                  "loading, and the `promotion:` seeds that line gives (`load_latency_s`: "
+                  "its fixed cost over recomputing's; `load_bytes_per_s`: the KV bytes per "
+                  "token over its slope):", "",
+                  "| tier | fixed ms | ms per 1,000 tokens | load_latency_s | load_bytes_per_s |",
+                  "|---|---|---|---|---|"]
+        for tier, row in be["tiers"].items():
+            fixed, per_token = row["fit"]
+            seed = seeds["tiers"][tier]
+            lines.append(f"| {tier} | {fixed:.0f} | {per_token * 1000:.0f} "
+                         f"| {seed['load_latency_s']:.3f} "
+                         f"| {seed['load_bytes_per_s'] / 1e6:,.0f} MB/s |")
     lines += ["", "## CPU seconds per process per phase (median over rounds)", "",
               "| side | phase | " + " | ".join(ROLES) + " |",
               "|---|---|" + "---|" * len(ROLES)]
