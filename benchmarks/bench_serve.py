@@ -735,7 +735,8 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
         f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, vLLM "
         f"{note['vllm']}, torch {note['torch']} ({note['date']}; load average "
         f"{note['load']} at the start, {note.get('load_end', '?')} at the end; "
-        f"{plan['rounds']} rounds; run took {results.get('runtime_s', 0) / 60:.0f} min; "
+        f"{results.get('rounds_done', plan['rounds'])} rounds; run took "
+        f"{results.get('runtime_s', 0) / 60:.0f} min; "
         f"server start-ups {note.get('start_s', '?')} s). Model: {results['model']}. "
         f"Command: `{results['command']}`.",
         "",
@@ -1028,6 +1029,13 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
                 for record in side(r):
                     record["round"] = r
                     results["records"].append(record)
+            results["rounds_done"] = r + 1
+            note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
+            note["load_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+            results["runtime_s"] = time.perf_counter() - started
+            if out is not None:
+                # What a run cut short measured stays (--render redraws it).
+                write(results, out)
         if not args.no_gil:
             chunk = args.block_size * LLAMA_KV_BYTES_PER_TOKEN
             results["gil"] = measure_gil(s3, chunk, 50 if args.quick else 200)
