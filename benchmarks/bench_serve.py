@@ -361,7 +361,8 @@ class Runner:
     def server_args(self) -> list[str]:
         return ["--dtype", self.args.dtype, "--block-size", str(self.args.block_size),
                 "--max-model-len", str(self.args.max_model_len), "--enable-prefix-caching",
-                "--enforce-eager", "--seed", "0", *self.args.server_arg]
+                "--enforce-eager", "--seed", "0", "--shutdown-timeout", "120",
+                *self.args.server_arg]
 
     @contextlib.contextmanager
     def server(self, name: str, stack: dict[str, Any] | None) -> Iterator[tuple[Any, int | None]]:
