@@ -32,7 +32,7 @@ building and S3 request bodies.
 Run (from the repository root, in ``make e2e``'s environment)::
 
     make bench-serve                     # full run: writes benchmarks/results/serve.*
-    make bench-serve ARGS=--quick        # <= 10 minutes, prints every phase, writes nothing
+    make bench-serve ARGS=--quick        # every phase once, few requests, writes nothing
     PYTHONPATH=. .venv-engine/bin/python benchmarks/bench_serve.py --model DIR ...
 
 ``--model`` runs it against your own model (the random 8-layer Llama is made otherwise;
@@ -119,9 +119,9 @@ class Plan:
 FULL = Plan(rounds=3, prefixes=((2048, 4, 2), (8192, 2, 2)), suffix=256, output=16,
             ladder=(64, 128, 256, 512, 1024, 2048), ladder_each=1, conversations=3, turns=3,
             multiturn_output=32)
-QUICK = Plan(rounds=1, prefixes=((2048, 2, 2),), suffix=128, output=8,
+QUICK = Plan(rounds=1, prefixes=((2048, 1, 2),), suffix=128, output=4,
              ladder=(256, 2048), ladder_each=1, conversations=2, turns=2,
-             multiturn_output=16)
+             multiturn_output=8)
 
 
 # -- the workload -----------------------------------------------------------------------
@@ -1110,7 +1110,7 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
                 write(results, out)
         if not args.no_gil:
             chunk = args.block_size * LLAMA_KV_BYTES_PER_TOKEN
-            results["gil"] = measure_gil(s3, chunk, 50 if args.quick else 200)
+            results["gil"] = measure_gil(s3, chunk, 20 if args.quick else 200)
             pyspy = None if args.quick else py_spy_binary()
             if pyspy is None and not args.quick:
                 print("bench_serve: py-spy is not installed: no GIL profile of the engine "
