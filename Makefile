@@ -30,7 +30,7 @@ DEMO_VENV ?= .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.kvtiers-demo-installed
 QUIET_PIP := PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
 
-.PHONY: test e2e demo lint typecheck pytest clean gpu-check gpu-wheels
+.PHONY: test e2e demo lint typecheck pytest clean gpu-check gpu-wheels bench-serve
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -73,6 +73,16 @@ e2e: $(ENGINE_STAMP)
 	$(EPY) -m pytest -q -p no:cacheprovider --basetemp=.e2e-tmp tests/test_vllm_*.py tests/e2e; \
 	status=$$?; echo "make e2e: tests took $$(( $$(date +%s) - start )) s (exit status $$status)"; \
 	exit $$status
+
+# What kvtiers does for a real server (benchmarks/bench_serve.py): `vllm serve` processes
+# in make e2e's environment, driven by vLLM's own benchmark client; a full run writes
+# benchmarks/results/serve.*, `make bench-serve ARGS=--quick` (every phase once) only prints.
+# matplotlib (the plot) and py-spy (who holds the engine core's GIL) are the benchmark's
+# own dependencies, installed here when missing.
+bench-serve: $(ENGINE_STAMP)
+	$(EPY) -c "import matplotlib" 2>/dev/null || $(EPY) -m pip install -q "matplotlib>=3.8"
+	test -x $(ENGINE_VENV)/bin/py-spy || $(EPY) -m pip install -q "py-spy>=0.4"
+	PYTHONPATH=. $(EPY) benchmarks/bench_serve.py $(ARGS)
 
 $(DEMO_STAMP): pyproject.toml Makefile
 	@test -x $(DEMO_VENV)/bin/python || python3 -m venv $(DEMO_VENV)

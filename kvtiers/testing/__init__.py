@@ -12,6 +12,9 @@
 - :mod:`~kvtiers.testing.seaweed`: SeaweedFS as a second, real S3 server (one process or
   a small cluster).
 - :mod:`~kvtiers.testing.crash`: the file tier's kill-and-restart harness.
+- :mod:`~kvtiers.testing.models`: random-weight Llama models with a word-level tokenizer.
+- :mod:`~kvtiers.testing.serve`: a real ``vllm serve`` process (route 1 or none) and a
+  Prometheus scrape.
 
 Modules here import pytest and the tiers they test; ``import kvtiers`` never imports them.
 """

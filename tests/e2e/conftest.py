@@ -47,6 +47,10 @@ ENGINE_ENV = {
     "AWS_EC2_METADATA_DISABLED": "true",
 }
 
+#: Settings for ``vllm serve`` processes (tests/e2e/test_serve.py): the same, except that
+#: the engine core runs in a process of its own, as deployed.
+SERVER_ENV = {k: v for k, v in ENGINE_ENV.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

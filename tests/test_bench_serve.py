@@ -1,0 +1,192 @@
+"""``benchmarks/bench_serve.py`` without a server: its trace, its statistics (targets paired
+within rounds, outputs against the baseline, the break-even table), the py-spy sample
+categories and the report; and :func:`kvtiers.testing.serve.scrape` on a real HTTP
+endpoint. The servers themselves run in ``make bench-serve``.
+"""
+
+from __future__ import annotations
+
+import http.server
+import importlib.util
+import itertools
+import json
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from kvtiers.testing.serve import kv_transfer_config, scrape
+
+REPO = Path(__file__).resolve().parent.parent
+BENCHMARKS = REPO / "benchmarks"
+
+
+def _load() -> ModuleType:
+    # The script imports its sibling (machine) as a script run does.
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location("bench_serve", BENCHMARKS / "bench_serve.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serve"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load()
+
+GROUPS = {
+    "prefix-2048": {"first": [True, False, True, False], "lengths": [2048] * 4},
+    "ladder": {"first": [True, True, True], "lengths": [64, 256, 2048]},
+    "multiturn": {"first": [False, False], "lengths": [1216, 1472]},
+}
+
+
+def _record(side: str, phase: str, r: int, first: float, rest: float, ladder: list[float],
+            tpot: float, texts: str = "same") -> dict[str, Any]:
+    def group(ttft: list[float], n: int) -> dict[str, Any]:
+        return {"ttft": [t / 1000 for t in ttft], "tpot": [tpot / 1000] * n,
+                "texts": [f"{texts}-{i}" for i in range(n)], "request_throughput": 1.0}
+
+    return {"side": side, "phase": phase, "round": r, "wall_s": 1.0,
+            "groups": {"prefix-2048": group([first, rest, first, rest], 4),
+                       "ladder": group(ladder, 3), "multiturn": group([500, 500], 2)},
+            "counters": {}, "cpu_s": {"EngineCore": 1.0, "Worker": 2.0}}
+
+
+def _results() -> dict[str, Any]:
+    records = []
+    for r, scale in ((0, 1.0), (1, 2.0)):
+        records += [
+            _record("baseline", "cold", r, 2000 * scale, 400, [100, 500, 2000], 40),
+            _record("baseline", "warm", r, 100 * scale, 100, [30, 30, 30], 40),
+            _record("baseline", "restart", r, 2000 * scale, 400, [100, 500, 2000], 40),
+            _record("kvtiers", "cold", r, 2000 * scale, 400, [100, 500, 2000], 44 * scale),
+            _record("kvtiers", "restart", r, 200 * scale, 100, [150, 200, 300], 40,
+                    texts="same" if r == 0 else "other"),
+            _record("kvtiers", "second-seaweedfs", r, 600 * scale, 100, [300, 600, 500], 40),
+        ]
+    return {"groups": GROUPS, "records": records}
+
+
+def test_multiturn_trace_repeats_each_conversation_so_far(tmp_path: Path) -> None:
+    plan = bench.QUICK
+    path = tmp_path / "trace.jsonl"
+    bench.multiturn_trace(path, plan)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == plan.conversations * plan.turns
+    assert [line["timestamp"] for line in lines] == sorted(line["timestamp"] for line in lines)
+    by_start: dict[float, list[dict[str, Any]]] = {}
+    for line in lines:
+        assert line["input_length"] == 64 * len(line["hash_ids"])
+        assert line["hash_ids"][:16] == list(range(16)), "every turn starts with the system"
+        by_start.setdefault(line["timestamp"] % 4.0, []).append(line)
+    for turns in by_start.values():
+        for before, after in itertools.pairwise(turns):
+            # The next turn repeats the whole conversation: the prompt and its answer.
+            assert after["hash_ids"][: len(before["hash_ids"])] == before["hash_ids"]
+            assert len(after["hash_ids"]) == len(before["hash_ids"]) + 4
+
+
+def test_targets_pair_the_sides_within_each_round() -> None:
+    summary = bench.summarize(_results())
+    targets = {t["what"]: t["ratio"] for t in summary["targets"]}
+    # Round 0: 200/2000, round 1: 400/4000 - the same ratio, paired within the round.
+    assert targets["prefix-2048: restart vs recompute"] == pytest.approx((0.1, 0.1, 0.1))
+    assert targets["prefix-2048: restart vs vLLM's local prefix-cache hit"] == pytest.approx(
+        (2.0, 2.0, 2.0))
+    assert targets["prefix-2048: second server through SeaweedFS vs recompute"] == \
+        pytest.approx((0.3, 0.3, 0.3))
+    tpot = targets["multiturn: TPOT while stores cascade (cold) vs no offloading"]
+    assert tpot == pytest.approx((1.65, 1.1, 2.2))
+    assert not any("moto" in what for what in targets), "no phase, no target row"
+
+
+def test_outputs_are_compared_with_the_same_rounds_baseline() -> None:
+    identical = bench.summarize(_results())["identical"]
+    assert identical["kvtiers/cold"] == (18, 18)
+    assert identical["kvtiers/restart"] == (9, 18), "round 1's texts differ"
+
+
+def test_break_even_is_where_loading_stays_faster() -> None:
+    be = bench.summarize(_results())["break_even"]
+    assert be["recompute"] == {64: 100, 256: 500, 2048: 2000}
+    # Slower at 64, faster from 256 on.
+    assert be["tiers"]["file"]["break_even"] == 256
+    # Slower at 64 and at 256 (600 against 500), faster only at 2048.
+    assert be["tiers"]["s3 (SeaweedFS)"]["break_even"] == 2048
+    assert "cpu" not in be["tiers"], "no cpu phase ran"
+
+
+def test_gil_categories_split_the_holders(tmp_path: Path) -> None:
+    raw = tmp_path / "spy.txt"
+    raw.write_text(
+        "<module> (<string>:1);EngineCoreProc.run_busy_loop (vllm/v1/engine/core.py:1549) 70\n"
+        "<module> (<string>:1);Scheduler.schedule (vllm/x.py:1);"
+        "TieredManager.lookup (kvtiers/stack/composite.py:300) 5\n"
+        "Thread._bootstrap (threading.py:1002);IOPool._run (kvtiers/tiers/iopool.py:69);"
+        "BaseClient._make_api_call (botocore/client.py:1000) 20\n"
+        "Thread._bootstrap (threading.py:1002);Socket.recv (zmq/x.py:1) 5\n"
+        "not a sample line\n"
+    )
+    out = bench.gil_categories(raw)
+    assert out["samples"] == {"vLLM's engine-core thread": 70,
+                              "kvtiers on the scheduler thread": 5,
+                              "kvtiers mover threads": 20, "other threads": 5}
+    assert out["top_frames"][0] == ("BaseClient._make_api_call (botocore/client.py:1000)", 20)
+
+
+def test_render_has_every_phase_and_says_which_targets_are_met() -> None:
+    results = {**_results(), "plan": {**bench.QUICK.__dict__},
+               "machine": {"cpu": "cpu", "cores": "2", "python": "3", "vllm": "0.32.0",
+                           "torch": "2", "load": "1", "date": "now"},
+               "model": "m", "command": "c", "runtime_s": 60}
+    text = bench.render(results, bench.summarize(results))
+    assert "| prefix-2048: restart vs recompute | 0.10 (0.10-0.10)x | <= 0.25x | met |" in text
+    assert "vLLM's local prefix-cache hit | 2.00 (2.00-2.00)x | <= 1.25x | **missed** |" in text
+    for phase in ("| baseline | warm |", "| kvtiers | second-seaweedfs |"):
+        assert phase in text
+
+
+@pytest.fixture
+def metrics_url() -> Iterator[str]:
+    body = (b"# HELP x_total a counter\n# TYPE x_total counter\n"
+            b'x_total{outcome="done"} 3.0\nx_total{outcome="failed"} 1.0\n'
+            b"plain_gauge 7.5\nbroken_line nan-ish\n")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+    thread.join()
+
+
+def test_scrape_reads_labelled_and_summed_samples(metrics_url: str) -> None:
+    samples = scrape(metrics_url)
+    assert samples['x_total{outcome="done"}'] == 3.0
+    assert samples["x_total"] == 4.0
+    assert samples["plain_gauge"] == 7.5
+    assert "broken_line" not in samples
+
+
+def test_kv_transfer_config_is_route_one() -> None:
+    config = json.loads(kv_transfer_config("/etc/stack.yaml", kvtiers_salt="s"))
+    extra = config["kv_connector_extra_config"]
+    assert config["kv_connector"] == "OffloadingConnector"
+    assert extra["spec_name"] == "KVTiersOffloadingSpec"
+    assert extra["kvtiers_config"] == "/etc/stack.yaml"
+    assert extra["kvtiers_salt"] == "s"
