@@ -980,6 +980,18 @@ NOTES: list[str] = [
     "then skips the SHA-256 of every payload it signs over plain http), and fewer bytes "
     "cascaded per request: `write_after_hits` / `write: back` on the S3 tier keep one-off "
     "prompts off it (`benchmarks/results/placement.md`: 5x fewer S3 writes).",
+    "- *TPOT on a quiet machine* (2026-12-03 14:30-14:50, load 0-3, two `--quick` runs of "
+    "one round, 4m52-4m54 each): the cold multi-turn TPOT was 77.4 ms against 48.1 (1.61x) "
+    "and, with every kvtiers pool thread at nice 19 (a trial, not in the code), 34.9 against "
+    "19.1 (1.83x); the cold prefix-2048 TPOT 98.5 against 17.3, and 18.7 against 18.3 with "
+    "the threads niced. So with the other jobs gone the overhead is real and it is CPU: the "
+    "cascades' hashing, writes and botocore requests, and the S3 server, take cores the "
+    "model's thread needs. Niced threads gave decoding the cores back on the prefix trace "
+    "but not on the multi-turn one, where stores overlap every turn, and they starved loads "
+    "too (the second server through SeaweedFS went from 0.24x to 0.81x of recomputing: "
+    "loads and stores share the tier's pool), so the trial was not kept. What would close it "
+    "beyond the above: stores on threads of their own at a lower priority, loads kept at "
+    "the engine's.",
     "- *Break-even*: on this machine every request, even a 64-token one recomputed, took "
     "0.3-1 s after the long prefixes (the same floor shows in vLLM's own warm hits), so "
     "the ladder cannot resolve where loading starts to pay below about 1k tokens: the CPU "
