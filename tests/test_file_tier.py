@@ -307,6 +307,35 @@ def test_restore_of_an_evicted_key_is_not_deleted_late(tmp_path: Path) -> None:
         tier.close()
 
 
+def test_a_store_with_no_unlink_queued_works_out_no_path(tmp_path: Path) -> None:
+    """prepare_store looks for queued unlinks of the keys' names only while some unlink is
+    queued or running: a store of new keys costs the scheduler no path per key."""
+    tier = open_tier(tmp_path, capacity_chunks=8)
+    manager = tier.manager
+    asked: list[OffloadKey] = []
+    real_path = manager.mapper.path
+
+    def counted(key: OffloadKey) -> Path:
+        asked.append(key)
+        return real_path(key)
+
+    try:
+        manager.mapper.path = counted  # type: ignore[method-assign]
+        keys = [conformance_key(i) for i in range(4)]
+        assert manager.prepare_store(keys, CTX) == keys
+        assert asked == []
+        manager.complete_store(keys, CTX, success=False)
+        manager.deletions_gate.clear()
+        manager._deleter.delete([real_path(conformance_key(9))])
+        assert manager.prepare_store(keys, CTX) == keys
+        assert sorted(asked) == sorted(keys)
+        manager.complete_store(keys, CTX, success=False)
+    finally:
+        manager.mapper.path = real_path  # type: ignore[method-assign]
+        manager.deletions_gate.set()
+        tier.close()
+
+
 def test_restore_while_its_unlink_runs_is_refused_and_never_waits(tmp_path: Path) -> None:
     """The scheduler must not wait on a running unlink, nor publish under its name."""
     tier = open_tier(tmp_path, capacity_chunks=1)

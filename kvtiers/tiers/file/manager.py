@@ -71,7 +71,7 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Literal
@@ -154,6 +154,19 @@ class _Deleter:
         batch = [self._pool.submit(self._unlink_one, path) for path in paths]
         self._futures.extend(batch)
         return batch
+
+    def cancel_keys(
+        self, keys: Iterable[OffloadKey], held: Container[OffloadKey],
+        path: Callable[[OffloadKey], Path],
+    ) -> list[Path] | None:
+        """:meth:`cancel` of the paths of ``keys`` not in ``held``. With no unlink queued or
+        running nothing can be cancelled, and no path is worked out: a store of new keys
+        then costs the scheduler no path per key. Only the thread that queues unlinks
+        calls this, so none is queued between the check and the stores it guards."""
+        with self._lock:
+            if not self._pending and self._running is None:
+                return []
+        return self.cancel({path(key) for key in keys if key not in held})
 
     def cancel(self, paths: Collection[Path]) -> list[Path] | None:
         """Keep ``paths``: their queued unlinks are skipped (the names are about to be
@@ -664,7 +677,7 @@ class FileTierManager(OffloadingManager):
             return None  # read-only, or full until the latch lets one store try again
         index = self.index
         path = self.mapper.path
-        cancelled = self._deleter.cancel({path(key) for key in keys if key not in index})
+        cancelled = self._deleter.cancel_keys(keys, index, path)
         if cancelled is None:
             # The evicted file of one of these keys is being unlinked right now; waiting
             # for it would stall the scheduler on I/O, so the store is refused for now.
