@@ -11,8 +11,10 @@ import io
 import json
 import os
 import tracemalloc
-from contextlib import redirect_stderr, redirect_stdout
+from collections.abc import Iterator
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,7 +34,7 @@ from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.testing.objects import offloading_config
 from kvtiers.tiers.file.io import PosixBackend, PublishSettings
 from kvtiers.tools.commands import GcPolicy, gc, inspect, verify
-from kvtiers.tools.locations import open_location
+from kvtiers.tools.locations import Location, open_location
 
 KEY = make_offload_key(bytes(range(16)), 0)
 PAYLOAD = b"kv" * 4096
@@ -109,6 +111,56 @@ def test_gc_never_deletes_through_a_symlinked_namespace(tmp_path: Path) -> None:
         with pytest.raises(LocationError, match="holds no kvtiers namespace"):
             gc(open_location(str(root)), policy, out)
     assert victim.exists() and (namespace / "manifest.json").exists()
+
+
+def test_a_directory_root_lists_its_namespaces_from_its_own_entries(tmp_path: Path) -> None:
+    """A root's namespaces are its real directories with a regular manifest, found without
+    reading below them: the same answer as listing every entry, for links, stray files
+    and manifests that are not files."""
+    root = tmp_path / "root"
+    _store(root)
+    (real,) = [p.name for p in root.iterdir()]
+    (root / "no-manifest").mkdir()
+    (root / "stray.txt").write_text("x")
+    (root / "linked").symlink_to(root / real)
+    (root / "manifest-link").mkdir()
+    (root / "manifest-link" / "manifest.json").symlink_to(root / real / "manifest.json")
+    (root / "manifest-dir" / "manifest.json").mkdir(parents=True)
+    location = open_location(str(root))
+    assert location.namespaces() == [real]
+    assert location.namespaces() == Location.namespaces(location)
+    # Nothing below a namespace is read: an unreadable directory inside one goes unnoticed.
+    hidden = root / real / "unreadable"
+    hidden.mkdir()
+    with _forbidden_listing(hidden):
+        assert location.namespaces() == [real]
+
+
+@contextmanager
+def _forbidden_listing(directory: Path) -> Iterator[None]:
+    """``os.scandir`` of ``directory`` raises (a test runs as root, so no mode can
+    forbid it)."""
+    real_scandir = os.scandir
+
+    def scandir(path: Any = ".") -> Any:
+        if Path(path) == directory:
+            raise PermissionError(13, "listing forbidden by the test", str(path))
+        return real_scandir(path)
+
+    os.scandir = scandir  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        os.scandir = real_scandir
+
+
+def test_an_empty_location_is_refused_not_taken_as_the_current_directory() -> None:
+    for command in ("inspect", "verify", "gc"):
+        status, out, err = _run(command, "")
+        assert status == 2, (command, out, err)
+        assert err.strip().splitlines() == [
+            "kvtiers: location: the location is empty; give a file tier's root, "
+            "s3://bucket/prefix or an fsspec URL"], (command, err)
 
 
 def test_verify_and_inspect_never_read_through_a_symlink(tmp_path: Path) -> None:

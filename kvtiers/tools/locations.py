@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -146,6 +147,11 @@ def open_location(spec: str, *, endpoint_url: str | None = None,
                         endpoint_url=endpoint_url or os.environ.get("AWS_ENDPOINT_URL"))
         store.check_bucket(where="location")
         return S3Location(store, prefix)
+    if not spec.strip():
+        # An empty argument (an unset shell variable, most often) would mean the current
+        # directory: refused rather than guessed.
+        raise ConfigError("the location is empty; give a file tier's root, "
+                          "s3://bucket/prefix or an fsspec URL", path="location")
     if spec.startswith("file://"):
         spec = spec[len("file://"):]
     elif "://" in spec:
@@ -168,6 +174,29 @@ class DirectoryLocation(Location):
     def __init__(self, store: LocalStore, prefix: str = "") -> None:
         super().__init__(store, prefix)
         self.store: LocalStore = store
+
+    def namespaces(self) -> list[str]:
+        """As :meth:`Location.namespaces`, from the root's own entries: each real
+        directory (not a link) whose ``manifest.json`` is a regular file. Nothing below a
+        namespace is read, so finding the namespaces of a root holding millions of chunk
+        files (or a directory that holds none) costs one directory listing."""
+        if self.prefix:
+            return super().namespaces()
+        found = []
+        try:
+            entries = list(os.scandir(self.store.root))
+        except FileNotFoundError:
+            return []
+        for entry in entries:
+            try:
+                if not entry.is_dir(follow_symlinks=False):
+                    continue
+                info = os.lstat(os.path.join(entry.path, MANIFEST_NAME))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if stat.S_ISREG(info.st_mode):
+                found.append(entry.name)
+        return sorted(found)
 
     def _move(self, source: str, target: str) -> None:
         root = self.store.root
