@@ -147,7 +147,7 @@ def _forbidden_listing(directory: Path) -> Iterator[None]:
             raise PermissionError(13, "listing forbidden by the test", str(path))
         return real_scandir(path)
 
-    os.scandir = scandir  # type: ignore[assignment]
+    os.scandir = scandir
     try:
         yield
     finally:
