@@ -1,6 +1,7 @@
 """The vLLM version check: the integration loads only under a supported vLLM.
 
-Runs in both test environments (vLLM 0.33.0 in ``.venv``, 0.32.0 in ``.venv-engine``): the
+Runs in every test environment (vLLM 0.33.0 in ``.venv``, 0.34.0 in ``.venv-vllm34``, 0.32.0
+in ``.venv-engine``): the
 installed release passes; an out-of-range ``vllm.__version__`` makes loading
 ``kvtiers.integrations.vllm`` (what vLLM does for either route) fail with one line.
 """
@@ -22,12 +23,12 @@ def test_the_installed_vllm_is_supported() -> None:
     assert check_vllm_version() == vllm.__version__
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.0", "0.33.1.dev7+gabc123", "0.33"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.0", "0.33.1.dev7+gabc123", "0.33", "0.34.0", "0.34.2"])
 def test_supported_releases_pass(version: str) -> None:
     assert check_vllm_version(version) == version
 
 
-@pytest.mark.parametrize("version", ["0.30.0", "0.31.2", "0.34.0", "1.0.0", "unknown", ""])
+@pytest.mark.parametrize("version", ["0.30.0", "0.31.2", "0.35.0", "1.0.0", "unknown", ""])
 def test_other_versions_get_one_line_naming_version_and_range(version: str) -> None:
     with pytest.raises(UnsupportedVersionError) as info:
         check_vllm_version(version)
@@ -36,6 +37,7 @@ def test_other_versions_get_one_line_naming_version_and_range(version: str) -> N
     assert f"vLLM {version}:" in message
     assert SUPPORTED_SPECIFIER in message
     assert "docs/vllm.md" in message
+    assert "make vllm-compat VLLM=" in message
 
 
 def test_release_reads_the_leading_numbers() -> None:

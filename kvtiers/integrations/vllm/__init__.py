@@ -1,4 +1,4 @@
-"""kvtiers inside vLLM 0.32 and 0.33 (imports vLLM; load it only where vLLM is installed).
+"""kvtiers inside vLLM 0.32, 0.33 and 0.34 (imports vLLM; load it only where vLLM is installed).
 
 * :class:`KVTiersOffloadingSpec` — a whole kvtiers stack as vLLM's offloading spec
   (``spec_name: KVTiersOffloadingSpec``, ``spec_module_path: kvtiers.integrations.vllm``).

@@ -2,8 +2,9 @@
 
 vLLM marks out-of-tree offloading specs and secondary tiers as experimental; their
 interfaces change between minor releases. The range below is what the project's tests
-run: the class-level integration tests on vLLM 0.33.0 (``make test``) and on vLLM 0.32.0
-(the CPU build, ``make e2e``), which also runs real engines. Loading the integration under
+run: the class-level integration tests on vLLM 0.33.0 and 0.34.0 (``make test``) and on
+vLLM 0.32.0 (the CPU build, ``make e2e``), which also runs real engines. What differs
+between these releases is adapted in :mod:`kvtiers.integrations.vllm.compat`. Loading the integration under
 any other vLLM raises :class:`~kvtiers.errors.UnsupportedVersionError` with one line that
 names the version found and the range, instead of a raw error from inside vLLM later.
 """
@@ -16,9 +17,9 @@ from kvtiers.errors import UnsupportedVersionError
 
 #: The lowest supported release and the first unsupported one: ``[low, high)``.
 SUPPORTED_LOW = (0, 32, 0)
-SUPPORTED_HIGH = (0, 34, 0)
+SUPPORTED_HIGH = (0, 35, 0)
 #: The range as a pip requirement specifier (also the ``kvtiers[vllm]`` extra's).
-SUPPORTED_SPECIFIER = ">=0.32,<0.34"
+SUPPORTED_SPECIFIER = ">=0.32,<0.35"
 
 _RELEASE = re.compile(r"(\d+)\.(\d+)(?:\.(\d+))?")
 
@@ -45,8 +46,9 @@ def check_vllm_version(version: str | None = None) -> str:
     found = release(version)
     if found is None or not SUPPORTED_LOW <= found < SUPPORTED_HIGH:
         raise UnsupportedVersionError(
-            f"kvtiers.integrations.vllm supports vLLM {SUPPORTED_SPECIFIER} (0.32.x and "
-            f"0.33.x), this environment has vLLM {version}: install a supported release, "
-            f"e.g. pip install 'vllm{SUPPORTED_SPECIFIER}' (see docs/vllm.md)"
+            f"kvtiers.integrations.vllm supports vLLM {SUPPORTED_SPECIFIER} (0.32.x to "
+            f"0.34.x), this environment has vLLM {version}: install a supported release, "
+            f"e.g. pip install 'vllm{SUPPORTED_SPECIFIER}', or check this one with "
+            f"make vllm-compat VLLM={version or '<version>'} (see docs/vllm.md)"
         )
     return version
