@@ -1,4 +1,6 @@
-"""Tokens reused by vLLM 0.33.0's CPU manager and by kvtiers' CPU tier on the same traces.
+"""Tokens reused by vLLM's CPU manager and by kvtiers' CPU tier on the same traces.
+
+Runs on each vLLM release kvtiers supports (0.32-0.34); the report names the one measured.
 
 Each trace is a list of prompts (token ids); a prompt's keys are the chained hashes of its
 full chunks of ``TOKENS_PER_CHUNK`` tokens. Every side replays a trace the way vLLM's
@@ -6,11 +8,17 @@ offloading connector drives a manager, one request at a time:
 
 1. ``on_new_request`` with a request context that records each key's end-token position;
 2. ``lookup`` from the head until the first miss: those chunks are reused;
-3. ``prepare_load`` of the reused chunks and ``complete_load`` of them as a set;
+3. ``prepare_load`` of the reused chunks and ``complete_load`` of them;
 4. the rest stored ``STORES`` ways: in batches of ``STORE_BATCH`` chunks (a chunked
    prefill, one step each), or all at once (a prompt prefilled in one step); per store,
-   ``prepare_store`` then ``complete_store`` of the accepted keys as a set;
-5. ``on_request_finished``. No ``touch``: vLLM's connector never calls it.
+   ``prepare_store`` then ``complete_store`` of the accepted keys;
+5. ``on_request_finished``. No ``touch``: vLLM's connector never calls it, and 0.34's
+   managers have none.
+
+A finished job's keys reach ``complete_load`` / ``complete_store`` as the installed
+release's connector hands them (``route1.job_keys``): a set up to 0.33, a tuple in prefix
+order from 0.34. vLLM's manager marks a stored job's chunks evictable in that order, so
+its LRU and ARC see a request's chunks head first on 0.34 and in the set's order before.
 
 A store larger than the room left is where the managers differ: vLLM stores none of it,
 kvtiers' CPU tier the leading keys the free slots hold, evicting nothing for them;
@@ -47,6 +55,7 @@ import datetime
 import hashlib
 import json
 import platform
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,7 +64,7 @@ from typing import Any
 
 import numpy as np
 from machine import cores, cpu_model
-from route1 import SLOT_BYTES, route1_manager
+from route1 import SLOT_BYTES, job_keys, route1_manager
 
 from kvtiers.core.keys import make_offload_key
 from kvtiers.core.manager import ReqContext
@@ -80,7 +89,7 @@ SEED_STRIDE = 1000
 
 def chunk_keys(tokens: Sequence[int]) -> list[bytes]:
     """The chained hash of each full chunk of ``tokens`` (group 0), head first."""
-    keys = []
+    keys: list[bytes] = []
     parent = b""
     for start in range(0, len(tokens) - TOKENS_PER_CHUNK + 1, TOKENS_PER_CHUNK):
         block = np.asarray(tokens[start : start + TOKENS_PER_CHUNK], dtype=np.int64).tobytes()
@@ -241,8 +250,8 @@ class Side:
         return reused
 
     def completed(self, keys: list[bytes]) -> Any:
-        """A job's keys as the caller hands them back (vLLM: a set)."""
-        return set(keys)
+        """A job's keys as the caller hands them back."""
+        raise NotImplementedError
 
     def store(self, keys: list[bytes], ctx: Any) -> None:
         out = self.manager.prepare_store(keys, ctx)
@@ -268,6 +277,9 @@ class VllmSide(Side):
         for index, key in enumerate(keys):
             ctx.set_offload_key_position(key, (index + 1) * TOKENS_PER_CHUNK)
         return ctx
+
+    def completed(self, keys: list[bytes]) -> Any:
+        return job_keys(keys)
 
 
 class NativeSide(Side):
@@ -382,11 +394,12 @@ def render(
     other_seeds: dict[int, list[Point]],
 ) -> str:
     lines = [
-        "# Tokens reused: vLLM 0.33.0's CPU manager vs kvtiers' CPU tier",
+        f"# Tokens reused: vLLM {note['vllm']}'s CPU manager vs kvtiers' CPU tier",
         "",
-        f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}; "
-        f"{note['date']}; `{note['command']}`. Counts only: the machine's load does not "
-        "change them.",
+        f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, vLLM "
+        f"{note['vllm']}; {note['date']}; `{note['command']}`. Counts only: the machine's "
+        "load does not change them.",
+        *([f"Previous run: {note['previous']}"] if note.get("previous") else []),
         "",
         f"Chunks of {TOKENS_PER_CHUNK} tokens; a request's chunks stored in batches of "
         f"{STORE_BATCH} (a chunked prefill) or all in one store (a prompt prefilled in one "
@@ -601,13 +614,52 @@ def summary(points: list[Point]) -> list[str]:
 
 
 def machine_note(command: str) -> dict[str, str]:
+    import vllm
+
     return {
         "cpu": cpu_model(),
         "cores": cores(),
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "vllm": str(vllm.__version__),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": command,
     }
+
+
+def interpreter() -> str:
+    """The Python that runs this, as the report's command names it (relative to the
+    repository root when it lives there, e.g. ``.venv-vllm34/bin/python``)."""
+    path = Path(sys.executable)
+    root = Path(__file__).resolve().parent.parent
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def previous_note(path: Path, vllm_version: str) -> str | None:
+    """What to say of the report at ``path`` that a new one replaces: route 1 against vLLM
+    in one line when it measured another vLLM release (or none named: 0.33.0 wrote no
+    version), else the line it carried itself."""
+    try:
+        old = json.loads(path.read_text())
+        machine = old["machine"]
+        old_version = machine.get("vllm", "0.33.0")
+        if old_version == vllm_version:
+            carried = machine.get("previous")
+            return str(carried) if carried else None
+        points = [p for p in old["points"] if p["policy"] in VLLM_POLICIES]
+        seeds = [p for ps in old.get("other_seeds", {}).values() for p in ps]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+    def at_or_above(group: list[dict[str, Any]]) -> str:
+        deltas = [p["reused"]["route1"] - p["reused"]["vllm"] for p in group]
+        below = sum(d < -0.05 for d in deltas)
+        return f"{len(deltas) - below}/{len(deltas)} (worst {min(deltas, default=0):+.1f} pp)"
+
+    return (
+        f"vLLM {old_version}, {machine.get('date', '?')}: route 1 at or above vLLM at "
+        f"{at_or_above(points)} points, at {at_or_above(seeds)} on the other seeds (git "
+        "history holds its tables)."
+    )
 
 
 def main() -> None:
@@ -627,14 +679,19 @@ def main() -> None:
         seed: run(scale, traces, seed, policies=VLLM_POLICIES)
         for seed in range(1, args.seeds + 1)
     }
-    command = "benchmarks/bench_hit_rate.py" + (" --quick" if args.quick else "")
+    command = f"{interpreter()} benchmarks/bench_hit_rate.py" + (
+        " --quick" if args.quick else ""
+    )
     note = machine_note(command)
+    name = "hit_rate-quick" if args.quick else "hit_rate"
+    previous = previous_note(RESULTS / f"{name}.json", note["vllm"])
+    if previous:
+        note["previous"] = previous
     report = render(points, trace_sizes(scale, traces), note, other_seeds)
     print(report)
     print(f"({time.perf_counter() - started:.0f} s)")
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        name = "hit_rate-quick" if args.quick else "hit_rate"
         (RESULTS / f"{name}.md").write_text(report)
         payload = {
             "machine": note,

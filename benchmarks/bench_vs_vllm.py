@@ -1,4 +1,12 @@
-"""kvtiers' CPU tier against vLLM 0.33.0's ``CPUOffloadingManager``, side by side in one process.
+"""kvtiers' CPU tier against vLLM's ``CPUOffloadingManager``, side by side in one process.
+
+Runs on each vLLM release kvtiers supports (0.32-0.34); the machine note names the one
+measured. Between 0.33 and 0.34 vLLM's manager and policies changed (``touch`` is gone,
+a store counts a key once per request towards ``store_threshold``, stored events carry
+the request's context) and so did its connector's calls: a finished job's keys reach
+``complete_load`` / ``complete_store`` as a tuple in prefix order, where 0.33 handed a
+set. Every vLLM-facing side here gets them as the installed release's connector hands
+them (``route1.job_keys``, built inside the timed call, the same for both sides).
 
 Three sides see the same keys in the same order, their rounds interleaved (the order of the
 sides rotates every round), so all three meet the same machine load:
@@ -33,8 +41,10 @@ key objects themselves, created by the caller, are not counted.
 
 Run: ``.venv/bin/python benchmarks/bench_vs_vllm.py [--quick] [--chunks N ...] [--policies
 P ...] [--parts lookup load store_evict]``. Writes
-``benchmarks/results/vs_vllm.md`` and ``vs_vllm.json`` unless ``--no-write``. vLLM 0.33.0
-must be importable (it is installed without its dependencies in the project's venv).
+``benchmarks/results/vs_vllm.md`` and ``vs_vllm.json`` unless ``--no-write``. vLLM must be
+importable (0.33.0 is installed without its dependencies in ``.venv``, 0.34.0 in
+``.venv-vllm34``); the report names the interpreter that ran it. A report written over
+one from another vLLM release keeps that release's route-1 summary in one line.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ import json
 import platform
 import random
 import statistics
+import sys
 import time
 import tracemalloc
 from collections.abc import Callable, Sequence
@@ -54,7 +65,7 @@ from pathlib import Path
 from typing import Any
 
 from machine import cores, cpu_model, load_average
-from route1 import SLOT_BYTES, route1_manager
+from route1 import SLOT_BYTES, job_keys, route1_manager
 
 from kvtiers.core.keys import make_offload_key
 from kvtiers.core.manager import ReqContext
@@ -113,12 +124,12 @@ class VllmSide(Side):
 
     def load(self, keys: list[Any], ctx: Any) -> None:
         self.manager.prepare_load(keys, ctx)
-        self.manager.complete_load(keys, ctx)
+        self.manager.complete_load(job_keys(keys), ctx)
 
     def store(self, keys: list[Any], ctx: Any) -> None:
         out = self.manager.prepare_store(keys, ctx)
         assert out is not None, f"{self.name}: a store on a full tier of idle chunks failed"
-        self.manager.complete_store(out.keys_to_store, ctx)
+        self.manager.complete_store(job_keys(out.keys_to_store), ctx)
 
     def finish(self, ctx: Any) -> None:
         self.manager.on_request_finished(ctx)
@@ -222,6 +233,21 @@ class Recorder:
 
     def median(self, side: str, metric: str) -> float:
         return statistics.median(self.per_key[side, metric])
+
+    def spread(self, side: str, metric: str) -> tuple[float, float]:
+        """The first and third quartiles of ``side``'s cost over vLLM's, round by round
+        (the sides of one round run back to back, so they meet the same load)."""
+        ratios = [
+            own / vllm
+            for own, vllm in zip(
+                self.per_key[side, metric], self.per_key["vllm", metric], strict=True
+            )
+            if vllm > 0
+        ]
+        if len(ratios) < 2:
+            return (ratios[0], ratios[0]) if ratios else (float("nan"), float("nan"))
+        low, _, high = statistics.quantiles(ratios, n=4)
+        return low, high
 
 
 def timed_calls(
@@ -337,6 +363,7 @@ def rows(record: Recorder, metrics: Sequence[str], batch: int | None) -> list[di
             row[f"{side}_worst_no_gc_ms"] = record.worst_no_gc[side, metric] * 1e3
         for side in SIDES[1:]:
             row[f"{side}_ratio"] = row[f"{side}_us"] / row["vllm_us"]
+            row[f"{side}_ratio_p25"], row[f"{side}_ratio_p75"] = record.spread(side, metric)
         out.append(row)
     return out
 
@@ -414,11 +441,15 @@ def render(results: dict[str, Any]) -> str:
         f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, torch "
         f"{note['torch']}, vLLM {note['vllm']}, {note['date']}; load average at the start "
         f"{note.get('load_start', '?')}, at the end {note.get('load_end', '?')}.",
-        f"Command: `.venv/bin/python benchmarks/bench_vs_vllm.py {results['args']}`",
+        f"Command: `{results.get('python', '.venv/bin/python')} benchmarks/bench_vs_vllm.py "
+        f"{results['args']}`",
+        *([f"Previous run: {results['previous']}"] if results.get("previous") else []),
         "",
         "Microseconds per key (CPU time of the benchmark's thread), median of "
         f"{results['rounds']} interleaved rounds of {ROUND_KEYS} keys (one request each); "
-        "ratio = kvtiers / vLLM (target <= 0.8 for route 1); worst = the slowest single call "
+        "ratio = kvtiers / vLLM, of the medians (target <= 0.8 for route 1); `route1 "
+        "p25-p75` = the quartiles of route 1's ratio round by round (its spread); worst = "
+        "the slowest single call "
         "in wall-clock ms, in brackets the slowest that no "
         "full garbage collection ran in (lookups and finish: the slowest round of "
         f"{ROUND_KEYS}, GC not separated). `direct` is `CpuTierManager` with kvtiers keys; "
@@ -430,14 +461,15 @@ def render(results: dict[str, Any]) -> str:
             f"## {run['policy']}, {run['chunks']:,} chunks",
             "",
             "| metric | batch | vLLM | direct | direct ratio | route1 | route1 ratio "
-            "| worst vLLM | worst direct | worst route1 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| route1 p25-p75 | worst vLLM | worst direct | worst route1 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in run["rows"]:
             lines.append(
                 f"| {LABELS[r['metric']]} | {r['batch'] or '-'} | {r['vllm_us']:.2f} "
                 f"| {r['direct_us']:.2f} | {r['direct_ratio']:.2f}x | {r['route1_us']:.2f} "
-                f"| {r['route1_ratio']:.2f}x | "
+                f"| {r['route1_ratio']:.2f}x "
+                f"| {r['route1_ratio_p25']:.2f}-{r['route1_ratio_p75']:.2f}x | "
                 + " | ".join(
                     f"{r[f'{side}_worst_ms']:.1f} ({r[f'{side}_worst_no_gc_ms']:.1f})"
                     for side in SIDES
@@ -562,6 +594,40 @@ def summary(results: dict[str, Any]) -> list[str]:
     return out
 
 
+def interpreter() -> str:
+    """The Python that runs this, as the report's command names it (relative to the
+    repository root when it lives there, e.g. ``.venv-vllm34/bin/python``)."""
+    path = Path(sys.executable)
+    root = Path(__file__).resolve().parent.parent
+    # A virtualenv's python is a link: the path as invoked names the environment.
+    if path.is_relative_to(root):
+        return str(path.relative_to(root))
+    return str(path)
+
+
+def previous_note(path: Path, vllm_version: str) -> str | None:
+    """What to say of the report at ``path`` that a new one replaces: its route-1 ratios in
+    one line when it measured another vLLM release, else the line it carried itself."""
+    try:
+        old = json.loads(path.read_text())
+        old_version = old["machine"]["vllm"]
+        if old_version == vllm_version:
+            carried = old.get("previous")
+            return str(carried) if carried else None
+        ratios = [r["route1_ratio"] for run in old["runs"] for r in run["rows"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not ratios:
+        return None
+    above = sum(ratio > 0.8 for ratio in ratios)
+    return (
+        f"vLLM {old_version}, {old['machine'].get('date', '?')}, `{old.get('args', '?')}` "
+        f"(load {old['machine'].get('load_start', '?')} to {old['machine'].get('load_end', '?')}"
+        f"): route 1 at {min(ratios):.2f}-{max(ratios):.2f}x of vLLM, {len(ratios) - above} of "
+        f"{len(ratios)} rows at or below 0.8x (git history holds its tables)."
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="20,000 chunks, 10 rounds")
@@ -580,6 +646,7 @@ def main() -> None:
     rounds = args.rounds or (10 if args.quick else 30)
     results: dict[str, Any] = {
         "machine": machine_note(),
+        "python": interpreter(),
         "args": " ".join(
             part
             for part in (
@@ -607,11 +674,12 @@ def main() -> None:
                 for side in SIDES:
                     results["memory"].append(bench_memory(chunks, policy, side, seed=7))
     results["machine"]["load_end"] = load_average()
+    name = "vs_vllm-quick" if args.quick else "vs_vllm"
+    results["previous"] = previous_note(RESULTS / f"{name}.json", results["machine"]["vllm"])
     report = render(results)
     print(report)
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
-        name = "vs_vllm-quick" if args.quick else "vs_vllm"
         (RESULTS / f"{name}.md").write_text(report)
         (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
 

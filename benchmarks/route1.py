@@ -4,10 +4,35 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Collection, Sequence
+from functools import cache
 from typing import Any
 
 #: The CPU tier's slot in these benchmarks: one small chunk rounded up to a page.
 SLOT_BYTES = 4096
+#: The first vLLM release whose connector hands a job's keys back in prefix order.
+ORDERED_JOB_KEYS = (0, 34, 0)
+
+
+@cache
+def vllm_release() -> tuple[int, int, int]:
+    """The installed vLLM's ``(major, minor, patch)``; one that does not parse counts as
+    the newest release kvtiers knows (its calls are the ones measured then)."""
+    import vllm
+
+    from kvtiers.integrations.vllm.version import SUPPORTED_HIGH, release
+
+    return release(str(vllm.__version__)) or SUPPORTED_HIGH
+
+
+def job_keys(keys: Sequence[Any]) -> Collection[Any]:
+    """``keys`` as the installed vLLM's connector hands a finished job's keys to
+    ``complete_load`` / ``complete_store``: a set up to 0.33, a tuple in prefix order
+    (duplicates dropped) from 0.34. The order is what a policy sees: the manager marks
+    the chunks of a completed store evictable in it."""
+    if vllm_release() >= ORDERED_JOB_KEYS:
+        return tuple(dict.fromkeys(keys))
+    return set(keys)
 
 
 def route1_manager(chunks: int, policy: str, *, blocks_per_chunk: int, label: str) -> Any:
