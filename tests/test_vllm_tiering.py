@@ -1,15 +1,20 @@
-"""KVTiersFileTier / KVTiersS3Tier under vLLM 0.33.0's real ``TieringOffloadingManager``.
+"""KVTiersFileTier / KVTiersS3Tier under vLLM's real ``TieringOffloadingManager`` (each
+supported release: 0.32, 0.33, 0.34).
 
 vLLM's ``TieringOffloadingSpec`` builds its own CPU primary (a shared-memory region) and
-loads the kvtiers tier from ``secondary_tiers``. The test plays vLLM's GPU worker by
-writing chunk bytes into the primary rows ``prepare_store`` hands out, lets vLLM cascade
-them into the kvtiers tier, then starts a second engine over the same storage and checks
-that vLLM promotes the chunks back with every byte intact.
+loads the kvtiers tier from ``secondary_tiers``. The tests play vLLM's GPU worker by
+writing chunk bytes into the primary rows ``prepare_store`` hands out, let vLLM cascade
+them into the kvtiers tier, and check that vLLM promotes the chunks back with every byte
+intact: into a second engine over the same storage, and into the same engine once its
+primary evicted them. On vLLM 0.34 a promotion past the tier's ``promotion_deadline_s``
+fails and vLLM holds its rows until the tier's copies ended.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,23 +31,26 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
+from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
+from kvtiers.integrations.vllm.tiers import JOB_RESULT_DEFERS_RELEASE
 from kvtiers.testing.s3 import BUCKET, MotoServer
 
 F = 2
 WORKER_BYTES_PER_BLOCK = 1000
 CHUNK_BYTES = WORKER_BYTES_PER_BLOCK * F
 NO_STEP_CONTEXT = vbase.ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
+ROW_BYTES = 4096  # vLLM's primary row of one chunk, aligned
 
 
-def tiering_manager(tier: dict[str, Any]) -> Any:
+def tiering_manager(tier: dict[str, Any], *, cpu_bytes: int = 1 << 20) -> Any:
     config = OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("a",), group_id=0),),
         worker_kv_bytes_per_block=WORKER_BYTES_PER_BLOCK,
         enable_kv_cache_events=False,
         extra_config={
             "spec_name": "TieringOffloadingSpec",
-            "cpu_bytes_to_use": 1 << 20,
+            "cpu_bytes_to_use": cpu_bytes,
             "secondary_tiers": [tier],
             # Built outside a connector: no engine configs to read.
             "kvtiers_identity": "offloading-config-only",
@@ -77,6 +85,46 @@ def primary_rows(manager: Any) -> np.ndarray:
     return np.asarray(manager.primary_tier.get_kv_memoryview())
 
 
+def store_through_primary(manager: Any, keys: list[Any], payloads: list[np.ndarray],
+                          req_id: str) -> None:
+    """One request stores ``keys`` (vLLM's GPU worker writing ``payloads`` into the rows
+    the primary hands out), finishes, and its chunks are cascaded into the tier."""
+    ctx = vbase.ReqContext(req_id=req_id)
+    manager.on_new_request(ctx)
+    out = manager.prepare_store(keys, ctx)
+    assert list(out.keys_to_store) == keys
+    rows = primary_rows(manager)
+    for chunk, payload in zip(out.store_spec.block_ids, payloads, strict=True):
+        rows[chunk, :CHUNK_BYTES] = payload
+    manager.complete_store(keys, ctx)
+    manager.on_request_finished(ctx)
+    settle(manager)
+
+
+def chunks(seed: int, count: int) -> tuple[list[Any], list[np.ndarray]]:
+    rng = np.random.default_rng(seed)
+    keys = [vbase.make_offload_key(rng.bytes(16), 0) for _ in range(count)]
+    return keys, [rng.integers(-128, 128, CHUNK_BYTES, dtype=np.int8) for _ in keys]
+
+
+class BlockedLoads:
+    """Holds every load copy of a kvtiers tier's mover until :meth:`release` (a copy that
+    is still running); stores copy as usual."""
+
+    def __init__(self, tier: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._gate = threading.Event()
+        self._copy: Callable[[Any, Any], int] = tier._mover._copy
+        monkeypatch.setattr(tier._mover, "_copy", self._held_copy)
+
+    def _held_copy(self, job: Any, chunk: Any) -> int:
+        if not job.store:
+            self._gate.wait()
+        return self._copy(job, chunk)
+
+    def release(self) -> None:
+        self._gate.set()
+
+
 @pytest.fixture(params=["file", "s3"])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
     base = {"module_path": "kvtiers.integrations.vllm", "threads": 2}
@@ -87,23 +135,14 @@ def tier(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
 
 
 def test_cascade_then_warm_promotion_in_a_new_engine(tier: dict[str, Any]) -> None:
-    rng = np.random.default_rng(0)
-    keys = [vbase.make_offload_key(rng.bytes(16), 0) for _ in range(3)]
-    payloads = [rng.integers(-128, 128, CHUNK_BYTES, dtype=np.int8) for _ in keys]
-
+    keys, payloads = chunks(0, 3)
     cold = tiering_manager(tier)
     try:
-        ctx = vbase.ReqContext(req_id="cold")
-        cold.on_new_request(ctx)
-        out = cold.prepare_store(keys, ctx)
-        rows = primary_rows(cold)
-        for chunk, payload in zip(out.store_spec.block_ids, payloads, strict=True):
-            rows[chunk, :CHUNK_BYTES] = payload  # what vLLM's GPU worker would write
-        cold.complete_store(keys, ctx)
-        cold.on_request_finished(ctx)
-        settle(cold)
+        store_through_primary(cold, keys, payloads, "cold")
         for key in keys:
-            assert cold.secondary_tiers[0].lookup(key, ctx) is vbase.LookupResult.HIT
+            assert cold.secondary_tiers[0].lookup(key, vbase.ReqContext(req_id="cold")) is (
+                vbase.LookupResult.HIT
+            )
     finally:
         cold.shutdown()
 
@@ -125,3 +164,81 @@ def test_cascade_then_warm_promotion_in_a_new_engine(tier: dict[str, Any]) -> No
         warm.on_request_finished(ctx)
     finally:
         warm.shutdown()
+
+
+def test_chunks_the_primary_evicted_are_promoted_back_byte_exact(tier: dict[str, Any]) -> None:
+    # A primary of four rows: storing four more chunks evicts the first three, which then
+    # live in the kvtiers tier only.
+    manager = tiering_manager(tier, cpu_bytes=4 * ROW_BYTES)
+    try:
+        first, payloads = chunks(1, 3)
+        store_through_primary(manager, first, payloads, "first")
+        store_through_primary(manager, *chunks(2, 4), "second")
+        ctx = vbase.ReqContext(req_id="again")
+        manager.on_new_request(ctx)
+        for key in first:
+            assert manager.primary_tier.lookup(key, ctx) is vbase.LookupResult.MISS
+            assert manager.lookup(key, ctx) is vbase.LookupResult.HIT_PENDING
+        manager.on_schedule_end(NO_STEP_CONTEXT)  # submits the promotion
+        settle(manager)
+        for key in first:
+            assert manager.lookup(key, ctx) is vbase.LookupResult.HIT
+        spec = manager.prepare_load(first, ctx)
+        rows = primary_rows(manager)
+        for chunk, payload in zip(spec.block_ids, payloads, strict=True):
+            assert np.array_equal(rows[chunk, :CHUNK_BYTES], payload)
+        manager.complete_load(first, ctx)
+        manager.on_request_finished(ctx)
+    finally:
+        manager.shutdown()
+
+
+def test_a_late_promotion_fails_and_vllm_holds_its_rows_until_the_copies_end(
+    tier: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    late = {**tier, "promotion_deadline_s": 5}
+    if not JOB_RESULT_DEFERS_RELEASE:
+        # vLLM 0.32 / 0.33 cannot hold a failed promotion's rows: the option is refused.
+        with pytest.raises(ConfigError, match=r"needs vLLM 0\.34"):
+            tiering_manager(late)
+        return
+    manager = tiering_manager(late, cpu_bytes=4 * ROW_BYTES)
+    kvtiers_tier = manager.secondary_tiers[0]
+    loads = BlockedLoads(kvtiers_tier, monkeypatch)
+    try:
+        now = [0.0]
+        kvtiers_tier.clock = kvtiers_tier.manager.backoff.clock = lambda: now[0]
+        first, payloads = chunks(3, 3)
+        store_through_primary(manager, first, payloads, "first")
+        store_through_primary(manager, *chunks(4, 4), "second")
+        ctx = vbase.ReqContext(req_id="again")
+        manager.on_new_request(ctx)
+        for key in first:
+            assert manager.lookup(key, ctx) is vbase.LookupResult.HIT_PENDING
+        manager.on_schedule_end(NO_STEP_CONTEXT)  # submits the promotion; its copies wait
+        for key in first:
+            assert manager.lookup(key, ctx) is vbase.LookupResult.HIT_PENDING
+        manager.on_schedule_end(NO_STEP_CONTEXT)
+        assert manager.primary_tier.num_deferred_release_chunks == 0
+
+        now[0] = 5.0  # the deadline passes with every copy still running
+        manager.on_schedule_end(NO_STEP_CONTEXT)
+        # vLLM failed the promotion (the keys are gone from its primary, and the tier backs
+        # them off: the request recomputes them) but keeps the three rows out of its free
+        # pool while the copies may still write them.
+        assert manager.primary_tier.num_deferred_release_chunks == 3
+        for key in first:
+            assert manager.lookup(key, ctx) is vbase.LookupResult.MISS
+        manager.on_schedule_end(NO_STEP_CONTEXT)
+        assert manager.primary_tier.num_deferred_release_chunks == 3
+        assert manager.has_pending_work()
+
+        loads.release()
+        settle(manager)
+        assert manager.primary_tier.num_deferred_release_chunks == 0
+        manager.on_request_finished(ctx)
+        # vLLM's reset drains every tier and asserts no release is still deferred.
+        manager.reset_cache()
+    finally:
+        loads.release()
+        manager.shutdown()

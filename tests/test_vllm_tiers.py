@@ -1,4 +1,5 @@
-"""KVTiersFileTier and KVTiersS3Tier driven through vLLM 0.33.0's secondary-tier API.
+"""KVTiersFileTier and KVTiersS3Tier driven through vLLM's secondary-tier API (each
+supported release: 0.32, 0.33, 0.34).
 
 Tiers are built by vLLM's own ``SecondaryTierFactory`` from a ``secondary_tiers`` entry,
 over a primary memoryview shaped like vLLM's CPU tier's (``(num_chunks, row_bytes)``).
@@ -8,6 +9,7 @@ synchronisation point, as in vLLM's ``reset_cache``.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +31,9 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from kvtiers.errors import ConfigError, UnknownKeyError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
+from kvtiers.integrations.vllm.tiers import EVENT_CARRIES_REQ_CONTEXT, JOB_RESULT_DEFERS_RELEASE
 from kvtiers.testing.s3 import BUCKET, MotoServer
+from tests.test_vllm_tiering import BlockedLoads
 
 F = 2
 WORKER_BYTES_PER_BLOCK = 1000
@@ -95,13 +99,14 @@ def keys(seed: int, count: int) -> list[bytes]:
     return [vbase.make_offload_key(rng.bytes(16), (0, 3)[i % 2]) for i in range(count)]
 
 
-def job(job_id: int, job_keys: list[bytes], chunks: list[int], *, promotion: bool) -> Any:
+def job(job_id: int, job_keys: list[bytes], chunks: list[int], *, promotion: bool,
+        req_context: Any = None) -> Any:
     return TransferJob(
         job_id=job_id,
         keys=job_keys,
         chunk_ids=np.array(chunks, dtype=np.int32),
         is_promotion=promotion,
-        req_context=vbase.ReqContext(req_id="r"),
+        req_context=req_context or vbase.ReqContext(req_id="r"),
     )
 
 
@@ -152,6 +157,10 @@ def test_store_then_load_round_trips_each_chunk(tier: tuple[Any, Primary]) -> No
         assert t.lookup(key, vbase.ReqContext("r")) is vbase.LookupResult.HIT
     [event] = t.take_events()
     assert (event.keys, event.removed, event.ownership) == (ks, False, t.tier_type)
+    # The stored event names the job's request on vLLM 0.34 (vLLM's tracker builds the
+    # chunk's payload from it); earlier releases' events have no such field.
+    fields = {f.name for f in dataclasses.fields(event)}
+    assert ("req_context" in fields) is EVENT_CARRIES_REQ_CONTEXT
 
     t.submit_load(job(2, ks[::-1], [11, 8, 10, 9], promotion=True))
     [result] = finished(t)
@@ -299,3 +308,91 @@ def test_a_load_whose_submission_raises_fails_and_drops_its_pins(
     for key in ks:
         with pytest.raises(UnknownKeyError):
             t.manager.get_spec([t._keys.to_kvtiers(key)])
+
+
+def test_stored_events_carry_the_request_of_the_job_that_stored_them(
+    tier: tuple[Any, Primary],
+) -> None:
+    t, primary = tier
+    first, second = vbase.ReqContext(req_id="first"), vbase.ReqContext(req_id="second")
+    ks = keys(11, 3)
+    for chunk in range(3):
+        primary.fill(chunk, seed=chunk)
+    t.submit_store(job(1, ks[:2], [0, 1], promotion=False, req_context=first))
+    t.submit_store(job(2, ks[2:], [2], promotion=False, req_context=second))
+    assert sorted(r.job_id for r in finished(t) if r.success) == [1, 2]
+    stored = [event for event in t.take_events() if not event.removed]
+    assert sorted(key for event in stored for key in event.keys) == sorted(ks)
+    if not EVENT_CARRIES_REQ_CONTEXT:
+        assert all(not hasattr(event, "req_context") for event in stored)
+        return
+    owner = {key: event.req_context for event in stored for key in event.keys}
+    assert all(owner[key] is first for key in ks[:2]) and owner[ks[2]] is second
+
+
+def test_promotion_deadline_is_checked_at_start_up(
+    tier_config: dict[str, Any], spec: _Spec
+) -> None:
+    with pytest.raises(ConfigError, match="positive number of seconds"):
+        build(tier_config, Primary(), spec, promotion_deadline_s=0)
+    with pytest.raises(ConfigError, match="positive number of seconds"):
+        build(tier_config, Primary(), spec, promotion_deadline_s="5s")
+    if JOB_RESULT_DEFERS_RELEASE:
+        build(tier_config, Primary(), spec, promotion_deadline_s=0.5).shutdown()
+    else:
+        with pytest.raises(ConfigError, match=r"needs vLLM 0\.34"):
+            build(tier_config, Primary(), spec, promotion_deadline_s=0.5)
+
+
+def test_a_late_promotion_defers_its_release_until_its_copies_ended(
+    tier_config: dict[str, Any], spec: _Spec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    primary = Primary()
+    if not JOB_RESULT_DEFERS_RELEASE:
+        with pytest.raises(ConfigError, match=r"needs vLLM 0\.34"):
+            build(tier_config, primary, spec, promotion_deadline_s=2)
+        return
+    t = build(tier_config, primary, spec, promotion_deadline_s=2)
+    loads = BlockedLoads(t, monkeypatch)
+    try:
+        now = [10.0]
+        t.clock = t.manager.backoff.clock = lambda: now[0]
+        ks = keys(12, 3)
+        payloads = [primary.fill(chunk, seed=20 + chunk) for chunk in range(3)]
+        t.submit_store(job(1, ks, [0, 1, 2], promotion=False))
+        assert [r.success for r in finished(t)] == [True]
+
+        t.submit_load(job(2, ks[:2], [5, 6], promotion=True))
+        now[0] = 11.0
+        t.submit_load(job(3, ks[2:], [7], promotion=True))
+        assert list(t.get_finished_jobs()) == []  # both within their deadline
+        now[0] = 12.0
+        [late] = t.get_finished_jobs()  # job 2 only: job 3 has a second left
+        assert (late.job_id, late.success, list(late.successful_keys)) == (2, False, [])
+        assert late.deferred_release is not None
+        assert not late.deferred_release.is_set()  # its copies are still running
+        # Its keys back off, so vLLM recomputes them rather than promote them again.
+        for key in ks[:2]:
+            assert t.lookup(key, vbase.ReqContext("r")) is vbase.LookupResult.MISS
+        now[0] = 13.0
+        [later] = t.get_finished_jobs()
+        assert (later.job_id, later.success) == (3, False)
+        assert not later.deferred_release.is_set()
+        assert list(t.get_finished_jobs()) == [] and t.has_pending_work()
+
+        loads.release()
+        t.drain_jobs()
+        # Every event is set once drain_jobs returns, and the jobs are not reported again.
+        assert late.deferred_release.is_set() and later.deferred_release.is_set()
+        assert list(t.get_finished_jobs()) == []
+        assert not t.has_pending_work()
+        # The copies did write the rows vLLM held for them.
+        assert [primary.row(c) for c in (5, 6, 7)] == payloads
+        # A promotion that ends in time is reported as usual, without a deferral.
+        now[0] = 100.0
+        t.submit_load(job(4, ks, [8, 9, 10], promotion=True))
+        [result] = finished(t)
+        assert (result.job_id, result.success, result.deferred_release) == (4, True, None)
+    finally:
+        loads.release()
+        t.shutdown()

@@ -20,19 +20,42 @@ their primary rows; ``submit_load`` pins the keys still held and copies them int
 rows vLLM allocated, a job with missing or corrupt chunks reporting the keys that did
 arrive. A :class:`~kvtiers.tiers.jobs.JobDriver` (without a primary manager: the rows are
 vLLM's) runs the copies and releases every reservation and pin. Results are collected in
-``get_finished_jobs``; ``drain_jobs`` blocks until no copy touches the primary memory.
+``get_finished_jobs``; a job's result comes once every copy of it ended (the mover
+publishes a job after its last chunk; an S3 request that stalls fails inside its own copy
+at the tier's ``op_deadline_s``), so vLLM never frees rows a copy may still write.
+``drain_jobs`` blocks until no copy touches the primary memory.
+
+Promotion deadline (``promotion_deadline_s``, vLLM 0.34 and later): a promotion still
+copying that long after ``submit_load`` is reported failed at once, so vLLM recomputes its
+tokens instead of holding the request until the slowest copy ends. Its copies may still
+write the rows, so its result carries a ``deferred_release`` event: vLLM keeps those rows
+out of its free pool until the event is set, which this tier does once every copy of the
+job ended (when the job is next polled), and at the latest in ``drain_jobs`` (so the hold
+is as bounded as the copies: a file read, or an S3 request within ``op_deadline_s``). Its
+keys are then backed off like any failed load (a ``MISS`` for a while), so vLLM does not
+start the same slow promotion again at once. vLLM 0.32 and 0.33 cannot defer a release,
+so there the option is refused at start-up and a promotion always waits for its copies.
 
 Events: only with the tier's ``enable_kv_events`` AND vLLM's global KV-events flag (off,
 vLLM never drains ``take_events``, so the tier drops its own events every step); they
 carry the configured ``locality`` (the tier kind's when none is configured), and the keys
-of a failed store come back as a ``metadata_only`` removal. ``shutdown`` releases every
-view of vLLM's primary memory, so vLLM can unmap it.
+of a failed store come back as a ``metadata_only`` removal. On vLLM 0.34 and later, the
+event of a store a job made carries that job's ``req_context``, as vLLM's own tiers' do
+(vLLM's event tracker builds a chunk's self-describing payload from it). ``shutdown``
+releases every view of vLLM's primary memory, so vLLM can unmap it.
+
+``touch``: vLLM 0.32 and 0.33 call it on every secondary tier; 0.34 removed it from the
+interface and never calls it, so there a chunk's recency here comes from its stores and
+loads only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from typing import Any, ClassVar
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable
+from typing import Any, ClassVar, NamedTuple
 
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
@@ -58,6 +81,18 @@ from kvtiers.integrations.vllm.translate import (
 from kvtiers.tiers.jobs import FinishedJob, JobDriver
 
 CHUNK_LAYOUT_SUFFIX = "+vllm-cpu-chunk"
+
+
+def _has_field(cls: Any, name: str) -> bool:
+    return name in getattr(cls, "__dataclass_fields__", {})
+
+
+#: Release switch (vLLM 0.34 added the field): whether a ``JobResult`` of a failed
+#: promotion can defer the release of its primary chunks (``deferred_release``).
+JOB_RESULT_DEFERS_RELEASE = _has_field(JobResult, "deferred_release")
+#: Release switch (vLLM 0.34 added the field): whether an ``OffloadingEvent`` carries the
+#: request context of the store it announces (``req_context``).
+EVENT_CARRIES_REQ_CONTEXT = _has_field(vbase.OffloadingEvent, "req_context")
 
 
 def canonical_format(config: Any) -> str:
@@ -120,6 +155,14 @@ class MemoryviewRegion:
 _KeyPairs = list[tuple[Any, OffloadKey]]
 
 
+class _JobTag(NamedTuple):
+    """What a job carries through the driver: its key pairs, and vLLM's request context
+    of the job (its stores' events carry it)."""
+
+    pairs: _KeyPairs
+    req_context: Any
+
+
 class _KVTiersSecondaryTier(SecondaryTierManager):
     """A kvtiers lower tier under vLLM's tiering manager (see the module docstring)."""
 
@@ -135,10 +178,14 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         *,
         locality: str | None = None,
         enable_kv_events: bool = False,
+        promotion_deadline_s: float | None = None,
         **options: Any,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         where = f"secondary_tiers[type={tier_type}]"
+        self._promotion_deadline_s = _promotion_deadline(
+            promotion_deadline_s, f"{where}.promotion_deadline_s"
+        )
         if locality is not None:
             try:
                 self.locality = vbase.Locality(locality)
@@ -187,10 +234,20 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         self._events_enabled = enable_kv_events and bool(config.enable_kv_cache_events)
         # Bookkeeping-only removals (keys of failed stores) for take_events.
         self._failed_store_events: list[Any] = []
-        self._jobs: JobDriver[_KeyPairs] = JobDriver(
+        # vLLM's request context of each key a store job landed since the last
+        # take_events, for the stored events (kept only when they can carry it).
+        self._store_contexts: dict[Any, Any] = {}
+        self._jobs: JobDriver[_JobTag] = JobDriver(
             self.manager, self._mover, self._finished, ctx=ReqContext(req_id="kvtiers-vllm-tier")
         )
         self._results: list[JobResult] = []
+        #: The clock of promotion deadlines (tests replace it).
+        self.clock: Callable[[], float] = time.monotonic
+        # Promotions in flight under a deadline, in submission order: start and key pairs.
+        self._promotions: dict[int, tuple[float, _KeyPairs]] = {}
+        # Promotions reported failed at their deadline while copies still ran: the
+        # deferred_release event each sets once its copies ended.
+        self._given_up: dict[int, threading.Event] = {}
 
     # -- lookups and requests ---------------------------------------------------------
     def lookup(self, key: Any, req_context: Any) -> Any:
@@ -218,7 +275,8 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         pairs = [(key, self._keys.to_kvtiers(key)) for key in job_metadata.keys]
         ours = [k for _, k in pairs]
         slot_of = dict(zip(ours, (int(c) for c in job_metadata.chunk_ids), strict=True))
-        accepted = self._jobs.store(job_id, ours, ctx, pairs, slots=slot_of)
+        tag = _JobTag(pairs, job_metadata.req_context)
+        accepted = self._jobs.store(job_id, ours, ctx, tag, slots=slot_of)
         if accepted is None:
             self._store_failed([vkey for vkey, _ in pairs])
             self._results.append(JobResult(job_id=job_id, success=False))
@@ -234,18 +292,34 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         # skipped and reported missing.
         for (_, key), chunk in zip(pairs, job_metadata.chunk_ids, strict=True):
             self._jobs.hold_for_load(key, ctx, slot=int(chunk))
-        if not self._jobs.load_held(job_id, pairs):
+        if self._promotion_deadline_s is not None:
+            self._promotions[job_id] = (self.clock(), pairs)
+        if not self._jobs.load_held(job_id, _JobTag(pairs, job_metadata.req_context)):
+            self._promotions.pop(job_id, None)
             self._results.append(_load_result(job_id, pairs, MoverResult(job_id, ())))
 
-    def _finished(self, job: FinishedJob[_KeyPairs]) -> None:
-        """A job ended (the driver released its reservations and pins): queue its result."""
+    def _finished(self, job: FinishedJob[_JobTag]) -> None:
+        """A job ended (the driver released its reservations and pins): queue its result,
+        or, for a promotion already reported failed at its deadline, let vLLM release its
+        rows."""
         result = job.result
+        pairs = job.tag.pairs
         if job.load:
-            self._results.append(_load_result(job.job_id, job.tag, result))
+            self._promotions.pop(job.job_id, None)
+            deferred = self._given_up.pop(job.job_id, None)
+            if deferred is not None:
+                deferred.set()
+            else:
+                self._results.append(_load_result(job.job_id, pairs, result))
             return
         if job.failed:
             failed = set(job.failed)
-            self._store_failed([vkey for vkey, key in job.tag if key in failed])
+            self._store_failed([vkey for vkey, key in pairs if key in failed])
+        if job.succeeded and self._events_enabled and EVENT_CARRIES_REQ_CONTEXT:
+            landed = set(job.succeeded)
+            for vkey, key in pairs:
+                if key in landed:
+                    self._store_contexts[vkey] = job.tag.req_context
         self._results.append(
             JobResult(
                 job_id=job.job_id,
@@ -272,11 +346,39 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._jobs.poll()
+        if self._promotions:
+            self._give_up_late_promotions()
         results, self._results = self._results, []
         return results
 
+    def _give_up_late_promotions(self) -> None:
+        """Report each promotion past ``promotion_deadline_s`` failed, its rows' release
+        deferred until its copies end (see the module docstring), and back its keys off."""
+        deadline_s = self._promotion_deadline_s
+        assert deadline_s is not None
+        now = self.clock()
+        for job_id, (started, pairs) in list(self._promotions.items()):
+            if now - started < deadline_s:
+                break  # started in order: the rest are younger
+            del self._promotions[job_id]
+            event = threading.Event()
+            self._given_up[job_id] = event
+            error = TimeoutError(
+                f"promotion job {job_id} still copying after promotion_deadline_s "
+                f"({deadline_s:g} s)"
+            )
+            for key in dict.fromkeys(key for _, key in pairs):
+                self.manager.load_failed(key, f"promotion job {job_id}", error, lasting=False)
+            # The field exists: the option is refused at start-up where it does not.
+            deferral: dict[str, Any] = {"deferred_release": event}
+            self._results.append(
+                JobResult(job_id=job_id, success=False, successful_keys=[], **deferral)
+            )
+
     def drain_jobs(self) -> None:
-        self._mover.drain()
+        """Block until no copy touches vLLM's memory; every job's result is then queued
+        for ``get_finished_jobs`` and every ``deferred_release`` event is set."""
+        self._jobs.drain()
 
     def has_pending_work(self) -> bool:
         return self._jobs.busy or self.manager.has_pending_work()
@@ -293,7 +395,13 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
             vllm_event(event, self._keys, self.tier_type, self.locality) for event in events
         ]
         failed, self._failed_store_events = self._failed_store_events, []
-        return [event for event in translated if event is not None] + failed
+        # Every store recorded here has its event among these: the manager queued it
+        # when the job completed the keys, before the job's result was queued.
+        contexts, self._store_contexts = self._store_contexts, {}
+        out = [event for event in translated if event is not None]
+        if contexts:
+            out = [part for event in out for part in _with_request(event, contexts)]
+        return out + failed
 
     def on_schedule_end(self, context: Any) -> None:
         self.manager.on_schedule_end(
@@ -313,6 +421,42 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         vLLM can unmap it."""
         self.tier.shutdown()
         self._region.release()
+
+
+def _promotion_deadline(value: Any, path: str) -> float | None:
+    """``promotion_deadline_s`` checked: ``None`` (off) or positive seconds, and only where
+    vLLM can defer a failed promotion's release."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"expected a positive number of seconds, got {value!r}", path=path)
+    if not JOB_RESULT_DEFERS_RELEASE:
+        raise ConfigError(
+            "needs vLLM 0.34 or later: this vLLM cannot hold a failed promotion's rows "
+            "while its copies still run (JobResult.deferred_release)",
+            path=path,
+        )
+    return float(value)
+
+
+def _with_request(event: Any, contexts: dict[Any, Any]) -> list[Any]:
+    """``event`` with the request context of each of its keys a store job landed
+    (``contexts``), split where consecutive keys came from different requests; other
+    events as they are."""
+    if event.removed or not any(key in contexts for key in event.keys):
+        return [event]
+    parts: list[Any] = []
+    run: list[Any] = []
+    current: Any = None
+    for key in event.keys:
+        context = contexts.get(key)
+        if run and context is not current:
+            parts.append(dataclasses.replace(event, keys=run, req_context=current))
+            run = []
+        run.append(key)
+        current = context
+    parts.append(dataclasses.replace(event, keys=run, req_context=current))
+    return parts
 
 
 def _load_result(job_id: int, pairs: _KeyPairs, result: MoverResult) -> JobResult:
