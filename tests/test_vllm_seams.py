@@ -339,9 +339,11 @@ def test_importing_the_report_does_not_import_vllm() -> None:
 
 
 def _make_dry_run(*args: str) -> subprocess.CompletedProcess[str]:
-    # Under `make test` the outer make's flags and command-line variables (VLLM=…) reach
-    # a child make through the environment: the dry run starts without them.
-    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    # Under make (make test, make vllm-compat VLLM=…) the outer make's flags and its
+    # command-line variables reach this make through the environment: the dry run starts
+    # without them.
+    outer = ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "VLLM", "VLLM_EXTRA_DEPS", "COMPAT_VENV")
+    env = {k: v for k, v in os.environ.items() if k not in outer}
     return subprocess.run(["make", "-n", "--no-print-directory", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, check=False)
 
