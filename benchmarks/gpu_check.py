@@ -8,7 +8,8 @@ docs/gpu-check.md) are installed with ``pip --no-index --no-deps --target`` into
 folder that only this run's processes see.
 
 Steps, each in a process of its own with its own time budget (a hung step is killed and
-reported as timed out; the others still run; the budgets add up to under 8 minutes):
+reported as timed out; the others still run; the budgets add up to 450 s, under 8
+minutes):
 
 ``wheels``      install the carried wheels (skipped when there are none);
 ``cuda-tests``  the CUDA-only tests (``tests/test_cuda_paths.py``): the CPU worker's stream
@@ -18,6 +19,14 @@ reported as timed out; the others still run; the budgets add up to under 8 minut
 ``kvikio``      when kvikio imports and can do I/O: which path it takes (GPUDirect Storage
                 or its compatibility mode), then the kvikio file-tier conformance, the GDS
                 primary's round trips and the CUDA kvikio tests;
+``vllm-worker`` a KV cache allocated as vLLM 0.34 allocates it by default (virtual memory
+                reserved, physical memory committed in two steps); route 1's worker
+                (``KVTiersOffloadingSpec.get_worker``) fed as the installed vLLM's
+                connector feeds it (0.34: ``DevicePointers`` from vLLM's own
+                ``resolve_device_pointers``; 0.32 / 0.33: ``GPULoadStoreSpec``), stores and
+                loads byte-exact, a job outside the KV cache failed; kvikio registering
+                that cache and moving bytes into and out of it (skipped parts: no vLLM, no
+                kvikio);
 ``bench``       GPU → CPU and CPU → GPU throughput of the CPU tier's worker against a plain
                 ``copy_(non_blocking=True)`` of the same bytes between the same buffers (the
                 pinned region and the KV tensors), fresh and scattered slots (target ≥ 0.8x);
@@ -104,10 +113,12 @@ class Step:
 
 STEPS = (
     Step("wheels", 30, "install the carried wheels into a private folder"),
-    Step("cuda-tests", 120, "CUDA-only tests: CPU worker stream path, GDS worker on CUDA"),
-    Step("kvikio", 90, "kvikio I/O path, kvikio conformance, GDS primary round trips"),
-    Step("bench", 110, "worker vs copy_(non_blocking=True) throughput, both directions"),
-    Step("demo", 90, "the demo with CUDA tensors as the simulated engine's KV cache"),
+    Step("cuda-tests", 110, "CUDA-only tests: CPU worker stream path, GDS worker on CUDA"),
+    Step("kvikio", 80, "kvikio I/O path, kvikio conformance, GDS primary round trips"),
+    Step("vllm-worker", 55, "route 1's worker fed as vLLM's connector feeds it, kvikio, "
+         "on a KV cache in virtual memory as vLLM 0.34 allocates it"),
+    Step("bench", 100, "worker vs copy_(non_blocking=True) throughput, both directions"),
+    Step("demo", 75, "the demo with CUDA tensors as the simulated engine's KV cache"),
 )
 STEP_NAMES = tuple(step.name for step in STEPS)
 #: What the steps import: ``--dry-run`` imports each, so a broken checkout shows at once.
@@ -180,7 +191,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="wheels to install for the run (default: .whl when it exists)")
     parser.add_argument("--budget-s", type=int, default=TOTAL_BUDGET_S, metavar="SECONDS",
                         help=f"the whole run's time budget (default: {TOTAL_BUDGET_S})")
-    parser.add_argument("--child", choices=("kvikio-info", "bench", "demo"),
+    parser.add_argument("--child", choices=("kvikio-info", "vllm-worker", "bench", "demo"),
                         help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -652,7 +663,7 @@ def bench_geometry(label: str, layers: int, page: int, per_chunk: int, job_bytes
             store = [GroupTransfer(GPULoadStoreSpec(store_ids), spec)]
             load = [GroupTransfer(GPULoadStoreSpec(load_ids), spec)]
             for batch in BATCHES:
-                options = {} if batch is None else {"batch_bytes": batch}
+                options: dict[str, Any] = {} if batch is None else {"batch_bytes": batch}
                 worker = CpuWorker(kv, region, geometry, **options)
                 try:
                     rows += _bench_worker(worker, store, load, copy, moved, repeats, tensors,
@@ -788,6 +799,499 @@ def _demo_runs(demo: Any, work: Path, devices: set[str], device: str,
     return runs
 
 
+# -- route 1's worker as vLLM's connector drives it, on a KV cache as vLLM allocates it --
+#: The KV cache of the ``vllm-worker`` child: layers (one tensor each, shared by both KV
+#: groups as vLLM's hybrid allocator shares them), blocks, and a page per block and layer
+#: (on CUDA: 64 blocks of 64 KiB, 4 MiB per layer, two 2 MiB granules committed apart).
+VLLM_LAYERS = 4
+VLLM_BLOCKS = 64
+VLLM_PAGE_BYTES = {"cuda": 64 << 10, "cpu": 256}
+#: Two KV groups of different block sizes (vLLM group ids 0 and 2), two blocks a chunk.
+VLLM_TOKENS_PER_BLOCK = (16, 32)
+VLLM_GROUP_IDS = (0, 2)
+VLLM_BLOCKS_PER_CHUNK = 2
+VLLM_TOKENS_PER_HASH = 16
+VLLM_TOKENS = 256  # group 0: 16 blocks in 8 chunks; group 1: 8 blocks in 4 chunks
+#: The first logical block each group's load starts from: group 0 mid-chunk.
+VLLM_LOAD_FROM = (3, 2)
+
+
+def part(status: str, summary: str, **details: Any) -> dict[str, Any]:
+    """One part of a child's result: passed, failed or skipped, with one line."""
+    return {"status": status, "summary": summary, **details}
+
+
+class VirtualKVCache:
+    """Device memory laid out as vLLM 0.34 lays out its KV cache by default: one virtual
+    address range reserved for every layer's blocks (``cuMemAddressReserve``), physical
+    memory created (``cuMemCreate``) and mapped into it in two commits, as vLLM commits a
+    prefix for warmup and the rest once it has sized the cache, so one layer's blocks span
+    two physical allocations. Uses the CUDA driver API through ctypes; the memory lives
+    until :meth:`close`."""
+
+    _PINNED = 1  # CU_MEM_ALLOCATION_TYPE_PINNED
+    _DEVICE = 1  # CU_MEM_LOCATION_TYPE_DEVICE
+    _READ_WRITE = 3  # CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+
+    def __init__(self, layer_bytes: int, layers: int, device_index: int) -> None:
+        import ctypes
+
+        class Location(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+        class AllocFlags(ctypes.Structure):
+            _fields_ = [("compression", ctypes.c_ubyte), ("rdma", ctypes.c_ubyte),
+                        ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+        class Prop(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("handle_types", ctypes.c_int),
+                        ("location", Location), ("win32", ctypes.c_void_p),
+                        ("flags", AllocFlags)]
+
+        class Access(ctypes.Structure):
+            _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+        self._ctypes = ctypes
+        self._cuda = ctypes.CDLL("libcuda.so.1")
+        self._prop = Prop(type=self._PINNED, location=Location(self._DEVICE, device_index))
+        self._access = Access(location=Location(self._DEVICE, device_index),
+                              flags=self._READ_WRITE)
+        granularity = ctypes.c_size_t()
+        self._call("cuMemGetAllocationGranularity", ctypes.byref(granularity),
+                   ctypes.byref(self._prop), 0)
+        self.granularity = granularity.value
+        self.layer_bytes = layer_bytes
+        # Each layer's segment starts on a granule, as vLLM's per-layer segments do.
+        self.stride = -(-layer_bytes // self.granularity) * self.granularity
+        self.size = self.stride * layers
+        self.layers = layers
+        self._handles: list[tuple[int, int]] = []  # (address, size) mapped, with handles
+        self._physical: list[int] = []
+        base = ctypes.c_uint64()
+        self._call("cuMemAddressReserve", ctypes.byref(base), ctypes.c_size_t(self.size),
+                   ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_uint64(0))
+        self.base = base.value
+        try:
+            for first in (True, False):  # the warmup prefix of every layer, then the rest
+                for layer in range(layers):
+                    half = self.stride // 2 // self.granularity * self.granularity
+                    start, end = (0, half) if first else (half, self.stride)
+                    if end > start:
+                        self._commit(self.base + layer * self.stride + start, end - start)
+        except BaseException:
+            self.close()
+            raise
+
+    def _call(self, name: str, *args: Any) -> None:
+        status = getattr(self._cuda, name)(*args)
+        if status != 0:
+            raise RuntimeError(f"{name} failed with CUresult {status}")
+
+    def _commit(self, address: int, size: int) -> None:
+        ctypes = self._ctypes
+        handle = ctypes.c_uint64()
+        self._call("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size),
+                   ctypes.byref(self._prop), ctypes.c_uint64(0))
+        self._physical.append(handle.value)
+        self._call("cuMemMap", ctypes.c_uint64(address), ctypes.c_size_t(size),
+                   ctypes.c_size_t(0), ctypes.c_uint64(handle.value), ctypes.c_uint64(0))
+        self._handles.append((address, size))
+        self._call("cuMemSetAccess", ctypes.c_uint64(address), ctypes.c_size_t(size),
+                   ctypes.byref(self._access), ctypes.c_size_t(1))
+
+    def layer(self, index: int, device: Any) -> Any:
+        """Layer ``index``'s bytes as a uint8 tensor on ``device``, aliasing the mapped
+        memory (valid until :meth:`close`)."""
+        import torch
+
+        interface = {"shape": (self.layer_bytes,), "typestr": "|u1", "version": 3,
+                     "data": (self.base + index * self.stride, False), "strides": None}
+        array = type("MappedLayer", (), {"__cuda_array_interface__": interface})()
+        return torch.as_tensor(array, device=device)
+
+    def close(self) -> None:
+        """Unmap and release the physical memory, then free the reservation (idempotent)."""
+        ctypes = self._ctypes
+        for address, size in self._handles:
+            self._cuda.cuMemUnmap(ctypes.c_uint64(address), ctypes.c_size_t(size))
+        for handle in self._physical:
+            self._cuda.cuMemRelease(ctypes.c_uint64(handle))
+        self._handles, self._physical = [], []
+        if getattr(self, "base", 0):
+            self._cuda.cuMemAddressFree(ctypes.c_uint64(self.base), ctypes.c_size_t(self.size))
+            self.base = 0
+
+
+def allocate_kv_cache(device: str, layers: int, blocks: int, page: int,
+                      keep: list[Any]) -> tuple[list[Any], str]:
+    """``layers`` int8 tensors of ``(blocks, page)`` on ``device``, random bytes, and how
+    they were allocated. On CUDA as vLLM 0.34 allocates its KV cache by default: with
+    vLLM's own ``ExtensibleTensor`` when vLLM 0.34 imports, else with
+    :class:`VirtualKVCache`; both commit a prefix first and the rest after. What must
+    stay alive with the tensors is appended to ``keep``."""
+    import torch
+
+    layer_bytes = blocks * page
+    if not device.startswith("cuda"):
+        tensors = [torch.randint(-128, 128, (blocks, page), dtype=torch.int8)
+                   for _ in range(layers)]
+        return tensors, f"torch tensors on {device}"
+    index = torch.device(device).index or 0
+    torch.cuda.init()
+    torch.empty(1, device=device)  # the primary context, current for the driver calls
+    try:
+        views, how = _virtual_layers(device, index, layers, layer_bytes, keep)
+    except RuntimeError as exc:  # no VMM support: vLLM 0.34 then allocates through torch
+        views = [torch.empty(layer_bytes, dtype=torch.uint8, device=device)
+                 for _ in range(layers)]
+        how = f"torch tensors: virtual memory failed here ({exc}), where vLLM 0.34 does the same"
+    tensors = [view.view(torch.int8).view(blocks, page) for view in views]
+    generator = torch.Generator(device=device).manual_seed(0)
+    for tensor in tensors:
+        tensor.copy_(torch.randint(-128, 128, (blocks, page), dtype=torch.int8,
+                                   device=device, generator=generator))
+    return tensors, how
+
+
+def _virtual_layers(device: str, index: int, layers: int, layer_bytes: int,
+                    keep: list[Any]) -> tuple[list[Any], str]:
+    """Each layer's bytes in one virtual-memory reservation, committed a prefix first and
+    then the rest; with vLLM's ``ExtensibleTensor`` where it imports."""
+    try:
+        from vllm.utils.extensible_tensor import ExtensibleTensor
+        from vllm.utils.vmm_driver import vmm_unavailable_reason
+    except ImportError as exc:
+        own = VirtualKVCache(layer_bytes, layers, index)
+        keep.append(own)
+        return [own.layer(i, device) for i in range(layers)], (
+            f"cuMemAddressReserve, then cuMemCreate + cuMemMap in two commits of "
+            f"{own.granularity >> 20} MiB granules, as vLLM 0.34 allocates (its "
+            f"ExtensibleTensor does not import here: {exc})")
+    reason = vmm_unavailable_reason()  # vLLM's own test before it reserves the KV cache
+    if reason is not None:
+        raise RuntimeError(reason)
+    reserved = ExtensibleTensor(layer_bytes * layers, device, num_segments=layers)
+    keep.append(reserved)
+    reserved.resize_per_segment_(layer_bytes // 2)
+    reserved.resize_per_segment_(layer_bytes)
+    return [reserved.segment_view(i) for i in range(layers)], (
+        "vLLM's ExtensibleTensor: virtual memory reserved, a prefix then the rest committed "
+        f"({reserved.physical_bytes >> 20} MiB mapped)")
+
+
+def child_vllm_worker(work: Path, device: str = "cuda:0") -> dict[str, Any]:
+    """The ``vllm-worker`` step: the KV cache allocated as vLLM 0.34 allocates it
+    (:func:`allocate_kv_cache`), route 1's worker driven on it as the installed vLLM's
+    connector drives it (:func:`route1_worker_part`), and kvikio on it
+    (:func:`kvikio_vmm_part`). Each part is passed, failed or skipped with one line."""
+    keep: list[Any] = []
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    page = VLLM_PAGE_BYTES[kind]
+    try:
+        tensors, allocation = allocate_kv_cache(device, VLLM_LAYERS, VLLM_BLOCKS, page, keep)
+        return {
+            "allocation": allocation,
+            "worker": route1_worker_part(tensors, page),
+            "kvikio": (kvikio_vmm_part(tensors, work) if kind == "cuda"
+                       else part("skipped", f"skipped: the KV cache is on {device}")),
+        }
+    finally:
+        for owner in keep:
+            if isinstance(owner, VirtualKVCache):
+                owner.close()
+
+
+def route1_worker_part(tensors: list[Any], page: int) -> dict[str, Any]:
+    """Store chunks and load them back through route 1's worker the way the installed
+    vLLM's connector submits jobs: vLLM 0.34 resolves each ``GPULoadStoreSpec`` to
+    ``DevicePointers`` with its own ``resolve_device_pointers`` over the canonical KV
+    caches; 0.32 and 0.33 hand the spec itself. Two KV groups of different block sizes,
+    stores from the second chunk on (a non-zero ``block_indices``), a load starting
+    mid-chunk into other blocks, every byte compared per group, block and layer; between
+    them a job addressing memory outside the KV cache, which must fail (``success=False``)
+    and leave the worker working."""
+    try:
+        import vllm
+        from vllm.v1.kv_offload import base as vbase
+
+        from kvtiers.integrations.vllm.version import check_vllm_version
+
+        version = check_vllm_version(str(vllm.__version__))
+    except Exception as exc:  # not installed, a broken install, or an unsupported release
+        return part("skipped", f"skipped: vLLM is not usable here ({type(exc).__name__}: "
+                    f"{exc}); carry its wheel in .whl (docs/gpu-check.md)")
+    resolve: Callable[[Any, Any], Any] | None
+    try:
+        from vllm.v1.kv_offload.pointer_utils import resolve_device_pointers
+
+        resolve = resolve_device_pointers
+    except ImportError:
+        resolve = None
+    interface = "DevicePointers" if resolve is not None else "GPULoadStoreSpec"
+    try:
+        checked = _drive_route1(vbase, tensors, page, resolve)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        return part("failed", f"vLLM {version}, {interface}: {type(exc).__name__}: {exc}",
+                    vllm=version, interface=interface)
+    return part("passed", f"vLLM {version}, {interface}: {checked}", vllm=version,
+                interface=interface)
+
+
+def _route1_config(vbase: Any, page: int, capacity: int) -> Any:
+    import uuid
+
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=tuple(
+            OffloadingGroupConfig(tokens_per_block=tpb, layer_names=(f"l{gid}",),
+                                  group_id=gid)
+            for tpb, gid in zip(VLLM_TOKENS_PER_BLOCK, VLLM_GROUP_IDS, strict=True)
+        ),
+        worker_kv_bytes_per_block=VLLM_LAYERS * page,
+        enable_kv_cache_events=False,
+        extra_config={
+            "spec_name": "KVTiersOffloadingSpec",
+            "spec_module_path": "kvtiers.integrations.vllm",
+            "kvtiers": {"tiers": [{"kind": "cpu", "capacity": capacity}]},
+            # Built without an engine: the identity holds what this config carries.
+            "kvtiers_identity": "offloading-config-only",
+        },
+        engine_id=f"gpu-check-{uuid.uuid4().hex}",
+        model=OffloadingModelConfig(name="gpu-check/model", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=VLLM_TOKENS_PER_HASH,
+                                    blocks_per_chunk=VLLM_BLOCKS_PER_CHUNK),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=False,
+        ),
+    )
+
+
+def _drive_route1(vbase: Any, tensors: list[Any], page: int,
+                  resolve: Callable[[Any, Any], Any] | None) -> str:
+    """:func:`route1_worker_part`'s run; raises on anything that is not as it must be."""
+    import numpy as np
+    import torch
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    f = VLLM_BLOCKS_PER_CHUNK
+    chunks = sum(VLLM_TOKENS // (tpb * f) for tpb in VLLM_TOKENS_PER_BLOCK)
+    # Slots for every chunk, each the groups' pages of all layers, rounded up generously.
+    config = _route1_config(vbase, page, capacity=2 * chunks * f * VLLM_LAYERS * page + (1 << 20))
+    kv_caches = vbase.CanonicalKVCaches(
+        tensors=[vbase.CanonicalKVCacheTensor(t, page) for t in tensors],
+        group_data_refs=[[vbase.CanonicalKVCacheRef(i, page) for i in range(len(tensors))]
+                         for _ in VLLM_GROUP_IDS],
+    )
+    # As in vLLM, the scheduler's spec and the worker's are separate instances.
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    worker = OffloadingSpecFactory.create_spec(config).get_worker(kv_caches)
+
+    def device_side(block_ids: list[list[int]], first: Sequence[int]) -> Any:
+        spec = vbase.GPULoadStoreSpec([b for ids in block_ids for b in ids],
+                                      group_sizes=[len(ids) for ids in block_ids],
+                                      block_indices=list(first))
+        return spec if resolve is None else resolve(spec, kv_caches)
+
+    def finish(job: int) -> Any:
+        results = worker.get_finished()
+        if not any(r.job_id == job for r in results):
+            worker.wait({job})
+            results += worker.get_finished()
+        found = [r for r in results if r.job_id == job]
+        if len(found) != 1:
+            raise RuntimeError(f"job {job}: {len(found)} results")
+        return found[0]
+
+    try:
+        rng = np.random.default_rng(0)
+        hashes = [rng.bytes(16) for _ in range(VLLM_TOKENS // VLLM_TOKENS_PER_HASH)]
+        free = [int(b) for b in rng.permutation(VLLM_BLOCKS)]  # as an engine's free list
+        keys, blocks = [], []
+        for tpb, gid in zip(VLLM_TOKENS_PER_BLOCK, VLLM_GROUP_IDS, strict=True):
+            per_chunk = tpb * f // VLLM_TOKENS_PER_HASH
+            keys.append([vbase.make_offload_key(hashes[(c + 1) * per_chunk - 1], gid)
+                         for c in range(VLLM_TOKENS // (tpb * f))])
+            blocks.append([free.pop() for _ in range(VLLM_TOKENS // tpb)])
+        originals = [t.clone() for t in tensors]
+        ctx = vbase.ReqContext(req_id="gpu-check")
+        manager.on_new_request(ctx)
+
+        # Store every chunk but each group's first: the blocks from logical block f on.
+        stored = [k for group in keys for k in group[1:]]
+        out = manager.prepare_store(stored, ctx)
+        if out is None or list(out.keys_to_store) != stored:
+            raise RuntimeError(f"prepare_store accepted {out and len(out.keys_to_store)} of "
+                               f"{len(stored)} keys")
+        if not worker.submit_store(1, device_side([b[f:] for b in blocks], (f, f)),
+                                   out.store_spec):
+            raise RuntimeError("the store was not accepted")
+        result = finish(1)
+        if not result.success:
+            raise RuntimeError("the store failed")
+        manager.complete_store(stored, ctx)
+
+        # Load from VLLM_LOAD_FROM (group 0 mid-chunk) into blocks never stored from.
+        wanted = [k for g, first in enumerate(VLLM_LOAD_FROM) for k in keys[g][first // f:]]
+        src = manager.prepare_load(wanted, ctx)
+        dst = [[free.pop() for _ in blocks[g][first:]] for g, first in enumerate(VLLM_LOAD_FROM)]
+        for tensor in tensors:
+            tensor[torch.as_tensor([b for ids in dst for b in ids], device=tensor.device)] = 0
+
+        # A job that addresses memory outside the KV cache fails and breaks nothing.
+        outside = torch.zeros((2, page), dtype=torch.int8, device=tensors[0].device)
+        bad = device_side(dst, VLLM_LOAD_FROM)
+        if hasattr(bad, "ptrs"):  # DevicePointers: one address outside every KV tensor
+            bad.ptrs = bad.ptrs.copy()
+            bad.ptrs[0] = outside.data_ptr()
+        else:  # block ids: one past the KV cache's last block
+            bad = device_side([[VLLM_BLOCKS, *ids[1:]] for ids in dst], VLLM_LOAD_FROM)
+        if not worker.submit_load(2, src, bad):
+            raise RuntimeError("the submission of a bad job was refused outright (vLLM "
+                               "asserts it is accepted)")
+        if finish(2).success:
+            raise RuntimeError("a job addressing memory outside the KV cache succeeded")
+
+        if not worker.submit_load(3, src, device_side(dst, VLLM_LOAD_FROM)):
+            raise RuntimeError("the load was not accepted")
+        if not finish(3).success:
+            raise RuntimeError("the load failed")
+        manager.complete_load(wanted, ctx)
+        manager.on_request_finished(ctx)
+        if tensors[0].is_cuda:
+            torch.cuda.synchronize(tensors[0].device)
+        wrong = [
+            (g, s, d, layer)
+            for g, first in enumerate(VLLM_LOAD_FROM)
+            for s, d in zip(blocks[g][first:], dst[g], strict=True)
+            for layer, (tensor, original) in enumerate(zip(tensors, originals, strict=True))
+            if not torch.equal(tensor[d], original[s])
+        ]
+        if wrong:
+            raise RuntimeError(f"{len(wrong)} loaded blocks differ from the stored ones "
+                               f"(group, from, to, layer: {wrong[:4]})")
+        if not torch.equal(outside, torch.zeros_like(outside)):
+            raise RuntimeError("the refused job wrote outside the KV cache")
+    finally:
+        worker.shutdown()
+        manager.shutdown()
+    moved = sum(len(ids) for ids in dst) * VLLM_LAYERS * page
+    return (f"{len(stored)} chunks stored from block {f} on, "
+            f"{sum(len(ids) for ids in dst)} blocks loaded from blocks {list(VLLM_LOAD_FROM)} "
+            f"({moved >> 10} KiB), every byte as stored; a job outside the KV cache failed")
+
+
+def kvikio_vmm_part(tensors: list[Any], work: Path) -> dict[str, Any]:
+    """kvikio on the virtual-memory KV cache: ``memory_register`` of a layer (cuFile
+    registration where GDS is in use, a no-op in compatibility mode), then a layer written
+    to a file and read back into another, and a span of blocks across the two commits'
+    boundary written from and read into device memory at block offsets, byte-exact."""
+    import torch
+
+    from kvtiers.tiers.file.io import kvikio_status
+
+    reason = kvikio_status(work)
+    if reason is not None:
+        return part("skipped", f"skipped: kvikio unusable ({reason})")
+    kvikio = importlib.import_module("kvikio")
+    settings = _kvikio_settings(kvikio)
+    path = io_path(settings)
+    registration = _kvikio_registration(kvikio)
+    first, last = tensors[0], tensors[-1]
+    nbytes = first.numel()
+    notes: list[str] = []
+    try:
+        if registration is None:
+            notes.append("this kvikio has no memory_register")
+        else:
+            register, deregister = registration
+            register(first)
+            deregister(first)
+            notes.append("memory_register and memory_deregister of a layer succeeded")
+        original = first.clone()
+        target = work / "kvikio-vmm.bin"
+        with kvikio.CuFile(str(target), "w") as f:
+            written = f.pwrite(first).get()
+        last.zero_()
+        with kvikio.CuFile(str(target), "r") as f:
+            read = f.pread(last).get()
+        torch.cuda.synchronize(first.device)
+        if written != nbytes or read != nbytes or not torch.equal(last, original):
+            return part("failed", f"{path}: a layer round trip moved {written} / {read} of "
+                        f"{nbytes} bytes or changed them", io_path=path, **settings)
+        # Blocks around the middle, where the prefix commit ends.
+        middle = first.shape[0] // 2
+        span = slice(middle - 2, middle + 2)
+        with kvikio.CuFile(str(target), "w") as f:
+            written = f.pwrite(first[span], file_offset=4096).get()
+        last[span] = 0
+        with kvikio.CuFile(str(target), "r") as f:
+            read = f.pread(last[span], file_offset=4096).get()
+        torch.cuda.synchronize(first.device)
+        span_bytes = last[span].numel()
+        if written != span_bytes or read != span_bytes or not torch.equal(last[span],
+                                                                          original[span]):
+            return part("failed", f"{path}: blocks across the commit boundary: "
+                        f"{written} / {read} of {span_bytes} bytes moved, or changed",
+                        io_path=path, **settings)
+    except Exception as exc:
+        import traceback
+
+        traceback.print_exc()
+        done = "".join(f"{note}; " for note in notes)
+        return part("failed", f"{path}: {done}{type(exc).__name__}: {exc}", io_path=path,
+                    **settings)
+    notes.append(f"a layer ({nbytes >> 20} MiB) and 4 blocks across the commit boundary "
+                 "written and read back byte-exact")
+    return part("passed", f"{path}: " + "; ".join(notes), io_path=path, **settings)
+
+
+def _kvikio_registration(kvikio: Any) -> tuple[Callable[[Any], None],
+                                               Callable[[Any], None]] | None:
+    """kvikio's ``memory_register`` and ``memory_deregister`` (``kvikio.buffer`` in recent
+    releases, the package itself in older ones), or ``None``."""
+    for name in (f"{kvikio.__name__}.buffer", kvikio.__name__):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        register = getattr(module, "memory_register", None)
+        deregister = getattr(module, "memory_deregister", None)
+        if register is not None and deregister is not None:
+            return register, deregister
+    return None
+
+
+def judge_vllm_worker(data: dict[str, Any]) -> StepResult:
+    """Failed when a part failed, skipped when every part skipped, else passed."""
+    if data.get("error"):
+        return StepResult("vllm-worker", "failed", data["error"], details=data)
+    parts = {name: data[name] for name in ("worker", "kvikio") if name in data}
+    summary = "; ".join(
+        [f"allocation: {data.get('allocation', '?')}"]
+        + [f"{name}: {p['summary']}" for name, p in parts.items()]
+    )
+    statuses = {p["status"] for p in parts.values()}
+    if "failed" in statuses or not parts:
+        status = "failed"
+    elif statuses == {"skipped"}:
+        status = "skipped"
+    else:
+        status = "passed"
+    return StepResult("vllm-worker", status, summary, details=data)
+
+
 def child_main(args: argparse.Namespace) -> int:
     """Run one child step and write its result as JSON (an exception is the result)."""
     work = Path(args.result).parent
@@ -795,6 +1299,8 @@ def child_main(args: argparse.Namespace) -> int:
     try:
         if args.child == "kvikio-info":
             data = child_kvikio_info(work)
+        elif args.child == "vllm-worker":
+            data = child_vllm_worker(work)
         elif args.child == "bench":
             data = child_bench(args.quick)
         else:
@@ -849,6 +1355,14 @@ def render(note: dict[str, str], command: str, results: Sequence[StepResult]) ->
         lines += ["", "## kvikio", ""]
         lines += [f"- {key}: {value}" for key, value in info.items()
                   if key not in ("passed", "failed", "skipped")] or ["- nothing asked"]
+    route1 = by_name.get("vllm-worker")
+    if route1 is not None and route1.details.get("allocation"):
+        lines += ["", "## Route 1's worker and kvikio on a KV cache allocated as vLLM's", "",
+                  f"- allocation: {route1.details['allocation']}"]
+        for name in ("worker", "kvikio"):
+            found = route1.details.get(name)
+            if found:
+                lines.append(f"- {name}: {found['status']}: {found['summary']}")
     demo = by_name.get("demo")
     if demo is not None and demo.details.get("runs"):
         lines += ["", "## Demo with the KV cache in CUDA tensors", ""]
@@ -961,6 +1475,9 @@ def run_steps(args: argparse.Namespace, steps: Sequence[Step], work: Path,
             result = pytest_step(step.name, (CUDA_TESTS,), CUDA_KEYWORD, budget, env, log, work)
         elif step.name == "kvikio":
             result = step_kvikio(budget, env, log, work)
+        elif step.name == "vllm-worker":
+            result = step_child("vllm-worker", budget, env, log, work, args.quick,
+                                judge_vllm_worker)
         elif step.name == "bench":
             result = step_child("bench", budget, env, log, work, args.quick, judge_bench)
         else:

@@ -313,6 +313,32 @@ def test_a_failed_or_missing_demo_run_fails_the_step() -> None:
     assert gpu_check.judge_demo({"error": "RuntimeError: boom"}).summary == "RuntimeError: boom"
 
 
+
+# -- the vllm-worker step's verdict (its child: tests/test_vllm_gpu_check.py) ---------
+
+@pytest.mark.parametrize(
+    ("worker", "kvikio", "status"),
+    [
+        ("passed", "passed", "passed"),
+        ("passed", "skipped", "passed"),
+        ("skipped", "skipped", "skipped"),
+        ("skipped", "failed", "failed"),
+        ("failed", "passed", "failed"),
+    ],
+)
+def test_the_vllm_worker_step_judged_on_its_parts(worker: str, kvikio: str,
+                                                  status: str) -> None:
+    data = {"allocation": "vLLM's ExtensibleTensor",
+            "worker": {"status": worker, "summary": f"worker {worker}"},
+            "kvikio": {"status": kvikio, "summary": f"kvikio {kvikio}"}}
+    result = gpu_check.judge_vllm_worker(data)
+    assert result.status == status
+    assert result.summary == (f"allocation: vLLM's ExtensibleTensor; worker: worker {worker}; "
+                              f"kvikio: kvikio {kvikio}")
+    assert gpu_check.judge_vllm_worker({"error": "OSError: x"}).status == "failed"
+    assert gpu_check.judge_vllm_worker({"allocation": "torch"}).status == "failed"
+
+
 # -- the report ------------------------------------------------------------------------
 def _row(**changes: Any) -> dict[str, Any]:
     row = {"geometry": "8B-like", "layers": 32, "page_bytes": 65536, "blocks_per_chunk": 16,
@@ -344,6 +370,10 @@ def test_report_files_hold_the_machine_note_steps_and_tables(tmp_path: Path) -> 
         gpu_check.StepResult("cuda-tests", "passed", "40 passed", 20.0, 120),
         gpu_check.StepResult("kvikio", "skipped", "skipped: kvikio does not import (x|y)",
                              1.0, 90, {"io_path": "none", "unusable": "kvikio does not import"}),
+        gpu_check.StepResult("vllm-worker", "passed", "ok", 9.0, 55, {
+            "allocation": "vLLM's ExtensibleTensor: virtual memory reserved",
+            "worker": {"status": "passed", "summary": "vLLM 0.34.0, DevicePointers: 10 chunks"},
+            "kvikio": {"status": "failed", "summary": "GPUDirect Storage (cuFile): OSError"}}),
         gpu_check.StepResult("bench", "passed", "2 rows", 30.0, 110, {"rows": [_row()]}),
         gpu_check.StepResult("demo", "timed out", "killed after 90 s", 90.0, 90),
     ]
@@ -351,7 +381,10 @@ def test_report_files_hold_the_machine_note_steps_and_tables(tmp_path: Path) -> 
     md, js = gpu_check.write_report(out, note, "python benchmarks/gpu_check.py", results, log)
     text = md.read_text()
     assert "Machine: NVIDIA H200 (139.8 GiB, compute capability 9.0, driver 580.1)" in text
-    assert "Verdict: FAILED (2 passed, 2 skipped, 1 timed out): demo timed out" in text
+    assert "Verdict: FAILED (3 passed, 2 skipped, 1 timed out): demo timed out" in text
+    assert ("- allocation: vLLM's ExtensibleTensor: virtual memory reserved\n"
+            "- worker: passed: vLLM 0.34.0, DevicePointers: 10 chunks\n"
+            "- kvikio: failed: GPUDirect Storage (cuFile): OSError") in text
     assert "| kvikio | skipped | 1.0 | 90 | skipped: kvikio does not import (x/y) |" in text
     assert "| 8B-like | 64 KiB | 16 | 256 | fresh | GPU->CPU | default | 50.0 | 45.0 | 0.90x |" \
         in text
