@@ -100,6 +100,6 @@ def test_gc_help_names_shm() -> None:
 
 def test_the_prefix_is_the_one_engines_name_their_regions_with() -> None:
     pytest.importorskip("vllm")
-    from kvtiers.integrations.vllm.spec import shared_memory_name
+    from kvtiers.integrations.vllm.worker import shared_memory_name
 
     assert shared_memory_name("engine-0").startswith(engine_region_prefix())

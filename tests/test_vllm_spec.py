@@ -36,7 +36,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.vllm import KVTiersOffloadingSpec, translate
-from kvtiers.integrations.vllm.spec import shared_memory_name
+from kvtiers.integrations.vllm.worker import shared_memory_name
 
 F = 2  # blocks_per_chunk
 TOKENS_PER_HASH = 16

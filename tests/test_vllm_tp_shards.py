@@ -151,17 +151,17 @@ def test_stamps_are_positive_and_ranks_in_range(tmp_path: Path, name: str) -> No
 
 
 def test_ranks_on_several_nodes_are_refused_naming_route_2() -> None:
-    from kvtiers.integrations.vllm.spec import _check_one_node
+    from kvtiers.integrations.vllm.worker import check_one_node
 
     def engine(nodes: int) -> SimpleNamespace:
         return SimpleNamespace(vllm=SimpleNamespace(
             parallel_config=SimpleNamespace(nnodes_within_dp=nodes)
         ))
 
-    _check_one_node(engine(1), 4)
-    _check_one_node(None, 4)  # no engine config to read: the shard ledger still guards
+    check_one_node(engine(1), 4)
+    check_one_node(None, 4)  # no engine config to read: the shard ledger still guards
     with pytest.raises(ConfigError, match="span 2 nodes; use route 2") as caught:
-        _check_one_node(engine(2), 4)
+        check_one_node(engine(2), 4)
     assert "\n" not in str(caught.value)
 
 

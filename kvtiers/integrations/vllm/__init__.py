@@ -21,20 +21,19 @@ check_vllm_version()
 
 # The check runs before anything imports vLLM's offloading modules.
 from kvtiers.integrations.vllm.connector import KVTiersConnector  # noqa: E402
-from kvtiers.integrations.vllm.spec import (  # noqa: E402
-    KVTiersLoadStoreSpec,
-    KVTiersManager,
-    KVTiersOffloadingSpec,
-    KVTiersWorker,
-)
+from kvtiers.integrations.vllm.direct import KVTiersDirectManager  # noqa: E402
+from kvtiers.integrations.vllm.manager import KVTiersManager  # noqa: E402
+from kvtiers.integrations.vllm.spec import KVTiersOffloadingSpec  # noqa: E402
 from kvtiers.integrations.vllm.tiers import (  # noqa: E402
     KVTiersFileTier,
     KVTiersS3Tier,
     MemoryviewRegion,
 )
+from kvtiers.integrations.vllm.worker import KVTiersLoadStoreSpec, KVTiersWorker  # noqa: E402
 
 __all__ = [
     "KVTiersConnector",
+    "KVTiersDirectManager",
     "KVTiersFileTier",
     "KVTiersLoadStoreSpec",
     "KVTiersManager",

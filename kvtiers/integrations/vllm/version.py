@@ -4,9 +4,10 @@ vLLM marks out-of-tree offloading specs and secondary tiers as experimental; the
 interfaces change between minor releases. The range below is what the project's tests
 run: the class-level integration tests on vLLM 0.33.0 and 0.34.0 (``make test``) and on
 vLLM 0.32.0 (the CPU build, ``make e2e``), which also runs real engines. What differs
-between these releases is adapted in :mod:`kvtiers.integrations.vllm.compat`. Loading the integration under
-any other vLLM raises :class:`~kvtiers.errors.UnsupportedVersionError` with one line that
-names the version found and the range, instead of a raw error from inside vLLM later.
+between these releases is adapted in :mod:`kvtiers.integrations.vllm.compat`. Loading
+the integration under any other vLLM raises
+:class:`~kvtiers.errors.UnsupportedVersionError` with one line that names the version
+found and the range, instead of a raw error from inside vLLM later.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def _remove_if_same(path: Path, fd: int) -> None:
 def engine_region_prefix() -> str:
     """How the names of the regions vLLM engines of this user make for their cpu primary
     begin (``kvtiers-<uid>-``; the rest is per engine, see
-    :func:`kvtiers.integrations.vllm.spec.shared_memory_name`)."""
+    :func:`kvtiers.integrations.vllm.worker.shared_memory_name`)."""
     return f"kvtiers-{os.geteuid()}-"
 
 
