@@ -32,7 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import ReqContext
-from kvtiers.integrations.vllm.translate import HAS_METADATA_ONLY
+from kvtiers.integrations.vllm.compat import HAS_METADATA_ONLY
 from kvtiers.policies import load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
 

@@ -18,7 +18,8 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
-from kvtiers.integrations.vllm import spec as spec_module
+from kvtiers.integrations.vllm import compat
+from kvtiers.integrations.vllm import manager as manager_module
 from kvtiers.integrations.vllm.translate import KeyMap, vllm_event
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.objects import offloading_config
@@ -152,7 +153,7 @@ def test_route1_spreads_a_large_announcement_over_steps_in_order(
     worker.shutdown()
     manager.shutdown()
 
-    monkeypatch.setattr(spec_module, "MAX_EVENT_KEYS_PER_CALL", 3)
+    monkeypatch.setattr(manager_module, "MAX_EVENT_KEYS_PER_CALL", 3)
     manager = OffloadingSpecFactory.create_spec(vllm_config(root)).get_manager()
     try:
         batches = [list(manager.take_events()) for _ in range(3)]
@@ -199,3 +200,35 @@ def test_route2_announces_other_servers_chunks_remote_whatever_its_locality(
     finally:
         writer.shutdown()
         reader.shutdown()
+
+
+@pytest.mark.parametrize("tiers", ["cpu", "cpu+file"])
+def test_route1_stored_events_carry_the_storing_request_context(
+    tiers: str, tmp_path: Path
+) -> None:
+    """vLLM 0.34's tracker reads a self-describing store's tokens and block hashes from
+    the event's request context (an event without one goes out as a placeholder): each
+    stored event names the context of the request whose store completed it, for the
+    composite's manager over one and over two tiers."""
+    extra: dict[str, Any] = {}
+    if tiers == "cpu":
+        extra["kvtiers"] = {"tiers": [{"kind": "cpu", "capacity": "16KiB"}]}
+    config = vllm_config(tmp_path / "kv", **extra)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        first, second = make_request(1, first_block=0), make_request(2, first_block=12)
+        contexts = [vbase.ReqContext(req_id="a"), vbase.ReqContext(req_id="b")]
+        batches = [[req.keys[0][0], req.keys[1][0]] for req in (first, second)]
+        for keys, context in zip(batches, contexts, strict=True):
+            assert manager.prepare_store(keys, context) is not None
+        for keys, context in zip(batches, contexts, strict=True):
+            manager.complete_store(keys, context)
+        stored = [e for e in manager.take_events() if not e.removed and e.ownership is None]
+        assert sorted(stored_keys(stored)) == sorted(batches[0] + batches[1])
+        if not compat.EVENT_CARRIES_REQ_CONTEXT:
+            return  # vLLM before 0.34: the tracker keeps the payload itself
+        for event in stored:
+            for key in event.keys:
+                assert event.req_context is contexts[0 if key in batches[0] else 1]
+    finally:
+        manager.shutdown()

@@ -53,7 +53,7 @@ from vllm.v1.kv_offload import base as vbase
 from kvtiers.core import chunkformat
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import MANIFEST_NAME, FileMapper, NamespaceIdentity
-from kvtiers.integrations.vllm import KVTiersConnector, translate
+from kvtiers.integrations.vllm import KVTiersConnector, compat, translate
 from kvtiers.integrations.vllm import engine as engine_module
 
 ROUTES = ("spec", "tiering")
@@ -89,6 +89,7 @@ class Engine:
     tp_size: int = 1
     rank: int = 0
     canonical_layout: bool = False
+    block_size: int = BLOCK_SIZE
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     tier: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -142,13 +143,14 @@ def speculative_config(engine: Engine) -> Any:
 def kv_cache_config(engine: Engine) -> Any:
     heads = TOTAL_KV_HEADS // engine.tp_size
     full = FullAttentionSpec(
-        block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE, dtype=torch.float16
+        block_size=engine.block_size, num_kv_heads=heads, head_size=HEAD_SIZE,
+        dtype=torch.float16,
     )
     if engine.sliding_window is None:
         groups = [KVCacheGroupSpec(["l0", "l1"], full)]
     else:
         window = SlidingWindowSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=HEAD_SIZE,
+            block_size=engine.block_size, num_kv_heads=heads, head_size=HEAD_SIZE,
             dtype=torch.float16, sliding_window=engine.sliding_window,
         )
         groups = [KVCacheGroupSpec(["l0"], full), KVCacheGroupSpec(["l1"], window)]
@@ -178,7 +180,7 @@ def vllm_config(engine: Engine, route: str, root: Path) -> Any:
         extra["canonical_layout"] = True
     extra.update(engine.extra)
     cache = CacheConfig(
-        block_size=BLOCK_SIZE, cache_dtype=engine.cache_dtype,
+        block_size=engine.block_size, cache_dtype=engine.cache_dtype,
         prefix_caching_hash_algo=engine.hash_algo,
     )
     cache.kv_cache_layout = engine.kv_cache_layout  # resolved by the engine core first
@@ -369,8 +371,11 @@ def test_rank_keeps_the_namespace(model_dir: Path, tmp_path: Path) -> None:
 def test_parallel_sizes_leave_the_identity_only_by_opt_in(
     model_dir: Path, tmp_path: Path
 ) -> None:
+    # vLLM 0.34 reports pages parallelism-agnostic only in its canonical layout.
+    canonical = compat.AGNOSTIC_NEEDS_CANONICAL
+
     def namespace(tp_size: int, **extra: Any) -> NamespaceIdentity:
-        engine = base_engine(model_dir, tp_size=tp_size, extra=extra)
+        engine = base_engine(model_dir, tp_size=tp_size, extra=extra, canonical_layout=canonical)
         return identity_of(engine, "tiering", tmp_path / "kv")
 
     # vLLM reports this layout parallelism-agnostic; without the opt-in the sizes stay.
@@ -381,13 +386,25 @@ def test_parallel_sizes_leave_the_identity_only_by_opt_in(
     assert opted[0].namespace == opted[1].namespace
 
 
+def test_the_parallel_opt_in_needs_vllms_word_on_the_layout(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM 0.34 no longer reports direct-layout pages parallelism-agnostic: the opt-in
+    then leaves the sizes in the identity, so engines sharded differently never share."""
+    engine = base_engine(model_dir, extra={"kvtiers_parallel_agnostic": True})
+    opted = identity_of(engine, "tiering", tmp_path / "kv")
+    assert (opted.parallel is not None) == compat.AGNOSTIC_NEEDS_CANONICAL
+
+
 def test_route_1_honours_the_parallel_opt_in(model_dir: Path, tmp_path: Path) -> None:
+    """Route 1 stores kvtiers' own layout (it refuses ``canonical_layout``): it may leave
+    the sizes out only where vLLM reports its direct layout parallelism-agnostic."""
     plain = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
     opted = identity_of(
         base_engine(model_dir, extra={"kvtiers_parallel_agnostic": True}), "spec", tmp_path / "kv"
     )
     assert plain.parallel is not None
-    assert opted.parallel is None
+    assert (opted.parallel is not None) == compat.AGNOSTIC_NEEDS_CANONICAL
 
 
 def test_canonical_layout_has_its_own_namespace(model_dir: Path, tmp_path: Path) -> None:
@@ -710,3 +727,37 @@ def test_kvtiers_diff_names_the_load_format_and_the_identity_source(
     assert 'identity_source: "offloading-config-only" -> ""' in kvtiers_diff(
         capsys, root, partial.namespace, real.namespace
     )
+
+
+def test_a_cache_of_vllm_033s_default_block_size_is_a_cold_miss_under_034s(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """vLLM 0.34's default ``block_size`` is 64 (0.33's 16): a key then hashes 64 tokens,
+    so a cache written under the old default is another namespace, and ``kvtiers diff``
+    says why, one line per field."""
+    root = tmp_path / "kv"
+    for route in ROUTES:
+        old = identity_of(base_engine(model_dir, block_size=16), route, root)
+        new = identity_of(base_engine(model_dir, block_size=64), route, root)
+        assert old.namespace != new.namespace
+        lines = kvtiers_diff(capsys, root, old.namespace, new.namespace)
+        assert "tokens_per_hash: 16 -> 64" in lines
+        assert len({line.split(":")[0] for line in lines}) == len(lines)  # a line a field
+
+
+def test_a_hash_lookahead_moves_the_namespace(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a hash lookahead (vLLM 0.34 under EAGLE / MTP) a key also covers the tokens
+    after its block: the identity's hash algorithm says so."""
+    plain = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
+    monkeypatch.setattr(translate, "hash_lookahead", lambda vllm_config: 1)
+    ahead = identity_of(base_engine(model_dir), "spec", tmp_path / "kv")
+    assert ahead.hash_algorithm == plain.hash_algorithm + ".lookahead-1"
+    assert ahead.namespace != plain.namespace
+
+
+def test_the_hash_lookahead_is_read_from_the_engine_config() -> None:
+    assert compat.hash_lookahead(SimpleNamespace(num_hash_lookahead_tokens=2)) == 2
+    assert compat.hash_lookahead(SimpleNamespace(num_hash_lookahead_tokens=0)) == 0
+    assert compat.hash_lookahead(SimpleNamespace()) == 0  # vLLM 0.32 has no such field

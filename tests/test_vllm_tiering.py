@@ -33,7 +33,7 @@ from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
-from kvtiers.integrations.vllm.tiers import JOB_RESULT_DEFERS_RELEASE
+from kvtiers.integrations.vllm.compat import JOB_RESULT_DEFERS_RELEASE
 from kvtiers.testing.s3 import BUCKET, MotoServer
 
 F = 2

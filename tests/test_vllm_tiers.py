@@ -31,7 +31,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from kvtiers.errors import ConfigError, UnknownKeyError
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
-from kvtiers.integrations.vllm.tiers import EVENT_CARRIES_REQ_CONTEXT, JOB_RESULT_DEFERS_RELEASE
+from kvtiers.integrations.vllm.compat import EVENT_CARRIES_REQ_CONTEXT, JOB_RESULT_DEFERS_RELEASE
 from kvtiers.testing.s3 import BUCKET, MotoServer
 from tests.test_vllm_tiering import BlockedLoads
 

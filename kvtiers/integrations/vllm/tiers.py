@@ -51,7 +51,6 @@ loads only.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -67,9 +66,9 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.mover import MoverResult
 from kvtiers.errors import ConfigError
+from kvtiers.integrations.vllm import compat
 from kvtiers.integrations.vllm.engine import find_engine_configs, layout_name
 from kvtiers.integrations.vllm.translate import (
-    HAS_METADATA_ONLY,
     KeyMap,
     block_hash_algorithm,
     kvtiers_context,
@@ -77,22 +76,11 @@ from kvtiers.integrations.vllm.translate import (
     vllm_event,
     vllm_request_context,
     warn_unstable_hashes,
+    with_request_contexts,
 )
 from kvtiers.tiers.jobs import FinishedJob, JobDriver
 
 CHUNK_LAYOUT_SUFFIX = "+vllm-cpu-chunk"
-
-
-def _has_field(cls: Any, name: str) -> bool:
-    return name in getattr(cls, "__dataclass_fields__", {})
-
-
-#: Release switch (vLLM 0.34 added the field): whether a ``JobResult`` of a failed
-#: promotion can defer the release of its primary chunks (``deferred_release``).
-JOB_RESULT_DEFERS_RELEASE = _has_field(JobResult, "deferred_release")
-#: Release switch (vLLM 0.34 added the field): whether an ``OffloadingEvent`` carries the
-#: request context of the store it announces (``req_context``).
-EVENT_CARRIES_REQ_CONTEXT = _has_field(vbase.OffloadingEvent, "req_context")
 
 
 def canonical_format(config: Any) -> str:
@@ -315,7 +303,7 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         if job.failed:
             failed = set(job.failed)
             self._store_failed([vkey for vkey, key in pairs if key in failed])
-        if job.succeeded and self._events_enabled and EVENT_CARRIES_REQ_CONTEXT:
+        if job.succeeded and self._events_enabled and compat.EVENT_CARRIES_REQ_CONTEXT:
             landed = set(job.succeeded)
             for vkey, key in pairs:
                 if key in landed:
@@ -332,7 +320,7 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
     def _store_failed(self, vllm_keys: list[Any]) -> None:
         """Queue a bookkeeping-only removal of keys a store did not land (vLLM's event
         tracker then drops what it recorded for them here)."""
-        if vllm_keys and self._events_enabled and HAS_METADATA_ONLY:
+        if vllm_keys and self._events_enabled and compat.HAS_METADATA_ONLY:
             self._failed_store_events.append(
                 vbase.OffloadingEvent(
                     keys=vllm_keys,
@@ -400,7 +388,7 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         contexts, self._store_contexts = self._store_contexts, {}
         out = [event for event in translated if event is not None]
         if contexts:
-            out = [part for event in out for part in _with_request(event, contexts)]
+            out = [part for event in out for part in with_request_contexts(event, contexts)]
         return out + failed
 
     def on_schedule_end(self, context: Any) -> None:
@@ -430,33 +418,13 @@ def _promotion_deadline(value: Any, path: str) -> float | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise ConfigError(f"expected a positive number of seconds, got {value!r}", path=path)
-    if not JOB_RESULT_DEFERS_RELEASE:
+    if not compat.JOB_RESULT_DEFERS_RELEASE:
         raise ConfigError(
             "needs vLLM 0.34 or later: this vLLM cannot hold a failed promotion's rows "
             "while its copies still run (JobResult.deferred_release)",
             path=path,
         )
     return float(value)
-
-
-def _with_request(event: Any, contexts: dict[Any, Any]) -> list[Any]:
-    """``event`` with the request context of each of its keys a store job landed
-    (``contexts``), split where consecutive keys came from different requests; other
-    events as they are."""
-    if event.removed or not any(key in contexts for key in event.keys):
-        return [event]
-    parts: list[Any] = []
-    run: list[Any] = []
-    current: Any = None
-    for key in event.keys:
-        context = contexts.get(key)
-        if run and context is not current:
-            parts.append(dataclasses.replace(event, keys=run, req_context=current))
-            run = []
-        run.append(key)
-        current = context
-    parts.append(dataclasses.replace(event, keys=run, req_context=current))
-    return parts
 
 
 def _load_result(job_id: int, pairs: _KeyPairs, result: MoverResult) -> JobResult:

@@ -26,6 +26,7 @@ identity so such a namespace never mixes with complete ones.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -56,6 +57,7 @@ from kvtiers.core.manager import (
 from kvtiers.errors import ConfigError, InvalidKeyError
 from kvtiers.filemapper.fingerprint import is_immutable_revision, resolve_model
 from kvtiers.filemapper.identity import NamespaceIdentity
+from kvtiers.integrations.vllm.compat import HAS_METADATA_ONLY, hash_lookahead
 from kvtiers.integrations.vllm.engine import (
     EngineConfigs,
     group_attention,
@@ -310,6 +312,10 @@ def translate_config(
     if layout is not None:
         layout = layout_name(layout, path="cache_config.kv_cache_layout")
     par = config.parallel
+    # With a hash lookahead (vLLM 0.34, EAGLE / MTP) a key also covers the tokens after its
+    # block: another meaning of the same algorithm's keys.
+    ahead = 0 if engine is None else hash_lookahead(engine.vllm)
+    lookahead = f".lookahead-{ahead}" if ahead else ""
     try:
         translated = OffloadingConfig(
             groups=tuple(
@@ -341,7 +347,7 @@ def translate_config(
             cache=OffloadingCacheConfig(
                 tokens_per_hash=config.cache.tokens_per_hash,
                 blocks_per_chunk=config.cache.blocks_per_chunk,
-                hash_algorithm=f"{ENGINE}:{hash_algorithm}",
+                hash_algorithm=f"{ENGINE}:{hash_algorithm}" + lookahead,
             ),
             parallel=OffloadingParallelConfig(
                 rank=0,
@@ -471,8 +477,25 @@ def vllm_request_context(ctx: RequestOffloadingContext) -> Any:
     return vbase.RequestOffloadingContext(policy=policy)
 
 
-#: Whether this vLLM's events can say a removal is of bookkeeping only (0.33 can).
-HAS_METADATA_ONLY = "metadata_only" in getattr(vbase.OffloadingEvent, "__dataclass_fields__", {})
+def with_request_contexts(event: Any, contexts: Mapping[Any, Any]) -> list[Any]:
+    """vLLM's stored ``event`` with the request context of each of its keys a store
+    landed (``contexts``, by vLLM key), split where consecutive keys came from different
+    requests (vLLM 0.34's tracker reads a self-describing store's payload from it); any
+    other event as it is."""
+    if event.removed or not any(key in contexts for key in event.keys):
+        return [event]
+    parts: list[Any] = []
+    run: list[Any] = []
+    current: Any = None
+    for key in event.keys:
+        context = contexts.get(key)
+        if run and context is not current:
+            parts.append(dataclasses.replace(event, keys=run, req_context=current))
+            run = []
+        run.append(key)
+        current = context
+    parts.append(dataclasses.replace(event, keys=run, req_context=current))
+    return parts
 
 
 def vllm_event(
