@@ -23,7 +23,9 @@ def test_the_installed_vllm_is_supported() -> None:
     assert check_vllm_version() == vllm.__version__
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.3", "0.33.0", "0.33.1.dev7+gabc123", "0.33", "0.34.0", "0.34.2"])
+@pytest.mark.parametrize(
+    "version", ["0.32.0", "0.32.3", "0.33.0", "0.33.1.dev7+gabc123", "0.33", "0.34.0", "0.34.2"]
+)
 def test_supported_releases_pass(version: str) -> None:
     assert check_vllm_version(version) == version
 
