@@ -72,6 +72,10 @@ class _Worker(abc.ABC):
     def busy(self) -> bool:
         return False
 
+    @property
+    @abc.abstractmethod
+    def lock(self) -> object: ...
+
     def _internal(self) -> None:
         return
 
@@ -82,6 +86,7 @@ def test_a_class_is_described_by_its_bases_methods_abstractness_and_attributes()
         "busy": "property -> bool",
         "keys": "classmethod (cls, extra: dict[str, Any]) -> tuple[str, ...]",
         "limit": "attribute: int = 4",
+        "lock": "abstract property -> object",
         "shutdown": "def (self) -> None",
         "submit_store": "abstract def (self, job_id: int, spec: _Spec) -> bool",
     }
