@@ -148,10 +148,11 @@ class _RequestAccess:
 class CpuTierManager(OffloadingManager):
     """Bookkeeping of ``num_slots`` host slots of ``slot_bytes`` each.
 
-    ``policy`` is a fresh :class:`~kvtiers.policies.base.EvictionPolicy` sized for
-    ``num_slots``: for ``lru``, ``arc`` and ``s3fifo`` (exactly those classes) it names the
-    rules and the tier tracks its chunks in the policy's slot twin instead (the instance
-    stays empty); any other policy, a subclass of a built-in included, tracks them itself.
+    ``policy`` is an :class:`~kvtiers.policies.base.EvictionPolicy` class (or a fresh
+    instance sized for ``num_slots``): for a class that names a slot twin (``lru``, ``arc``
+    and ``s3fifo``, exactly those classes) the tier tracks its chunks in the twin and builds
+    no key-based policy (a given instance stays empty); any other policy, a subclass of a
+    built-in included, tracks them itself (an instance of the class when given a class).
     ``region``, when given, is closed by :meth:`shutdown`. Keys passed to ``complete_store``
     that are stored already are ignored, and a key named twice counts once; a key neither
     reserved, stored nor fenced raises.
@@ -170,7 +171,7 @@ class CpuTierManager(OffloadingManager):
         self,
         num_slots: int,
         slot_bytes: int,
-        policy: EvictionPolicy,
+        policy: EvictionPolicy | type[EvictionPolicy],
         *,
         region: SlotRegion | None = None,
     ) -> None:
