@@ -38,7 +38,7 @@ context's state, never in the manager.
 
 Memory per tracked chunk is kept small: one hash table entry per chunk (key → slot id),
 one byte of state per slot, the slot's key in a slot-indexed list, and the policy's order
-in slot-indexed arrays (:mod:`kvtiers.policies.slots`: the built-in policies' slot twins; a
+in slot-indexed arrays (the built-in policies' slot twins, see :mod:`kvtiers.policies.slots`; a
 policy defined elsewhere runs through its key-based API and keeps its own tables); pin
 counts exist only for pinned keys. A key being
 written maps to the marker :data:`_BEING_WRITTEN` instead of its slot (the slot waits in a
@@ -198,7 +198,7 @@ class CpuTierManager(OffloadingManager):
         # Slot → key of its ready chunk (None otherwise): how victim slots name their keys.
         self._keys: list[OffloadKey | None] = [None] * num_slots
         # The policy's order over ready slots: the built-ins' slot twins, any other policy
-        # through its key-based API (kvtiers/policies/slots.py).
+        # through its key-based API (kvtiers/policies/slots.py, slot_order).
         self._order: SlotOrder = slot_order(policy, num_slots, self._keys, self._slots.get)
         self._state = bytearray(num_slots)
         # Popped from the end, so slots are handed out in ascending order at first.
