@@ -148,7 +148,8 @@ class LowerTierConfig(TierConfig):
     load_latency_s: Annotated[float, Range(0)] | None = None
     """Expected fixed cost of one promotion job from this lower tier, seconds: seeds the
     cost model (``promotion:``) until the tier's own jobs are measured. Unset with
-    ``load_bytes_per_s`` unset too: promotions from it are not held back until measured."""
+    ``load_bytes_per_s`` unset too: promotions from it are not held back until its first
+    job runs (a request still waits at most its wait bound)."""
     load_bytes_per_s: Size | None = None
     """Expected promotion bandwidth of this lower tier, a size per second (``50MB``):
     seeds the cost model with ``load_latency_s``."""

@@ -520,6 +520,28 @@ class CpuTierManager(OffloadingManager):
         self._held.update(taken)
         return taken
 
+    def detach_writing(self, keys: Collection[OffloadKey]) -> dict[OffloadKey, int]:
+        """Give up the reservations of ``keys`` whose bytes are still being written (a
+        promotion abandoned in flight): each key is gone at once (``MISS``, a new store of
+        it is accepted into another slot; a ``metadata_only`` removal, since it was never
+        announced as stored) while its slot stays held, never reused, until
+        :meth:`release_held` names it (when the write ends). Returns key → held slot; a key
+        not being written is skipped."""
+        slots = self._slots
+        writing = self._writing
+        held: dict[OffloadKey, int] = {}
+        for key in keys:
+            if slots.get(key) is _BEING_WRITTEN and key not in held:
+                del slots[key]
+                held[key] = writing.pop(key)
+        if held:
+            self._held.update(held.values())
+            if self._removed is None:
+                self._events.append(dataclasses.replace(
+                    self._event(list(held), removed=True), metadata_only=True
+                ))
+        return held
+
     def release_held(self, slots: Iterable[int]) -> None:
         """Free slots :meth:`evict_held` or :meth:`hold_free` held. Raises, changing
         nothing, for a slot not held."""
