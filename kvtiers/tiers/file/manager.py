@@ -111,6 +111,7 @@ from kvtiers.tiers.backoff import (
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.index import ChunkIndex
+from kvtiers.tiers.iopool import background_initializer
 from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
@@ -141,7 +142,9 @@ class _Deleter:
         self._pending: dict[Path, int] = {}
         self._running: Path | None = None
         self._futures: list[Future[bool]] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter")
+        # Deletion is write-behind: below the engine's priority (kvtiers.tiers.iopool).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter",
+                                        initializer=background_initializer())
 
     def delete(self, paths: Iterable[Path]) -> list[Future[bool]]:
         """Queue unlinks of ``paths``; their futures, done once each unlink ran: False when

@@ -231,7 +231,7 @@ class ObjectTierManager(OffloadingManager):
         self._background = [f for f in self._background if not f.done()]
         for key in victims:
             self._deleting.add(key)
-            self._background.append(self.backend.submit(self._delete_job(key)))
+            self._background.append(self.backend.submit_background(self._delete_job(key)))
 
     def _delete_job(self, key: OffloadKey) -> Callable[[], None]:
         name = self.backend.object_key(key)
