@@ -254,7 +254,7 @@ class FileTierConfig(LowerTierConfig):
     """I/O path: posix (pread/pwrite), kvikio (GPUDirect Storage), or auto (kvikio only
     when a CUDA driver loads and a probe succeeds)."""
     threads: Threads = 8
-    """I/O threads of the tier's mover."""
+    """I/O threads of the tier's mover, for loads and for stores each."""
     gds: bool = False
     """Make this tier the primary, read and written by the GPU directly through kvikio
     (first tier only, no lower tiers)."""
@@ -515,7 +515,7 @@ class S3TierConfig(LowerTierConfig):
     """An S3-compatible endpoint (MinIO, SeaweedFS, Ceph): ``http(s)://host:port``; unset:
     AWS; ``embedded``: a local moto server in this process (demos and tests)."""
     threads: Threads = 16
-    """Concurrent requests of the tier's mover."""
+    """Concurrent requests of the tier's mover, for loads and for stores each."""
     capacity: Capacity | None = None
     """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
     unbounded (use a bucket lifecycle rule instead)."""
@@ -605,7 +605,7 @@ class FsspecTierConfig(LowerTierConfig):
     ``memory://kv``) naming a directory below its filesystem's root (not ``memory://`` or
     ``file:///`` itself); the protocol's fsspec package must be installed."""
     threads: Threads = 16
-    """Concurrent requests of the tier's mover."""
+    """Concurrent requests of the tier's mover, for loads and for stores each."""
     capacity: Capacity | None = None
     """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
     unbounded."""
