@@ -12,11 +12,12 @@ Two classes of work (docs/architecture.md, "Two classes of work"): a *foreground
 runs what a waiting request needs (loads, promotions, existence probes) at the engine's
 priority; a *background* pool (``background=True``) runs write-behind (stores, cascades,
 demotions, listings, deletions) with each of its threads' nice value raised by
-:data:`BACKGROUND_NICE` above the engine's, so the kernel runs it only on CPU the engine
-and the reads leave over. Keeping the two apart also means a load never queues behind a
-store. On Linux a thread sets its own nice value (``setpriority`` on its thread id; raising
-it needs no privilege); elsewhere priorities are left alone (``setpriority`` there would
-change the whole process).
+:data:`BACKGROUND_NICE` above the engine's, so on a contended core the kernel gives it a
+small share (about a tenth of an engine thread's) and on an idle one full speed. Keeping
+the two apart also means a load never queues behind a store. On Linux a thread sets its
+own nice value (``setpriority`` on its thread id; raising it needs no privilege);
+elsewhere priorities are left alone (``setpriority`` there would change the whole
+process).
 
 Invariants: tasks start in submission order, at most ``threads`` at once; after
 :meth:`IOPool.shutdown` no task can be submitted, and none starts once its wait is over
@@ -48,13 +49,22 @@ BACKGROUND_NICE = 10
 
 #: Whether threads can have priorities of their own here (Linux: per-thread nice values).
 THREAD_PRIORITIES = sys.platform == "linux"
+#: The highest nice value (the lowest priority) there is.
+MAX_NICE = 19
+
+
+def background_nice(engine: int) -> int:
+    """The nice value of write-behind threads beside an engine thread at ``engine``."""
+    return min(MAX_NICE, engine + BACKGROUND_NICE)
 
 
 def thread_nice() -> int:
     """The calling thread's nice value (the process's where threads have none of their
-    own)."""
+    own; 0 where there are none)."""
     if THREAD_PRIORITIES:
         return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    if not hasattr(os, "getpriority"):  # Windows: no nice values
+        return 0
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
@@ -74,7 +84,7 @@ def background_initializer(nice: int | None = None) -> Callable[[], None]:
     """A thread initializer (e.g. ``ThreadPoolExecutor(initializer=...)``) that puts its
     thread in the background class: ``nice`` (default: the caller's nice value plus
     :data:`BACKGROUND_NICE`, taken now, on the caller's thread)."""
-    target = thread_nice() + BACKGROUND_NICE if nice is None else nice
+    target = background_nice(thread_nice()) if nice is None else nice
 
     def initializer() -> None:
         set_thread_nice(target)
@@ -98,7 +108,8 @@ class IOPool:
         self._max = threads
         self._name = name
         self.background = background
-        self.nice = thread_nice() + (BACKGROUND_NICE if background else 0)
+        engine = thread_nice()
+        self.nice = background_nice(engine) if background else engine
         self._queue: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
