@@ -1199,7 +1199,8 @@ NOREUSE_NOTES: list[str] = [
     "the concurrent trace (0.97x, 0.35-1.03), missed on the ladder (1.07x, 1.05-1.10: "
     "above 1.05 in every round, a small cost that shows through the noise when one "
     "request decodes right after its own prefill's 4-32 chunks start cascading).",
-    "- *What the ladder's 5-10% is*: SeaweedFS. It runs on the same 2 cores at the "
+    "- *What the ladder's 5-10% most likely is*: SeaweedFS (not measured apart: no run "
+    "with the S3 server off these cores). It runs on the same 2 cores at the "
     "engine's priority and used 1.9-2.2 s of CPU per kvtiers round against 0.2-0.4 s "
     "without offloading (about 10 ms per 1 MiB chunk put, `benchmarks/profile_store.py`), "
     "5% of the model worker's 25-45 s: the worker's decode thread shares the cores with "
@@ -1224,7 +1225,22 @@ NOREUSE_NOTES: list[str] = [
     "thread is held and more stores are queued). The trial of 2026-12-03 that niced "
     "every pool thread sent a second server through SeaweedFS from 0.24x to 0.81x of "
     "recomputing because loads shared the stores' pool; with the split, loads keep the "
-    "engine's priority.",
+    "engine's priority. One `--quick --no-gil` round with the split (2026-12-07 "
+    "08:58-09:13, load average 8-14.5; one round, so indicative only; not in the tables "
+    "above, which are the run of 2026-12-03): prefix-2048 restart 0.11x of recomputing, "
+    "a second server through SeaweedFS 0.21x (target 0.4x: met; that server starts after "
+    "the first one stopped, so it loads while no store runs: the benchmark has no "
+    "phase where one server loads while another stores), through moto 0.52x (missed: "
+    "moto is a Python server on the same cores), the cold multi-turn TPOT 1.17x of no "
+    "offloading (target 1.05x: missed in that one round; the 3-round figure above is "
+    "1.33x, 0.38-3.49, from before the split). Every output equalled the baseline's.",
+    "- *What would close the TPOT target on a real server*: the S3 endpoint off the "
+    "engine's cores (remote, as deployed); host cores to spare beside each GPU for the "
+    "write-behind threads (at nice +10 they then run on idle cores, not beside the model); "
+    "NVMe for the file tier; and fewer bytes written per request where reuse is rare "
+    "(`write_after_hits` / `write: back` on the S3 tier, benchmarks/results/placement.md). "
+    "On these 2 cores the model's worker thread and everything else share the same CPU, so "
+    "any stored byte costs some decode time, however low its priority.",
 ]
 
 
