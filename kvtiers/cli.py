@@ -66,6 +66,56 @@ def _run_validate(args: argparse.Namespace) -> int:
     return status
 
 
+def _configure_check(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run every start-time check of stack files without starting anything: S3 "
+        "credentials and bucket, write permission under each S3 prefix and in each file "
+        "root (a probe file or object, removed again), free space, room in /dev/shm for a "
+        "cpu tier placed there, the metrics port, and with a model: section an existing "
+        "namespace's manifest. One line per finding, naming the YAML key; exit status 2 "
+        "when a start would fail. An engine runs the same checks before it builds a stack."
+    )
+    parser.add_argument("files", nargs="+", metavar="FILE", help="YAML stack files to check")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of text")
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    """Validate, then preflight, each stack file; problems on stderr, exit 2 if any."""
+    import json
+
+    from kvtiers.config import load_stack_config
+    from kvtiers.stack.preflight import preflight
+
+    status = EXIT_OK
+    report = []
+    for name in args.files:
+        try:
+            stack = load_stack_config(name)
+        except ConfigError as exc:
+            findings = [{"severity": "problem", "path": exc.path,
+                         "message": _one_line(exc.message), "line": _one_line(str(exc))}]
+        else:
+            identity = None if stack.model is None else stack.model.to_offloading_config()
+            findings = [{"severity": f.severity, "path": f.path,
+                         "message": _one_line(f.message), "line": _one_line(f.line(name))}
+                        for f in preflight(stack, identity)]
+        problems = [f for f in findings if f["severity"] == "problem"]
+        if problems:
+            status = EXIT_USAGE
+        report.append({"file": name, "ok": not problems, "findings": findings})
+        if args.json:
+            continue
+        for finding in findings:
+            print(finding["line"], file=sys.stderr if finding in problems else sys.stdout)
+        if not problems:
+            print(f"{name}: ok — ready to start")
+    if args.json:
+        json.dump({"ok": status == EXIT_OK, "files": report}, sys.stdout, indent=2)
+        print()
+    return status
+
+
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
     from kvtiers.config.examples import DEMO_EXAMPLE, EXAMPLES_DIR, example_names
     from kvtiers.engine.demo import DEFAULT_OUT, MARKER
@@ -300,6 +350,13 @@ def _run_has(args: argparse.Namespace) -> int:
 
 
 COMMANDS: tuple[Command, ...] = (
+    Command(
+        name="check",
+        help="run every start-time check of stack files (credentials, buckets, roots, "
+             "space, ports) without starting anything",
+        configure=_configure_check,
+        run=_run_check,
+    ),
     Command(
         name="demo",
         help="run a simulated engine over a tier stack, then restart it and hit warm",

@@ -24,6 +24,7 @@ from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
 from kvtiers.stack.cost import ChunkShape, CostModel, TransferEstimate
+from kvtiers.stack.preflight import check_before_build
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +101,9 @@ def load_stack(
                 source=config.source,
             )
         identity = config.model.to_offloading_config(rank)
+    # Every start-time check first (credentials, buckets, roots, ports...): a start that
+    # would fail stops here, one line long, before any directory or socket exists.
+    check_before_build(config, identity)
     tiers: list[BuiltTier] = []
     try:
         for index in range(len(config.tiers)):

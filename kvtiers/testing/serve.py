@@ -46,19 +46,15 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def kv_transfer_config(stack_file: Path | str, **extra: Any) -> str:
+def kv_transfer_config(stack_file: Path | str, *, connector: str = "OffloadingConnector",
+                       **extra: Any) -> str:
     """Route 1's ``--kv-transfer-config`` JSON: ``KVTiersOffloadingSpec`` over the stack
-    file ``stack_file``; ``extra`` adds keys to ``kv_connector_extra_config``."""
-    return json.dumps({
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "KVTiersOffloadingSpec",
-            "spec_module_path": "kvtiers.integrations.vllm",
-            "kvtiers_config": str(stack_file),
-            **extra,
-        },
-    })
+    file ``stack_file`` through ``connector`` (vLLM's ``OffloadingConnector``, or
+    ``KVTiersConnector``: see :mod:`kvtiers.tools.vllm_config`); ``extra`` adds keys to
+    ``kv_connector_extra_config``."""
+    from kvtiers.tools.vllm_config import transfer_config
+
+    return json.dumps(transfer_config(stack_file, connector=connector, **extra))
 
 
 def scrape(url: str, timeout_s: float = 10.0) -> dict[str, float]:

@@ -12,12 +12,20 @@
 Loading this package checks the installed vLLM first
 (:func:`~kvtiers.integrations.vllm.version.check_vllm_version`): outside the supported
 releases it raises a one-line :class:`~kvtiers.errors.UnsupportedVersionError`, for both
-routes, since vLLM imports this package for either. See ``docs/vllm.md``.
+routes, since vLLM imports this package for either. Then, when vLLM imports it while checking its
+configuration, the stack's start-time checks run
+(:mod:`~kvtiers.integrations.vllm.preflight`). See ``docs/vllm.md``.
 """
 
 from kvtiers.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()
+
+# While vLLM checks its configuration (before any model loads), a stack that could not
+# start fails here, in one line: see kvtiers.integrations.vllm.preflight.
+from kvtiers.integrations.vllm.preflight import check_while_configuring  # noqa: E402
+
+check_while_configuring()
 
 # The check runs before anything imports vLLM's offloading modules.
 from kvtiers.integrations.vllm.connector import KVTiersConnector  # noqa: E402

@@ -1,0 +1,86 @@
+"""The stack's start-time checks while vLLM checks its configuration, before the model loads.
+
+vLLM builds connectors only once the model is loaded and its KV cache sized, which takes
+minutes for a real model. But it looks the connector class up earlier: ``VllmConfig``'s
+own checks ask whether ``KVTiersConnector`` supports the hybrid KV-cache manager, which
+imports this package (``kv_connector_module_path``). :func:`check_while_configuring` runs
+at that import: when a vLLM frame below it holds the ``kv_transfer_config`` being checked
+and that names a kvtiers stack (``kvtiers_config`` or ``kvtiers``), the stack file is read
+and :func:`~kvtiers.stack.preflight.preflight` runs on it, as the engine would build it
+(a cpu primary in ``/dev/shm``). A problem is one :class:`~kvtiers.errors.ConfigError`
+line, also logged, and the import fails, so vLLM stops before loading anything. An import
+outside a configuration check (the scheduler's, the workers', a test's) checks nothing:
+the build checks again anyway (:func:`~kvtiers.stack.preflight.check_before_build`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+from collections.abc import Mapping
+from types import FrameType
+from typing import Any
+
+from kvtiers.config import StackConfig, load_stack_config
+from kvtiers.config.tiers import CPUTierConfig
+from kvtiers.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+#: How many frames below the import are searched for vLLM's configuration check.
+MAX_FRAMES = 64
+#: The ``/dev/shm`` name the check stands in for a cpu primary's per-engine one.
+PREFLIGHT_SHM_NAME = "kvtiers-preflight"
+
+
+def check_while_configuring() -> None:
+    """Run the stack's start-time checks if vLLM is checking a configuration that names
+    a kvtiers stack (see the module docstring); raise one :class:`ConfigError` line on a
+    problem. Returns quietly otherwise."""
+    extra = _extra_config_being_checked()
+    if extra is None:
+        return
+    path, inline = extra.get("kvtiers_config"), extra.get("kvtiers")
+    if (path is None) == (inline is None):
+        return  # not route 1's spec, or a mistake the spec itself reports
+    source = path if path is not None else inline
+    if not isinstance(source, (str, Mapping)):
+        return  # a mistake the spec itself reports when it is built
+    stack = load_stack_config(source)
+    from kvtiers.stack.preflight import check_before_build
+
+    try:
+        check_before_build(as_engine_builds(stack), None)
+    except ConfigError as exc:
+        logger.error("kvtiers: %s", exc)
+        raise
+
+
+def as_engine_builds(stack: StackConfig) -> StackConfig:
+    """``stack`` with its cpu primary in ``/dev/shm``, as vLLM's engine places it."""
+    primary = stack.tiers[0]
+    if not isinstance(primary, CPUTierConfig) or primary.shared_memory_name is not None:
+        return stack
+    shared = dataclasses.replace(primary, shared_memory_name=PREFLIGHT_SHM_NAME)
+    return dataclasses.replace(stack, tiers=(shared, *stack.tiers[1:]))
+
+
+def _extra_config_being_checked() -> Mapping[str, Any] | None:
+    """The ``kv_connector_extra_config`` of the ``kv_transfer_config`` a vLLM frame below
+    the caller holds, or ``None``. Frames outside the ``vllm`` package are never read."""
+    try:
+        from vllm.config import KVTransferConfig
+    except ImportError:
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(MAX_FRAMES):
+        if frame is None:
+            return None
+        if str(frame.f_globals.get("__name__", "")).startswith("vllm."):
+            found = frame.f_locals.get("kv_transfer_config")
+            if isinstance(found, KVTransferConfig):
+                extra = found.kv_connector_extra_config
+                return extra if isinstance(extra, Mapping) else None
+        frame = frame.f_back
+    return None
