@@ -47,22 +47,37 @@ def _one_line(text: str) -> str:
 
 def _configure_validate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="YAML stack files to check")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of text")
 
 
 def _run_validate(args: argparse.Namespace) -> int:
-    """Check each stack file; one line per file, on stdout if good, on stderr if not."""
+    """Check each stack file; one line per file, on stdout if good, on stderr if not
+    (with ``--json``, one document on stdout)."""
+    import json
+
     from kvtiers.config import load_stack_config
 
     status = EXIT_OK
+    report = []
     for name in args.files:
         try:
             stack = load_stack_config(name)
         except ConfigError as exc:
             # The error's source names the file (and line): ``<file>:<line>: <path>: …``.
-            print(_one_line(str(exc)), file=sys.stderr)
+            report.append({"file": name, "ok": False, "path": exc.path,
+                           "error": _one_line(str(exc))})
+            if not args.json:
+                print(_one_line(str(exc)), file=sys.stderr)
             status = EXIT_USAGE
         else:
-            print(f"{name}: ok — {stack.summary()}")
+            report.append({"file": name, "ok": True, "summary": stack.summary()})
+            if not args.json:
+                print(f"{name}: ok — {stack.summary()}")
+    if args.json:
+        json.dump({"ok": status == EXIT_OK, "files": report}, sys.stdout, indent=2,
+                  ensure_ascii=False)
+        print()
     return status
 
 
@@ -211,6 +226,9 @@ def _configure_gc(parser: argparse.ArgumentParser) -> None:
                         help="remove chunks older than D days")
     parser.add_argument("--max-bytes", metavar="SIZE",
                         help="per namespace, remove the oldest chunks beyond SIZE (e.g. 50GiB)")
+    parser.add_argument("--quarantine-older-than-days", type=float, metavar="D",
+                        help="remove quarantined (corrupt) chunks set aside more than D "
+                             "days ago (kvtiers inspect counts them)")
     parser.add_argument("--temp-age-s", type=float, default=3600.0, metavar="S",
                         help="remove interrupted temp files older than S seconds (default 3600)")
     parser.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
@@ -247,7 +265,7 @@ def _run_gc(args: argparse.Namespace) -> int:
     from kvtiers.config.sizes import parse_size
     from kvtiers.tools.commands import GcPolicy, gc
 
-    for flag in ("stale_days", "older_than_days", "temp_age_s"):
+    for flag in ("stale_days", "older_than_days", "temp_age_s", "quarantine_older_than_days"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must not be negative, got {value}")
@@ -259,15 +277,18 @@ def _run_gc(args: argparse.Namespace) -> int:
                                                                   path="--max-bytes"),
         temp_age_s=args.temp_age_s,
         dry_run=args.dry_run,
+        quarantine_older_than_days=args.quarantine_older_than_days,
     )
     if args.location is None:
         if not args.shm:
             raise ConfigError("give a location (a file root, s3://bucket/prefix or a URL), "
                               "--shm, or both; see kvtiers gc --help")
         if policy.namespaces or policy.stale_days is not None or (
-                policy.older_than_days is not None or policy.max_bytes is not None):
-            raise ConfigError("--namespace, --stale-days, --older-than-days and "
-                              "--max-bytes choose what goes from a location: give one")
+                policy.older_than_days is not None or policy.max_bytes is not None
+                or policy.quarantine_older_than_days is not None):
+            raise ConfigError("--namespace, --stale-days, --older-than-days, --max-bytes "
+                              "and --quarantine-older-than-days choose what goes from a "
+                              "location: give one")
     status = EXIT_OK
     if args.location is not None:
         location = _open(args)
@@ -285,6 +306,8 @@ def _run_gc(args: argparse.Namespace) -> int:
 def _configure_identity(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="FILE",
                         help="a stack file with a model: section")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document (namespace, digest, identity)")
 
 
 def _run_identity(args: argparse.Namespace) -> int:
@@ -300,7 +323,15 @@ def _run_identity(args: argparse.Namespace) -> int:
             f"{args.config}: no model: section, so no cache identity to show; add one "
             "(see kvtiers/configs/demo.yaml, or run `kvtiers identity demo`)"
         )
-    print_identity(NamespaceIdentity.from_config(stack.model.to_offloading_config()), sys.stdout)
+    identity = NamespaceIdentity.from_config(stack.model.to_offloading_config())
+    if args.json:
+        import json
+
+        json.dump({"namespace": identity.namespace, "digest": identity.hexdigest,
+                   "identity": identity.to_dict()}, sys.stdout, indent=2, ensure_ascii=False)
+        print()
+    else:
+        print_identity(identity, sys.stdout)
     return EXIT_OK
 
 
@@ -308,6 +339,11 @@ def _configure_diff(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
     parser.add_argument("first", metavar="NS_A", help="a namespace (kvtiers inspect lists them)")
     parser.add_argument("second", metavar="NS_B", help="the namespace to compare it with")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document instead of text")
+    parser.description = ("Name every identity field that differs between two namespaces' "
+                          "manifests. Exit status 0 when the identities are identical, 1 "
+                          "when they differ (or a namespace cannot be read).")
 
 
 def _run_diff(args: argparse.Namespace) -> int:
@@ -315,7 +351,7 @@ def _run_diff(args: argparse.Namespace) -> int:
 
     location = _open(args)
     try:
-        return diff(location, args.first, args.second, sys.stdout)
+        return diff(location, args.first, args.second, sys.stdout, as_json=args.json)
     finally:
         location.close()
 
@@ -325,7 +361,9 @@ def _configure_has(parser: argparse.ArgumentParser) -> None:
         "Ask a namespace's summary (a Bloom filter of its chunk keys, which a shared tier "
         "with list_interval_s and summary_interval_s keeps beside the manifest) whether "
         "the store holds chunks, without listing it. Exit status 0 when every key is "
-        "present, 1 when one is absent or there is no readable summary. A present answer "
+        "present, 1 when one is absent, 3 when there is no summary to ask (none, or one "
+        "that cannot be read), 2 for a key that cannot be one of the namespace's. A "
+        "present answer "
         "is wrong for about 0.82% of keys never stored; an absent one is never wrong for a "
         "chunk that was there when the summary was made."
     )
@@ -347,6 +385,31 @@ def _run_has(args: argparse.Namespace) -> int:
         return has(location, args.namespace, args.keys, sys.stdout, as_json=args.json)
     finally:
         location.close()
+
+
+def _configure_vllm_config(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Print the --kv-transfer-config argument that turns the stack in FILE on in vLLM "
+        "(route 1 through KVTiersConnector), quoted for a POSIX shell: paste it after "
+        "vllm serve MODEL. The stack file is validated first; its path is made absolute, "
+        "since vLLM's processes may run elsewhere."
+    )
+    parser.add_argument("config", metavar="FILE", help="the stack file")
+    parser.add_argument("--json", action="store_true",
+                        help="print only the JSON value, unquoted")
+
+
+def _run_vllm_config(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from kvtiers.config import load_stack_config
+    from kvtiers.tools.vllm_config import transfer_config_json
+
+    load_stack_config(args.config)
+    value = transfer_config_json(Path(args.config).absolute())
+    print(value if args.json else f"--kv-transfer-config {shlex.quote(value)}")
+    return EXIT_OK
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -399,6 +462,12 @@ COMMANDS: tuple[Command, ...] = (
         help="ask a namespace's summary whether the store holds a prefix's chunks",
         configure=_configure_has,
         run=_run_has,
+    ),
+    Command(
+        name="vllm-config",
+        help="print the --kv-transfer-config that turns a stack file on in vLLM",
+        configure=_configure_vllm_config,
+        run=_run_vllm_config,
     ),
     Command(
         name="validate",

@@ -83,7 +83,7 @@ def test_diff_names_exactly_the_field_that_changed(
     demo(tier, **ONE_FIELD[field])
     (second,) = set(namespaces(tmp_path)) - {first}
     status, out, err = run(capsys, "diff", str(tmp_path), first, second)
-    assert (status, err) == (0, "")
+    assert (status, err) == (1, "")  # they differ: 1, as diff and cmp answer
     # A changed field's line is indented two columns; a long value continues on lines
     # indented further.
     changed = [line.split(":")[0].strip() for line in out.splitlines()
@@ -104,7 +104,7 @@ def test_diff_over_s3_and_on_identical_identities(
     names = sorted(line for line in out.splitlines() if line.startswith("demo__tiny-"))
     assert len(names) == 2
     status, out, _ = run(capsys, "diff", url, *names, "--endpoint-url", s3_endpoint.endpoint_url)
-    assert status == 0
+    assert status == 1
     assert '  model_revision: "r2" -> "r3"' in out.splitlines() or (
         '  model_revision: "r3" -> "r2"' in out.splitlines()
     )
@@ -112,6 +112,18 @@ def test_diff_over_s3_and_on_identical_identities(
                          "--endpoint-url", s3_endpoint.endpoint_url)
     assert status == 0
     assert "the identities are identical" in out
+    status, out, _ = run(capsys, "diff", "--json", url, *names,
+                         "--endpoint-url", s3_endpoint.endpoint_url)
+    assert status == 1
+    document = json.loads(out)
+    assert document["identical"] is False
+    assert [d["field"] for d in document["differences"]] == ["model_revision"]
+    assert {document["differences"][0]["a"], document["differences"][0]["b"]} == {"r2", "r3"}
+    status, out, _ = run(capsys, "diff", "--json", url, names[0], names[0],
+                         "--endpoint-url", s3_endpoint.endpoint_url)
+    assert status == 0
+    assert json.loads(out) == {"location": document["location"], "a": names[0],
+                               "b": names[0], "identical": True, "differences": []}
 
 
 def test_identity_prints_the_namespace_the_demo_writes(
@@ -133,6 +145,13 @@ def test_identity_prints_the_namespace_the_demo_writes(
     assert fields["quantization"] == '"awq"'
     assert fields["model_revision"] == '"r2"'
     assert fields["groups[0].tokens_per_block"] == "16"
+    status, out, err = run(capsys, "identity", "--json", str(path))
+    assert (status, err) == (0, "")
+    document = json.loads(out)
+    assert document["namespace"] == written
+    assert document["identity"]["quantization"] == "awq"
+    assert document["identity"]["groups"][0]["tokens_per_block"] == 16
+    assert len(document["digest"]) == 64
 
 
 @pytest.mark.parametrize(
@@ -197,7 +216,7 @@ def test_diff_of_long_values_fits_80_columns(
     first = write_namespace(tmp_path, **wide_group(32))
     second = write_namespace(tmp_path, **wide_group(32, "model.layers.{}.attn"))
     status, out, err = run(capsys, "diff", str(tmp_path), first, second)
-    assert (status, err) == (0, "")
+    assert (status, err) == (1, "")
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "1 field differs:" in out.splitlines()
     assert ('"model.layers.31.self_attn"] -> ["model.layers.0.attn",'

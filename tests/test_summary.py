@@ -146,9 +146,30 @@ def test_has_without_a_summary_or_with_a_bad_key_says_what_to_do(
     assert main(["has", str(root), IDENTITY.namespace, "not-a-key"]) == 2
     assert "is not a chunk key" in capsys.readouterr().err
     (root / IDENTITY.namespace / SUMMARY_NAME).unlink()
-    assert main(["has", str(root), IDENTITY.namespace, chunk_name(0)]) == 1
+    # No summary is no answer: exit status 3, not the 1 of an absent key.
+    assert main(["has", str(root), IDENTITY.namespace, chunk_name(0)]) == 3
     err = capsys.readouterr().err
     assert "has no summary" in err and "summary_interval_s" in err
+    assert main(["has", "--json", str(root), IDENTITY.namespace, chunk_name(0)]) == 3
+    document = json.loads(capsys.readouterr().out)
+    assert document["keys"] is None and document["leading"] is None
+    assert "has no summary" in document["error"]
+
+
+def test_has_refuses_a_key_of_the_wrong_length(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A sha256-length hash in a namespace of xxh3_128 keys: refused (2), not "absent".
+    long_key = "ab" * 32 + "_g0"
+    assert main(["has", str(root), IDENTITY.namespace, long_key]) == 2
+    err = capsys.readouterr().err
+    assert f"{long_key!r} is not a chunk key of {IDENTITY.namespace}" in err
+    assert "its keys are of 20 bytes (a xxh3_128 hash and a 4-byte group)" in err
+    assert err.rstrip().endswith("this one is 36 bytes")
+    # A group the namespace does not have: refused too.
+    other_group = f"{conformance_key(0)[:-4].hex()}_g7"
+    assert main(["has", str(root), IDENTITY.namespace, other_group]) == 2
+    assert "in another group" in capsys.readouterr().err
 
 
 def test_inspect_shows_the_summary_and_gc_leaves_it(

@@ -38,7 +38,7 @@ from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
 from kvtiers.tools.summary import summary_report
-from kvtiers.tools.text import say
+from kvtiers.tools.text import say, say_parts
 
 DAY_S = 86400.0
 #: ``verify`` reads a chunk's payload in blocks of this size.
@@ -66,9 +66,10 @@ def _manifest(location: Location, namespace: str) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def _manifest_lines(manifest: dict[str, Any]) -> list[str]:
-    """What :func:`inspect` prints of a manifest; :class:`_Malformed` names the first
-    field that is not what kvtiers writes."""
+def _manifest_lines(manifest: dict[str, Any]) -> list[list[str]]:
+    """What :func:`inspect` prints of a manifest: lines of fields, each field kept whole
+    when a line wraps; :class:`_Malformed` names the first field that is not what kvtiers
+    writes."""
     ident = _typed(manifest, "identity", dict)
     groups = []
     for index, group in enumerate(_typed(ident, "groups", list)):
@@ -85,14 +86,18 @@ def _manifest_lines(manifest: dict[str, Any]) -> list[str]:
                           for k, v in sorted(parallel.items()))
     elif parallel is not None:
         raise _Malformed("identity.parallel is not a mapping")
+    model = str(ident.get("model_name"))
+    if ident.get("model_revision"):
+        model += f"@{ident.get('model_revision')}"
     return [
-        f"  model {ident.get('model_name')}@{ident.get('model_revision')}, engine "
-        f"{ident.get('engine')}, kv {ident.get('kv_dtype')} {ident.get('kv_layout')}, "
-        f"hash {ident.get('hash_algorithm')}",
-        f"  tokens_per_hash {ident.get('tokens_per_hash')}, blocks_per_chunk "
-        f"{ident.get('blocks_per_chunk')}, groups: {', '.join(groups)}",
-        f"  parallel: {layout}; created {manifest.get('created_at')}; "
-        f"format {manifest.get('format_version')}/{manifest.get('chunk_format_version')}",
+        [f"model {model}", f"engine {ident.get('engine')}",
+         f"kv {ident.get('kv_dtype')} {ident.get('kv_layout')}",
+         f"hash {ident.get('hash_algorithm')}"],
+        [f"tokens_per_hash {ident.get('tokens_per_hash')}",
+         f"blocks_per_chunk {ident.get('blocks_per_chunk')}",
+         "groups: " + "; ".join(groups)],
+        [f"parallel: {layout}", f"created {manifest.get('created_at')}",
+         f"format {manifest.get('format_version')}/{manifest.get('chunk_format_version')}"],
     ]
 
 
@@ -156,17 +161,19 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
     for namespace in namespaces:
         census = _Census.of(location.entries(namespace))
         manifest = _manifest(location, namespace)
+        lines: list[list[str]]
         if manifest is None:
-            lines = ["  manifest: unreadable (every chunk here reads as a miss)"]
+            lines = [["manifest: unreadable (every chunk here reads as a miss)"]]
         else:
             try:
                 lines = _manifest_lines(manifest)
             except _Malformed as exc:
-                lines = [f"  manifest: malformed ({exc}; every chunk here reads as a miss)"]
+                lines = [[f"manifest: malformed ({exc}; every chunk here reads as a miss)"]]
         chunks = census.chunks
+        quarantined = list(location.quarantined(namespace))
         summary, summary_line = summary_report(location, namespace)
         if summary_line:
-            lines.append(summary_line)
+            lines.append([summary_line.strip()])
         report.append({
             "namespace": namespace,
             "manifest": manifest,
@@ -177,6 +184,9 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
             "temp_files": len(census.temps),
             "other_files": len(census.other),
             "not_regular_files": len(census.irregular),
+            "quarantined": len(quarantined),
+            "quarantined_bytes": sum(e.size for e in quarantined),
+            "quarantined_oldest_mtime": min((e.mtime for e in quarantined), default=None),
             "summary": summary,
             "lines": lines,
         })
@@ -191,16 +201,24 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
     for r in report:
         print(file=out)
         say(out, r["namespace"])
-        for line in r["lines"]:
-            say(out, line)
+        for fields in r["lines"]:
+            say_parts(out, fields, indent=2)
         ages = ""
         if r["chunks"]:
             ages = (f", newest {_age(r['newest_mtime'], now)} old, oldest "
                     f"{_age(r['oldest_mtime'], now)} old")
-        say(out, f"  chunks {r['chunks']:,} ({format_size(r['chunk_bytes'])}){ages}; temp "
-                  f"files {r['temp_files']}; other files {r['other_files']}"
-                  + (f"; not regular files {r['not_regular_files']}"
-                     if r["not_regular_files"] else ""))
+        parts = [f"chunks {r['chunks']:,} ({format_size(r['chunk_bytes'])}){ages}",
+                 f"temp files {r['temp_files']}", f"other files {r['other_files']}"]
+        if r["not_regular_files"]:
+            parts.append(f"not regular files {r['not_regular_files']}")
+        say_parts(out, parts, indent=2)
+        if r["quarantined"]:
+            say_parts(out, [
+                f"quarantined {r['quarantined']:,} ({format_size(r['quarantined_bytes'])}),",
+                f"oldest {_age(r['quarantined_oldest_mtime'], now)} old:",
+                "corrupt chunks no tier reads;",
+                "kvtiers gc --quarantine-older-than-days removes them",
+            ], indent=2, separator=" ")
     return 0
 
 
@@ -348,11 +366,14 @@ class GcPolicy:
     max_bytes: int | None = None
     temp_age_s: float = 3600.0
     dry_run: bool = False
+    #: Remove quarantined (corrupt) chunks older than this many days.
+    quarantine_older_than_days: float | None = None
 
 
 def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
     """Remove what ``policy`` names; print one line per namespace touched and a closing
-    total. A named namespace that does not exist is a :class:`LocationError` (nothing is
+    total of what went (a whole namespace's bytes included, its quarantine too). A
+    named namespace that does not exist is a :class:`LocationError` (nothing is
     removed then)."""
     now = time.time()
     verb = "would remove" if policy.dry_run else "removed"
@@ -373,12 +394,22 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
         if namespace in policy.namespaces or stale:
             why = "named" if namespace in policy.namespaces else (
                 f"newest chunk {_age(newest, now)} old")
-            count = (len(census.chunks) + len(census.temps) + len(census.other) + 1
+            quarantined = list(location.quarantined(namespace))
+            size = sum(e.size for e in (*census.chunks, *census.temps, *census.other,
+                                        *quarantined))
+            count = (len(census.chunks) + len(census.temps) + len(census.other)
+                     + len(quarantined) + 1
                      if policy.dry_run else location.remove_namespace(namespace))
-            say(out, f"{namespace}: {verb} the namespace ({why}; {count} entries)")
+            say(out, f"{namespace}: {verb} the namespace ({why}; {count} entries, "
+                     f"{format_size(size)})")
             namespaces_gone += 1
+            freed += size
             continue
         doomed = [e for e in census.temps if now - e.mtime > policy.temp_age_s]
+        if policy.quarantine_older_than_days is not None:
+            cutoff = now - policy.quarantine_older_than_days * DAY_S
+            doomed += [e for e in location.quarantined(namespace)
+                       if e.mtime < cutoff and e.irregular is None]
         keep = sorted(census.chunks, key=lambda e: e.mtime, reverse=True)
         if policy.older_than_days is not None:
             cutoff = now - policy.older_than_days * DAY_S
@@ -404,7 +435,8 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
     else:
         say(out, f"gc: nothing to remove in {len(existing)} namespace(s) (temp files older "
                   f"than {policy.temp_age_s:g} s always go; --namespace, --stale-days, "
-                  "--older-than-days and --max-bytes choose more)")
+                  "--older-than-days, --max-bytes and --quarantine-older-than-days "
+                  "choose more)")
     return 0
 
 

@@ -82,10 +82,20 @@ def differ_heading(count: int) -> str:
     return "1 field differs:" if count == 1 else f"{count} fields differ:"
 
 
-def diff(location: Location, first: str, second: str, out: TextIO) -> int:
-    """Name every identity field that differs between two namespaces; always 0."""
+def diff(location: Location, first: str, second: str, out: TextIO, *,
+         as_json: bool = False) -> int:
+    """Name every identity field that differs between two namespaces: 0 when the
+    identities are identical, 1 when they differ (as ``diff`` and ``cmp`` answer)."""
     a, b = stored_identity(location, first), stored_identity(location, second)
     found = differences(a, b)
+    if as_json:
+        json.dump({"location": location.describe(), "a": first, "b": second,
+                   "identical": not found,
+                   "differences": [{"field": name, "a": found[name][0], "b": found[name][1]}
+                                   for name in sorted(found)]},
+                  out, indent=2, ensure_ascii=False, default=str)
+        print(file=out)
+        return 1 if found else 0
     say(out, f"A: {first}")
     say(out, f"B: {second}")
     if not found:
@@ -95,4 +105,4 @@ def diff(location: Location, first: str, second: str, out: TextIO) -> int:
     for name in sorted(found):
         value_a, value_b = found[name]
         say(out, f"  {name}: {_show(value_a)} -> {_show(value_b)}")
-    return 0
+    return 1

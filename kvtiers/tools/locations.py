@@ -91,6 +91,13 @@ class Location(ABC):
             if name not in skip and not name.startswith(quarantine):
                 yield Entry(name, info.size, info.mtime, info.irregular)
 
+    def quarantined(self, namespace: str) -> Iterator[Entry]:
+        """The entries of ``namespace``'s quarantine (chunks a tier or ``verify --fix``
+        set aside as corrupt; no tier reads them)."""
+        quarantine = f"{namespace}/{QUARANTINE_DIR}/"
+        for info in self.store.list(self._full(quarantine)):
+            yield Entry(self._relative(info.name), info.size, info.mtime, info.irregular)
+
     def read(self, name: str, limit: int) -> bytes:
         """The first ``limit`` + 1 bytes of ``name`` at most (more than ``limit`` bytes back
         means the entry is larger than the caller accepts; see :meth:`ObjectStore.read`)."""

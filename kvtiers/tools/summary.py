@@ -109,15 +109,74 @@ def parse_key(text: str) -> bytes:
     return raw
 
 
+#: ``kvtiers has``'s exit statuses: every key present, one absent, and no answer (no such
+#: namespace, no summary, or one that cannot be read).
+HAS_PRESENT = 0
+HAS_ABSENT = 1
+HAS_NO_SUMMARY = 3
+
+
+def check_key_lengths(location: Location, namespace: str, keys: list[str],
+                      parsed: list[bytes]) -> None:
+    """Refuse (:class:`~kvtiers.errors.ConfigError`, exit status 2) a key whose length or
+    group is not one of ``namespace``'s: its manifest names the hash (and so the key's
+    length) and the number of groups. Nothing is refused when the manifest cannot say."""
+    from kvtiers.core.bounded import load_json
+    from kvtiers.core.keys import KeyFormat
+    from kvtiers.errors import InvalidKeyError
+    from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
+
+    try:
+        document: Any = load_json(location.manifest(namespace), max_bytes=MAX_MANIFEST_BYTES)
+        identity = document["identity"]
+        algorithm, groups = identity["hash_algorithm"], identity["groups"]
+    except (OSError, ValueError, KeyError, TypeError, ObjectMissing):
+        return
+    if not isinstance(algorithm, str) or not isinstance(groups, list) or not groups:
+        return
+    keyformat = KeyFormat.for_algorithm(len(groups), algorithm)
+    for text, key in zip(keys, parsed, strict=True):
+        try:
+            keyformat.check(key, namespace)
+        except InvalidKeyError:
+            expected = ("" if keyformat.key_bytes is None
+                        else f" of {keyformat.key_bytes} bytes (a {algorithm} hash and a "
+                             "4-byte group)")
+            raise ConfigError(
+                f"{text!r} is not a chunk key of {namespace}: its keys are{expected} in "
+                f"{len(groups)} group(s), this one is {len(key)} bytes"
+                + ("" if keyformat.key_bytes != len(key) else " in another group"),
+                path="KEY",
+            ) from None
+
+
 def has(location: Location, namespace: str, keys: list[str], out: TextIO, *,
         as_json: bool = False) -> int:
     """Say of each key whether the namespace's summary holds it, then how many of them
-    lead (a prefix's chunks in token order). 0 when every key is present, else 1."""
+    lead (a prefix's chunks in token order). :data:`HAS_PRESENT` when every key is
+    present, :data:`HAS_ABSENT` when one is not, :data:`HAS_NO_SUMMARY` when there is no
+    summary to ask (said on stderr, or as JSON whose ``error`` says why). A key that cannot
+    be one of the namespace's is refused (:class:`~kvtiers.errors.ConfigError`)."""
+    import sys
+
     from kvtiers.tools.commands import _age
     from kvtiers.tools.text import say
 
     parsed = [parse_key(text) for text in keys]
-    summary = read_summary(location, namespace)
+    try:
+        summary = read_summary(location, namespace)
+    except LocationError as exc:
+        if as_json:
+            json.dump({"location": location.describe(), "namespace": namespace,
+                       "listed_at": None, "false_positive_rate": None, "keys": None,
+                       "leading": None, "error": str(exc)}, out, indent=2)
+            print(file=out)
+        else:
+            from kvtiers.tools.text import visible
+
+            print(f"kvtiers: {visible(str(exc))}", file=sys.stderr)
+        return HAS_NO_SUMMARY
+    check_key_lengths(location, namespace, keys, parsed)
     present = [key in summary for key in parsed]
     leading = summary.leading(parsed)
     ago = _age(summary.listed_at_ns / 1e9, time.time())
@@ -128,7 +187,7 @@ def has(location: Location, namespace: str, keys: list[str], out: TextIO, *,
             "false_positive_rate": summary.false_positive_rate,
             "keys": [{"key": text, "present": hit} for text, hit in zip(keys, present,
                                                                         strict=True)],
-            "leading": leading,
+            "leading": leading, "error": None,
         }, out, indent=2)
         print(file=out)
     else:
@@ -137,4 +196,4 @@ def has(location: Location, namespace: str, keys: list[str], out: TextIO, *,
         say(out, f"{leading} of {len(keys)} leading chunk(s) present in {namespace} as "
                  f"listed {ago} ago (false positives "
                  f"{summary.false_positive_rate:.2%})")
-    return 0 if all(present) else 1
+    return HAS_PRESENT if all(present) else HAS_ABSENT

@@ -4,7 +4,8 @@ A line longer than that is wrapped at its spaces, continuation lines indented tw
 columns past the line's own indent (or under a value column the caller names, where the
 words fit there). A word is never broken (a chunk name, a namespace or a JSON string
 stays whole and copyable), so only a single word longer than the width makes a line
-wider than it.
+wider than it. :func:`say_parts` wraps a line of fields only between fields, so a value
+with spaces in it (``kv torch.bfloat16 NHD``) is never split either.
 
 What a report prints may come from storage other programs write (a manifest's model
 name, salt or layer names on a shared bucket), so a character that is not printable —
@@ -49,4 +50,23 @@ def say(out: TextIO, line: str, *, hang: int | None = None) -> None:
             lines = None
     if lines is None:
         lines = _wrap(line, len(line) - len(line.lstrip(" ")) + 2)
+    print("\n".join(lines), file=out)
+
+
+def say_parts(out: TextIO, parts: list[str], *, indent: int = 0,
+              separator: str = ", ") -> None:
+    """Print ``parts`` (fields such as ``engine vllm``) joined by ``separator`` (its
+    punctuation, then one space) at ``indent``, wrapped only between parts: a line breaks after a separator and a field
+    is never split across lines (one longer than :data:`WIDTH` stands alone). Characters
+    that are not printable are escaped (:func:`visible`)."""
+    shown = [visible(part) for part in parts]
+    lines: list[str] = []
+    current = " " * indent
+    for index, part in enumerate(shown):
+        piece = part + (separator.rstrip() if index < len(shown) - 1 else "")
+        if current.strip() and len(current) + 1 + len(piece) > WIDTH:
+            lines.append(current)
+            current = " " * (indent + 2)
+        current += (" " if current.strip() else "") + piece
+    lines.append(current)
     print("\n".join(lines), file=out)

@@ -288,14 +288,18 @@ class S3Store(ObjectStore):
     # -- start-up checks ------------------------------------------------------------
     def check_bucket(self, *, where: str = "bucket") -> None:
         """Raise :class:`~kvtiers.errors.ConfigError` unless the bucket is reachable
-        with the credentials at hand; the message says what to do. The request is retried
-        like any other, so one throttled or dropped answer does not fail start-up."""
+        with the credentials at hand; the message says what to do (``where`` is the
+        error's path: a stack file's key, or ``location`` for a command line's). The
+        request is retried like any other, so one throttled or dropped answer does not
+        fail start-up."""
         try:
             self.client().head_bucket(Bucket=self.bucket)
         except botocore.exceptions.NoCredentialsError:
+            # A stack file can name a profile; a command line's location cannot.
+            profile = "AWS_PROFILE" if where == "location" else "AWS_PROFILE (or profile:)"
             raise ConfigError(
                 f"no AWS credentials found for bucket {self.bucket!r}; set "
-                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE (or profile:), "
+                f"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, {profile}, "
                 "or run where an instance role is available",
                 path=where,
             ) from None
