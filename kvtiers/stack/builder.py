@@ -8,7 +8,7 @@ factory is imported lazily, so a stack without S3 never imports boto3.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -22,6 +22,7 @@ from kvtiers.core.mover import HostRegion
 from kvtiers.core.tier import BuiltTier, WritePolicy
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
+from kvtiers.logs import log_started, log_stopped
 from kvtiers.stack.composite import TieredManager
 from kvtiers.stack.cost import ChunkShape, CostModel, TransferEstimate
 from kvtiers.stack.preflight import check_before_build
@@ -42,6 +43,7 @@ class Stack:
     manager: TieredManager
     #: The Prometheus exporter, when the stack file has a ``metrics:`` section.
     metrics: MetricsServer | None = None
+    _stopped: bool = field(default=False, init=False, repr=False)
 
     def make_worker(
         self, kv_caches: KVCacheTensors | Mapping[str, torch.Tensor]
@@ -59,11 +61,16 @@ class Stack:
         return worker
 
     def shutdown(self) -> None:
-        """Drain movers and release every tier. Idempotent."""
+        """Drain movers and release every tier, then log what each tier did (one line
+        each: :func:`~kvtiers.logs.log_stopped`). Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.manager.shutdown()
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        log_stopped([tier.name for tier in self.tiers], self.manager.get_stats())
 
     def __enter__(self) -> Stack:
         return self
@@ -135,6 +142,7 @@ def load_stack(
             if isinstance(exc, ConfigError):
                 raise exc.with_source(config.source) from None
             raise
+    log_started(config, identity)
     return stack
 
 

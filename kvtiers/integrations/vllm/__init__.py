@@ -21,6 +21,12 @@ from kvtiers.integrations.vllm.version import check_vllm_version
 
 check_vllm_version()
 
+# kvtiers' records in the server's log, at vLLM's level (see kvtiers.logs): vLLM's
+# processes configure their logging before they load a connector.
+from kvtiers.logs import join_engine_log  # noqa: E402
+
+join_engine_log("vllm")
+
 # While vLLM checks its configuration (before any model loads), a stack that could not
 # start fails here, in one line: see kvtiers.integrations.vllm.preflight.
 from kvtiers.integrations.vllm.preflight import check_while_configuring  # noqa: E402
