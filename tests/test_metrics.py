@@ -85,8 +85,10 @@ def test_names_follow_prometheus_conventions(scraped: Any) -> None:
     families, _stats, text = scraped
     assert families, "nothing exported"
     for name, family in families.items():
-        assert re.fullmatch(r"kvtiers_(stack|tier|promotion|cascade|worker)_[a-z0-9_]+", name)
+        assert re.fullmatch(r"kvtiers_(stack|tier|promotion|cascade|worker|build)_[a-z0-9_]+",
+                            name)
         assert family.documentation and family.documentation != name, f"{name}: no HELP"
+        assert re.search(r" Unit: [a-z ()]+\.$", family.documentation), f"{name}: no unit"
         assert not re.search(r"_s(_|$)", name), f"{name}: unit must be _seconds"
         assert "_total" not in name, f"{name}: the parser strips _total from counter families"
         if family.type == "counter":
@@ -216,3 +218,36 @@ def test_a_missing_prometheus_client_is_named_before_anything_is_built(
                     "model": MODEL, "metrics": {"port": 0}})
     assert info.value.path == "metrics"
     assert not (tmp_path / "f").exists()
+
+
+def test_every_series_is_there_from_the_start_with_build_info(tmp_path: Path) -> None:
+    """Before any request: every stack series, every tier's, and every latency histogram
+    a stack can fill are exported (zero), so absent() and increase() alerts hold."""
+    stack = load_stack({"tiers": [{"kind": "cpu", "capacity": "1MiB"},
+                                  {"kind": "file", "root": str(tmp_path / "f")}],
+                        "model": MODEL, "metrics": {"port": 0}})
+    try:
+        assert stack.metrics is not None
+        text = _scrape(stack.metrics.port)
+    finally:
+        stack.shutdown()
+    families = _families(text)
+    from kvtiers import __version__
+    from kvtiers.stack.metrics_catalog import STACK
+
+    for spec in STACK.values():
+        samples = families[spec.name].samples
+        assert any(s.labels.items() >= spec.labels.items() for s in samples), spec
+    (info,) = families["kvtiers_build_info"].samples
+    assert (info.labels["version"], info.value) == (__version__, 1.0)
+    for name, label, values in (("kvtiers_promotion_latency_seconds", "tier", {"file"}),
+                                ("kvtiers_cascade_latency_seconds", "tier", {"file"}),
+                                ("kvtiers_worker_transfer_latency_seconds", "direction",
+                                 {"load", "store"})):
+        counts = [s for s in families[name].samples if s.name == f"{name}_count"]
+        assert {s.labels[label] for s in counts} == values, name
+        assert all(s.value == 0 for s in counts)
+    stores = {(s.labels["tier"], s.labels["outcome"]): s.value
+              for s in families["kvtiers_tier_stores"].samples if s.name.endswith("_total")}
+    assert stores == {("cpu", "done"): 0, ("cpu", "failed"): 0,
+                      ("file", "done"): 0, ("file", "failed"): 0}

@@ -132,6 +132,12 @@ def load_stack(
 
         manager.stats_refresh_s = config.metrics.refresh_s
         manager.latency = LatencyHistograms()
+        # Every latency series from the start, zero until a job ends.
+        for tier in tiers[1:]:
+            manager.latency.declare("promote", tier.name)
+            manager.latency.declare("cascade", tier.name)
+        for direction in ("load", "store"):
+            manager.latency.declare(direction, direction)
         manager.refresh_stats_snapshot()
         try:
             stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,

@@ -4,9 +4,12 @@ Names, types, labels and HELP text come from :mod:`kvtiers.stack.metrics_catalog
 composite's counters are ``kvtiers_stack_*`` (no ``tier`` label), each tier's are
 ``kvtiers_tier_*{tier="<name>"}``, so summing one metric never mixes the two levels.
 Promotion, cascade and (for a worker in this process) GPU transfer latencies are
-histograms. A scrape reads the composite's ``stats_snapshot``, taken on the scheduler
-thread at most every ``refresh_s`` seconds, and a locked copy of the histograms, so the
-HTTP thread never touches tier state. prometheus-client is imported only here.
+histograms; ``kvtiers_build_info`` names the release. Every stack series, and every
+latency histogram a stack can fill, is exported from the first scrape (zero until
+counted), and every HELP text ends with the unit. A scrape reads the composite's
+``stats_snapshot``, taken on the scheduler thread at most every ``refresh_s`` seconds,
+and a locked copy of the histograms, so the HTTP thread never touches tier state.
+prometheus-client is imported only here.
 
 The exporter listens on ``addr`` (default ``127.0.0.1``: this host only; ``0.0.0.0`` for
 a scraper on another host or pod) and ``port`` (default
@@ -28,6 +31,7 @@ from kvtiers.stack.metrics_catalog import (
     TIER,
     MetricSpec,
     tier_fallback,
+    with_unit,
 )
 from kvtiers.stack.metrics_latency import LatencyHistograms
 
@@ -39,11 +43,29 @@ def _family(spec: MetricSpec, labels: list[str]) -> Any:
         InfoMetricFamily,
     )
 
+    help_text = with_unit(spec)
     if spec.kind == "counter":
-        return CounterMetricFamily(spec.name, spec.help, labels=labels)
+        return CounterMetricFamily(spec.name, help_text, labels=labels)
     if spec.kind == "info":
-        return InfoMetricFamily(spec.name, spec.help, labels=labels)
-    return GaugeMetricFamily(spec.name, spec.help, labels=labels)
+        return InfoMetricFamily(spec.name, help_text, labels=labels)
+    return GaugeMetricFamily(spec.name, help_text, labels=labels)
+
+
+def _build_info() -> Any:
+    """``kvtiers_build_info{version, python} 1``: which kvtiers a scrape came from."""
+    import platform
+
+    from prometheus_client.core import GaugeMetricFamily
+
+    from kvtiers import __version__
+
+    family = GaugeMetricFamily(
+        "kvtiers_build_info",
+        "The kvtiers release and Python version exporting these series; always 1. "
+        "Unit: none (labels only).",
+        labels=["version", "python"])
+    family.add_metric([__version__, platform.python_version()], 1.0)
+    return family
 
 
 class _StatsCollector:
@@ -61,7 +83,11 @@ class _StatsCollector:
             merged = {**spec.labels, **labels}
             entry[2].append(([merged[n] for n in entry[1]], value))
 
-        for full_name, value in self.manager.stats_snapshot.items():
+        snapshot = dict(self.manager.stats_snapshot)
+        for stat in STACK:
+            # Every stack series from the first scrape, zero until counted.
+            snapshot.setdefault(stat, 0.0)
+        for full_name, value in snapshot.items():
             tier, _, stat = full_name.rpartition(".")
             if not tier:
                 spec = STACK.get(stat) or tier_fallback(stat)
@@ -79,6 +105,7 @@ class _StatsCollector:
                 else:
                     family.add_metric(values, value)
             yield family
+        yield _build_info()
         if self.latency is not None:
             yield from self._histograms(self.latency)
 
@@ -93,7 +120,8 @@ class _StatsCollector:
         for name in sorted({n for n, _ in HISTOGRAMS.values()}):
             kind_of = {n: (k, h) for k, (n, h) in HISTOGRAMS.items()}
             label = "direction" if kind_of[name][0] in ("load", "store") else "tier"
-            family = HistogramMetricFamily(name, kind_of[name][1], labels=[label])
+            family = HistogramMetricFamily(name, f"{kind_of[name][1]} Unit: seconds.",
+                                           labels=[label])
             for _kind, value, counts in grouped.get(name, []):
                 family.add_metric([value], list(zip(bounds, counts.cumulative(), strict=True)),
                                   counts.sum_s)

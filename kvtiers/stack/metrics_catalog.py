@@ -169,6 +169,31 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
 """Each tier's stats (``<tier>.<stat>``)."""
 
 
+#: The unit a family counts, by the end of its name; any other family counts what its
+#: HELP text names first (chunks, lookups, keys...) unless named here.
+_UNITS: tuple[tuple[str, str], ...] = (("_bytes", "bytes"), ("_seconds", "seconds"))
+_COUNTED: Mapping[str, str] = MappingProxyType({
+    "kvtiers_tier_listings": "listings",
+    "kvtiers_tier_summaries": "summaries",
+    "kvtiers_tier_probes": "probes",
+    "kvtiers_tier_vanished_chunks": "chunks",
+    "kvtiers_tier_capacity_chunks": "chunks",
+    "kvtiers_tier_load_failures": "chunks",
+    "kvtiers_tier_forgotten": "index entries",
+})
+
+
+def with_unit(spec: MetricSpec) -> str:
+    """``spec``'s HELP text followed by its unit (``Unit: bytes.``)."""
+    for suffix, unit in _UNITS:
+        if spec.name.endswith(suffix):
+            return f"{spec.help} Unit: {unit}."
+    if spec.kind == "info":
+        return f"{spec.help} Unit: none (labels only)."
+    counted = _COUNTED.get(spec.name) or spec.help.split(" ", 1)[0].lower().rstrip(".,")
+    return f"{spec.help} Unit: {counted}."
+
+
 def tier_fallback(stat: str) -> MetricSpec:
     """The spec of a per-tier stat the catalogue does not know: a counter, unit-named."""
     name = stat[:-2] + "_seconds" if stat.endswith("_s") else stat

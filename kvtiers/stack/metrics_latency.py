@@ -59,6 +59,15 @@ class LatencyHistograms:
             buckets[index] += 1
             self._sums[key] += seconds
 
+    def declare(self, kind: str, label: str) -> None:
+        """Export the histogram ``(kind, label)`` with zero counts until its first
+        observation, so a scraper sees every series from the start (``absent()`` and
+        ``rate()`` need one)."""
+        with self._lock:
+            if (kind, label) not in self._buckets:
+                self._buckets[(kind, label)] = [0] * (len(self.bounds) + 1)
+                self._sums[(kind, label)] = 0.0
+
     def snapshot(self) -> dict[tuple[str, str], HistogramCounts]:
         """A copy of every histogram, taken under the lock."""
         with self._lock:
