@@ -169,3 +169,13 @@ gpu-wheels:
 	$(GPU_PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
 		--platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 -d .whl $(GPU_WHEELS)
+
+# promtool and prometheus for tests/test_deploy.py (the alert rules' unit tests and a real
+# scrape), from Debian's prometheus package; where apt cannot install it those tests skip
+# with a one-line reason. `make test` should run this first.
+.PHONY: prometheus-tools
+prometheus-tools:
+	@command -v promtool >/dev/null && command -v prometheus >/dev/null || \
+		{ (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends prometheus) >/dev/null 2>&1 || \
+		  echo "make prometheus-tools: could not install Debian's prometheus package; tests/test_deploy.py skips what needs it"; }
