@@ -8,12 +8,19 @@ at the first ids) to ids, splitting on whitespace: a prompt of ``n`` words is ``
 tokens, and decoding ids and encoding the text again gives the same ids.
 
 torch, transformers and tokenizers are imported only when a model is made.
+
+As a command, ``python -m kvtiers.testing.models DIR`` writes one (a 2-layer Llama of
+hidden size 128, :data:`TINY`, unless ``--layers``, ``--hidden`` ... say otherwise) that
+vLLM serves from ``DIR`` (``--model DIR``): a model to try kvtiers with, no download.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import dataclass
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +113,37 @@ def make_random_llama(out: Path, shape: LlamaShape, *, seed: int = 0) -> Path:
     model.save_pretrained(out, safe_serialization=True)
     _tokenizer_files(out, shape)
     return out
+
+
+#: The command's default shape: 2 layers, hidden size 128, 4 attention heads over 2 KV
+#: heads, a vocabulary of 1024 words (tests/e2e's model).
+TINY = LlamaShape(layers=2, hidden=128, intermediate=256, heads=4, kv_heads=2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvtiers.testing.models DIR``: write a random-weight Llama into DIR."""
+    parser = argparse.ArgumentParser(
+        prog="python -m kvtiers.testing.models",
+        description="Write a random-weight Llama (config.json, model.safetensors, a "
+                    "word-level tokenizer: the prompt 'w5 w6 w7' is three tokens) into DIR, "
+                    "for vLLM to serve with --model DIR: no model hub needed. Its outputs "
+                    "are not language; they are the same for the same seed and shape. "
+                    "Needs torch, transformers and tokenizers (a vLLM install has them).")
+    parser.add_argument("out", metavar="DIR", help="the model directory (created if missing)")
+    parser.add_argument("--seed", type=int, default=0, help="weights' seed (default 0)")
+    for shape_field in fields(LlamaShape):
+        default = getattr(TINY, shape_field.name)
+        parser.add_argument(f"--{shape_field.name.replace('_', '-')}", type=int,
+                            default=default, metavar="N", help=f"default {default}")
+    args = parser.parse_args(argv)
+    shape = LlamaShape(**{f.name: getattr(args, f.name) for f in fields(LlamaShape)})
+    if shape.hidden % shape.heads or shape.heads % shape.kv_heads:
+        parser.error("--hidden must be a multiple of --heads, and --heads of --kv-heads")
+    out = make_random_llama(Path(args.out), shape, seed=args.seed)
+    print(f"{out}: a random Llama, {shape.layers} layers, hidden {shape.hidden}, vocabulary "
+          f"{shape.vocab}, {shape.kv_bytes_per_token()} bytes of float32 KV per token")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
