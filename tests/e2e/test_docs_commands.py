@@ -66,9 +66,9 @@ def test_the_cpu_build_commands_run_as_written(tmp_path: Path) -> None:
     work.mkdir()
     log_path = tmp_path / "server.log"
     env = {**os.environ, **SERVER_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
-    with log_path.open("wb") as log:
+    with log_path.open("wb") as sink:
         process = subprocess.Popen(["bash", "-e", "-c", script], cwd=work, env=env,
-                                   stdout=log, stderr=subprocess.STDOUT,
+                                   stdout=sink, stderr=subprocess.STDOUT,
                                    start_new_session=True)
     try:
         deadline = time.monotonic() + READY_TIMEOUT_S
