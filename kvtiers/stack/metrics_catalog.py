@@ -51,7 +51,10 @@ def _g(name: str, help_text: str) -> MetricSpec:
     return MetricSpec(name, "gauge", help_text)
 
 
-_LOOKUPS = "Lookups answered, by result (hit: ready or being promoted; miss)."
+_LOOKUPS = ("Lookups answered, by result: hit, one per chunk found (ready or being "
+            "promoted); miss, one per prefix scan that stopped at a chunk not held. Hits "
+            "count chunks and misses scans, so hit / (hit + miss) is no hit ratio: use "
+            "vLLM's external prefix cache counters for that.")
 _PROMOTIONS = ("Chunks copied up from a lower tier into the primary, by outcome (done, "
                "failed, refused: no primary slot free, so the lookup missed; abandoned: "
                "still in flight when the request's wait bound ran out, so the lookup "
