@@ -56,9 +56,10 @@ def say(out: TextIO, line: str, *, hang: int | None = None) -> None:
 def say_parts(out: TextIO, parts: list[str], *, indent: int = 0,
               separator: str = ", ") -> None:
     """Print ``parts`` (fields such as ``engine vllm``) joined by ``separator`` (its
-    punctuation, then one space) at ``indent``, wrapped only between parts: a line breaks after a separator and a field
-    is never split across lines (one longer than :data:`WIDTH` stands alone). Characters
-    that are not printable are escaped (:func:`visible`)."""
+    punctuation, then one space) at ``indent``, wrapped only between parts: a line breaks
+    after a separator and a field is never split across lines (one longer than
+    :data:`WIDTH` stands alone). Characters that are not printable are escaped
+    (:func:`visible`)."""
     shown = [visible(part) for part in parts]
     lines: list[str] = []
     current = " " * indent
