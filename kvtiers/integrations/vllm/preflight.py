@@ -4,13 +4,16 @@ vLLM builds connectors only once the model is loaded and its KV cache sized, whi
 minutes for a real model. But it looks the connector class up earlier: ``VllmConfig``'s
 own checks ask whether ``KVTiersConnector`` supports the hybrid KV-cache manager, which
 imports this package (``kv_connector_module_path``). :func:`check_while_configuring` runs
-at that import: when a vLLM frame below it holds the ``kv_transfer_config`` being checked
-and that names a kvtiers stack (``kvtiers_config`` or ``kvtiers``), the stack file is read
-and :func:`~kvtiers.stack.preflight.preflight` runs on it, as the engine would build it
-(a cpu primary in ``/dev/shm``). A problem is one :class:`~kvtiers.errors.ConfigError`
-line, also logged, and the import fails, so vLLM stops before loading anything. An import
-outside a configuration check (the scheduler's, the workers', a test's) checks nothing:
-the build checks again anyway (:func:`~kvtiers.stack.preflight.check_before_build`).
+at that import: when vLLM's connector-class look-up below it holds the
+``kv_transfer_config`` and that names a kvtiers stack (``kvtiers_config`` or ``kvtiers``),
+the stack file is read and :func:`~kvtiers.stack.preflight.preflight` runs on it, as the
+engine would build it (a cpu primary in ``/dev/shm``). A problem is one
+:class:`~kvtiers.errors.ConfigError` line, also logged, and the import fails, so vLLM
+stops before loading anything. The engine core and worker processes import the package
+through the same look-up before they build their connectors (the checks run again there,
+before the stack's exporter listens); an import by any other path (vLLM loading the
+offloading spec, a test) checks nothing, and the build checks anyway
+(:func:`~kvtiers.stack.preflight.check_before_build`).
 """
 
 from __future__ import annotations
@@ -66,9 +69,18 @@ def as_engine_builds(stack: StackConfig) -> StackConfig:
     return dataclasses.replace(stack, tiers=(shared, *stack.tiers[1:]))
 
 
+#: The vLLM function whose import of this package is a connector-class look-up.
+LOOK_UP = "get_connector_class"
+
+
 def _extra_config_being_checked() -> Mapping[str, Any] | None:
-    """The ``kv_connector_extra_config`` of the ``kv_transfer_config`` a vLLM frame below
-    the caller holds, or ``None``. Frames outside the ``vllm`` package are never read."""
+    """The ``kv_connector_extra_config`` of the ``kv_transfer_config`` that vLLM's
+    connector-class look-up (:data:`LOOK_UP`) below the caller holds, or ``None``.
+
+    Only that look-up: vLLM also imports this package to load the offloading spec, in
+    processes where the stack already runs (the API server, for its metrics), and a check
+    there would find the stack's own exporter on its port. Frames outside the ``vllm``
+    package are never read."""
     try:
         from vllm.config import KVTransferConfig
     except ImportError:
@@ -77,7 +89,8 @@ def _extra_config_being_checked() -> Mapping[str, Any] | None:
     for _ in range(MAX_FRAMES):
         if frame is None:
             return None
-        if str(frame.f_globals.get("__name__", "")).startswith("vllm."):
+        if (frame.f_code.co_name == LOOK_UP
+                and str(frame.f_globals.get("__name__", "")).startswith("vllm.")):
             found = frame.f_locals.get("kv_transfer_config")
             if isinstance(found, KVTransferConfig):
                 extra = found.kv_connector_extra_config
