@@ -89,7 +89,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy kvtiers tests
 
 # KVTIERS_REQUIRE_SGLANG: the SGLang tests fail instead of skipping if SGLang is missing.
-pytest: $(STAMP)
+pytest: $(STAMP) prometheus-tools
 	KVTIERS_REQUIRE_SGLANG=1 $(PY) -m pytest -q
 
 # The class-level vLLM tests again on vLLM 0.34.0 (SGLang is not installed there).
