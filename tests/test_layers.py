@@ -25,6 +25,7 @@ FLOORS = (
     "policies",
     "config",
     "tiers",
+    "logs",
     "stack",
     "engine",
     "tools",

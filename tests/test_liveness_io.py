@@ -23,7 +23,7 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult
 from kvtiers.core.regular import NotRegularFileError, open_regular, read_regular
 from kvtiers.core.specs import CPULoadStoreSpec, FileLoadStoreSpec
-from kvtiers.errors import NamespaceMismatchError
+from kvtiers.errors import ConfigError, NamespaceMismatchError
 from kvtiers.filemapper import FileMapper, open_namespace
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from tests.test_file_support import CHUNK, CTX, IDENTITY, open_tier
@@ -236,5 +236,6 @@ def test_load_stack_over_a_fifo_manifest_fails_at_once(tmp_path: Path) -> None:
     load_stack(stack_file).shutdown()
     (manifest,) = tmp_path.glob("*/manifest.json")
     _replace_with(manifest, "fifo")
-    with pytest.raises(NamespaceMismatchError, match="a FIFO is where a regular file must be"):
+    # The start-time checks read it first (as the tier would: never blocking) and refuse.
+    with pytest.raises(ConfigError, match="a FIFO is where a regular file must be"):
         run_bounded(lambda: load_stack(stack_file), manifest)

@@ -188,7 +188,7 @@ def test_inspect_verify_diff_and_gc_work_on_the_backend_namespaces(tmp_path: Pat
     assert all(entry["chunks"] == 6 for entry in found.values())
 
     status, text = _cli("diff", str(root), *namespaces)
-    assert status == 0 and "groups" in text
+    assert status == 1 and "groups" in text  # diff: the identities differ
 
     assert _cli("verify", str(root))[0] == 0
     (chunk,) = root.glob(f"{namespaces[0]}/*/*/{keys[1]}_g1.kvc")

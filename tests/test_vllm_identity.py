@@ -703,7 +703,7 @@ def kvtiers_diff(capsys: pytest.CaptureFixture[str], root: Path, a: str, b: str)
     from kvtiers import cli
 
     capsys.readouterr()
-    assert cli.main(["diff", str(root), a, b]) == 0
+    assert cli.main(["diff", str(root), a, b]) == 1  # the identities differ
     lines = capsys.readouterr().out.splitlines()
     # The field lines follow "N field(s) differ"; the A/B lines above may wrap (indented).
     start = next(i for i, line in enumerate(lines) if line.endswith(("differs:", "differ:")))

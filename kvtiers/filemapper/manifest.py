@@ -116,7 +116,7 @@ def open_namespace(
             "its root (a link may lead outside it): remove the link"
         )
     try:
-        data = _read_manifest(path)
+        data = read_manifest(path)
     except FileNotFoundError:
         if not create:
             raise FileNotFoundError(
@@ -127,7 +127,7 @@ def open_namespace(
             _create(namespace_dir, identity, file_mode=file_mode, dir_mode=dir_mode)
             return namespace_dir
         except FileExistsError:
-            data = _read_manifest(path)
+            data = read_manifest(path)
     check_manifest(data, identity, where=str(path))
     return namespace_dir
 
@@ -174,7 +174,7 @@ def _create(namespace_dir: Path, identity: NamespaceIdentity, *, file_mode: int,
         ) from None
 
 
-def _read_manifest(path: Path) -> bytes:
+def read_manifest(path: Path) -> bytes:
     """The manifest's bytes (at most one over the limit). A missing manifest raises
     :class:`FileNotFoundError`; anything else that cannot be read, including something
     other than a regular file in its place, raises

@@ -158,16 +158,17 @@ def _manifest_findings(
     """An existing namespace for ``identity`` under ``root`` must match it, as opening
     it would require (read only; a missing one is what a first start creates)."""
     from kvtiers.filemapper import MANIFEST_NAME, NamespaceIdentity
-    from kvtiers.filemapper.manifest import check_manifest
+    from kvtiers.filemapper.manifest import check_manifest, read_manifest
 
     ident = NamespaceIdentity.from_config(identity)
     path = root / ident.namespace / MANIFEST_NAME
     try:
-        data = path.read_bytes()
+        # As the tier reads it: never blocking on a FIFO or a device in its place.
+        data = read_manifest(path)
     except FileNotFoundError:
         return
-    except OSError as exc:
-        yield Finding(f"{where}.root", f"{path} cannot be read: {exc.strerror or exc}")
+    except NamespaceMismatchError as exc:
+        yield Finding(f"{where}.root", str(exc))
         return
     try:
         check_manifest(data, ident, where=str(path))
