@@ -285,7 +285,9 @@ class CompactChunkIndexMachine(ChunkIndexMachine):
         victims: list[OffloadKey] = []
         if self.capacity is not None and self._usage() > self.capacity:
             victims = self._pick(self._usage() - self.capacity, set()) or self._evictable(set())
-        assert self.index.merge_oldest(packed, gone) == IndexChange(added, victims)
+        index = self.index
+        assert isinstance(index, CompactChunkIndex)
+        assert index.merge_oldest(packed, gone) == IndexChange(added, victims)
         kept = [key for key in added if key not in victims]
         if kept:
             self.events.append((kept, False))

@@ -40,9 +40,15 @@ class IndexBuild(Generic[_T]):
         #: Seconds from start to :attr:`done` (``None`` until then).
         self.elapsed_s: float | None = None
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._work = work
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def part_done(self) -> None:
+        """Count one part covered (any thread)."""
+        with self._lock:
+            self.parts_done += 1
 
     @property
     def stopping(self) -> bool:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -96,8 +95,6 @@ def walk_namespace(
             continue
         top.take(ScannedEntry(entry.name, entry), temp_cutoff)
 
-    lock = threading.Lock()
-
     def walk(i: int) -> _Part:
         part = _Part()
         if build.stopping:
@@ -107,8 +104,7 @@ def walk_namespace(
         path, prefix = parts[i]
         for item in scan_namespace(Path(path), prefix=prefix):
             part.take(item, temp_cutoff)
-        with lock:
-            build.parts_done += 1
+        build.part_done()
         return part
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtiers-file-walk") as pool:
