@@ -11,7 +11,8 @@ namespace answers one (docs/architecture.md, "Start-up").
 
 Invariants: ``work`` runs once, on the build's thread, and its result or its exception is
 kept (never raised on that thread); :attr:`done` is set after either; ``stop`` asks the
-work to end early (it checks :attr:`stopping` between parts) and joins the thread.
+work to end early (it checks :attr:`stopping` between parts) and waits for the thread a
+bounded time (a walk stuck in a filesystem call is left behind, a daemon thread).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from typing import Generic, TypeVar
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+
+#: How long :meth:`IndexBuild.stop` waits for the work's current part.
+STOP_TIMEOUT_S = 5.0
 
 
 class IndexBuild(Generic[_T]):
@@ -55,10 +59,13 @@ class IndexBuild(Generic[_T]):
         """Whether :meth:`stop` was called (the work ends at its next part)."""
         return self._stop.is_set()
 
-    def stop(self, timeout_s: float | None = None) -> None:
-        """Ask the work to end and wait for it (at most ``timeout_s``)."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Ask the work to end and wait for it, at most ``timeout_s``."""
         self._stop.set()
         self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("%s: still running %g s after it was asked to stop; left behind",
+                           self._thread.name, timeout_s)
 
     def _run(self) -> None:
         try:

@@ -470,6 +470,7 @@ class FileTierManager(OffloadingManager):
         self.index_source = "walk"
         self.index_build_s: float | None = None
         self._complete = False
+        self._cleared = False  # clear() while the index is built
         self._capacity_scope = capacity_scope
         opened = open_generation(self.namespace_dir)
         # Snapshots only where this tier is the namespace's one writer (not shared): other
@@ -555,6 +556,10 @@ class FileTierManager(OffloadingManager):
             )
             return
         walked, foreign = build.result
+        if self._cleared:
+            # Cleared while the walk ran: what it found goes, except what was stored since.
+            self._delete([key for key in walked.packed.keys if key not in index])
+            walked.packed = PackedChunks.pack([], [])
         # Chunks found at start are least recently used, by mtime; beyond capacity the
         # oldest go. What was stored, found or removed meanwhile stands.
         self._delete(index.merge_oldest(walked.packed, gone).victims)
@@ -954,11 +959,14 @@ class FileTierManager(OffloadingManager):
 
     def clear(self) -> int:
         """Delete every chunk file of this namespace that no job is writing or reading
-        (an operator's wipe, such as SGLang's ``clear``); returns how many. Not counted as
-        evictions."""
+        (an operator's wipe, such as SGLang's ``clear``); returns how many indexed ones.
+        Not counted as evictions. While the index is built, the chunks it finds are
+        deleted when it is done instead of indexed."""
         self._drain_forgotten()
         victims = self.index.clear_ready()
         self._delete(victims)
+        if not self._complete:
+            self._cleared = True
         return len(victims)
 
     def get_stats(self) -> Mapping[str, float]:
