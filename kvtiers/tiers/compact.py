@@ -9,14 +9,17 @@ A ``ChunkIndex`` entry costs about 360 bytes (the key's ``bytes`` object, an
 - the keys, each padded to the widest key seen, in one ``bytearray``, with their lengths;
 - each key's ``hash()`` (low 32 bits), its size, its state (free, ``WRITING``, ``READY``)
   and its place in the recency log;
-- an open-addressing table (linear probing, a power of two, at most three quarters full
-  counting removed cells) from hash to slot;
+- an open-addressing table (linear probing, a power of two, at most half full counting
+  removed cells: a miss probes about 2.5 cells) from hash to slot;
 - the recency log: slots in the order they were last made most recent. Moving a key to
   the most recent end appends its slot and records the new place; an older place is stale
   (the slot's recorded place differs) and is skipped by every walk. The log is compacted
   when stale places outnumber live ones, so it holds at most about twice the keys.
 
-Pins and keys waiting to be discarded are few and held in small dicts. Every operation
+Pins and keys waiting to be discarded are few and held in small dicts, and so are the
+slots of the keys looked up last, -1 for those absent (at most :data:`HOT_KEYS`; a key
+leaves it when its slot is freed or it is indexed): a lookup of a key the scheduler asked
+about lately costs one dict probe, as with ``ChunkIndex``. Every operation
 answers exactly as ``ChunkIndex`` does (tests/test_chunk_index.py runs one model against
 both), so eviction order, hit rate and events are the same.
 
@@ -45,6 +48,8 @@ _EMPTY, _REMOVED = -1, -2
 _HASH_MASK = 0xFFFFFFFF
 _MIN_TABLE = 16
 _STATES = {_WRITING: ChunkState.WRITING, _READY: ChunkState.READY}
+#: Keys whose slots the index remembers from lookups (dropped all at once beyond it).
+HOT_KEYS = 16384
 
 
 def _hash32(key: bytes) -> int:
@@ -52,9 +57,10 @@ def _hash32(key: bytes) -> int:
 
 
 def _table_size(count: int) -> int:
-    """The smallest power of two that holds ``count`` keys at most half full."""
+    """The smallest power of two that holds ``count`` keys at most a third full (it is
+    rebuilt at half full)."""
     size = _MIN_TABLE
-    while size < 2 * count:
+    while size < 3 * count:
         size *= 2
     return size
 
@@ -193,10 +199,14 @@ class CompactChunkIndex:
         self._filled = 0  # live cells and removed ones
         self._pins: dict[int, int] = {}
         self._doomed: set[OffloadKey] = set()
+        self._hot: dict[object, int] = {}
 
     # -- slots ----------------------------------------------------------------------
     def _find(self, key: object) -> int:
         """The slot of ``key``, or -1."""
+        slot = self._hot.get(key)
+        if slot is not None:
+            return slot
         if type(key) is not bytes:
             return -1
         h = hash(key) & _HASH_MASK
@@ -223,9 +233,11 @@ class CompactChunkIndex:
     def _insert(self, key: OffloadKey, size: int, state: int) -> int:
         """Index ``key`` (absent) as the most recent entry; its slot."""
         n = len(key)
+        if self._hot:
+            self._hot.pop(key, None)
         if n > self._width:
             self._widen(n)
-        if (self._filled + 1) * 4 > len(self._table) * 3:
+        if (self._filled + 1) * 2 > len(self._table):
             self._rehash(self._live + 1)
         width = self._width
         padded = key if n == width else key.ljust(width, b"\0")
@@ -264,6 +276,8 @@ class CompactChunkIndex:
         while table[cell] != slot:
             cell = (cell + 1) & mask
         table[cell] = _REMOVED
+        if self._hot:
+            self._hot.pop(self._key(slot), None)
         self._states[slot] = _FREE
         self._places[slot] = -1
         self._pins.pop(slot, None)
@@ -352,27 +366,21 @@ class CompactChunkIndex:
 
     def lookup(self, key: OffloadKey) -> LookupResult:
         """``HIT`` (counted), ``HIT_PENDING`` while being written, or ``MISS`` (counted).
-        The scheduler's hot path: :meth:`_find` inlined."""
-        h = hash(key) & _HASH_MASK
-        table = self._table
-        mask = self._mask
-        cell = h & mask
-        slot = table[cell]
-        while slot != _EMPTY:
-            if (
-                slot >= 0
-                and self._hashes[slot] == h
-                and self._key_bytes.startswith(key, slot * self._width)
-                and self._lengths[slot] == len(key)
-            ):
-                if self._states[slot] == _READY:
-                    self._counters["hits"] += 1
-                    return LookupResult.HIT
-                return LookupResult.HIT_PENDING
-            cell = (cell + 1) & mask
-            slot = table[cell]
-        self._counters["misses"] += 1
-        return LookupResult.MISS
+        The scheduler's hot path: the slot is remembered for the next lookup."""
+        hot = self._hot
+        slot = hot.get(key)
+        if slot is None:
+            slot = self._find(key)
+            if len(hot) >= HOT_KEYS:
+                hot.clear()
+            hot[key] = slot
+        if slot < 0:
+            self._counters["misses"] += 1
+            return LookupResult.MISS
+        if self._states[slot] == _READY:
+            self._counters["hits"] += 1
+            return LookupResult.HIT
+        return LookupResult.HIT_PENDING
 
     def count_miss(self) -> None:
         """Count a miss the owner answered without the index (a remembered probe miss)."""
