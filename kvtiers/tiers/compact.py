@@ -534,19 +534,28 @@ class CompactChunkIndex:
         self._table = packed.table
         self._mask = len(packed.table) - 1
         base_usage = int(np.frombuffer(packed.sizes, dtype=np.int64).sum()) if count else 0
-        dropped: set[OffloadKey] = set()
+        # Base slots are packed's positions: the ones released are left out of the
+        # announcement by slicing around them (C copies, not a loop over every key).
+        dropped: list[int] = []
         for key in [*(key for key, _ in current), *gone]:
             slot = self._find(key)
-            if slot >= 0 and key not in dropped:
+            if slot >= 0:
                 base_usage -= self._sizes[slot]
                 self._release(slot)
-                dropped.add(key)
+                dropped.append(slot)
         for key, slot in current:
             new = self._insert(key, old_sizes[slot], old_states[slot])
             if slot in old_pins:
                 self._pins[new] = old_pins[slot]
         self.usage += base_usage
-        added = packed.keys if not dropped else [k for k in packed.keys if k not in dropped]
+        added = packed.keys
+        if dropped:
+            added = []
+            start = 0
+            for slot in sorted(dropped):
+                added += packed.keys[start:slot]
+                start = slot + 1
+            added += packed.keys[start:]
         self.ready_count += len(added)
         return self._settle(added)
 
