@@ -131,6 +131,21 @@ class PackedChunks:
         )
         return cls(width, key_bytes, lengths, hashes, packed_sizes, table, list(keys))
 
+    @classmethod
+    def from_arrays(
+        cls, width: int, key_bytes: bytearray, lengths: array, sizes: array,
+        keys: list[OffloadKey],
+    ) -> PackedChunks:
+        """Pack chunks already laid out (a snapshot): ``keys`` as ``bytes`` too (their
+        hashes are taken from them)."""
+        hashes = array("I", [hash(key) & _HASH_MASK for key in keys])
+        count = len(keys)
+        table = build_table(
+            np.frombuffer(hashes, dtype=np.uint32) if count else np.zeros(0, np.uint32),
+            np.arange(count, dtype=np.int32), _table_size(count),
+        )
+        return cls(width, key_bytes, lengths, hashes, sizes, table, keys)
+
     def __len__(self) -> int:
         return len(self.keys)
 

@@ -528,7 +528,7 @@ class FileTierManager(OffloadingManager):
                 self.namespace_dir, self.mapper.identity.digest, self._generation
             )
             if found is not None:
-                walked = Walked(PackedChunks.pack(*found))
+                walked = Walked(found)
                 self.index_source = "snapshot"
         if walked is None:
             walked = walk_namespace(
@@ -682,7 +682,8 @@ class FileTierManager(OffloadingManager):
         self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain_forgotten(self) -> None:
-        self._poll_build()
+        if self._build is not None:
+            self._poll_build()
         reported = self._reports.drain()
         if reported:
             self._unwant(self.index.discard(reported))

@@ -12,11 +12,12 @@ Two files in the namespace directory (neither is a chunk; scans and tools pass t
   chunks least recently used first (keys, sizes), and an xxh3-128 checksum of all that.
 
 It also holds a *directory stamp*: a digest of the name and modification time of every
-directory below the namespace directory (the fan-out directories; not the namespace
+fan-out directory (one and two levels below the namespace directory; not the namespace
 directory itself, which the snapshot's own publish touches). Creating, removing or
 renaming an entry changes its directory's modification time, so a chunk added, removed or
-replaced (or a temp file left) behind the tier's back changes the stamp; computing it is
-one ``stat`` a directory (65,536 of them at most), not one a chunk.
+replaced (or a temp file left beside chunks) behind the tier's back changes the stamp;
+computing it lists 257 directories and takes one ``stat`` a directory (65,792 at most),
+not one a chunk.
 
 A snapshot is trusted only when its digest is the namespace's, its generation is the one
 the opening tier sees before its own byte (no tier has opened the namespace since the
@@ -36,6 +37,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+from array import array
 from pathlib import Path
 
 import xxhash
@@ -43,6 +45,7 @@ import xxhash
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
 from kvtiers.filemapper import QUARANTINE_DIR
+from kvtiers.tiers.compact import PackedChunks
 
 logger = logging.getLogger(__name__)
 
@@ -84,32 +87,38 @@ def current_generation(namespace_dir: Path) -> int | None:
 
 
 def directory_stamp(namespace_dir: Path) -> bytes:
-    """The digest of every directory's name and modification time below
-    ``namespace_dir`` (its quarantine and links left out), in name order."""
+    """The digest of the name and modification time of every directory one and two levels
+    below ``namespace_dir`` (the fan-out directories; the quarantine and links left out),
+    in name order. Only the namespace directory and the first level are listed: a chunk
+    lives in a second-level directory, whose own time changes with its entries."""
     stamp = xxhash.xxh3_128()
-    stack = [(str(namespace_dir), "")]
-    while stack:
-        path, relative = stack.pop()
-        try:
-            with os.scandir(path) as it:
-                dirs = sorted(
-                    (entry for entry in it if entry.is_dir(follow_symlinks=False)),
-                    key=lambda entry: entry.name, reverse=True,
-                )
-        except OSError:
-            stamp.update(f"{relative}?\n".encode())
-            continue
-        for entry in dirs:
-            name = f"{relative}{entry.name}"
-            if name == QUARANTINE_DIR:
-                continue
-            try:
-                mtime = entry.stat(follow_symlinks=False).st_mtime_ns
-            except OSError:
-                mtime = -1
-            stamp.update(f"{name}\0{mtime}\n".encode())
-            stack.append((entry.path, f"{name}/"))
+    for name, path in _subdirectories(str(namespace_dir), stamp, ""):
+        if name != QUARANTINE_DIR:
+            for _ in _subdirectories(path, stamp, f"{name}/"):
+                pass
     return stamp.digest()
+
+
+def _subdirectories(path: str, stamp: xxhash.xxh3_128, relative: str) -> list[tuple[str, str]]:
+    """The directories in ``path`` (name, path), each name and time fed to ``stamp``."""
+    try:
+        with os.scandir(path) as it:
+            dirs = sorted(
+                (entry for entry in it if entry.is_dir(follow_symlinks=False)),
+                key=lambda entry: entry.name,
+            )
+    except OSError:
+        stamp.update(f"{relative}?\n".encode())
+        return []
+    found = []
+    for entry in dirs:
+        try:
+            mtime = entry.stat(follow_symlinks=False).st_mtime_ns
+        except OSError:
+            mtime = -1
+        stamp.update(f"{relative}{entry.name}\0{mtime}\n".encode())
+        found.append((entry.name, entry.path))
+    return found
 
 
 def write_snapshot(
@@ -141,12 +150,9 @@ def write_snapshot(
     )
 
 
-def read_snapshot(
-    namespace_dir: Path, digest: bytes, generation: int
-) -> tuple[list[OffloadKey], list[int]] | None:
-    """The chunks of a trusted snapshot (keys and sizes, least recently used first), or
-    ``None`` — absent, or ignored for the reason logged (another namespace's, stale,
-    damaged)."""
+def read_snapshot(namespace_dir: Path, digest: bytes, generation: int) -> PackedChunks | None:
+    """The chunks of a trusted snapshot, least recently used first, packed; or ``None``
+    — absent, or ignored for the reason logged (another namespace's, stale, damaged)."""
     path = namespace_dir / SNAPSHOT_NAME
     try:
         data = path.read_bytes()
@@ -162,14 +168,20 @@ def read_snapshot(
         return None
     _, _, _, _, _, count, width = _HEADER.unpack_from(data)
     at = _HEADER.size
-    lengths = memoryview(data)[at:at + 2 * count].cast("H")
+    lengths = array("H")
+    lengths.frombytes(data[at:at + 2 * count])
     at += 2 * count
-    sizes = memoryview(data)[at:at + 8 * count].cast("q").tolist()
+    sizes = array("q")
+    sizes.frombytes(data[at:at + 8 * count])
     at += 8 * count
-    keys = [
-        OffloadKey(data[at + i * width:at + i * width + n]) for i, n in enumerate(lengths)
-    ]
-    return keys, sizes
+    key_bytes = bytearray(data[at:at + count * width])
+    if all(n == width for n in lengths):
+        keys = [OffloadKey(data[i:i + width]) for i in range(at, at + count * width, width)]
+    else:
+        keys = [
+            OffloadKey(data[at + i * width:at + i * width + n]) for i, n in enumerate(lengths)
+        ]
+    return PackedChunks.from_arrays(width, key_bytes, lengths, sizes, keys)
 
 
 def _check(data: bytes, digest: bytes, generation: int) -> str | None:
