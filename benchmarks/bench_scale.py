@@ -373,6 +373,8 @@ def render(report: dict[str, Any]) -> str:
         lines += ["", f"SeaweedFS: {s3['objects']:,} objects created in {s3['create_s']:.0f} s; "
                   f"the blocking start with one lister at a time took "
                   f"{s3['blocking_one_lister_s']:.2f} s."]
+    if "reused" in report:
+        lines += ["", report["reused"]]
     lines += ["", "![start-up against N](scale.png)", ""]
     return "\n".join(lines)
 
@@ -419,6 +421,9 @@ def main() -> int:
     parser.add_argument("--one-before", nargs=2, metavar=("ROOT", "N"))
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout from before the background index, measured too")
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="an earlier scale.json whose before and SeaweedFS rows are "
+                             "kept where this run does not measure them")
     args = parser.parse_args()
     if args.one_file:
         print(json.dumps(one_file(Path(args.one_file[0]), int(args.one_file[1]))))
@@ -431,8 +436,13 @@ def main() -> int:
         return 0
     data = args.data or Path(tempfile.mkdtemp(prefix="kvtiers-scale-"))
     report: dict[str, Any] = {"file": [], "index": []}
+    earlier = json.loads(args.reuse.read_text()) if args.reuse else None
     for n in (int(s) for s in args.sizes.split(",") if s):
         row = bench_file(data, n, args.baseline)
+        if earlier is not None and "before" not in row:
+            old = [r["before"] for r in earlier["file"] if r["n"] == n and "before" in r]
+            if old:
+                row["before"] = old[0]
         print(json.dumps(row), flush=True)
         report["file"].append(row)
     for n in (int(s) for s in args.index_sizes.split(",") if s):
@@ -443,6 +453,12 @@ def main() -> int:
     if args.s3_objects:
         report["s3"] = bench_s3(args.s3_objects)
         print(json.dumps(report["s3"]), flush=True)
+    elif earlier is not None and "s3" in earlier:
+        report["s3"] = earlier["s3"]
+    if earlier is not None:
+        report["reused"] = (f"The before rows and the SeaweedFS row are from the run of "
+                            f"{earlier['machine'].split(';')[0]} (same code for the tiers' "
+                            "listings; this run re-measured the rest).")
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     report["machine"] = (
         f"{now}; CPU {cpu_model()}, {cores()} cores; Python {platform.python_version()}; "

@@ -249,7 +249,8 @@ class ObjectTierManager(OffloadingManager):
         self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain(self) -> None:
-        self._poll_build()
+        if self._build is not None:
+            self._poll_build()
         while not self._deleted.empty():
             self._deleting.discard(self._deleted.get())
         reported = self._reports.drain()
