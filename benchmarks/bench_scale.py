@@ -459,7 +459,7 @@ def main() -> int:
         report["reused"] = (f"The before rows and the SeaweedFS row are from the run of "
                             f"{earlier['machine'].split(';')[0]} (same code for the tiers' "
                             "listings; this run re-measured the rest).")
-    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     report["machine"] = (
         f"{now}; CPU {cpu_model()}, {cores()} cores; Python {platform.python_version()}; "
         f"load average at the end {load_average()}"
