@@ -572,11 +572,13 @@ class CompactChunkIndex:
                 start = slot + 1
             added += packed.keys[start:]
         self.ready_count += len(added)
-        return self._settle(added)
+        # The announcement takes the list as it is: no pass over every found key here.
+        return self._settle(added, owned=True)
 
-    def _settle(self, added: list[OffloadKey]) -> IndexChange:
+    def _settle(self, added: list[OffloadKey], *, owned: bool = False) -> IndexChange:
         """Evict back within the capacity after ``added`` came in; announce (see
-        :meth:`~kvtiers.tiers.index.ChunkIndex.add_ready`)."""
+        :meth:`~kvtiers.tiers.index.ChunkIndex.add_ready`). ``owned``: nothing else
+        changes ``added``, so the announcement may hold it uncopied."""
         picked: list[tuple[OffloadKey, int]] = []
         capacity = self.capacity
         if capacity is not None and self.usage > capacity:
@@ -590,7 +592,7 @@ class CompactChunkIndex:
         gone = set(victims)
         kept = [key for key in added if key not in gone] if gone else added
         if kept:
-            self._record(kept, removed=False)
+            self._record(kept, removed=False, copy=kept is added and not owned)
         fresh = set(added) if gone else ()
         announced = [key for key in victims if key not in fresh]
         if announced:
@@ -724,7 +726,7 @@ class CompactChunkIndex:
                 self.removed.add(key)
         self._release(slot)
 
-    def _record(self, keys: list[OffloadKey], *, removed: bool) -> None:
-        self._events.append(
-            OffloadingEvent(list(keys), self.medium, removed=removed, locality=self.locality)
-        )
+    def _record(self, keys: list[OffloadKey], *, removed: bool, copy: bool = True) -> None:
+        self._events.append(OffloadingEvent(
+            list(keys) if copy else keys, self.medium, removed=removed, locality=self.locality
+        ))
