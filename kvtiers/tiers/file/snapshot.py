@@ -45,12 +45,11 @@ import xxhash
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
 from kvtiers.filemapper import QUARANTINE_DIR
+from kvtiers.filemapper.mapper import GENERATION_NAME, SNAPSHOT_NAME
 from kvtiers.tiers.compact import PackedChunks
 
 logger = logging.getLogger(__name__)
 
-SNAPSHOT_NAME = "index.snapshot"
-GENERATION_NAME = "index.generation"
 _MAGIC = b"KVTIDX01"
 # magic, digest length, digest (up to 64 bytes), directory stamp, generation, chunk
 # count, key width.
