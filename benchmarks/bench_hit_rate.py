@@ -45,7 +45,9 @@ batches of 16: the same ARC with that one choice undone, and kvtiers' ARC as it 
 them all, so the rows show on which traces each choice wins. Run from the repository root:
 ``.venv/bin/python benchmarks/bench_hit_rate.py [--quick] [--no-write] [--seeds N]``;
 ``lru`` and ``arc`` are checked again on the traces drawn with ``N`` other seeds (default
-5). Writes ``benchmarks/results/hit_rate.md`` and ``hit_rate.json``.
+5). Writes ``benchmarks/results/hit_rate.md`` and ``hit_rate.json``; a report written over
+one from another vLLM release keeps that release's summary in one line, and says whether
+every count came out the same.
 """
 
 from __future__ import annotations
@@ -634,10 +636,11 @@ def interpreter() -> str:
     return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
 
 
-def previous_note(path: Path, vllm_version: str) -> str | None:
-    """What to say of the report at ``path`` that a new one replaces: route 1 against vLLM
-    in one line when it measured another vLLM release (or none named: 0.33.0 wrote no
-    version), else the line it carried itself."""
+def previous_note(path: Path, vllm_version: str, payload: dict[str, Any]) -> str | None:
+    """What to say of the report at ``path`` that a new one (``payload``, as written to
+    JSON) replaces: route 1 against vLLM in one line when it measured another vLLM release
+    (or none named: 0.33.0 wrote no version), and whether every count is the same; else
+    the line it carried itself."""
     try:
         old = json.loads(path.read_text())
         machine = old["machine"]
@@ -647,6 +650,8 @@ def previous_note(path: Path, vllm_version: str) -> str | None:
             return str(carried) if carried else None
         points = [p for p in old["points"] if p["policy"] in VLLM_POLICIES]
         seeds = [p for ps in old.get("other_seeds", {}).values() for p in ps]
+        same = (old["points"] == payload["points"]
+                and old.get("other_seeds") == payload["other_seeds"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -657,8 +662,9 @@ def previous_note(path: Path, vllm_version: str) -> str | None:
 
     return (
         f"vLLM {old_version}, {machine.get('date', '?')}: route 1 at or above vLLM at "
-        f"{at_or_above(points)} points, at {at_or_above(seeds)} on the other seeds (git "
-        "history holds its tables)."
+        f"{at_or_above(points)} points, at {at_or_above(seeds)} on the other seeds; "
+        + ("every count of every side the same as here." if same
+           else "git history holds its tables.")
     )
 
 
@@ -684,7 +690,20 @@ def main() -> None:
     )
     note = machine_note(command)
     name = "hit_rate-quick" if args.quick else "hit_rate"
-    previous = previous_note(RESULTS / f"{name}.json", note["vllm"])
+    payload = {
+        "machine": note,
+        "tokens_per_chunk": TOKENS_PER_CHUNK,
+        "store_batch": STORE_BATCH,
+        "stores": STORES,
+        "points": [p.__dict__ for p in points],
+        "other_seeds": {
+            str(seed): [p.__dict__ for p in seed_points]
+            for seed, seed_points in other_seeds.items()
+        },
+    }
+    # Compared as they read back from JSON (tuples become lists, keys strings).
+    previous = previous_note(RESULTS / f"{name}.json", note["vllm"],
+                             json.loads(json.dumps(payload)))
     if previous:
         note["previous"] = previous
     report = render(points, trace_sizes(scale, traces), note, other_seeds)
@@ -693,17 +712,6 @@ def main() -> None:
     if not args.no_write:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / f"{name}.md").write_text(report)
-        payload = {
-            "machine": note,
-            "tokens_per_chunk": TOKENS_PER_CHUNK,
-            "store_batch": STORE_BATCH,
-            "stores": STORES,
-            "points": [p.__dict__ for p in points],
-            "other_seeds": {
-                str(seed): [p.__dict__ for p in seed_points]
-                for seed, seed_points in other_seeds.items()
-            },
-        }
         (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
 
 

@@ -569,6 +569,13 @@ def summary(results: dict[str, Any]) -> list[str]:
         "side allocates when the threshold trips (an engine process that does not freeze "
         "its heap with `gc.freeze` sees them too). Without them, vLLM's LRU still "
         "has its lazy-heap rebuild inside one store.",
+        "- vLLM 0.34 changed its CPU manager and policies where these calls do not reach: "
+        "`touch` is gone (its connector never called it), a key counts once per request "
+        "towards `store_threshold` (off by default, as here), stored events carry the "
+        "request's context (events are off, vLLM's default), and a finished job's keys come "
+        "as a tuple in prefix order (0.33: a set). Its lookup, load, store and finish paths "
+        "do 0.33's work: the same calls on both releases on one machine differ within the "
+        "spread of repeated runs.",
         "- The machine is shared with other work (2 cores): per-key costs are CPU time of "
         "the benchmark's thread, so preemption counts for no side, but caches are shared "
         "with other processes; ratios of repeated runs differ by up to about 0.15. Worst "
@@ -621,9 +628,10 @@ def previous_note(path: Path, vllm_version: str) -> str | None:
         return None
     above = sum(ratio > 0.8 for ratio in ratios)
     return (
-        f"vLLM {old_version}, {old['machine'].get('date', '?')}, `{old.get('args', '?')}` "
-        f"(load {old['machine'].get('load_start', '?')} to {old['machine'].get('load_end', '?')}"
-        f"): route 1 at {min(ratios):.2f}-{max(ratios):.2f}x of vLLM, {len(ratios) - above} of "
+        f"vLLM {old_version}, {old['machine'].get('cpu', '?')}, "
+        f"{old['machine'].get('date', '?')}, `{old.get('args', '?')}` (load "
+        f"{old['machine'].get('load_start', '?')} to {old['machine'].get('load_end', '?')}): "
+        f"route 1 at {min(ratios):.2f}-{max(ratios):.2f}x of vLLM, {len(ratios) - above} of "
         f"{len(ratios)} rows at or below 0.8x (git history holds its tables)."
     )
 

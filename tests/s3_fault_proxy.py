@@ -4,8 +4,10 @@ Unlike a botocore hook, it damages what goes over the wire, so the client's whol
 stack sees the fault: a 503 SlowDown, a connection reset before any answer, a GET body cut
 half-way, a 200 cut inside its headers, or one bit flipped in a body. Each knob arms the
 next ``n`` requests of an HTTP method (optionally only those whose path contains a
-string); requests pass through untouched otherwise. One thread per client connection,
-keep-alive kept; every thread is a daemon and :meth:`FaultProxy.close` stops listening.
+string); requests pass through untouched otherwise. ``delay_s`` holds every answer that
+long before it is sent (a slow server; each connection waits on its own, so concurrent
+requests overlap as they would). One thread per client connection, keep-alive kept; every
+thread is a daemon and :meth:`FaultProxy.close` stops listening.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import http.client
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 
 _SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown</Code>"
@@ -37,6 +40,8 @@ class FaultProxy:
         self._armed: list[_Armed] = []
         self.injected = 0
         self.requests: list[str] = []
+        #: Seconds every answer is held before it is sent (0: none); set at any time.
+        self.delay_s = 0.0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self.endpoint_url = f"http://127.0.0.1:{self.port}"
@@ -118,6 +123,9 @@ class FaultProxy:
             headers = [(k, v) for k, v in headers if k.lower() != "expect"]
         body = reader.read(length) if length else b""  # type: ignore[attr-defined]
         fault = self._take(method, path)
+        delay = self.delay_s
+        if delay > 0:
+            time.sleep(delay)  # the slow server this proxy stands for
         if fault == "reset":
             client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return False

@@ -152,6 +152,67 @@ def test_render_has_every_phase_and_says_which_targets_are_met() -> None:
         assert phase in text
 
 
+def test_noreuse_trace_gives_every_prompt_blocks_of_its_own(tmp_path: Path) -> None:
+    plan = bench.FULL
+    path = tmp_path / "noreuse.jsonl"
+    bench.noreuse_trace(path, plan)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == plan.noreuse_requests
+    assert [line["timestamp"] for line in lines] == [
+        i * plan.noreuse_gap_s for i in range(plan.noreuse_requests)]
+    ids = [i for line in lines for i in line["hash_ids"]]
+    assert len(ids) == len(set(ids)) == plan.noreuse_requests * plan.noreuse_tokens // 64
+    bench.multiturn_trace(tmp_path / "multiturn.jsonl", plan)
+    multiturn = {i for line in (tmp_path / "multiturn.jsonl").read_text().splitlines()
+                 for i in json.loads(line)["hash_ids"]}
+    assert not multiturn & set(ids)
+
+
+def _noreuse() -> dict[str, Any]:
+    groups = {"noreuse-ladder": {"first": [True, True], "lengths": [512, 2048]},
+              "noreuse-trace": {"first": [True] * 2, "lengths": [1024, 1024]}}
+
+    def record(side: str, r: int, ttft: float, tpot: float, rate: float) -> dict[str, Any]:
+        group = {"ttft": [ttft / 1000] * 2, "tpot": [tpot / 1000] * 2,
+                 "texts": ["a", "b"], "request_throughput": rate}
+        return {"side": side, "phase": "noreuse", "round": r, "wall_s": 1.0,
+                "groups": {name: group for name in groups},
+                "counters": {}, "cpu_s": {"Worker": 10.0 if side == "kvtiers" else 8.0}}
+
+    return {"groups": groups, "plan": {**bench.QUICK.__dict__}, "command": "c",
+            "machine": {"date": "now", "load": "8.0, 8.0, 8.0", "load_end": "9.0, 9.0, 9.0"},
+            "runtime_s": 600,
+            "records": [record("baseline", 0, 1000, 100, 1.0),
+                        record("kvtiers", 0, 1020, 110, 0.9),
+                        record("baseline", 1, 2000, 200, 0.5),
+                        record("kvtiers", 1, 2200, 200, 0.5)]}
+
+
+def test_noreuse_ratios_pair_the_sides_within_each_round() -> None:
+    summary = bench.summarize_noreuse(_noreuse())
+    ratios = {(row["group"], row["metric"]): row for row in summary["ratios"]}
+    ttft = ratios[("noreuse-ladder", "TTFT")]
+    assert ttft["ratio"] == pytest.approx((1.06, 1.02, 1.10))
+    assert ttft["met"] is False
+    tpot = ratios[("noreuse-trace", "TPOT")]
+    assert tpot["ratio"] == pytest.approx((1.05, 1.0, 1.1)) and tpot["met"] is True
+    rate = ratios[("noreuse-trace", "req/s")]
+    assert rate["ratio"] == pytest.approx((0.95, 0.9, 1.0)) and rate["met"] is True
+    assert summary["cpu"]["kvtiers"]["Worker"] == (10.0, 10.0, 10.0)
+
+
+def test_render_has_the_noreuse_section_with_its_load() -> None:
+    results = {**_results(), "plan": {**bench.QUICK.__dict__},
+               "machine": {"cpu": "cpu", "cores": "2", "python": "3", "vllm": "0.32.0",
+                           "torch": "2", "load": "1", "date": "now"},
+               "model": "m", "command": "c", "runtime_s": 60, "noreuse": _noreuse()}
+    text = bench.render(results, bench.summarize(results))
+    assert "## No reuse" in text
+    assert "load average 8.0, 8.0, 8.0 at the start, 9.0, 9.0, 9.0 at the end" in text
+    assert "| noreuse-ladder | TTFT | 1.06 (1.02-1.10)x | <= 1.05x | **missed** |" in text
+    assert "| noreuse-trace | req/s | 0.95 (0.90-1.00)x | >= 0.95x | met |" in text
+
+
 @pytest.fixture
 def metrics_url() -> Iterator[str]:
     body = (b"# HELP x_total a counter\n# TYPE x_total counter\n"

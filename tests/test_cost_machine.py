@@ -1,6 +1,8 @@
 """The composite's state machine (faults, held copies, resets, late writes) with a cost
-model deciding promotions: a deferred first pass and declined chunks keep every invariant
-of tests/test_composite_machine.py, and every key still resolves to HIT or MISS."""
+model deciding promotions: a deferred first pass, declined chunks and promotions abandoned
+in flight (time passes on the composite's clock while copies are held) keep every
+invariant of tests/test_composite_machine.py, every key still resolves to HIT or MISS,
+and every slot an abandoned promotion held is free once the copies end."""
 
 from __future__ import annotations
 
@@ -37,6 +39,30 @@ class CostMachine(CompositeMachine):
             shapes=[ChunkShape(TOKENS, CHUNK)],
             tiers={"mem": TransferEstimate(0.001, 1e9)},
         )
+        self.now = 0.0
+        self.manager.clock = lambda: self.now
+
+    @rule(seconds=st.sampled_from((0.0005, 0.002, 1.0)))
+    def time_passes(self, seconds: float) -> None:
+        """Time passes: waits for promotions still in flight may run out."""
+        self.now += seconds
+
+    @rule(n=st.integers(1, len(KEYS)), r=st.integers(0, 1))
+    def give_up_a_slow_prefix(self, n: int, r: int) -> None:
+        """A request's prefix is promoted while copies are held (a slow tier), then it
+        waits past its bound and looks the prefix up again: what is still arriving is
+        abandoned."""
+        self.mover.gate.clear()
+        for _ in range(2):  # the plan's first step, then its promotions
+            self.lookup_prefix(n, r)
+            self.step()
+        self.now += 1.0
+        self.lookup_prefix(n, r)
+
+    @rule()
+    def settle(self) -> None:
+        super().settle()
+        assert self.primary.get_stats()["held_slots"] == 0, "an abandoned slot stayed held"
 
     @rule(n=st.integers(1, len(KEYS)), r=st.integers(0, 1))
     def lookup_prefix(self, n: int, r: int) -> None:

@@ -14,7 +14,10 @@ import pytest
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import ReqContext
 from kvtiers.policies import ARCPolicy, LRUPolicy, S3FIFOPolicy
-from kvtiers.policies.slots import KeyOrder, SlotARC, SlotLRU, SlotOrder, SlotS3FIFO, slot_order
+from kvtiers.policies.arc import SlotARC
+from kvtiers.policies.lru import SlotLRU
+from kvtiers.policies.s3fifo import SlotS3FIFO
+from kvtiers.policies.slots import KeyOrder, SlotOrder, slot_order
 from kvtiers.tiers.cpu import CpuTierManager
 
 BUILTINS = [LRUPolicy, ARCPolicy, S3FIFOPolicy]
@@ -72,6 +75,14 @@ def test_builtins_get_their_twins_and_every_other_policy_the_key_path() -> None:
         )
         custom = slot_order(KEY_PATH[policy_class](4), 4, slots.keys, slots.slot_of.get)
         assert isinstance(custom, KeyOrder)
+        # Given the class, as a tier built from YAML is: the same twin, and no key-based
+        # policy built to be thrown away; a subclass gets an instance of its own.
+        assert type(slot_order(policy_class, 4, slots.keys, slots.slot_of.get)) is twin
+        assert policy_class.slot_twin is twin
+        by_class = slot_order(KEY_PATH[policy_class], 4, slots.keys, slots.slot_of.get)
+        assert isinstance(by_class, KeyOrder)
+        assert type(by_class.policy) is KEY_PATH[policy_class]
+        assert by_class.policy.capacity == 4
 
 
 @pytest.mark.parametrize("policy_class", BUILTINS, ids=lambda cls: cls.__name__)

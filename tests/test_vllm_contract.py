@@ -32,6 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import ReqContext
+from kvtiers.integrations.vllm import KVTiersDirectManager, compat
 from kvtiers.integrations.vllm.compat import HAS_METADATA_ONLY
 from kvtiers.policies import load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
@@ -351,3 +352,20 @@ def test_route2_shutdown_lets_go_of_vllms_memory(tmp_path: Path, buffer: bytearr
         buffer.extend(b"x")  # still exported: the tier views it
     tier.shutdown()
     buffer.extend(b"x")  # no view of it is left
+
+
+def test_a_one_tier_cpu_stack_gets_the_direct_manager_whose_stores_name_their_request() -> None:
+    """``get_manager`` picks the direct manager for a one-tier cpu stack; with events
+    published, its stored events carry the storing request's context where vLLM (0.34)
+    reads a self-describing payload from it."""
+    manager = route1(4, "lru")
+    assert isinstance(manager, KVTiersDirectManager)
+    keys = prefix(7, 2)
+    ctx = request(manager, "r", keys)
+    assert manager.prepare_store(keys, ctx) is not None
+    manager.complete_store(set(keys), ctx)
+    stored = [e for e in manager.take_events() if not e.removed]
+    assert sorted(k for e in stored for k in e.keys) == sorted(keys)
+    if compat.EVENT_CARRIES_REQ_CONTEXT:
+        assert all(e.req_context is ctx for e in stored)
+    manager.shutdown()

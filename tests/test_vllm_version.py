@@ -9,6 +9,7 @@ installed release passes; an out-of-range ``vllm.__version__`` makes loading
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
 
 import pytest
@@ -17,6 +18,12 @@ import vllm
 import kvtiers.integrations
 from kvtiers.errors import UnsupportedVersionError
 from kvtiers.integrations.vllm.version import SUPPORTED_SPECIFIER, check_vllm_version, release
+
+
+@pytest.fixture(autouse=True)
+def checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gate as users meet it (``make vllm-compat`` runs these tests unchecked)."""
+    monkeypatch.delenv("KVTIERS_VLLM_UNCHECKED", raising=False)
 
 
 def test_the_installed_vllm_is_supported() -> None:
@@ -40,6 +47,20 @@ def test_other_versions_get_one_line_naming_version_and_range(version: str) -> N
     assert SUPPORTED_SPECIFIER in message
     assert "docs/vllm.md" in message
     assert "make vllm-compat VLLM=" in message
+
+
+def test_an_unchecked_environment_loads_an_unsupported_release_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What ``make vllm-compat`` sets, so the class-level tests run on a newer release."""
+    monkeypatch.setenv("KVTIERS_VLLM_UNCHECKED", "1")
+    with caplog.at_level(logging.WARNING, logger="kvtiers.integrations.vllm.version"):
+        assert check_vllm_version("0.35.0") == "0.35.0"
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0]
+    assert "vLLM 0.35.0" in caplog.text and "never serving" in caplog.text
+    monkeypatch.setenv("KVTIERS_VLLM_UNCHECKED", "yes")  # only "1" unlocks it
+    with pytest.raises(UnsupportedVersionError):
+        check_vllm_version("0.35.0")
 
 
 def test_release_reads_the_leading_numbers() -> None:

@@ -148,7 +148,8 @@ class LowerTierConfig(TierConfig):
     load_latency_s: Annotated[float, Range(0)] | None = None
     """Expected fixed cost of one promotion job from this lower tier, seconds: seeds the
     cost model (``promotion:``) until the tier's own jobs are measured. Unset with
-    ``load_bytes_per_s`` unset too: promotions from it are not held back until measured."""
+    ``load_bytes_per_s`` unset too: promotions from it are not held back until its first
+    job runs (a request still waits at most its wait bound)."""
     load_bytes_per_s: Size | None = None
     """Expected promotion bandwidth of this lower tier, a size per second (``50MB``):
     seeds the cost model with ``load_latency_s``."""
@@ -253,7 +254,7 @@ class FileTierConfig(LowerTierConfig):
     """I/O path: posix (pread/pwrite), kvikio (GPUDirect Storage), or auto (kvikio only
     when a CUDA driver loads and a probe succeeds)."""
     threads: Threads = 8
-    """I/O threads of the tier's mover."""
+    """I/O threads of the tier's mover, for loads and for stores each."""
     gds: bool = False
     """Make this tier the primary, read and written by the GPU directly through kvikio
     (first tier only, no lower tiers)."""
@@ -514,7 +515,7 @@ class S3TierConfig(LowerTierConfig):
     """An S3-compatible endpoint (MinIO, SeaweedFS, Ceph): ``http(s)://host:port``; unset:
     AWS; ``embedded``: a local moto server in this process (demos and tests)."""
     threads: Threads = 16
-    """Concurrent requests of the tier's mover."""
+    """Concurrent requests of the tier's mover, for loads and for stores each."""
     capacity: Capacity | None = None
     """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
     unbounded (use a bucket lifecycle rule instead)."""
@@ -604,7 +605,7 @@ class FsspecTierConfig(LowerTierConfig):
     ``memory://kv``) naming a directory below its filesystem's root (not ``memory://`` or
     ``file:///`` itself); the protocol's fsspec package must be installed."""
     threads: Threads = 16
-    """Concurrent requests of the tier's mover."""
+    """Concurrent requests of the tier's mover, for loads and for stores each."""
     capacity: Capacity | None = None
     """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
     unbounded."""

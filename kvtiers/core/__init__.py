@@ -1,6 +1,6 @@
 """Core contracts of kvtiers: keys, specs, the manager / worker / mover contracts,
 configuration values, chunk geometry. This package imports nothing else of kvtiers
-except the leaf module :mod:`kvtiers.errors`."""
+except the leaf modules :mod:`kvtiers.errors` and :mod:`kvtiers.optional`."""
 
 from kvtiers.core.config import (
     OffloadingCacheConfig,

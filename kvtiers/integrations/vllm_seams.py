@@ -269,6 +269,10 @@ def _describe_class(cls: type, wanted: tuple[str, ...] | None) -> dict[str, str]
     tuple_fields: Sequence[str] = getattr(cls, "_fields", ()) if issubclass(cls, tuple) else ()
     tuple_defaults: Mapping[str, Any] = getattr(cls, "_field_defaults", {})
     abstract: frozenset[str] = getattr(cls, "__abstractmethods__", frozenset())
+
+    def mark(name: str) -> str:
+        return "abstract " if name in abstract else ""
+
     for klass in _vllm_classes(cls):
         notes = inspect.get_annotations(klass)
         for name, raw in klass.__dict__.items():
@@ -280,14 +284,14 @@ def _describe_class(cls: type, wanted: tuple[str, ...] | None) -> dict[str, str]
                     text += f" = {_value(tuple_defaults[name])}"
                 members[name] = text
             elif isinstance(raw, (staticmethod, classmethod)):
-                members[name] = f"{type(raw).__name__} {signature(raw.__func__)}"
+                members[name] = (f"{mark(name)}{type(raw).__name__} "
+                                 f"{signature(raw.__func__)}")
             elif isinstance(raw, property):
-                members[name] = "property" + (
+                members[name] = f"{mark(name)}property" + (
                     signature(raw.fget).partition(")")[2] if raw.fget else ""
                 )
             elif inspect.isfunction(raw) and not _generated(raw):
-                prefix = "abstract def" if name in abstract else "def"
-                members[name] = f"{prefix} {signature(raw)}"
+                members[name] = f"{mark(name)}def {signature(raw)}"
             elif not callable(raw):
                 note = notes.get(name)
                 members[name] = "attribute" + (

@@ -22,14 +22,212 @@ paper's in ``benchmarks/results/hit_rate.md``):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 from kvtiers.policies.base import EvictionPolicy
+from kvtiers.policies.slots import FIRST, SECOND, UNTRACKED, SlotLists
+
+
+class SlotARC(SlotLists):
+    """:class:`~kvtiers.policies.arc.ARCPolicy` over slots: ``T1`` and ``T2`` are lists of
+    slots; the ghost lists ``B1``/``B2`` keep keys (their slots hold other chunks now)."""
+
+    shields_request_head = True
+    _lists = 2
+
+    def __init__(
+        self,
+        num_slots: int,
+        keys: Sequence[Any],
+        slot_of: Callable[[Any], int | None],
+    ) -> None:
+        super().__init__(num_slots, keys, slot_of)
+        self._h1, self._h2 = self._heads
+        self._len1 = 0
+        self._len2 = 0
+        self._b1: OrderedDict[Any, None] = OrderedDict()
+        self._b2: OrderedDict[Any, None] = OrderedDict()
+        self._p = 0
+        # Whether p has grown / shrunk in this eviction round.
+        self._grown = False
+        self._shrunk = False
+
+    def __len__(self) -> int:
+        return self._len1 + self._len2
+
+    def insert(self, slot: int) -> None:
+        b1 = self._b1
+        b2 = self._b2
+        if b1 or b2:
+            key = self._keys[slot]
+            if key in b1:
+                if not self._grown:
+                    self._grown = True
+                    self._p = min(self.capacity, self._p + max(len(b2) // len(b1), 1))
+                del b1[key]
+            elif key in b2:
+                if not self._shrunk:
+                    self._shrunk = True
+                    self._p = max(0, self._p - max(len(b1) // len(b2), 1))
+                del b2[key]
+        # _append, inlined: once per stored chunk.
+        prev = self._prev
+        nxt = self._next
+        head = self._h1
+        last = prev[head]
+        nxt[last] = slot
+        prev[slot] = last
+        nxt[slot] = head
+        prev[head] = slot
+        self._where[slot] = FIRST
+        self._len1 += 1
+        if b1 or b2:
+            self._trim_ghosts()
+
+    def touch(self, slot: int) -> None:
+        where = self._where[slot]
+        if not where:
+            return
+        if where == FIRST:
+            self._where[slot] = SECOND
+            self._len1 -= 1
+            self._len2 += 1
+        self._move(slot, self._h2)
+
+    def refresh(self, slot: int) -> None:
+        where = self._where[slot]
+        if where:
+            self._move(slot, self._h1 if where == FIRST else self._h2)
+
+    def _move(self, slot: int, head: int) -> None:
+        """Unlink ``slot`` and link it as the newest of ``head``'s list (inlined: once per
+        loaded chunk)."""
+        prev = self._prev
+        nxt = self._next
+        before = prev[slot]
+        after = nxt[slot]
+        nxt[before] = after
+        prev[after] = before
+        last = prev[head]
+        nxt[last] = slot
+        prev[slot] = last
+        nxt[slot] = head
+        prev[head] = slot
+
+    def remove(self, slot: int) -> None:
+        where = self._where[slot]
+        if where:
+            self._unlink(slot)
+            self._where[slot] = UNTRACKED
+            if where == FIRST:
+                self._len1 -= 1
+            else:
+                self._len2 -= 1
+
+    def evict(
+        self, n: int, protected: Collection[Any] = (), shielded: Collection[Any] = ()
+    ) -> list[int] | None:
+        self._grown = self._shrunk = False
+        if not shielded:
+            return super().evict(n, protected)
+        if n <= 0:
+            return []
+        picks = self._pick(n, protected, shielded)
+        return self._take(picks) if len(picks) == n else None
+
+    def evictable(self, protected: Collection[Any] = (), shielded: Collection[Any] = ()) -> int:
+        if not shielded:
+            return super().evictable(protected)
+        return len(self._pick(len(self), protected, shielded))
+
+    def _evict(self, n: int, protected: Collection[Any]) -> list[int]:
+        return self._take(self._pick(n, protected, ()))
+
+    def _pick(self, n: int, protected: Collection[Any], shielded: Collection[Any]) -> list[int]:
+        """``ARCPolicy._pick`` over slots: up to ``n`` victims in eviction order (still
+        tracked: ``_where`` tells which list each is on). Each list is walked through its
+        links, past protected keys, without a generator: a batch of one is the usual."""
+        nxt = self._next
+        keys = self._keys
+        h1 = self._h1
+        h2 = self._h2
+        p = self._p
+        t1 = nxt[h1]
+        while t1 is not h1 and keys[t1] in protected:
+            t1 = nxt[t1]
+        t2 = nxt[h2]
+        while t2 is not h2 and keys[t2] in protected:
+            t2 = nxt[t2]
+        t1_size = self._len1
+        holds_shielded: bool | None = None
+        picks: list[int] = []
+        while len(picks) < n:
+            if t1 is not h1 and (t1_size > p or t2 is h2):
+                picks.append(t1)
+                t1_size -= 1
+                t1 = nxt[t1]
+                while t1 is not h1 and keys[t1] in protected:
+                    t1 = nxt[t1]
+                continue
+            if t2 is h2:
+                break
+            if t1_size > p:
+                if holds_shielded is None:
+                    holds_shielded = self._t1_holds(shielded)
+                if holds_shielded:
+                    break
+            picks.append(t2)
+            t2 = nxt[t2]
+            while t2 is not h2 and keys[t2] in protected:
+                t2 = nxt[t2]
+        return picks
+
+    def _t1_holds(self, keys: Collection[Any]) -> bool:
+        slot_of = self._slot_of
+        where = self._where
+        for key in keys:
+            slot = slot_of(key)
+            if slot is not None and slot >= 0 and where[slot] == FIRST:
+                return True
+        return False
+
+    def _take(self, picks: list[int]) -> list[int]:
+        """Stop tracking the picked slots, remembering each key in its list's ghost list."""
+        keys = self._keys
+        where = self._where
+        prev = self._prev
+        nxt = self._next
+        for slot in picks:
+            # _unlink, inlined: once per victim.
+            before = prev[slot]
+            after = nxt[slot]
+            nxt[before] = after
+            prev[after] = before
+            if where[slot] == FIRST:
+                self._len1 -= 1
+                self._b1[keys[slot]] = None
+            else:
+                self._len2 -= 1
+                self._b2[keys[slot]] = None
+            where[slot] = UNTRACKED
+        self._trim_ghosts()
+        return picks
+
+    def _trim_ghosts(self) -> None:
+        b1 = self._b1
+        b2 = self._b2
+        while b1 and self._len1 + len(b1) > self.capacity:
+            b1.popitem(last=False)
+        while b2 and len(self) + len(b1) + len(b2) > 2 * self.capacity:
+            b2.popitem(last=False)
 
 
 class ARCPolicy(EvictionPolicy):
     """ARC with pin-aware eviction: protected keys are skipped, never demoted."""
+
+    #: Its slot-indexed twin, which the CPU tier runs for this exact class.
+    slot_twin = SlotARC
 
     shields_request_head = True
 

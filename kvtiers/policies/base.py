@@ -24,7 +24,7 @@ import re
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Hashable
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtiers.errors import ConfigError
 
@@ -48,6 +48,10 @@ class EvictionPolicy(ABC):
 
     recency: bool = False
     shields_request_head: bool = False
+    #: A built-in policy's slot-indexed twin (a ``kvtiers.policies.slots.SlotOrder``
+    #: subclass, in the policy's own module), which a slot tier runs instead of an instance
+    #: of exactly this class; ``None``: the tier runs the policy itself.
+    slot_twin: ClassVar[type | None] = None
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:

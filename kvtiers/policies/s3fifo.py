@@ -11,17 +11,129 @@ moved to the tail of the main queue with their frequency intact.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 from kvtiers.policies.base import EvictionPolicy
+from kvtiers.policies.slots import FIRST, SECOND, UNTRACKED, SlotLists
 
 _MAX_FREQ = 3
 _SMALL_FRACTION = 0.1
 
 
+class SlotS3FIFO(SlotLists):
+    """:class:`~kvtiers.policies.s3fifo.S3FIFOPolicy` over slots: the small and main
+    queues are lists of slots with a 2-bit frequency per slot; the ghost queue keeps keys."""
+
+    _lists = 2
+
+    def __init__(
+        self,
+        num_slots: int,
+        keys: Sequence[Any],
+        slot_of: Callable[[Any], int | None],
+    ) -> None:
+        super().__init__(num_slots, keys, slot_of)
+        self._small, self._main = self._heads
+        self._small_len = 0
+        self._main_len = 0
+        self._freq = bytearray(num_slots)
+        self._ghost: OrderedDict[Any, None] = OrderedDict()
+        self._small_target = max(1, int(num_slots * _SMALL_FRACTION))
+
+    def __len__(self) -> int:
+        return self._small_len + self._main_len
+
+    def insert(self, slot: int) -> None:
+        key = self._keys[slot]
+        self._freq[slot] = 0
+        if key in self._ghost:
+            del self._ghost[key]
+            self._to_main(slot)
+        else:
+            self._append(slot, self._small)
+            self._where[slot] = FIRST
+            self._small_len += 1
+
+    def touch(self, slot: int) -> None:
+        if self._where[slot]:
+            self._freq[slot] = min(self._freq[slot] + 1, _MAX_FREQ)
+
+    def refresh(self, slot: int) -> None:
+        """A FIFO has no recency to move."""
+
+    def remove(self, slot: int) -> None:
+        where = self._where[slot]
+        if where:
+            self._unlink(slot)
+            self._where[slot] = UNTRACKED
+            if where == FIRST:
+                self._small_len -= 1
+            else:
+                self._main_len -= 1
+
+    def _to_main(self, slot: int) -> None:
+        self._append(slot, self._main)
+        self._where[slot] = SECOND
+        self._main_len += 1
+
+    def _pop(self, head: int) -> int:
+        """Unlink and return the oldest slot of ``head``'s list (not empty)."""
+        slot = self._next[head]
+        self._unlink(slot)
+        self._where[slot] = UNTRACKED
+        if head is self._small:
+            self._small_len -= 1
+        else:
+            self._main_len -= 1
+        return slot
+
+    def _evict(self, n: int, protected: Collection[Any]) -> list[int]:
+        keys = self._keys
+        freq = self._freq
+        victims: list[int] = []
+        # Consecutive protected keys met at the head of main: once a whole lap of main is
+        # protected, only the small queue can yield a victim.
+        main_skips = 0
+        while len(victims) < n:
+            use_small = self._small_len and (
+                self._small_len >= self._small_target
+                or not self._main_len
+                or main_skips >= self._main_len
+            )
+            if use_small:
+                slot = self._pop(self._small)
+                if freq[slot] > 1 or keys[slot] in protected:
+                    self._to_main(slot)
+                else:
+                    self._remember(keys[slot])
+                    victims.append(slot)
+                continue
+            slot = self._pop(self._main)
+            if keys[slot] in protected:
+                self._to_main(slot)
+                main_skips += 1
+            elif freq[slot] > 0:
+                freq[slot] -= 1
+                self._to_main(slot)
+                main_skips = 0
+            else:
+                victims.append(slot)
+                main_skips = 0
+        return victims
+
+    def _remember(self, key: Any) -> None:
+        ghost = self._ghost
+        ghost[key] = None
+        while len(ghost) > self.capacity:
+            ghost.popitem(last=False)
+
+
 class S3FIFOPolicy(EvictionPolicy):
     """S3-FIFO with pin-aware eviction."""
+
+    #: Its slot-indexed twin, which the CPU tier runs for this exact class.
+    slot_twin = SlotS3FIFO
 
     def __init__(self, capacity: int) -> None:
         super().__init__(capacity)

@@ -13,7 +13,13 @@ so the scheduler sees one manager.
   lower-tier hit is promoted only when the request's plan says it pays
   (:mod:`kvtiers.stack.cost`): in the step a request first meets one the answer is
   ``HIT_PENDING`` without promoting; in later steps chunks before the cut are promoted
-  and the answer past it is ``MISS``.
+  and the answer past it is ``MISS``. A request waits for promotions at most its *wait
+  bound* (:meth:`CostModel.wait_budget_s`: recomputing its prefix, or its deadline when
+  shorter), counted from its first lookup answered ``HIT_PENDING`` for a promotion: past
+  it the request *gives up* — every chunk still arriving that it looks up is *abandoned*
+  (``MISS`` at once, the chunk leaves the primary, whose slot stays held until the copy
+  ends and is then freed: the late bytes are discarded) and its lower-tier hits are
+  ``MISS``, so the engine recomputes from the first chunk that had not landed.
 * **Store** goes to the primary. On ``complete_store(success=True)`` each chunk is
   *cascaded* to every lower tier whose write policy (``BuiltTier.write``) says
   ``through`` and whose frequency admission it passes; the primary slot stays pinned
@@ -56,7 +62,8 @@ so the scheduler sees one manager.
   larger than the primary stops at what fits (the rest is a ``MISS``, recomputed) instead
   of evicting its own head every step.
 
-Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact; a
+Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact,
+and an abandoned one never (a new store of it takes another slot); a
 cascaded chunk's primary slot is never evicted or freed while a mover reads it, nor a
 demoted chunk's slot reused before every copy of it ended (a failed demotion leaves
 nothing in the lower tier: its reservation is freed);
@@ -73,8 +80,8 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
 from kvtiers.core.manager import (
@@ -112,6 +119,8 @@ _COUNTERS = (
     "promotions",
     "promotion_failures",
     "promotions_refused",
+    "promotions_abandoned",
+    "promotion_waits_abandoned",
     "promoted_bytes",
     "promote_s",
     "cascades",
@@ -168,6 +177,8 @@ class _Lower:
     jobs: JobDriver[_Tag]
     #: Position in the stack (1 for the first lower tier).
     index: int
+    #: Keys held for this tier's next promotion job, in hold order.
+    holding: list[OffloadKey] = field(default_factory=list)
 
     @property
     def manager(self) -> OffloadingManager:
@@ -180,6 +191,24 @@ class _Lower:
     @property
     def writes(self) -> bool:
         return self.tier.admission != "never"
+
+
+@dataclass
+class _Arrival:
+    """A promotion in the primary's slot of a key: the lower tier it comes from (its
+    position) and its job (``None`` until the job is submitted at the end of the step)."""
+
+    index: int
+    job_id: int | None = None
+
+
+@dataclass
+class _Wait:
+    """A request waiting for promotions: since when (the composite's clock), and whether
+    it gave up (then its promotions are ``MISS`` until it finishes)."""
+
+    since: float
+    gave_up: bool = False
 
 
 @dataclass(frozen=True)
@@ -310,6 +339,19 @@ class TieredManager(OffloadingManager):
         #: Cost-aware promotion (``promotion:`` in the stack file): ``None`` promotes every
         #: lower-tier hit; see :mod:`kvtiers.stack.cost`.
         self.cost: CostModel | None = None
+        #: The clock of promotion waits and jobs in flight, seconds (a test sets its own).
+        self.clock: Callable[[], float] = time.monotonic
+        #: Key → its promotion into the primary, from hold to the job's end.
+        self._arriving: dict[OffloadKey, _Arrival] = {}
+        #: Promotion job id → (lower tier position, when it was submitted).
+        self._started: dict[int, tuple[int, float]] = {}
+        #: Requests (by id) waiting for promotions, with a cost model.
+        self._waits: dict[str, _Wait] = {}
+        #: Promotion job id → the primary slots of the keys abandoned from it, held until
+        #: the job ends.
+        self._detached: dict[int, dict[OffloadKey, int]] = {}
+        #: Keys abandoned before their job was submitted: detached once it is.
+        self._detach_later: list[OffloadKey] = []
 
     @property
     def key_format(self) -> KeyFormat:
@@ -364,6 +406,12 @@ class TieredManager(OffloadingManager):
     def _lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         result = self._primary.lookup(key, ctx)
         if result is not LookupResult.MISS:
+            if (
+                result is LookupResult.HIT_PENDING and key in self._arriving
+                and self.cost is not None and self._waited_out(ctx)
+            ):
+                self._abandon(key)
+                return LookupResult.MISS
             ctx.keep.add(key)
             self._keepers[ctx.req_id] = ctx
             return result
@@ -374,12 +422,19 @@ class TieredManager(OffloadingManager):
                 continue
             result = manager.lookup(key, ctx)
             if result is LookupResult.HIT:
-                if self.cost is not None:
-                    # Promote only what arrives before recomputing it would finish.
-                    held = self.cost.hold(key, lower.tier.name, ctx)
-                    if held is not None:
-                        return held
-                return self._start_promotion(lower, key, ctx)
+                if self.cost is None:
+                    return self._start_promotion(lower, key, ctx)
+                wait = self._waits.get(ctx.req_id)
+                if wait is not None and wait.gave_up:
+                    return LookupResult.MISS
+                # Promote only what arrives before recomputing it would finish.
+                held = self.cost.hold(key, lower.tier.name, ctx)
+                if held is not None:
+                    return held
+                result = self._start_promotion(lower, key, ctx)
+                if result is LookupResult.HIT_PENDING and wait is None:
+                    self._waits[ctx.req_id] = _Wait(self.clock())
+                return result
             if result is LookupResult.HIT_PENDING:
                 return result
             retry = retry or result is LookupResult.RETRY
@@ -395,6 +450,8 @@ class TieredManager(OffloadingManager):
             self._keepers[ctx.req_id] = ctx
             self._headroom.reserved(1)
             self._promoting = (key, lower.tier)
+            self._arriving[key] = _Arrival(lower.index)
+            lower.holding.append(key)
             return LookupResult.HIT_PENDING
         # GONE: the chunk vanished between lookup and pin (e.g. found corrupt meanwhile).
         return LookupResult.MISS
@@ -405,10 +462,78 @@ class TieredManager(OffloadingManager):
         promoting = self._promoting
         return promoting[1] if promoting is not None and promoting[0] == key else None
 
+    def _waited_out(self, ctx: ReqContext) -> bool:
+        """Whether ``ctx``'s request, looking up a chunk still arriving, has waited its
+        bound (a cost model's :meth:`~kvtiers.stack.cost.CostModel.wait_budget_s`) and
+        gives up; its wait starts at its first such lookup if none started before."""
+        wait = self._waits.get(ctx.req_id)
+        now = self.clock()
+        if wait is None:
+            wait = self._waits[ctx.req_id] = _Wait(now)
+        if not wait.gave_up:
+            assert self.cost is not None
+            if now - wait.since <= self.cost.wait_budget_s(ctx):
+                return False
+            wait.gave_up = True
+            self._stats["promotion_waits_abandoned"] += 1
+        return True
+
+    def _abandon(self, key: OffloadKey) -> None:
+        """Give up ``key``'s promotion in flight: the key leaves the primary now (a new
+        store of it takes another slot) and its slot stays held until the copy ends
+        (:meth:`_finished` frees it). A key whose job is not submitted yet is detached when
+        it is, at the end of this step. A primary that cannot hold slots keeps the key:
+        it lands as usual."""
+        holder = self._slot_states
+        if holder is None:
+            return
+        arrival = self._arriving[key]
+        self._stats["promotions_abandoned"] += 1
+        if arrival.job_id is None:
+            self._detach_later.append(key)
+            return
+        self._detach(key, arrival)
+
+    def _detach(self, key: OffloadKey, arrival: _Arrival) -> None:
+        """Take ``key`` (arriving by ``arrival``'s submitted job) out of the primary and
+        hold its slot until the job ends."""
+        holder = self._slot_states
+        assert holder is not None and arrival.job_id is not None
+        del self._arriving[key]
+        slots = holder.detach_writing([key])
+        if slots:
+            self._lower[arrival.index - 1].jobs.detach(arrival.job_id, slots)
+            self._detached.setdefault(arrival.job_id, {}).update(slots)
+
     def _flush_promotions(self) -> None:
         for lower in self._lower:
             if lower.jobs.held_for_load:
-                lower.jobs.load_held(next(self._job_ids), None)
+                job_id = next(self._job_ids)
+                for key in lower.holding:
+                    arrival = self._arriving.get(key)
+                    if arrival is not None and arrival.index == lower.index:
+                        arrival.job_id = job_id
+                lower.holding = []
+                self._started[job_id] = (lower.index, self.clock())
+                lower.jobs.load_held(job_id, None)
+        if self._detach_later:
+            later, self._detach_later = self._detach_later, []
+            for key in later:
+                arrival = self._arriving.get(key)
+                if arrival is not None and arrival.job_id is not None:
+                    self._detach(key, arrival)
+
+    def _observe_in_flight(self) -> None:
+        """Tell the cost model, per lower tier, how long its oldest promotion job in
+        flight has run (0: none runs)."""
+        assert self.cost is not None
+        oldest: dict[int, float] = {}
+        for index, since in self._started.values():
+            oldest[index] = min(since, oldest.get(index, since))
+        now = self.clock()
+        for lower in self._lower:
+            first = oldest.get(lower.index)
+            self.cost.in_flight(lower.tier.name, 0.0 if first is None else now - first)
 
     # -- store and cascade ----------------------------------------------------------
     def prepare_store(
@@ -705,6 +830,8 @@ class TieredManager(OffloadingManager):
             self._staged(tag.hop, job, tag.slots)
             return
         kind = _PROMOTE if job.load else _CASCADE if tag is None else _DEMOTE
+        if kind == _PROMOTE:
+            self._promotion_ended(job)
         if tag is not None and tag.slots is not None:
             # A demotion from held slots ended: release those no other copy reads.
             self._unhold([tag.slots[key] for key in job.keys])
@@ -721,10 +848,25 @@ class TieredManager(OffloadingManager):
         self._stats[moved] += result.transfer_bytes
         self._stats[seconds] += result.transfer_s
         self._add(f"{tier_name}.{per_tier}", len(job.succeeded), result)
-        if job.load and self.cost is not None and job.succeeded:
+        if job.load and self.cost is not None and (job.succeeded or job.detached):
             self.cost.observe_load(tier_name, result.transfer_bytes, result.transfer_s)
         if self.latency is not None and kind != _DEMOTE:
             self.latency.observe(kind, tier_name, result.transfer_s)
+
+    def _promotion_ended(self, job: FinishedJob[_Tag]) -> None:
+        """A promotion job ended: its keys no longer arrive, and the slots of those
+        abandoned in flight are freed (their late bytes discarded)."""
+        self._started.pop(job.job_id, None)
+        arriving = self._arriving
+        for key in job.keys:
+            arrival = arriving.get(key)
+            if arrival is not None and arrival.job_id == job.job_id:
+                del arriving[key]
+        slots = self._detached.pop(job.job_id, None)
+        if slots:
+            holder = self._slot_states
+            assert holder is not None
+            holder.release_held(slots.values())
 
     def _add(self, prefix: str, chunks: int, result: MoverResult) -> None:
         """Per-lower-tier traffic: ``<tier>.promoted`` / ``<tier>.cascaded`` /
@@ -800,6 +942,7 @@ class TieredManager(OffloadingManager):
         self._keepers.pop(ctx.req_id, None)
         if self.cost is not None:
             self.cost.forget(ctx)
+            self._waits.pop(ctx.req_id, None)
         for tier in self.tiers:
             tier.manager.on_request_finished(ctx)
 
@@ -818,6 +961,8 @@ class TieredManager(OffloadingManager):
             self.cost.end_step()
         self._flush_promotions()
         self._poll()
+        if self.cost is not None:
+            self._observe_in_flight()
         self._demote()
         self._second_hop()
         for tier in self.tiers:
@@ -850,6 +995,7 @@ class TieredManager(OffloadingManager):
             tier.manager.reset_cache()
         if self.cost is not None:
             self.cost.reset()
+        self._waits.clear()
         self._fence = True
         self._promoted.clear()
 

@@ -19,6 +19,14 @@ Two parts (the formula is in docs/architecture.md, "Cost-aware promotion"):
   (stored or moved since) opens the plan again (at most :data:`MAX_REPLANS` times per
   request).
 
+* The *wait bound* (:meth:`CostModel.wait_budget_s`): a request waits for promotions at
+  most ``min(its deadline, prefix / prefill_tokens_per_s)``, the prefix being its cut (its
+  found run of chunks before the plan is decided); the composite gives up what has not
+  landed by then (docs/architecture.md, "Cost-aware promotion"). Jobs still in flight
+  count too: a tier's prediction is never below the time its oldest promotion job in
+  flight has taken so far (:meth:`CostModel.in_flight`), so an unseeded or mis-seeded tier
+  whose first job is slow is not promoted from again while that job runs.
+
 Invariants: the answer for a request is monotone — per group, every chunk before the cut
 may be promoted and none after it, so the usable prefix never has a hole; the chosen cut
 never predicts a slower first token than using the primary's chunks alone and recomputing
@@ -65,7 +73,10 @@ class TransferEstimate:
     (an exponentially weighted least-squares line through (bytes, seconds)). While the jobs
     seen are all about one size the slope keeps its previous value (the seed's, or the last
     well-spread fit's) and only the level follows the data. With neither a seed nor a job
-    the tier is :attr:`unknown` and predicts 0 s: promotions from it are not held back."""
+    the tier is :attr:`unknown` and predicts 0 s: promotions from it are not held back
+    (the wait bound still gives them up). :attr:`floor_s` (set by :meth:`in_flight`) is the
+    longest a job of this tier still in flight has taken so far: no prediction is below
+    it."""
 
     def __init__(
         self, latency_s: float | None, bytes_per_s: float | None, *, weight: float = 0.2
@@ -81,6 +92,7 @@ class TransferEstimate:
         self.s_per_byte = 0.0 if bytes_per_s is None else 1.0 / bytes_per_s
         self.unknown = latency_s is None and bytes_per_s is None
         self.jobs = 0
+        self.floor_s = 0.0
         # Decayed sums of weight, x, y, x*x, x*y over the jobs seen.
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
@@ -89,10 +101,17 @@ class TransferEstimate:
         return math.inf if self.s_per_byte == 0 else 1.0 / self.s_per_byte
 
     def seconds(self, num_bytes: int) -> float:
-        """Predicted seconds of one job moving ``num_bytes`` (0 for no bytes)."""
+        """Predicted seconds of one job moving ``num_bytes`` (0 for no bytes): the fitted
+        line, or :attr:`floor_s` when that is longer."""
         if num_bytes <= 0:
             return 0.0
-        return self.latency_s + num_bytes * self.s_per_byte
+        return max(self.latency_s + num_bytes * self.s_per_byte, self.floor_s)
+
+    def in_flight(self, seconds: float) -> None:
+        """The oldest job of this tier still in flight has run ``seconds`` so far (0: none
+        runs): a lower bound on what a job takes now, kept until the next call. A job that
+        completes is then observed (:meth:`observe`) as usual."""
+        self.floor_s = seconds if math.isfinite(seconds) and seconds > 0 else 0.0
 
     def observe(self, num_bytes: int, seconds: float) -> None:
         """Add a completed job of ``num_bytes`` that took ``seconds``."""
@@ -146,6 +165,15 @@ class _Plan:
     # The scheduler step in which the plan was (re)opened: it is decided at the first
     # lower-tier hit of a later step, when the whole prefix has been looked up.
     opened: int | None = None
+    # The end, in tokens, of the furthest chunk found anywhere (the wait bound's prefix
+    # while no cut is decided).
+    reach_tokens: int = 0
+
+    def found_at(self, key: OffloadKey, shapes: Sequence[ChunkShape]) -> None:
+        """``key`` (placed) was found: extend :attr:`reach_tokens` to its chunk's end."""
+        end = (self.position[key] + 1) * shapes[_group(key)].tokens
+        if end > self.reach_tokens:
+            self.reach_tokens = end
 
     def place(self, key: OffloadKey, ctx: ReqContext, shapes: Sequence[ChunkShape]) -> bool:
         """Record ``key``'s position: from the end token the engine recorded for it
@@ -216,6 +244,25 @@ class CostModel:
             seconds = self.transfer_time(tier, num_bytes)
         estimate.observe(num_bytes, seconds)
 
+    def in_flight(self, tier: str, seconds: float) -> None:
+        """The oldest promotion job from ``tier`` still in flight has run ``seconds`` so far
+        (0: none runs): no prediction for ``tier`` is below it until the next call. Ignored
+        with a ``transfer_time`` (simulated time knows no wall-clock elapsed)."""
+        estimate = self.tiers.get(tier)
+        if estimate is not None and self.transfer_time is None:
+            estimate.in_flight(seconds)
+
+    def wait_budget_s(self, ctx: ReqContext) -> float:
+        """How long the request may wait for promotions before what has not landed is
+        given up: recomputing its prefix (its cut once decided, else the furthest chunk
+        its lookups found) at ``prefill_tokens_per_s``, or its deadline when shorter."""
+        plan = self._plan(ctx)
+        tokens = plan.cut_tokens if plan.cut_tokens is not None else plan.reach_tokens
+        budget = tokens / self.prefill_tokens_per_s
+        if plan.deadline_s is not None and plan.deadline_s < budget:
+            return plan.deadline_s
+        return budget
+
     # -- the lookup hook --------------------------------------------------------------
     def hold(self, key: OffloadKey, tier: str, ctx: ReqContext) -> LookupResult | None:
         """``key`` is a hit in the lower tier ``tier``: ``None`` to promote it, else the
@@ -226,6 +273,7 @@ class CostModel:
             return None  # not in the plan: promoted, as without a cost model
         was = plan.found.get(key, _MISSING)
         plan.found[key] = tier
+        plan.found_at(key, self.shapes)
         if plan.cut_tokens is None:
             if plan.opened is None:
                 plan.opened = self._step
@@ -257,8 +305,10 @@ class CostModel:
             return
         if result is LookupResult.HIT:
             plan.found[key] = None
+            plan.found_at(key, self.shapes)
         elif result is LookupResult.HIT_PENDING:
             plan.found.setdefault(key, None)
+            plan.found_at(key, self.shapes)
         elif plan.cut_tokens is None:
             plan.found.pop(key, None)
 

@@ -53,7 +53,9 @@ def _g(name: str, help_text: str) -> MetricSpec:
 
 _LOOKUPS = "Lookups answered, by result (hit: ready or being promoted; miss)."
 _PROMOTIONS = ("Chunks copied up from a lower tier into the primary, by outcome (done, "
-               "failed, refused: no primary slot free, so the lookup missed).")
+               "failed, refused: no primary slot free, so the lookup missed; abandoned: "
+               "still in flight when the request's wait bound ran out, so the lookup "
+               "missed and the late bytes were discarded).")
 _CASCADES = ("Chunks written through from the primary to lower tiers, by outcome (done, "
              "failed, refused: a lower tier had no room or admission said never).")
 _DEMOTIONS = ("Chunks evicted from a tier and written to the write-back tiers below it, by "
@@ -66,6 +68,11 @@ STACK: Mapping[str, MetricSpec] = MappingProxyType({
     "promotions": _c("kvtiers_stack_promotions", _PROMOTIONS, outcome="done"),
     "promotion_failures": _c("kvtiers_stack_promotions", _PROMOTIONS, outcome="failed"),
     "promotions_refused": _c("kvtiers_stack_promotions", _PROMOTIONS, outcome="refused"),
+    "promotions_abandoned": _c("kvtiers_stack_promotions", _PROMOTIONS, outcome="abandoned"),
+    "promotion_waits_abandoned": _c(
+        "kvtiers_stack_promotion_waits_abandoned",
+        "Requests that waited their bound for promotions (recomputing their prefix, or "
+        "their deadline when shorter) and recomputed what had not landed."),
     "promoted_bytes": _c("kvtiers_stack_promoted_bytes", "Bytes copied by promotions."),
     "promote_s": _c("kvtiers_stack_promotion_seconds",
                     "Seconds promotion jobs took, submission to completion, summed."),

@@ -109,7 +109,8 @@ class Headroom:
 
 @runtime_checkable
 class HoldingPrimary(Protocol):
-    """A primary that can evict chunks while holding their slots for a demotion (the CPU
+    """A primary that can evict chunks while holding their slots for a demotion, and give
+    up a promotion's reservation while holding its slot until the copy ends (the CPU
     tier: ``CpuTierManager``)."""
 
     @property
@@ -127,6 +128,8 @@ class HoldingPrimary(Protocol):
     def slot_state(self, key: OffloadKey) -> SlotState: ...
 
     def release_held(self, slots: Iterable[int]) -> None: ...
+
+    def detach_writing(self, keys: Collection[OffloadKey]) -> dict[OffloadKey, int]: ...
 
 
 @runtime_checkable

@@ -4,8 +4,10 @@ each job's remaining count, the per-chunk outcomes assembled into one
 
 A subclass turns a job's specs into chunk copies when it is submitted
 (:meth:`FanOutMover._plan`: bad specs raise in the caller, before anything starts), starts
-each copy on its pool (:meth:`FanOutMover._start_task`) and copies one chunk there
-(:meth:`FanOutMover._copy`, returning the bytes moved). A copy that raises
+each copy on its pool (:meth:`FanOutMover._start_task` for a load's,
+:meth:`FanOutMover._start_store_task` for a store's: a mover with a background pool for
+write-behind gives stores their own, see :mod:`kvtiers.tiers.iopool`) and copies one chunk
+there (:meth:`FanOutMover._copy`, returning the bytes moved). A copy that raises
 :class:`~kvtiers.errors.CorruptChunkError` fails its key as corrupt
 (:meth:`FanOutMover._chunk_corrupt` deals with the stored chunk); any other exception fails
 its key only (:meth:`FanOutMover._chunk_failed`). :meth:`FanOutMover._before_result` runs
@@ -187,7 +189,13 @@ class FanOutMover(Mover, Generic[_J]):
 
     @abstractmethod
     def _start_task(self, task: Callable[[], None]) -> None:
-        """Run ``task`` on the mover's pool. Raises ``RuntimeError`` once the pool is shut."""
+        """Run ``task`` (a load's copy) on the mover's pool. Raises ``RuntimeError`` once
+        the pool is shut."""
+
+    def _start_store_task(self, task: Callable[[], None]) -> None:
+        """Run ``task`` (a store's copy) on the pool for write-behind. Default: the
+        loads' pool (:meth:`_start_task`)."""
+        self._start_task(task)
 
     @abstractmethod
     def _copy(self, job: _J, chunk: ChunkCopy) -> int:
@@ -238,9 +246,10 @@ class FanOutMover(Mover, Generic[_J]):
         if not job.chunks:
             self._finish(job)
             return True
+        start = self._start_store_task if job.store else self._start_task
         for started, chunk in enumerate(job.chunks):
             try:
-                self._start_task(functools.partial(self._run, job, chunk))
+                start(functools.partial(self._run, job, chunk))
             except RuntimeError as exc:
                 # The pool was shut under us (its owner is closing): the chunks that did
                 # not start fail, so the job still finishes.

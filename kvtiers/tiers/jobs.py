@@ -58,7 +58,9 @@ class FinishedJob(Generic[T]):
     """A job that ended, after its reservations and pins were released.
 
     ``keys`` are the keys the job copied, in job order; ``succeeded`` and ``failed`` split
-    them, in the same order. ``result`` is the mover's (for a job that failed at submission,
+    them, in the same order, but for ``detached``: the keys of a load the caller took away
+    from the primary while it ran (:meth:`JobDriver.detach`), whose bytes landed nowhere
+    the primary knows of. ``result`` is the mover's (for a job that failed at submission,
     one with every key failed). ``tag`` is what the caller handed in with the job.
     """
 
@@ -69,6 +71,7 @@ class FinishedJob(Generic[T]):
     failed: tuple[OffloadKey, ...]
     result: MoverResult
     tag: T
+    detached: tuple[OffloadKey, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ class JobDriver(Generic[T]):
         # the slot of each.
         self._held: list[OffloadKey] = []
         self._held_slots: list[int] = []
+        # Load job id → keys the caller detached from the primary while the job runs.
+        self._detached: dict[int, set[OffloadKey]] = {}
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -221,6 +226,18 @@ class JobDriver(Generic[T]):
         self._submit(_Job(job_id, True, list(keys), tag, pinned=False, indexed=False),
                      lambda: (src, CPULoadStoreSpec(rows)))
 
+    def detach(self, job_id: int, keys: Collection[OffloadKey]) -> None:
+        """The caller took ``keys`` of load job ``job_id`` (in flight) away from the
+        primary: their reservations are no longer the primary's (the caller holds their
+        slots, e.g. ``CpuTierManager.detach_writing``), so when the job ends they are
+        neither completed nor freed there, only reported in ``FinishedJob.detached``; the
+        tier's pins are released as for any key. Raises ``ValueError`` for a job that is
+        not a load in flight."""
+        job = self._jobs.get(job_id)
+        if job is None or not job.load or not job.pinned:
+            raise ValueError(f"detach: job {job_id} is not a promotion in flight")
+        self._detached.setdefault(job_id, set()).update(keys)
+
     # -- completion -------------------------------------------------------------------
     def poll(self) -> None:
         """Finish every job whose result the mover has (see the module docstring)."""
@@ -283,8 +300,14 @@ class JobDriver(Generic[T]):
 
     def _finish(self, job: _Job[T], result: MoverResult) -> None:
         arrived = set(result.succeeded_keys)
-        succeeded = [key for key in job.keys if key in arrived]
-        failed = [key for key in job.keys if key not in arrived]
+        gone = self._detached.pop(job.job_id, None)
+        if gone:
+            detached = [key for key in job.keys if key in gone]
+            kept = [key for key in job.keys if key not in gone]
+        else:
+            detached, kept = [], job.keys
+        succeeded = [key for key in kept if key in arrived]
+        failed = [key for key in kept if key not in arrived]
         primary = self.primary if job.pinned else None
         tier = self.tier if job.indexed else None
         receiver, sender = (primary, tier) if job.load else (tier, primary)
@@ -295,5 +318,5 @@ class JobDriver(Generic[T]):
             sender.complete_load(job.keys, self._ctx)
         self._on_finished(
             FinishedJob(job.job_id, job.load, tuple(job.keys), tuple(succeeded),
-                        tuple(failed), result, job.tag)
+                        tuple(failed), result, job.tag, tuple(detached))
         )

@@ -20,8 +20,8 @@ After a complete listing the tier may also republish the namespace summary
 (:mod:`kvtiers.filemapper.summary`), at most once per ``summary_interval_s``; that runs
 on the listing's thread too.
 
-Bounds: one listing at a time, on a daemon thread of its own
-(:class:`~kvtiers.tiers.iopool.IOPool`), started at most once per ``interval_s`` of the
+Bounds: one listing at a time, on a daemon thread of its own below the engine's priority
+(a background :class:`~kvtiers.tiers.iopool.IOPool`), started at most once per ``interval_s`` of the
 injected clock and only once the previous listing's results were taken in; a listing
 stops after ``max_chunks`` chunks (it is then incomplete: it announces what it found,
 withdraws nothing and writes no summary, and a warning says so once); the scheduler
@@ -118,7 +118,7 @@ class SharedListing:
         self._summary = summary
         self._clock = clock
         self._medium = medium
-        self._pool = IOPool(1, "kvtiers-listing")
+        self._pool = IOPool(1, "kvtiers-listing", background=True)
         # The listing under way and the one whose keys are being compared.
         self._running: Future[Listing] | None = None
         self._listing: Listing | None = None

@@ -8,13 +8,24 @@ between these releases is adapted in :mod:`kvtiers.integrations.vllm.compat`. Lo
 the integration under any other vLLM raises
 :class:`~kvtiers.errors.UnsupportedVersionError` with one line that names the version
 found and the range, instead of a raw error from inside vLLM later.
+
+``KVTIERS_VLLM_UNCHECKED=1`` in the environment turns the refusal into one warning: what
+``make vllm-compat`` sets so the class-level tests show how an unsupported release
+actually behaves. It is for checking a release, never for serving.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 
 from kvtiers.errors import UnsupportedVersionError
+
+logger = logging.getLogger(__name__)
+
+#: The environment variable that lets an unsupported vLLM load with a warning (see above).
+UNCHECKED_ENV = "KVTIERS_VLLM_UNCHECKED"
 
 #: The lowest supported release and the first unsupported one: ``[low, high)``.
 SUPPORTED_LOW = (0, 32, 0)
@@ -38,7 +49,8 @@ def release(version: str) -> tuple[int, int, int] | None:
 def check_vllm_version(version: str | None = None) -> str:
     """Return ``version`` (default: the installed vLLM's ``__version__``) if supported.
 
-    Raises :class:`~kvtiers.errors.UnsupportedVersionError` (one line) otherwise.
+    Raises :class:`~kvtiers.errors.UnsupportedVersionError` (one line) otherwise, unless
+    :data:`UNCHECKED_ENV` is ``1``: then it logs that line as a warning and returns.
     """
     if version is None:
         import vllm
@@ -46,10 +58,14 @@ def check_vllm_version(version: str | None = None) -> str:
         version = str(getattr(vllm, "__version__", "unknown"))
     found = release(version)
     if found is None or not SUPPORTED_LOW <= found < SUPPORTED_HIGH:
-        raise UnsupportedVersionError(
+        refusal = UnsupportedVersionError(
             f"kvtiers.integrations.vllm supports vLLM {SUPPORTED_SPECIFIER} (0.32.x to "
             f"0.34.x), this environment has vLLM {version}: install a supported release, "
             f"e.g. pip install 'vllm{SUPPORTED_SPECIFIER}', or check this one with "
             f"make vllm-compat VLLM={version or '<version>'} (see docs/vllm.md)"
         )
+        if os.environ.get(UNCHECKED_ENV) != "1":
+            raise refusal
+        logger.warning("%s; loading it anyway (%s=1: for checking, never serving)",
+                       refusal, UNCHECKED_ENV)
     return version

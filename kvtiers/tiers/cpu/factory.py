@@ -52,9 +52,10 @@ def build_tier(
     if problem is not None:
         raise ConfigError(problem, path="capacity")
     num_slots = config.capacity // geometry.slot_bytes
-    policy = load_policy(config.policy)(num_slots)
     region = SlotRegion(num_slots, geometry.slot_bytes, config.shared_memory_name)
-    manager = CpuTierManager(num_slots, geometry.slot_bytes, policy, region=region)
+    manager = CpuTierManager(
+        num_slots, geometry.slot_bytes, load_policy(config.policy), region=region
+    )
 
     def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
         from kvtiers.tiers.cpu.worker import CpuWorker

@@ -38,7 +38,7 @@ context's state, never in the manager.
 
 Memory per tracked chunk is kept small: one hash table entry per chunk (key → slot id),
 one byte of state per slot, the slot's key in a slot-indexed list, and the policy's order
-in slot-indexed arrays (:mod:`kvtiers.policies.slots`: the built-in policies' slot twins; a
+in slot-indexed arrays (the built-in policies' slot twins, see :mod:`kvtiers.policies.slots`; a
 policy defined elsewhere runs through its key-based API and keeps its own tables); pin
 counts exist only for pinned keys. A key being
 written maps to the marker :data:`_BEING_WRITTEN` instead of its slot (the slot waits in a
@@ -148,10 +148,11 @@ class _RequestAccess:
 class CpuTierManager(OffloadingManager):
     """Bookkeeping of ``num_slots`` host slots of ``slot_bytes`` each.
 
-    ``policy`` is a fresh :class:`~kvtiers.policies.base.EvictionPolicy` sized for
-    ``num_slots``: for ``lru``, ``arc`` and ``s3fifo`` (exactly those classes) it names the
-    rules and the tier tracks its chunks in the policy's slot twin instead (the instance
-    stays empty); any other policy, a subclass of a built-in included, tracks them itself.
+    ``policy`` is an :class:`~kvtiers.policies.base.EvictionPolicy` class (or a fresh
+    instance sized for ``num_slots``): for a class that names a slot twin (``lru``, ``arc``
+    and ``s3fifo``, exactly those classes) the tier tracks its chunks in the twin and builds
+    no key-based policy (a given instance stays empty); any other policy, a subclass of a
+    built-in included, tracks them itself (an instance of the class when given a class).
     ``region``, when given, is closed by :meth:`shutdown`. Keys passed to ``complete_store``
     that are stored already are ignored, and a key named twice counts once; a key neither
     reserved, stored nor fenced raises.
@@ -170,7 +171,7 @@ class CpuTierManager(OffloadingManager):
         self,
         num_slots: int,
         slot_bytes: int,
-        policy: EvictionPolicy,
+        policy: EvictionPolicy | type[EvictionPolicy],
         *,
         region: SlotRegion | None = None,
     ) -> None:
@@ -197,7 +198,7 @@ class CpuTierManager(OffloadingManager):
         # Slot → key of its ready chunk (None otherwise): how victim slots name their keys.
         self._keys: list[OffloadKey | None] = [None] * num_slots
         # The policy's order over ready slots: the built-ins' slot twins, any other policy
-        # through its key-based API (kvtiers/policies/slots.py).
+        # through its key-based API (kvtiers/policies/slots.py, slot_order).
         self._order: SlotOrder = slot_order(policy, num_slots, self._keys, self._slots.get)
         self._state = bytearray(num_slots)
         # Popped from the end, so slots are handed out in ascending order at first.
@@ -518,6 +519,28 @@ class CpuTierManager(OffloadingManager):
             self._state[slot] = _WRITING
         self._held.update(taken)
         return taken
+
+    def detach_writing(self, keys: Collection[OffloadKey]) -> dict[OffloadKey, int]:
+        """Give up the reservations of ``keys`` whose bytes are still being written (a
+        promotion abandoned in flight): each key is gone at once (``MISS``, a new store of
+        it is accepted into another slot; a ``metadata_only`` removal, since it was never
+        announced as stored) while its slot stays held, never reused, until
+        :meth:`release_held` names it (when the write ends). Returns key → held slot; a key
+        not being written is skipped."""
+        slots = self._slots
+        writing = self._writing
+        held: dict[OffloadKey, int] = {}
+        for key in keys:
+            if slots.get(key) is _BEING_WRITTEN and key not in held:
+                del slots[key]
+                held[key] = writing.pop(key)
+        if held:
+            self._held.update(held.values())
+            if self._removed is None:
+                self._events.append(dataclasses.replace(
+                    self._event(list(held), removed=True), metadata_only=True
+                ))
+        return held
 
     def release_held(self, slots: Iterable[int]) -> None:
         """Free slots :meth:`evict_held` or :meth:`hold_free` held. Raises, changing

@@ -1,12 +1,17 @@
 """The file tier's manager: an in-memory index over one namespace directory.
 
-At start the namespace's manifest is checked (or created), then one pass of
-:func:`~kvtiers.filemapper.scan_namespace` both removes stale temp files of interrupted
-publishes and rebuilds the index — chunk names and places parsed by the scan,
-sizes and mtimes from ``stat`` (never opening a file), recency seeded from mtimes.
+At start the namespace's manifest is checked (or created), then the index is built on a
+thread of its own (:mod:`kvtiers.tiers.build`): from a trusted snapshot
+(:mod:`kvtiers.tiers.file.snapshot`), else by one walk of the fan-out directories, several
+at a time (:mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
+interrupted publishes (older than this opening) and finds the chunks — names and places
+parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
+(never opening a file), recency seeded from mtimes. The constructor waits for it unless
+``background_index``; until it is merged, index misses are probed as in a shared
+directory, and keys dropped meanwhile stay dropped (docs/architecture.md).
 
-The index is a :class:`~kvtiers.tiers.index.ChunkIndex` (size, state, pins in LRU order)
-and shared-directory probes are booked in a :class:`~kvtiers.tiers.probe.ProbeBook`.
+The index is a :class:`~kvtiers.tiers.compact.CompactChunkIndex` (size, state, pins in LRU
+order, packed) and probes are booked in a :class:`~kvtiers.tiers.probe.ProbeBook`.
 Invariants:
 
 - ``usage`` is the sum of the entries' sizes: reserved keys count at the largest blob
@@ -118,6 +123,7 @@ from kvtiers.tiers.file.snapshot import (
 )
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
+from kvtiers.tiers.iopool import background_initializer
 from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
@@ -150,7 +156,9 @@ class _Deleter:
         #: Unlinks that failed (their files stay, unindexed: a snapshot would lose them).
         self.failures = 0
         self._futures: list[Future[bool]] = []
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter")
+        # Deletion is write-behind: below the engine's priority (kvtiers.tiers.iopool).
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter",
+                                        initializer=background_initializer())
 
     def delete(self, paths: Iterable[Path]) -> list[Future[bool]]:
         """Queue unlinks of ``paths``; their futures, done once each unlink ran: False when

@@ -1,10 +1,12 @@
 """The file tier's mover: chunks between CPU-tier slots and chunk files.
 
-A bounded thread pool runs one task per chunk (the fan-out of
-:class:`~kvtiers.tiers.fanout.FanOutMover`); a job's result is reported when its last chunk
-is done. Stores (``CPULoadStoreSpec`` → ``FileLoadStoreSpec``) encode the 4096-byte
-header over the slot's payload (encoded first with the tier's codec when that makes it
-smaller) and publish header + payload atomically through the I/O backend. Loads
+Bounded thread pools run one task per chunk (the fan-out of
+:class:`~kvtiers.tiers.fanout.FanOutMover`): loads on threads at the engine's priority,
+stores (their hashing and encoding included) on threads of their own below it
+(:mod:`kvtiers.tiers.iopool`); a job's result is reported when its last chunk is done.
+Stores (``CPULoadStoreSpec`` → ``FileLoadStoreSpec``) encode the 4096-byte header over
+the slot's payload (encoded first with the tier's codec when that makes it smaller) and
+publish header + payload atomically through the I/O backend. Loads
 (``FileLoadStoreSpec`` → ``CPULoadStoreSpec``) read the header and the stored payload
 straight into the slot and verify both, decoding an encoded payload in place and checking
 it again, before the chunk counts as arrived; any codec is read, whatever the tier's own
@@ -181,9 +183,10 @@ class FileMover(FanOutMover[_FileJob]):
     """Copies chunks between ``region``'s slots and chunk files; see the module docstring.
 
     ``digest`` is the namespace identity digest every header carries. ``threads`` bounds
-    the I/O concurrency. ``space``, when given, is told of stores that fail for want of
-    space (one aggregated warning there instead of one per chunk) and of stores that
-    succeed. ``codec`` encodes what this mover stores (``None``: payloads as they are).
+    the I/O concurrency of each class of work (loads; stores). ``space``, when given, is
+    told of stores that fail for want of space (one aggregated warning there instead of
+    one per chunk) and of stores that succeed. ``codec`` encodes what this mover stores
+    (``None``: payloads as they are).
     """
 
     def __init__(
@@ -215,8 +218,13 @@ class FileMover(FanOutMover[_FileJob]):
         self.space = space
         # durability: power with one syncfs per store job instead of fsyncs per chunk.
         self._grouped = self.settings.sync and self.settings.ops.has_syncfs()
+        # Loads at the engine's priority; stores (hashing and encoding included) on
+        # threads of their own below it, so a load never queues behind a store.
         self._pool = IOPool(threads, "kvtiers-file")
-        self._hasher = IOPool(1, "kvtiers-file-hash") if backend.late_header else None
+        self._store_pool = IOPool(threads, "kvtiers-file-store", background=True)
+        self._hasher = (
+            IOPool(1, "kvtiers-file-hash", background=True) if backend.late_header else None
+        )
         self._headers = AlignedHeaders()
         self.codec = codec
         self._scratch = Scratch()
@@ -243,6 +251,9 @@ class FileMover(FanOutMover[_FileJob]):
 
     def _start_task(self, task: Callable[[], None]) -> None:
         self._pool.submit(task)
+
+    def _start_store_task(self, task: Callable[[], None]) -> None:
+        self._store_pool.submit(task)
 
     def _copy(self, job: _FileJob, chunk: ChunkCopy) -> int:
         return self._store_one(job, chunk) if job.store else self._load_one(chunk)
@@ -297,6 +308,7 @@ class FileMover(FanOutMover[_FileJob]):
 
     def _release(self, idle: bool) -> None:
         self._pool.shutdown(None if idle else 0.0, cancel_queued=not idle)
+        self._store_pool.shutdown(None if idle else 0.0, cancel_queued=not idle)
         if self._hasher is not None:
             self._hasher.shutdown(None if idle else 0.0, cancel_queued=not idle)
 

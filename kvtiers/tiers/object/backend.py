@@ -1,5 +1,10 @@
 """What the manager and the mover of one object tier share: the store, the namespace
-layout, the retry policy, the I/O thread pool and the counters both sides update.
+layout, the retry policy, the I/O thread pools and the counters both sides update.
+
+Two pools (docs/architecture.md, "Two classes of work"): reads a waiting request needs
+(loads, existence probes) run on threads at the engine's priority (:meth:`ObjectBackend.submit`);
+write-behind (puts, deletes) on threads of their own below it
+(:meth:`ObjectBackend.submit_background`), so a read never queues behind a put.
 
 Layout: the chunk of ``key`` is the object
 ``<prefix>/<namespace>/<hh>/<hh>/<hash hex>_g<group>.kvc`` (see
@@ -33,7 +38,8 @@ log = logging.getLogger(__name__)
 
 
 class ObjectBackend:
-    """One namespace of an :class:`ObjectStore`, with a bounded pool of I/O threads."""
+    """One namespace of an :class:`ObjectStore`, with two bounded pools of ``threads`` I/O
+    threads each: reads, and write-behind."""
 
     def __init__(
         self,
@@ -57,6 +63,7 @@ class ObjectBackend:
         self.threads = threads
         self.shutdown_timeout_s = shutdown_timeout_s
         self._pool = IOPool(threads, "kvtiers-object")
+        self._background = IOPool(threads, "kvtiers-object-store", background=True)
         self._lock = threading.Lock()
         self._corrupt_chunks = 0
         self._closed = False
@@ -95,8 +102,14 @@ class ObjectBackend:
 
     # -- background work ------------------------------------------------------------
     def submit(self, fn: Callable[[], _T]) -> Future[_T]:
-        """Run ``fn`` on the I/O pool. Raises ``RuntimeError`` once closed."""
+        """Run ``fn`` (a read a request may wait for) on the pool at the engine's
+        priority. Raises ``RuntimeError`` once closed."""
         return self._pool.submit(fn)
+
+    def submit_background(self, fn: Callable[[], _T]) -> Future[_T]:
+        """Run ``fn`` (write-behind: a put, a delete) on the pool below the engine's
+        priority. Raises ``RuntimeError`` once closed."""
+        return self._background.submit(fn)
 
     @property
     def closed(self) -> bool:
@@ -142,8 +155,11 @@ class ObjectBackend:
         if self._closed:
             return
         self._closed = True
-        wait_s = max(0.0, self.shutdown_deadline() - time.monotonic())
-        if not self._pool.shutdown(wait_s):
+        ended = all([
+            pool.shutdown(max(0.0, self.shutdown_deadline() - time.monotonic()))
+            for pool in (self._pool, self._background)
+        ])
+        if not ended:
             log.warning(
                 "%s: requests still running %g s after shutdown began; their threads are "
                 "abandoned", self.store.describe(), self.shutdown_timeout_s,

@@ -19,7 +19,7 @@ Everything here runs on the scheduler thread and never waits for I/O. Work finis
 I/O threads (deletes, existence probes, chunks the mover found corrupt or missing) comes
 back through thread-safe queues drained at the start of the next call.
 
-The index is a :class:`~kvtiers.tiers.index.ChunkIndex`. ``shared: true`` is for
+The index is a :class:`~kvtiers.tiers.compact.CompactChunkIndex`. ``shared: true`` is for
 namespaces other engines write into: an index miss is booked in a
 :class:`~kvtiers.tiers.probe.ProbeBook` for a batched existence probe (sent in
 :meth:`on_schedule_end`) and answers ``RETRY`` until it resolves to ``HIT`` or ``MISS``;
@@ -312,7 +312,7 @@ class ObjectTierManager(OffloadingManager):
         self._background = [f for f in self._background if not f.done()]
         for key in victims:
             self._deleting.add(key)
-            self._background.append(self.backend.submit(self._delete_job(key)))
+            self._background.append(self.backend.submit_background(self._delete_job(key)))
 
     def _delete_job(self, key: OffloadKey) -> Callable[[], None]:
         name = self.backend.object_key(key)

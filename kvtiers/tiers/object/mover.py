@@ -2,7 +2,9 @@
 
 Each object is one chunk blob (4 KiB header + payload, xxh3_128-checked; see
 :mod:`kvtiers.core.chunkformat`). A job fans out into one task per chunk on the tier's
-bounded I/O pool (:class:`~kvtiers.tiers.fanout.FanOutMover`); the job's
+bounded I/O pools (:class:`~kvtiers.tiers.fanout.FanOutMover`; loads on the backend's pool
+at the engine's priority, stores, their hashing and encoding included, on its background
+pool below it); the job's
 :class:`~kvtiers.core.mover.MoverResult` is published when its last chunk is done.
 
 - Store: header + the slot's payload (encoded with the tier's codec when that makes it
@@ -100,6 +102,9 @@ class ObjectMover(FanOutMover[FanOutJob]):
 
     def _start_task(self, task: Callable[[], None]) -> None:
         self.backend.submit(task)
+
+    def _start_store_task(self, task: Callable[[], None]) -> None:
+        self.backend.submit_background(task)
 
     def _copy(self, job: FanOutJob, chunk: ChunkCopy) -> int:
         if job.store:
