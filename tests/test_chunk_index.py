@@ -1,4 +1,5 @@
-"""ChunkIndex alone, against a plain model: a dict of entries and a list for LRU order.
+"""ChunkIndex and CompactChunkIndex alone, against one plain model: a dict of entries and
+a list for LRU order.
 
 The state machine drives every operation with arbitrary keys (present or not, repeated)
 and checks each answer, each raised error and, after every step, every entry, the LRU
@@ -19,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import UnknownKeyError
+from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.index import ChunkIndex, ChunkState, IndexChange
 
 KEYS = [make_offload_key(bytes([i]) * 16, 0) for i in range(6)]
@@ -39,10 +41,12 @@ class ModelEntry:
 class ChunkIndexMachine(RuleBasedStateMachine):
     """The index and the model receive the same calls and must agree on everything."""
 
+    index_class: type[ChunkIndex] | type[CompactChunkIndex] = ChunkIndex
+
     @initialize(capacity=st.one_of(st.none(), st.integers(min_value=1, max_value=8)))
     def start(self, capacity: int | None) -> None:
-        self.index = ChunkIndex(capacity, tier="the test tier", medium=Medium.CPU,
-                                locality=Locality.LOCAL)
+        self.index = self.index_class(capacity, tier="the test tier", medium=Medium.CPU,
+                                      locality=Locality.LOCAL)
         self.capacity = capacity
         self.entries: dict[OffloadKey, ModelEntry] = {}
         self.order: list[OffloadKey] = []  # least recently used first
@@ -264,6 +268,44 @@ TestChunkIndexMachine = ChunkIndexMachine.TestCase
 TestChunkIndexMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
 
 
+class CompactChunkIndexMachine(ChunkIndexMachine):
+    """The same model against the packed index, plus its merge of a background rebuild."""
+
+    index_class = CompactChunkIndex
+
+    @rule(found=st.lists(st.tuples(key_st, size_st), max_size=5), gone=keys_st)
+    def merge_oldest(self, found: list[tuple[OffloadKey, int]], gone: list[OffloadKey]) -> None:
+        distinct = dict(reversed(found))  # one size a key, first occurrence's
+        keys = list(dict.fromkeys(key for key, _ in found))
+        packed = PackedChunks.pack(keys, [distinct[key] for key in keys])
+        added = [key for key in keys if key not in self.entries and key not in gone]
+        for key in reversed(added):
+            self.entries[key] = ModelEntry(distinct[key], READY)
+            self.order.insert(0, key)
+        victims: list[OffloadKey] = []
+        if self.capacity is not None and self._usage() > self.capacity:
+            victims = self._pick(self._usage() - self.capacity, set()) or self._evictable(set())
+        index = self.index
+        assert isinstance(index, CompactChunkIndex)
+        assert index.merge_oldest(packed, gone) == IndexChange(added, victims)
+        kept = [key for key in added if key not in victims]
+        if kept:
+            self.events.append((kept, False))
+        for key in victims:
+            self._remove(key)
+        if victims:
+            self.counters["evictions"] += len(victims)
+        earlier = [key for key in victims if key not in added]
+        if earlier:
+            self.events.append((earlier, True))
+
+
+TestCompactChunkIndexMachine = CompactChunkIndexMachine.TestCase
+TestCompactChunkIndexMachine.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None
+)
+
+
 def _index(capacity: int | None = 4) -> ChunkIndex:
     return ChunkIndex(capacity, tier="the test tier", medium=Medium.CPU)
 
@@ -321,3 +363,25 @@ def test_discard_of_a_pinned_key_waits_for_its_last_unpin() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError, match="the test tier: capacity must be positive"):
         _index(capacity=0)
+
+
+def test_compact_index_takes_keys_of_several_lengths() -> None:
+    index = CompactChunkIndex(None, tier="the test tier", medium=Medium.CPU)
+    short, long = OffloadKey(b"ab" + bytes(4)), OffloadKey(b"abcdef" * 6)
+    padded = OffloadKey(b"ab" + bytes(5))  # the short key padded: a different key
+    index.add_ready([(short, 1), (long, 2)])
+    assert short in index and long in index and padded not in index
+    assert [(k, e.size) for k, e in index.items()] == [(short, 1), (long, 2)]
+
+
+def test_compact_index_grows_past_its_table() -> None:
+    index = CompactChunkIndex(None, tier="the test tier", medium=Medium.CPU)
+    keys = [make_offload_key(i.to_bytes(16, "big"), 0) for i in range(5000)]
+    index.add_ready((key, 1) for key in keys)
+    for key in keys[::2]:
+        index.touch([key])
+    assert len(index) == 5000 and all(key in index for key in keys)
+    order = [k for k, _ in index.items()]
+    assert order == keys[1::2] + keys[::2]
+    assert index.evict_lru(2500) == keys[1::2]
+    assert list(index.keys()) == keys[::2]

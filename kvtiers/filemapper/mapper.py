@@ -28,6 +28,10 @@ from kvtiers.filemapper.manifest import MANIFEST_NAME
 CHUNK_SUFFIX = ".kvc"
 #: The directory inside a namespace where corrupt chunks are moved (never indexed).
 QUARANTINE_DIR = "quarantine"
+#: A file tier's index snapshot and its openings count, beside the manifest
+#: (kvtiers/tiers/file/snapshot.py); neither is a chunk.
+SNAPSHOT_NAME = "index.snapshot"
+GENERATION_NAME = "index.generation"
 #: The fan-out directories take the first two bytes of the block hash.
 MIN_BLOCK_HASH_BYTES = 2
 

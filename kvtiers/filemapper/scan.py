@@ -49,11 +49,15 @@ class ScannedEntry:
         return key
 
 
-def scan_namespace(directory: Path, *, skip_quarantine: bool = True) -> Iterator[ScannedEntry]:
+def scan_namespace(
+    directory: Path, *, skip_quarantine: bool = True, prefix: str = ""
+) -> Iterator[ScannedEntry]:
     """Every entry below ``directory`` that is not a directory, or is a directory under a
     chunk's name (nothing if ``directory`` does not exist), without following links;
-    ``skip_quarantine`` leaves out ``<directory>/quarantine``."""
-    stack = [(str(directory), "")]
+    ``skip_quarantine`` leaves out ``<directory>/quarantine``. ``prefix`` (``"ab/"``) is
+    put before every name: a walk of one fan-out directory names entries as a walk of the
+    whole namespace would."""
+    stack = [(str(directory), prefix)]
     while stack:
         path, relative = stack.pop()
         try:

@@ -35,6 +35,7 @@ from kvtiers.core.publish import ensure_dir, is_temp_name
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import MANIFEST_NAME, QUARANTINE_DIR
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
+from kvtiers.filemapper.mapper import GENERATION_NAME, SNAPSHOT_NAME
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.object.local import LocalStore
 from kvtiers.tiers.object.store import ObjectInfo, ObjectMissing, ObjectStore
@@ -82,9 +83,11 @@ class Location(ABC):
         return sorted(found)
 
     def entries(self, namespace: str) -> Iterator[Entry]:
-        """Every entry of ``namespace`` except its manifest, its summary and its
-        quarantine."""
-        skip = (f"{namespace}/{MANIFEST_NAME}", f"{namespace}/{SUMMARY_NAME}")
+        """Every entry of ``namespace`` except its manifest, its summary, a file tier's
+        index snapshot and openings count, and its quarantine."""
+        skip = tuple(f"{namespace}/{name}" for name in (
+            MANIFEST_NAME, SUMMARY_NAME, SNAPSHOT_NAME, GENERATION_NAME
+        ))
         quarantine = f"{namespace}/{QUARANTINE_DIR}/"
         for info in self.store.list(self._full(f"{namespace}/")):
             name = self._relative(info.name)

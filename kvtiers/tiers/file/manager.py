@@ -1,12 +1,17 @@
 """The file tier's manager: an in-memory index over one namespace directory.
 
-At start the namespace's manifest is checked (or created), then one pass of
-:func:`~kvtiers.filemapper.scan_namespace` both removes stale temp files of interrupted
-publishes and rebuilds the index — chunk names and places parsed by the scan,
-sizes and mtimes from ``stat`` (never opening a file), recency seeded from mtimes.
+At start the namespace's manifest is checked (or created), then the index is built on a
+thread of its own (:mod:`kvtiers.tiers.build`): from a trusted snapshot
+(:mod:`kvtiers.tiers.file.snapshot`), else by one walk of the fan-out directories, several
+at a time (:mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
+interrupted publishes (older than this opening) and finds the chunks — names and places
+parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
+(never opening a file), recency seeded from mtimes. The constructor waits for it unless
+``background_index``; until it is merged, index misses are probed as in a shared
+directory, and keys dropped meanwhile stay dropped (docs/architecture.md).
 
-The index is a :class:`~kvtiers.tiers.index.ChunkIndex` (size, state, pins in LRU order)
-and shared-directory probes are booked in a :class:`~kvtiers.tiers.probe.ProbeBook`.
+The index is a :class:`~kvtiers.tiers.compact.CompactChunkIndex` (size, state, pins in LRU
+order, packed) and probes are booked in a :class:`~kvtiers.tiers.probe.ProbeBook`.
 Invariants:
 
 - ``usage`` is the sum of the entries' sizes: reserved keys count at the largest blob
@@ -97,7 +102,6 @@ from kvtiers.filemapper import (
     QUARANTINE_DIR,
     FileMapper,
     open_namespace,
-    remove_temp,
     scan_namespace,
 )
 from kvtiers.filemapper.manifest import MANIFEST_NAME
@@ -108,9 +112,17 @@ from kvtiers.tiers.backoff import (
     LoadBackoff,
     MoverReports,
 )
+from kvtiers.tiers.build import IndexBuild
+from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.file.io import IO_POSIX
+from kvtiers.tiers.file.snapshot import (
+    current_generation,
+    open_generation,
+    read_snapshot,
+    write_snapshot,
+)
 from kvtiers.tiers.file.space import SpaceLatch
-from kvtiers.tiers.index import ChunkIndex
+from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
 from kvtiers.tiers.iopool import background_initializer
 from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
@@ -141,6 +153,8 @@ class _Deleter:
         # Queued unlinks per path; a cancelled path's count is dropped, so they skip it.
         self._pending: dict[Path, int] = {}
         self._running: Path | None = None
+        #: Unlinks that failed (their files stay, unindexed: a snapshot would lose them).
+        self.failures = 0
         self._futures: list[Future[bool]] = []
         # Deletion is write-behind: below the engine's priority (kvtiers.tiers.iopool).
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtiers-file-deleter",
@@ -208,6 +222,7 @@ class _Deleter:
             pass
         except OSError as exc:
             logger.warning("file tier: could not remove evicted chunk %s: %s", path, exc)
+            self.failures += 1
             return False
         finally:
             with self._lock:
@@ -386,6 +401,10 @@ class FileTierManager(OffloadingManager):
         list_interval_s: float | None = None,
         list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
         summary_interval_s: float | None = None,
+        background_index: bool = False,
+        walk_threads: int = DEFAULT_WALK_THREADS,
+        snapshot: bool = True,
+        before_walk_part: Callable[[int], None] | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -412,7 +431,7 @@ class FileTierManager(OffloadingManager):
             mapper.root, mapper.identity, file_mode=file_mode, dir_mode=dir_mode
         )
         self.quarantine_dir = self.namespace_dir / QUARANTINE_DIR
-        self.index = ChunkIndex(
+        self.index = CompactChunkIndex(
             capacity_bytes, tier=f"the file tier at {self.namespace_dir}", medium=self.medium,
             locality=self.locality,
         )
@@ -437,8 +456,9 @@ class FileTierManager(OffloadingManager):
         # Keys being stored whose evicted chunk's file was kept for the store to take its
         # name: True for a handed-over one, False for one whose unlink was cancelled.
         self._revived: dict[OffloadKey, bool] = {}
-        self._prober = _Prober(mapper) if shared else None
-        self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
+        # Index misses are probed in a shared directory, and in any while the index is built.
+        self._prober = _Prober(mapper)
+        self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock)
         self._closed = False
         # The latch's episode this manager last made room for, and the unlinks of the
         # chunks it evicted then (stores wait for them before one tries again).
@@ -449,9 +469,31 @@ class FileTierManager(OffloadingManager):
         self._foreign: _Foreign | None = None
         self._foreign_unlinks: list[tuple[Future[bool], int]] = []
         start = time.perf_counter()
-        removed = self._rebuild(SHARED_TEMP_AGE_S if shared else 0.0)
-        if capacity_scope == "root" and capacity_bytes is not None:
-            self._share_root(capacity_bytes)
+        # Start-up (module docstring): the index is built on a thread of its own; until it
+        # is merged, index misses are probed. Temp files are removed when older than this
+        # opening (by the filesystem's clock, which stamps this tier's own temp files too),
+        # or than SHARED_TEMP_AGE_S in a shared directory: this tier's own publishes begin
+        # while the walk runs. Every opening counts (its chunks make older snapshots stale).
+        self.unindexed_entries = 0
+        self.index_source = "walk"
+        self.index_build_s: float | None = None
+        self._complete = False
+        self._cleared = False  # clear() while the index is built
+        self._capacity_scope = capacity_scope
+        opened = open_generation(self.namespace_dir)
+        # Snapshots only where this tier is the namespace's one writer (not shared): other
+        # writers' chunks and temp files would be missed until a walk.
+        self._generation = None if opened is None or not snapshot or shared else opened[0]
+        opened_at = time.time() if opened is None else opened[1]
+        self.index.removed = set()
+        temp_cutoff = opened_at - SHARED_TEMP_AGE_S if shared else opened_at
+        self._build: IndexBuild[tuple[Walked, _Foreign | None]] | None = IndexBuild(
+            lambda build: self._find_chunks(build, temp_cutoff, walk_threads, before_walk_part),
+            name="kvtiers-file-index",
+        )
+        if not background_index:
+            self._build.done.wait()
+            self._poll_build()
         self.rebuild_s = time.perf_counter() - start
         self._file_mode, self._dir_mode = file_mode, dir_mode
         self.summary: SummaryWriter | None = None
@@ -467,18 +509,6 @@ class FileTierManager(OffloadingManager):
                 medium=self.medium, where=f"file tier {self.namespace_dir}",
                 summary=self.summary, clock=clock,
             )
-        if removed:
-            logger.info("file tier %s: removed %d stale temp files", self.namespace_dir, removed)
-        if self.unindexed_entries:
-            logger.warning(
-                "file tier %s: %d entries named like chunks are not regular files and were "
-                "not indexed; `kvtiers verify` lists them", self.namespace_dir,
-                self.unindexed_entries,
-            )
-        logger.info(
-            "file tier %s: %d chunks (%d bytes) indexed in %.3f s",
-            self.namespace_dir, len(self.index), self.index.usage, self.rebuild_s,
-        )
 
     @property
     def usage_bytes(self) -> int:
@@ -486,40 +516,91 @@ class FileTierManager(OffloadingManager):
         return self.index.usage
 
     # -- start-up -------------------------------------------------------------------
-    def _rebuild(self, temp_age_s: float) -> int:
-        """Index every chunk file and remove stale temp files, in one pass over the tree;
-        returns how many temp files were removed. Temp files younger than
-        ``temp_age_s`` are left alone (another live writer may own them). Beyond
-        capacity, the oldest chunks are evicted."""
-        found: list[tuple[float, OffloadKey, int]] = []
-        self.unindexed_entries = 0
-        cutoff = time.time() - temp_age_s if temp_age_s > 0 else None
-        removed = 0
-        for item in scan_namespace(self.namespace_dir):
-            if item.is_temp:
-                removed += remove_temp(item, cutoff)
-                continue
-            key = item.chunk_key()
-            if key is None:
-                continue
-            try:
-                st = item.entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                # A FIFO, directory or symlink under a chunk's name is never a chunk:
-                # indexed, every load of it would fail. `kvtiers verify` lists them.
-                self.unindexed_entries += 1
-                continue
-            found.append((st.st_mtime, key, st.st_size))
-        found.sort(key=lambda item: item[0])
-        self._delete(self.index.add_ready((key, size) for _mtime, key, size in found).victims)
-        return removed
+    @property
+    def index_complete(self) -> bool:
+        """Whether every chunk found at start is indexed (the build was merged)."""
+        return self._complete
 
-    def _share_root(self, capacity: int) -> None:
-        """Measure the other namespaces under the root, trim them to the shared budget
-        and give this namespace's index what is left."""
-        foreign = _Foreign(self.mapper.root, self.namespace_dir.name)
+    def _find_chunks(
+        self,
+        build: IndexBuild[tuple[Walked, _Foreign | None]],
+        temp_cutoff: float,
+        threads: int,
+        before_part: Callable[[int], None] | None,
+    ) -> tuple[Walked, _Foreign | None]:
+        """The build's work (its own thread): the chunks of a trusted snapshot, else of a
+        walk; with ``capacity_scope="root"`` the other namespaces measured."""
+        walked = None
+        if self._generation is not None:
+            found = read_snapshot(
+                self.namespace_dir, self.mapper.identity.digest, self._generation
+            )
+            if found is not None:
+                walked = Walked(found)
+                self.index_source = "snapshot"
+        if walked is None:
+            walked = walk_namespace(
+                self.namespace_dir, build, temp_cutoff=temp_cutoff, threads=threads,
+                before_part=before_part,
+            )
+        foreign = None
+        if self._capacity_scope == "root" and not build.stopping:
+            foreign = _Foreign(self.mapper.root, self.namespace_dir.name)
+        return walked, foreign
+
+    def _poll_build(self) -> None:
+        """Merge the build once it is done (scheduler's thread; O(1) until then)."""
+        build = self._build
+        if build is None or not build.done.is_set():
+            return
+        self._build = None
+        index = self.index
+        gone = index.removed or set()
+        index.removed = None
+        if build.error is not None or build.result is None:
+            logger.error(
+                "file tier %s: the index could not be built (%s); index misses stay probed",
+                self.namespace_dir, build.error,
+            )
+            return
+        walked, foreign = build.result
+        if self._cleared:
+            # Cleared while the walk ran: what it found goes, except what was stored since.
+            self._delete([key for key in walked.packed.keys if key not in index])
+            walked.packed = PackedChunks.pack([], [])
+        # Chunks found at start are least recently used, by mtime; beyond capacity the
+        # oldest go. What was stored, found or removed meanwhile stands.
+        self._delete(index.merge_oldest(walked.packed, gone).victims)
+        self.unindexed_entries = walked.unindexed
+        if foreign is not None and self.capacity_bytes is not None:
+            self._share_root(self.capacity_bytes, foreign)
+        self._complete = True
+        self.index_build_s = build.elapsed_s
+        if walked.removed_temps:
+            logger.info("file tier %s: removed %d stale temp files", self.namespace_dir,
+                        walked.removed_temps)
+        if self.unindexed_entries:
+            logger.warning(
+                "file tier %s: %d entries named like chunks are not regular files and were "
+                "not indexed; `kvtiers verify` lists them", self.namespace_dir,
+                self.unindexed_entries,
+            )
+        logger.info(
+            "file tier %s: %d chunks (%d bytes) indexed from a %s in %.3f s",
+            self.namespace_dir, len(walked.packed), self.index.usage, self.index_source,
+            build.elapsed_s or 0.0,
+        )
+
+    def wait_index(self) -> None:
+        """Block until the index is built, then merge it. For tests and tools: the
+        scheduler never blocks (its calls merge the build once it is done)."""
+        if self._build is not None:
+            self._build.done.wait()
+            self._poll_build()
+
+    def _share_root(self, capacity: int, foreign: _Foreign) -> None:
+        """Given the other namespaces under the root (measured by the build), trim them
+        to the shared budget and give this namespace's index what is left."""
         if foreign.unreadable:
             where, error = foreign.unreadable[0]
             logger.warning(
@@ -609,6 +690,8 @@ class FileTierManager(OffloadingManager):
         self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain_forgotten(self) -> None:
+        if self._build is not None:
+            self._poll_build()
         reported = self._reports.drain()
         if reported:
             self._unwant(self.index.discard(reported))
@@ -624,30 +707,30 @@ class FileTierManager(OffloadingManager):
         if self.backoff.blocked(key):
             self.index.count_miss()
             return LookupResult.MISS
-        probes = self._probes
-        if probes is not None and key not in self.index:
+        index = self.index
+        if (self.shared or not self._complete) and key not in index:
             self._take_probe_results()
-            if key not in self.index:
-                if probes.known_absent(key):
-                    self.index.count_miss()
+            if key not in index:
+                if self._probes.known_absent(key):
+                    index.count_miss()
                     return LookupResult.MISS
                 return LookupResult.RETRY
-        return self.index.lookup(key)
+        return index.lookup(key)
 
     def _take_probe_results(self) -> None:
-        assert self._prober is not None and self._probes is not None
         results = self._prober.take_results()
         if not results:
             return
+        # Never index a handed-over file, nor one removed while the index is built (its
+        # unlink may not have run when the probe looked).
+        removed = self.index.removed or ()
         found = [(key, size) for key, size in self._probes.answered(results)
-                 if key not in self._handed]
+                 if key not in self._handed and key not in removed]
         change = self.index.add_ready(found)
         self._probe_hits += len(change.keys)
         self._delete(change.victims)
 
     def _flush_probes(self) -> None:
-        if self._prober is None or self._probes is None:
-            return
         self._take_probe_results()
         if self._prober.busy:
             return
@@ -659,8 +742,7 @@ class FileTierManager(OffloadingManager):
     def wait_probes(self) -> None:
         """Block until the probe batch in flight (if any) has answered. For tests and
         tools: the scheduler never blocks."""
-        if self._prober is not None:
-            self._prober.wait()
+        self._prober.wait()
 
     def wait_deletions(self) -> None:
         """Block until every evicted file has been unlinked. For tests and tools."""
@@ -702,9 +784,8 @@ class FileTierManager(OffloadingManager):
                 # Stored anew: its name is the tier's again, never deleted at release.
                 if self._handed.pop(key, None) is not None:
                     self._revived[key] = True
-        if self._probes is not None:
-            for key in change.keys:
-                self._probes.stored(key)
+        for key in change.keys:
+            self._probes.stored(key)
         return change.keys
 
     def _space_admits(self, space: SpaceLatch) -> bool:
@@ -855,8 +936,9 @@ class FileTierManager(OffloadingManager):
         self._flush_probes()
         if self._foreign is not None:
             self._keep_budget()
-        if self.listing is not None:
-            # This tier's keys: indexed, or evicted and kept for the composite.
+        if self.listing is not None and self._complete:
+            # This tier's keys: indexed, or evicted and kept for the composite. While the
+            # index is built the keys it lacks are not others' news.
             self.listing.on_schedule_end((self.index.keys(), self._handed))
 
     # -- the background listing (shared directories, kvtiers.tiers.listing) ----------
@@ -877,23 +959,23 @@ class FileTierManager(OffloadingManager):
         )
 
     def has_pending_work(self) -> bool:
-        if self._prober is None or self._probes is None:
-            return False
         return self._probes.pending or self._prober.busy
 
     def reset_cache(self) -> None:
         """Persistent: stored chunks stay. Only queued probes and remembered probe
         misses are dropped."""
-        if self._probes is not None:
-            self._probes.reset()
+        self._probes.reset()
 
     def clear(self) -> int:
         """Delete every chunk file of this namespace that no job is writing or reading
-        (an operator's wipe, such as SGLang's ``clear``); returns how many. Not counted as
-        evictions."""
+        (an operator's wipe, such as SGLang's ``clear``); returns how many indexed ones.
+        Not counted as evictions. While the index is built, the chunks it finds are
+        deleted when it is done instead of indexed."""
         self._drain_forgotten()
         victims = self.index.clear_ready()
         self._delete(victims)
+        if not self._complete:
+            self._cleared = True
         return len(victims)
 
     def get_stats(self) -> Mapping[str, float]:
@@ -905,7 +987,7 @@ class FileTierManager(OffloadingManager):
         stats["load_failures"] = self.backoff.failures
         stats["unreadable_chunks"] = self.backoff.forgotten
         stats["backing_off"] = len(self.backoff)
-        stats["probes"] = 0 if self._probes is None else self._probes.probes
+        stats["probes"] = self._probes.probes
         stats["probe_hits"] = self._probe_hits
         stats["usage_bytes"] = self.index.usage
         stats["capacity_bytes"] = self.capacity_bytes or 0
@@ -919,11 +1001,37 @@ class FileTierManager(OffloadingManager):
         if self._closed:
             return
         self._closed = True
-        if self._prober is not None:
-            self._prober.close()
+        if self._build is not None:
+            self._build.stop()
+            self._build = None
+        self._prober.close()
         if self.listing is not None:
             self.listing.close()
         # Handed over and never released: nobody reads them any more.
         self._deleter.delete(self._handed.values())
         self._handed.clear()
         self._deleter.close()
+        self._write_snapshot()
+
+    def _write_snapshot(self) -> None:
+        """At a clean shutdown, the snapshot of a complete index when no other tier opened
+        the namespace since this one (:mod:`kvtiers.tiers.file.snapshot`). Not with
+        chunks being stored (their files may land after it) or a failed unlink (a file
+        would stay unindexed): the next start walks."""
+        if self._generation is None or not self._complete:
+            return
+        index = self.index
+        if len(index) != index.ready_count or self._deleter.failures:
+            return
+        if current_generation(self.namespace_dir) != self._generation + 1:
+            return
+        width, key_bytes, lengths, sizes, count = index.export_ready()
+        try:
+            write_snapshot(
+                self.namespace_dir, self.mapper.identity.digest, self._generation + 1, width,
+                key_bytes, lengths, sizes, count, file_mode=self._file_mode,
+                dir_mode=self._dir_mode, root=self.mapper.root,
+            )
+        except OSError as exc:
+            logger.warning("file tier %s: index snapshot not written: %s", self.namespace_dir,
+                           exc)

@@ -1,7 +1,12 @@
 """The manager of an object tier (``s3``, ``fsspec``): an in-memory index of one namespace.
 
-The index is rebuilt at start from one paginated listing of the namespace (sizes, and
-modification times as recency) — never a request per key — and kept in LRU order. It
+The index is rebuilt at start from paginated listings of the namespace (sizes, and
+modification times as recency) — never a request per key — and kept in LRU order. The
+listings run by fan-out prefix (``<namespace>/<hh>/``), several at once, on a thread of
+their own (:mod:`kvtiers.tiers.build`); with ``background_index`` the tier serves
+meanwhile, answering an index miss with a batched existence probe (``RETRY`` until it
+answers) as a shared namespace does, and merges the listings' chunks under what it
+indexed since once they are all in (docs/architecture.md, "Start-up"). It
 never decodes a key's group: a reservation is accounted at ``HEADER_BYTES +
 max_chunk_bytes``, a listed or probed object at its real size. With a ``capacity``
 (bytes) the least recently used ready, unpinned chunks are dropped from the index at once
@@ -14,7 +19,7 @@ Everything here runs on the scheduler thread and never waits for I/O. Work finis
 I/O threads (deletes, existence probes, chunks the mover found corrupt or missing) comes
 back through thread-safe queues drained at the start of the next call.
 
-The index is a :class:`~kvtiers.tiers.index.ChunkIndex`. ``shared: true`` is for
+The index is a :class:`~kvtiers.tiers.compact.CompactChunkIndex`. ``shared: true`` is for
 namespaces other engines write into: an index miss is booked in a
 :class:`~kvtiers.tiers.probe.ProbeBook` for a batched existence probe (sent in
 :meth:`on_schedule_end`) and answers ``RETRY`` until it resolves to ``HIT`` or ``MISS``;
@@ -31,11 +36,13 @@ promotion per key per back-off period, and the key is served again once it is ba
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Any
 
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.keys import OffloadKey
@@ -58,10 +65,16 @@ from kvtiers.tiers.backoff import (
     LoadBackoff,
     MoverReports,
 )
-from kvtiers.tiers.index import ChunkIndex
+from kvtiers.tiers.build import IndexBuild
+from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
+
+logger = logging.getLogger(__name__)
+
+#: Prefix listings running at once while the index is built.
+DEFAULT_LIST_THREADS = 8
 
 
 class ObjectTierManager(OffloadingManager):
@@ -94,6 +107,9 @@ class ObjectTierManager(OffloadingManager):
         list_interval_s: float | None = None,
         list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
         summary_interval_s: float | None = None,
+        background_index: bool = False,
+        list_threads: int = DEFAULT_LIST_THREADS,
+        before_list_part: Callable[[int], None] | None = None,
     ) -> None:
         if list_interval_s is not None and not shared:
             raise ValueError("a namespace listing is for shared namespaces; set shared")
@@ -105,11 +121,12 @@ class ObjectTierManager(OffloadingManager):
         self.capacity_bytes = capacity_bytes
         self.shared = shared
         where = backend.store.describe(backend.namespace_prefix)
-        self.index = ChunkIndex(
+        self.index = CompactChunkIndex(
             capacity_bytes, tier=f"the object tier at {where}", medium=self.medium,
             locality=self.locality,
         )
-        self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock) if shared else None
+        # Index misses are probed in a shared namespace, and in any while the index is built.
+        self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock)
         self.backoff = LoadBackoff(
             tier=f"object tier at {where}", base_s=load_backoff_s, max_s=load_backoff_max_s,
             clock=clock,
@@ -124,7 +141,16 @@ class ObjectTierManager(OffloadingManager):
         self._background: list[Future[None]] = []
         self._closed = False
         backend.open_namespace()
-        self._rebuild()
+        self._complete = False
+        self.index_build_s: float | None = None
+        self.index.removed = set()
+        self._build: IndexBuild[PackedChunks] | None = IndexBuild(
+            lambda build: self._list_chunks(build, list_threads, before_list_part),
+            name="kvtiers-object-index",
+        )
+        if not background_index:
+            self._build.done.wait()
+            self._poll_build()
         self.summary: SummaryWriter | None = None
         self.listing: SharedListing | None = None
         if list_interval_s is not None:
@@ -142,21 +168,68 @@ class ObjectTierManager(OffloadingManager):
     @property
     def negative_ttl_s(self) -> float | None:
         """How long a probe's negative answer is trusted; ``None`` unless ``shared``."""
-        return None if self._probes is None else self._probes.negative_ttl_s
+        return self._probes.negative_ttl_s if self.shared else None
+
+    @property
+    def index_complete(self) -> bool:
+        """Whether every chunk listed at start is indexed (the build was merged)."""
+        return self._complete
 
     # -- start-up -------------------------------------------------------------------
-    def _rebuild(self) -> None:
-        """Index every chunk object of the namespace, oldest modification first."""
-        found = []
-        for info in self.backend.retrier.call(
-            lambda: list(self.backend.store.list(self.backend.namespace_prefix + "/")),
-            bounded=False,  # one listing is many pages; each is bounded by the store
-        ):
-            key = self.backend.key_of(info.name)
-            if key is not None:
-                found.append((info.mtime, info.name, key, info.size))
+    def _list_chunks(
+        self, build: IndexBuild[Any], threads: int, before_part: Callable[[int], None] | None
+    ) -> PackedChunks:
+        """The build's work (its own thread): every chunk object of the namespace, oldest
+        modification first (then by name), listed by fan-out prefix, ``threads`` prefixes
+        at once; the objects outside them (manifest, summary) are no chunks."""
+        backend = self.backend
+        base = backend.namespace_prefix + "/"
+        prefixes = [f"{base}{i:02x}/" for i in range(256)]
+
+        def one(i: int) -> list[tuple[float, str, OffloadKey, int]]:
+            if build.stopping:
+                return []
+            if before_part is not None:
+                before_part(i)
+            found = []
+            for info in backend.retrier.call(
+                lambda: list(backend.store.list(prefixes[i])),
+                bounded=False,  # one listing is many pages; each is bounded by the store
+            ):
+                key = backend.key_of(info.name)
+                if key is not None:
+                    found.append((info.mtime, info.name, key, info.size))
+            build.part_done()
+            return found
+
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtiers-object-list") as pool:
+            found = [item for part in pool.map(one, range(len(prefixes))) for item in part]
         found.sort()
-        self._delete(self.index.add_ready((key, size) for _, _, key, size in found).victims)
+        return PackedChunks.pack([key for _, _, key, _ in found], [size for *_, size in found])
+
+    def _poll_build(self) -> None:
+        """Merge the build once it is done (scheduler's thread; O(1) until then)."""
+        build = self._build
+        if build is None or not build.done.is_set():
+            return
+        self._build = None
+        index = self.index
+        gone = index.removed or set()
+        index.removed = None
+        if build.error is not None or build.result is None:
+            logger.error("%s: the index could not be built (%s); index misses stay probed",
+                         index.tier, build.error)
+            return
+        # Listed chunks are least recently used, by mtime; beyond capacity the oldest go.
+        self._delete(index.merge_oldest(build.result, gone).victims)
+        self._complete = True
+        self.index_build_s = build.elapsed_s
+
+    def wait_index(self) -> None:
+        """Block until the index is built, then merge it. For tests and tools."""
+        if self._build is not None:
+            self._build.done.wait()
+            self._poll_build()
 
     # -- messages from I/O threads --------------------------------------------------
     def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
@@ -176,21 +249,27 @@ class ObjectTierManager(OffloadingManager):
         self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain(self) -> None:
+        if self._build is not None:
+            self._poll_build()
         while not self._deleted.empty():
             self._deleting.discard(self._deleted.get())
         reported = self._reports.drain()
         if reported:
             self.index.discard(reported)
-        if self._probes is None or self._probed.empty():
+        if self._probed.empty():
             return
         answers = []
         while not self._probed.empty():
             answers.append(self._probed.get())
         found = self._probes.answered(answers)
         # A closed tier takes no new entries: it could not delete any to stay in capacity.
+        # Never one removed while the index is built (its delete may not have run when the
+        # probe looked).
         if found and not self._closed:
+            removed = self.index.removed or ()
             change = self.index.add_ready(
-                (key, size) for key, size in found if key not in self._deleting
+                (key, size) for key, size in found
+                if key not in self._deleting and key not in removed
             )
             self._delete(change.victims)
 
@@ -200,10 +279,13 @@ class ObjectTierManager(OffloadingManager):
         if self.backoff.blocked(key):
             self.index.count_miss()
             return LookupResult.MISS
-        probes = self._probes
-        if probes is not None and key not in self.index and not probes.known_absent(key):
+        index = self.index
+        if (self.shared or not self._complete) and key not in index:
+            if self._probes.known_absent(key):
+                index.count_miss()
+                return LookupResult.MISS
             return LookupResult.RETRY
-        return self.index.lookup(key)
+        return index.lookup(key)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
@@ -219,9 +301,8 @@ class ObjectTierManager(OffloadingManager):
         if change is None:
             return None
         self._delete(change.victims)
-        if self._probes is not None:
-            for key in change.keys:
-                self._probes.stored(key)
+        for key in change.keys:
+            self._probes.stored(key)
         return change.keys
 
     def _delete(self, victims: list[OffloadKey]) -> None:
@@ -287,10 +368,10 @@ class ObjectTierManager(OffloadingManager):
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain()
         self._background = [f for f in self._background if not f.done()]
-        if self.listing is not None and not self._closed:
+        if self.listing is not None and not self._closed and self._complete:
             # This tier's keys: indexed, or being deleted by it.
             self.listing.on_schedule_end((self.index.keys(), self._deleting))
-        if self._probes is None or self._closed:
+        if self._closed:
             return
         batch = self._probes.take_batch()
         if not batch:
@@ -334,14 +415,13 @@ class ObjectTierManager(OffloadingManager):
         wait(self._background)
 
     def has_pending_work(self) -> bool:
-        return self._probes is not None and self._probes.pending
+        return self._probes.pending
 
     # -- the rest -------------------------------------------------------------------
     def reset_cache(self) -> None:
         """Persistent: the chunks stay; only queued probes and remembered probe misses
         are dropped."""
-        if self._probes is not None:
-            self._probes.reset()
+        self._probes.reset()
 
     def clear(self) -> int:
         """Delete every stored object of this namespace that no job is writing or
@@ -356,7 +436,7 @@ class ObjectTierManager(OffloadingManager):
         self._drain()
         stats: dict[str, float] = dict(self.index.stats())
         stats["forgotten"] = stats.pop("discarded")
-        stats["probes"] = 0 if self._probes is None else self._probes.probes
+        stats["probes"] = self._probes.probes
         with self._vanished_lock:
             stats["vanished_chunks"] = self._vanished
         stats["usage_bytes"] = self.index.usage
@@ -376,6 +456,9 @@ class ObjectTierManager(OffloadingManager):
         if self._closed:
             return
         self._closed = True
+        if self._build is not None:
+            self._build.stop()
+            self._build = None
         if self.listing is not None:
             self.listing.close()
         self.backend.close()

@@ -1,0 +1,478 @@
+"""Start-up and index memory of the persistent tiers at millions of chunks.
+
+For each size N, the file tier opens a namespace of N chunk files (empty files with chunk
+names, as ``bench_file.py``'s rebuild case makes them) with ``background_index``, in a
+process of its own, and a scheduler loop (one step every 10 ms) looks up a sample of keys
+that are there (spread over the whole namespace, so most lie beyond the walk's position)
+and keys that are not, until the index is complete. Recorded:
+
+- ``first_s``: from the start of the constructor to the first lookup answered ``HIT`` or
+  ``MISS`` (``RETRY`` answers come before it: the probe's round trip);
+- ``full_s``: to the index complete (the walk merged); with a snapshot the same for a
+  restart after a clean shutdown;
+- ``wrong``: answers that disagreed with the disk (``HIT`` for an absent key, ``MISS``
+  for a present one) and ``answers``: the definitive answers checked; ``max_call_ms``:
+  the longest single lookup call during the build;
+- ``index_bytes``: the packed arrays' allocation a chunk
+  (:meth:`~kvtiers.tiers.compact.CompactChunkIndex.resident_bytes`), and ``rss_bytes``:
+  the process's resident set growth a chunk from before the constructor to after the
+  merge (announcement taken, garbage collected);
+- ``hit_ns`` / ``miss_ns``: the manager's ``lookup`` per call once the index is complete.
+
+The index alone (``ChunkIndex`` against ``CompactChunkIndex``, N keys added, in a process
+each) gives bytes a chunk and ``lookup`` per call side by side. SeaweedFS (``weed mini``)
+opens a bucket namespace of ``--s3-objects`` objects the same way (listings by prefix),
+beside the blocking start (one listing, as before).
+
+Run: ``.venv/bin/python benchmarks/bench_scale.py [--data DIR] [--sizes 100000,1000000]
+[--s3-objects 100000]``. Chunk trees are made under ``--data`` once and reused (delete
+them afterwards). Writes ``benchmarks/results/scale.{md,json,png}`` unless
+``--no-write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import xxhash
+from machine import cores, cpu_model, load_average
+
+from kvtiers.core.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+)
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.keys import OffloadKey, make_offload_key
+from kvtiers.core.manager import LookupResult, Medium, ReqContext, ScheduleEndContext
+from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
+from kvtiers.tiers.file.manager import FileTierManager
+
+RESULTS = Path(__file__).parent / "results"
+CTX = ReqContext(req_id="bench-scale")
+END = ScheduleEndContext()
+SAMPLE = 200
+STEP_S = 0.01
+TARGET_FIRST_S = 1.0
+TARGET_FULL_3M_S = 15.0
+TARGET_SNAPSHOT_3M_S = 3.0
+TARGET_BYTES = 100
+
+
+def _config() -> OffloadingConfig:
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(16, ("layers",), 4096),),
+        model=OffloadingModelConfig(name="bench/scale"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16),
+    )
+
+
+def key_of(i: int) -> OffloadKey:
+    return make_offload_key(xxhash.xxh3_128_digest(f"scale:{i}".encode()), 0)
+
+
+def absent_key(i: int) -> OffloadKey:
+    return make_offload_key(xxhash.xxh3_128_digest(f"absent:{i}".encode()), 0)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def make_tree(root: Path, n: int) -> None:
+    """``n`` empty chunk files under ``root``'s namespace (skipped when complete)."""
+    marker = root / f".complete-{n}"
+    if marker.exists():
+        return
+    identity = NamespaceIdentity.from_config(_config())
+    mapper = FileMapper(root, identity)
+    open_namespace(root, identity)
+    made: set[Path] = set()
+    for i in range(n):
+        path = mapper.path(key_of(i))
+        if path.parent not in made:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            made.add(path.parent)
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+    marker.touch()
+
+
+def serve_during_build(
+    lookup: Callable[[OffloadKey], LookupResult], end_step: Callable[[], None],
+    complete: Callable[[], bool], present: list[OffloadKey], absent: list[OffloadKey],
+    start: float,
+) -> dict[str, Any]:
+    """The scheduler loop: one lookup per sampled key a step until the index is complete."""
+    first_s = None
+    answers = wrong = retries = 0
+    max_call = 0.0
+    pending = [(key, True) for key in present] + [(key, False) for key in absent]
+    random.Random(1).shuffle(pending)
+    while True:
+        for key, there in pending[:64]:
+            t = time.perf_counter()
+            result = lookup(key)
+            max_call = max(max_call, time.perf_counter() - t)
+            if result is LookupResult.RETRY:
+                retries += 1
+                continue
+            if first_s is None:
+                first_s = time.perf_counter() - start
+            answers += 1
+            wrong += (result is LookupResult.HIT) != there
+        pending = pending[64:] + pending[:64]
+        end_step()
+        if complete():
+            break
+        time.sleep(STEP_S)
+    return {"first_s": first_s, "full_s": time.perf_counter() - start, "answers": answers,
+            "wrong": wrong, "retries": retries, "max_call_ms": max_call * 1e3}
+
+
+def per_call_ns(lookup: Callable[[OffloadKey], LookupResult], keys: list[OffloadKey],
+                rounds: int = 50) -> float:
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for key in keys:
+            lookup(key)
+    return (time.perf_counter() - start) / (rounds * len(keys)) * 1e9
+
+
+def one_file(root: Path, n: int) -> dict[str, Any]:
+    """One start of the file tier over ``root`` (a subprocess's work)."""
+    rng = random.Random(n)
+    present = [key_of(rng.randrange(n)) for _ in range(SAMPLE)]
+    absent = [absent_key(i) for i in range(SAMPLE)]
+    identity = NamespaceIdentity.from_config(_config())
+    mapper = FileMapper(root, identity)
+    geometry = ChunkGeometry.from_config(_config())
+    gc.collect()
+    before = rss()
+    start = time.perf_counter()
+    manager = FileTierManager(mapper, geometry, background_index=True)
+    ctor_s = time.perf_counter() - start
+    out = serve_during_build(
+        lambda key: manager.lookup(key, CTX), lambda: manager.on_schedule_end(END),
+        lambda: manager.index_complete, present, absent, start,
+    )
+    out["ctor_s"] = ctor_s
+    out["source"] = manager.index_source
+    out["chunks"] = int(manager.get_stats()["chunks"])
+    manager.take_events()
+    gc.collect()
+    out["index_bytes"] = manager.index.resident_bytes() / n
+    out["rss_bytes"] = (rss() - before) / n
+    out["hit_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), present)
+    out["miss_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), absent)
+    start = time.perf_counter()
+    manager.shutdown()
+    out["shutdown_s"] = time.perf_counter() - start
+    return out
+
+
+def one_before(root: Path, n: int) -> dict[str, Any]:
+    """The blocking start of a kvtiers checkout from before the background index (the
+    ``--baseline`` checkout): constructor time, RSS growth, lookups per call."""
+    rng = random.Random(n)
+    present = [key_of(rng.randrange(n)) for _ in range(SAMPLE)]
+    absent = [absent_key(i) for i in range(SAMPLE)]
+    mapper = FileMapper(root, NamespaceIdentity.from_config(_config()))
+    gc.collect()
+    before = rss()
+    start = time.perf_counter()
+    manager = FileTierManager(mapper, ChunkGeometry.from_config(_config()))
+    ctor_s = time.perf_counter() - start
+    manager.take_events()
+    gc.collect()
+    out = {"ctor_s": ctor_s, "rss_bytes": (rss() - before) / n,
+           "chunks": int(manager.get_stats()["chunks"]),
+           "hit_ns": per_call_ns(lambda key: manager.lookup(key, CTX), present),
+           "miss_ns": per_call_ns(lambda key: manager.lookup(key, CTX), absent)}
+    manager.shutdown()
+    return out
+
+
+def one_index(kind: str, n: int) -> dict[str, Any]:
+    """The index alone: ``n`` keys added, bytes a chunk and lookups per call."""
+    from kvtiers.tiers.compact import CompactChunkIndex
+    from kvtiers.tiers.index import ChunkIndex
+
+    cls = CompactChunkIndex if kind == "compact" else ChunkIndex
+    gc.collect()
+    before = rss()
+    index = cls(None, tier="bench", medium=Medium.STORAGE)
+    index.add_ready((key_of(i), 4096) for i in range(n))
+    index.take_events()
+    gc.collect()
+    grown = rss() - before
+    rng = random.Random(n)
+    present = [key_of(rng.randrange(n)) for _ in range(SAMPLE)]
+    absent = [absent_key(i) for i in range(SAMPLE)]
+    return {"rss_bytes": grown / n, "hit_ns": per_call_ns(index.lookup, present),
+            "miss_ns": per_call_ns(index.lookup, absent)}
+
+
+def subprocess_json(*args: str, env: Path | None = None) -> dict[str, Any]:
+    """This script's ``args`` in a process of its own (with ``env``: importing kvtiers
+    from that checkout), its last output line as JSON."""
+    environ = dict(os.environ)
+    if env is not None:
+        environ["PYTHONPATH"] = str(env)
+    run = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True,
+                         check=False, env=environ)
+    if run.returncode:
+        raise SystemExit(f"bench_scale {' '.join(args)} failed:\n{run.stderr}")
+    return dict(json.loads(run.stdout.strip().splitlines()[-1]))
+
+
+def bench_file(data: Path, n: int, baseline: Path | None) -> dict[str, Any]:
+    root = data / f"n{n}"
+    made = time.perf_counter()
+    make_tree(root, n)
+    made_s = time.perf_counter() - made
+    from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME
+
+    namespace_dir = FileMapper(root, NamespaceIdentity.from_config(_config())).namespace_dir
+    (namespace_dir / SNAPSHOT_NAME).unlink(missing_ok=True)
+    row: dict[str, Any] = {"n": n, "make_s": made_s}
+    if baseline is not None:
+        row["before"] = subprocess_json("--one-before", str(root), str(n), env=baseline)
+    row["walk"] = subprocess_json("--one-file", str(root), str(n))
+    row["snapshot"] = subprocess_json("--one-file", str(root), str(n))
+    return row
+
+
+def bench_s3(objects: int) -> dict[str, Any]:
+    """SeaweedFS: ``objects`` objects, a background start against the blocking one."""
+    from bench_s3 import BUCKET, RawSide, Server
+
+    from kvtiers.tiers.object.backend import ObjectBackend
+    from kvtiers.tiers.object.manager import ObjectTierManager
+
+    scratch = Path(tempfile.mkdtemp(prefix="kvtiers-scale-s3-"))
+    server = Server("seaweedfs", scratch)
+    try:
+        server.reset()
+        identity = NamespaceIdentity.from_config(_config())
+        store = server.store(8)
+        namer = ObjectBackend(store, identity, prefix="scale", threads=1)
+        namer.open_namespace()
+        names = [namer.object_key(key_of(i)) for i in range(objects)]
+        namer.stop_threads()
+        creator = RawSide(server, 16)
+        start = time.perf_counter()
+        creator.put(names, [b"c" * 64] * objects, {})
+        create_s = time.perf_counter() - start
+        creator.close()
+        rng = random.Random(objects)
+        present = [key_of(rng.randrange(objects)) for _ in range(SAMPLE)]
+        absent = [absent_key(i) for i in range(SAMPLE)]
+
+        gc.collect()
+        before = rss()
+        start = time.perf_counter()
+        backend = ObjectBackend(store, identity, prefix="scale", threads=8)
+        manager = ObjectTierManager(backend, max_chunk_bytes=4096, background_index=True)
+        ctor_s = time.perf_counter() - start
+        out = serve_during_build(
+            lambda key: manager.lookup(key, CTX), lambda: manager.on_schedule_end(END),
+            lambda: manager.index_complete, present, absent, start,
+        )
+        out["ctor_s"] = ctor_s
+        out["chunks"] = int(manager.get_stats()["chunks"])
+        manager.take_events()
+        gc.collect()
+        out["index_bytes"] = manager.index.resident_bytes() / objects
+        out["rss_bytes"] = (rss() - before) / objects
+        out["hit_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), present)
+        out["miss_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), absent)
+        backend.stop_threads()
+        manager.shutdown()
+        start = time.perf_counter()
+        backend = ObjectBackend(store, identity, prefix="scale", threads=8)
+        blocking = ObjectTierManager(backend, max_chunk_bytes=4096, list_threads=1)
+        out["blocking_one_lister_s"] = time.perf_counter() - start
+        backend.stop_threads()
+        blocking.shutdown()
+        out["objects"] = objects
+        out["create_s"] = create_s
+        out["bucket"] = BUCKET
+        return out
+    finally:
+        server.stop()
+
+
+def render(report: dict[str, Any]) -> str:
+    lines = [
+        "# Start-up and index memory at scale",
+        "",
+        f"Machine: {report['machine']}",
+        "",
+        f"Command: `{report['command']}`. Each file-tier start runs in a process of its own; "
+        "a scheduler loop looks up 200 present keys (random over the namespace) and 200 "
+        "absent ones, one step every 10 ms, until the index is complete. Targets: first "
+        f"lookup <= {TARGET_FIRST_S:g} s at every N; full index of 3M file chunks <= "
+        f"{TARGET_FULL_3M_S:g} s (<= {TARGET_SNAPSHOT_3M_S:g} s from a snapshot); <= "
+        f"{TARGET_BYTES} B a chunk; no wrong answer.",
+        "",
+        "| tier | chunks | start | constructor | first lookup | full index | answers "
+        "(wrong) | longest call | index B/chunk | RSS B/chunk | hit / miss per call |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in report["file"]:
+        if "before" in row:
+            b = row["before"]
+            lines.append(
+                f"| file, before | {row['n']:,} | walk, blocking | {b['ctor_s']:.2f} s | "
+                f"{b['ctor_s']:.2f} s | {b['ctor_s']:.2f} s | n/a | "
+                f"{b['ctor_s'] * 1e3:.0f} ms | n/a | "
+                f"{b['rss_bytes']:.0f} | {b['hit_ns'] / 1e3:.1f} / {b['miss_ns'] / 1e3:.1f} µs |"
+            )
+        for phase in ("walk", "snapshot"):
+            r = row[phase]
+            lines.append(
+                f"| file | {row['n']:,} | {r['source']} | {r['ctor_s']:.3f} s | "
+                f"{r['first_s']:.3f} s | {r['full_s']:.2f} s | {r['answers']} ({r['wrong']}) | "
+                f"{r['max_call_ms']:.1f} ms | {r['index_bytes']:.0f} | {r['rss_bytes']:.0f} | "
+                f"{r['hit_ns'] / 1e3:.1f} / {r['miss_ns'] / 1e3:.1f} µs |"
+            )
+    s3 = report.get("s3")
+    if s3:
+        lines.append(
+            f"| s3 (SeaweedFS) | {s3['objects']:,} | listings by prefix | {s3['ctor_s']:.3f} s | "
+            f"{s3['first_s']:.3f} s | {s3['full_s']:.2f} s | {s3['answers']} ({s3['wrong']}) | "
+            f"{s3['max_call_ms']:.1f} ms | {s3['index_bytes']:.0f} | {s3['rss_bytes']:.0f} | "
+            f"{s3['hit_ns'] / 1e3:.1f} / {s3['miss_ns'] / 1e3:.1f} µs |"
+        )
+    lines += ["", "The index alone (N keys added; RSS growth a chunk; `lookup` per call):", "",
+              "| keys | ChunkIndex B/chunk | CompactChunkIndex B/chunk | ChunkIndex hit / miss "
+              "| CompactChunkIndex hit / miss |", "|---:|---:|---:|---:|---:|"]
+    for row in report["index"]:
+        old, new = row["dict"], row["compact"]
+        lines.append(
+            f"| {row['n']:,} | {old['rss_bytes']:.0f} | {new['rss_bytes']:.0f} | "
+            f"{old['hit_ns']:.0f} / {old['miss_ns']:.0f} ns | "
+            f"{new['hit_ns']:.0f} / {new['miss_ns']:.0f} ns |"
+        )
+    if s3:
+        lines += ["", f"SeaweedFS: {s3['objects']:,} objects created in {s3['create_s']:.0f} s; "
+                  f"the blocking start with one lister at a time took "
+                  f"{s3['blocking_one_lister_s']:.2f} s."]
+    if "reused" in report:
+        lines += ["", report["reused"]]
+    lines += ["", "![start-up against N](scale.png)", ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = report["file"]
+    ns = [row["n"] for row in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(ns, [r["walk"]["first_s"] for r in rows], "o-", label="first lookup (walk)")
+    left.plot(ns, [r["walk"]["full_s"] for r in rows], "s-", label="full index (walk)")
+    left.plot(ns, [r["snapshot"]["full_s"] for r in rows], "^-",
+              label="full index (snapshot)")
+    left.axhline(TARGET_FIRST_S, color="grey", linestyle=":", label="first-lookup target")
+    left.set_xscale("log")
+    left.set_xlabel("chunks")
+    left.set_ylabel("seconds from start")
+    left.legend(fontsize=8)
+    right.plot(ns, [r["walk"]["index_bytes"] for r in rows], "o-", label="index arrays")
+    right.plot(ns, [r["walk"]["rss_bytes"] for r in rows], "s-", label="RSS growth")
+    right.axhline(TARGET_BYTES, color="grey", linestyle=":", label="target")
+    right.set_xscale("log")
+    right.set_xlabel("chunks")
+    right.set_ylabel("bytes a chunk")
+    right.legend(fontsize=8)
+    fig.suptitle("file tier start-up (2 shared cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", type=Path, default=None)
+    parser.add_argument("--sizes", default="100000,1000000,3000000")
+    parser.add_argument("--index-sizes", default="1000000")
+    parser.add_argument("--s3-objects", type=int, default=0)
+    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--one-file", nargs=2, metavar=("ROOT", "N"))
+    parser.add_argument("--one-index", nargs=2, metavar=("KIND", "N"))
+    parser.add_argument("--one-before", nargs=2, metavar=("ROOT", "N"))
+    parser.add_argument("--baseline", type=Path, default=None,
+                        help="a checkout from before the background index, measured too")
+    parser.add_argument("--reuse", type=Path, default=None,
+                        help="an earlier scale.json whose before and SeaweedFS rows are "
+                             "kept where this run does not measure them")
+    args = parser.parse_args()
+    if args.one_file:
+        print(json.dumps(one_file(Path(args.one_file[0]), int(args.one_file[1]))))
+        return 0
+    if args.one_before:
+        print(json.dumps(one_before(Path(args.one_before[0]), int(args.one_before[1]))))
+        return 0
+    if args.one_index:
+        print(json.dumps(one_index(args.one_index[0], int(args.one_index[1]))))
+        return 0
+    data = args.data or Path(tempfile.mkdtemp(prefix="kvtiers-scale-"))
+    report: dict[str, Any] = {"file": [], "index": []}
+    earlier = json.loads(args.reuse.read_text()) if args.reuse else None
+    for n in (int(s) for s in args.sizes.split(",") if s):
+        row = bench_file(data, n, args.baseline)
+        if earlier is not None and "before" not in row:
+            old = [r["before"] for r in earlier["file"] if r["n"] == n and "before" in r]
+            if old:
+                row["before"] = old[0]
+        print(json.dumps(row), flush=True)
+        report["file"].append(row)
+    for n in (int(s) for s in args.index_sizes.split(",") if s):
+        row = {"n": n, "dict": subprocess_json("--one-index", "dict", str(n)),
+               "compact": subprocess_json("--one-index", "compact", str(n))}
+        print(json.dumps(row), flush=True)
+        report["index"].append(row)
+    if args.s3_objects:
+        report["s3"] = bench_s3(args.s3_objects)
+        print(json.dumps(report["s3"]), flush=True)
+    elif earlier is not None and "s3" in earlier:
+        report["s3"] = earlier["s3"]
+    if earlier is not None:
+        report["reused"] = (f"The before rows and the SeaweedFS row are from the run of "
+                            f"{earlier['machine'].split(';')[0]} (same code for the tiers' "
+                            "listings; this run re-measured the rest).")
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    report["machine"] = (
+        f"{now}; CPU {cpu_model()}, {cores()} cores; Python {platform.python_version()}; "
+        f"load average at the end {load_average()}"
+    )
+    report["command"] = "benchmarks/bench_scale.py " + " ".join(sys.argv[1:])
+    if not args.no_write:
+        RESULTS.mkdir(exist_ok=True)
+        (RESULTS / "scale.json").write_text(json.dumps(report, indent=1) + "\n")
+        (RESULTS / "scale.md").write_text(render(report))
+        plot(report, RESULTS / "scale.png")
+    print(render(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,732 @@
+"""A chunk index for millions of chunks: :class:`CompactChunkIndex`, the rules of
+:class:`~kvtiers.tiers.index.ChunkIndex` kept in packed arrays instead of one Python
+object per key.
+
+A ``ChunkIndex`` entry costs about 360 bytes (the key's ``bytes`` object, an
+``OrderedDict`` node, a ``ChunkEntry``); here a chunk costs its key's bytes plus about 30
+(20-byte keys: about 60 bytes a chunk). The layout, one *slot* per indexed key:
+
+- the keys, each padded to the widest key seen, in one ``bytearray``, with their lengths;
+- each key's ``hash()`` (low 32 bits), its size, its state (free, ``WRITING``, ``READY``)
+  and its place in the recency log;
+- an open-addressing table (linear probing, a power of two, at most half full counting
+  removed cells: a miss probes about 2.5 cells) from hash to slot;
+- the recency log: slots in the order they were last made most recent. Moving a key to
+  the most recent end appends its slot and records the new place; an older place is stale
+  (the slot's recorded place differs) and is skipped by every walk. The log is compacted
+  when stale places outnumber live ones, so it holds at most about twice the keys.
+
+Pins and keys waiting to be discarded are few and held in small dicts, and so are the
+slots of the keys looked up last, -1 for those absent (at most :data:`HOT_KEYS`; a key
+leaves it when its slot is freed or it is indexed): a lookup of a key the scheduler asked
+about lately costs one dict probe, as with ``ChunkIndex``. Every operation
+answers exactly as ``ChunkIndex`` does (tests/test_chunk_index.py runs one model against
+both), so eviction order, hit rate and events are the same.
+
+:meth:`CompactChunkIndex.merge_oldest` takes in a :class:`PackedChunks` built off the
+scheduler's thread (a background rebuild, :mod:`kvtiers.tiers.rebuild`) as the least
+recently used entries, under everything indexed since: the scheduler's thread then does
+work in proportion to the keys it indexed meanwhile, not to the chunks found.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import Counter
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
+from kvtiers.errors import UnknownKeyError
+from kvtiers.tiers.index import ChunkEntry, ChunkState, IndexChange
+
+_FREE, _WRITING, _READY = 0, 1, 2
+_EMPTY, _REMOVED = -1, -2
+_HASH_MASK = 0xFFFFFFFF
+_MIN_TABLE = 16
+_STATES = {_WRITING: ChunkState.WRITING, _READY: ChunkState.READY}
+#: Keys whose slots the index remembers from lookups (dropped all at once beyond it).
+HOT_KEYS = 16384
+
+
+def _hash32(key: bytes) -> int:
+    return hash(key) & _HASH_MASK
+
+
+def _table_size(count: int) -> int:
+    """The smallest power of two that holds ``count`` keys at most a third full (it is
+    rebuilt at half full)."""
+    size = _MIN_TABLE
+    while size < 3 * count:
+        size *= 2
+    return size
+
+
+def _iota(count: int) -> array:
+    """``array("i", range(count))``, built in one step."""
+    out = array("i")
+    out.frombytes(np.arange(count, dtype=np.int32).tobytes())
+    return out
+
+
+def build_table(hashes: np.ndarray, slots: np.ndarray, size: int) -> array:
+    """A linear-probing table of ``size`` cells (a power of two) holding ``slots`` under
+    their ``hashes``, vectorised: each round places, for every free cell wanted, the first
+    slot that wants it, and moves every slot left on by one cell. A slot only moves past
+    an occupied cell and cells never empty, so each slot's probe from its home cell meets
+    no empty cell before it, as a lookup needs."""
+    table = np.full(size, _EMPTY, dtype=np.int32)
+    mask = size - 1
+    place = (hashes.astype(np.int64) & mask)
+    waiting = np.arange(len(slots))
+    while waiting.size:
+        cells = place[waiting]
+        free = table[cells] == _EMPTY
+        cells_free = cells[free]
+        if cells_free.size:
+            taken, first = np.unique(cells_free, return_index=True)
+            winners = waiting[free][first]
+            table[taken] = slots[winners]
+            placed = np.zeros(len(place), dtype=bool)
+            placed[winners] = True
+            waiting = waiting[~placed[waiting]]
+        place[waiting] = (place[waiting] + 1) & mask
+    out = array("i")
+    out.frombytes(table.tobytes())
+    return out
+
+
+@dataclass
+class PackedChunks:
+    """Chunks found in the medium, oldest first, packed for
+    :meth:`CompactChunkIndex.merge_oldest`; built off the scheduler's thread by
+    :meth:`pack`. ``keys`` holds them as ``bytes`` for the merge's announcement."""
+
+    width: int
+    key_bytes: bytearray
+    lengths: array
+    hashes: array
+    sizes: array
+    table: array
+    keys: list[OffloadKey]
+
+    @classmethod
+    def pack(cls, keys: Sequence[OffloadKey], sizes: Sequence[int]) -> PackedChunks:
+        """Pack distinct ``keys`` (oldest first) with their ``sizes``."""
+        width = max((len(key) for key in keys), default=0)
+        if all(len(key) == width for key in keys):
+            key_bytes = bytearray(b"".join(keys))
+        else:
+            key_bytes = bytearray(b"".join(key.ljust(width, b"\0") for key in keys))
+        lengths = array("H", [len(key) for key in keys]) if keys else array("H")
+        hashes = array("I", [hash(key) & _HASH_MASK for key in keys])
+        packed_sizes = array("q", sizes)
+        count = len(keys)
+        table = build_table(
+            np.frombuffer(hashes, dtype=np.uint32) if count else np.zeros(0, np.uint32),
+            np.arange(count, dtype=np.int32), _table_size(count),
+        )
+        return cls(width, key_bytes, lengths, hashes, packed_sizes, table, list(keys))
+
+    @classmethod
+    def from_arrays(
+        cls, width: int, key_bytes: bytearray, lengths: array, sizes: array,
+        keys: list[OffloadKey],
+    ) -> PackedChunks:
+        """Pack chunks already laid out (a snapshot): ``keys`` as ``bytes`` too (their
+        hashes are taken from them)."""
+        hashes = array("I", [hash(key) & _HASH_MASK for key in keys])
+        count = len(keys)
+        table = build_table(
+            np.frombuffer(hashes, dtype=np.uint32) if count else np.zeros(0, np.uint32),
+            np.arange(count, dtype=np.int32), _table_size(count),
+        )
+        return cls(width, key_bytes, lengths, hashes, sizes, table, keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+class _Keys(Collection[OffloadKey]):
+    """A live, read-only view of the indexed keys (least recently used first)."""
+
+    def __init__(self, index: CompactChunkIndex) -> None:
+        self._index = index
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._index
+
+    def __iter__(self) -> Iterator[OffloadKey]:
+        index = self._index
+        return (index._key(slot) for slot in index._order())
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+class CompactChunkIndex:
+    """:class:`~kvtiers.tiers.index.ChunkIndex`'s contract over packed arrays; see the
+    module docstring. :meth:`get` and :meth:`items` answer with new
+    :class:`~kvtiers.tiers.index.ChunkEntry` objects (copies)."""
+
+    def __init__(
+        self,
+        capacity: int | None,
+        *,
+        tier: str,
+        medium: Medium,
+        locality: Locality | None = None,
+    ) -> None:
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"{tier}: capacity must be positive or None, got {capacity}")
+        self.capacity = capacity
+        self.tier = tier
+        self.medium = medium
+        self.locality = locality
+        self.usage = 0
+        self.ready_count = 0
+        self._counters = dict.fromkeys(
+            ("hits", "misses", "stores", "store_failures", "evictions", "loads", "discarded"), 0
+        )
+        self._events: list[OffloadingEvent] = []
+        #: When a set, every key leaving the index otherwise than by a failed store is
+        #: added to it (a background rebuild's keys that are gone; see merge_oldest).
+        self.removed: set[OffloadKey] | None = None
+        self._reset_storage()
+
+    def _reset_storage(self) -> None:
+        self._width = 0
+        self._key_bytes = bytearray()
+        self._lengths = array("H")
+        self._hashes = array("I")
+        self._sizes = array("q")
+        self._states = bytearray()
+        self._places = array("i")
+        self._free = array("i")
+        self._log = array("i")
+        self._head = 0
+        self._live = 0
+        self._table = array("i", [_EMPTY]) * _MIN_TABLE
+        self._mask = _MIN_TABLE - 1
+        self._filled = 0  # live cells and removed ones
+        self._pins: dict[int, int] = {}
+        self._doomed: set[OffloadKey] = set()
+        self._hot: dict[object, int] = {}
+
+    # -- slots ----------------------------------------------------------------------
+    def _find(self, key: object) -> int:
+        """The slot of ``key``, or -1."""
+        slot = self._hot.get(key)
+        if slot is not None:
+            return slot
+        if type(key) is not bytes:
+            return -1
+        h = hash(key) & _HASH_MASK
+        table = self._table
+        mask = self._mask
+        cell = h & mask
+        slot = table[cell]
+        while slot != _EMPTY:
+            if (
+                slot >= 0
+                and self._hashes[slot] == h
+                and self._key_bytes.startswith(key, slot * self._width)
+                and self._lengths[slot] == len(key)
+            ):
+                return slot
+            cell = (cell + 1) & mask
+            slot = table[cell]
+        return -1
+
+    def _key(self, slot: int) -> OffloadKey:
+        start = slot * self._width
+        return OffloadKey(bytes(self._key_bytes[start:start + self._lengths[slot]]))
+
+    def _insert(self, key: OffloadKey, size: int, state: int) -> int:
+        """Index ``key`` (absent) as the most recent entry; its slot."""
+        n = len(key)
+        if self._hot:
+            self._hot.pop(key, None)
+        if n > self._width:
+            self._widen(n)
+        if (self._filled + 1) * 2 > len(self._table):
+            self._rehash(self._live + 1)
+        width = self._width
+        padded = key if n == width else key.ljust(width, b"\0")
+        h = hash(key) & _HASH_MASK
+        if self._free:
+            slot = self._free.pop()
+            start = slot * width
+            self._key_bytes[start:start + width] = padded
+            self._lengths[slot] = n
+            self._hashes[slot] = h
+            self._sizes[slot] = size
+            self._states[slot] = state
+        else:
+            slot = len(self._lengths)
+            self._key_bytes += padded
+            self._lengths.append(n)
+            self._hashes.append(h)
+            self._sizes.append(size)
+            self._states.append(state)
+            self._places.append(-1)
+        table, mask = self._table, self._mask
+        cell = h & mask
+        while table[cell] >= 0:
+            cell = (cell + 1) & mask
+        if table[cell] == _EMPTY:
+            self._filled += 1
+        table[cell] = slot
+        self._live += 1
+        self._to_end(slot)
+        return slot
+
+    def _release(self, slot: int) -> None:
+        """Free ``slot`` (its key's cell becomes a removed cell)."""
+        table, mask = self._table, self._mask
+        cell = self._hashes[slot] & mask
+        while table[cell] != slot:
+            cell = (cell + 1) & mask
+        table[cell] = _REMOVED
+        if self._hot:
+            self._hot.pop(self._key(slot), None)
+        self._states[slot] = _FREE
+        self._places[slot] = -1
+        self._pins.pop(slot, None)
+        self._free.append(slot)
+        self._live -= 1
+
+    def _to_end(self, slot: int) -> None:
+        log = self._log
+        self._places[slot] = len(log)
+        log.append(slot)
+        if len(log) - self._head > 2 * self._live + 1024:
+            self._compact_log()
+
+    def _order(self) -> Iterator[int]:
+        """The live slots, least recently used first (a stale head is skipped for good)."""
+        log, places = self._log, self._places
+        i = self._head
+        while i < len(log) and places[log[i]] != i:
+            i += 1
+        self._head = i
+        end = len(log)
+        while i < end:
+            slot = log[i]
+            if places[slot] == i:
+                yield slot
+            i += 1
+
+    def _compact_log(self) -> None:
+        log = np.frombuffer(self._log, dtype=np.int32)[self._head:]
+        places = np.frombuffer(self._places, dtype=np.int32)
+        current = places[log] == np.arange(self._head, self._head + len(log), dtype=np.int32)
+        kept = log[current]
+        places[kept] = np.arange(len(kept), dtype=np.int32)
+        del log, places
+        self._log = array("i")
+        self._log.frombytes(kept.tobytes())
+        self._head = 0
+
+    def _rehash(self, count: int) -> None:
+        size = _table_size(count)
+        states = np.frombuffer(self._states, dtype=np.uint8)
+        slots = np.flatnonzero(states != _FREE).astype(np.int32)
+        hashes = np.frombuffer(self._hashes, dtype=np.uint32)[slots]
+        del states
+        self._table = build_table(hashes, slots, size)
+        self._mask = size - 1
+        self._filled = len(slots)
+
+    def _widen(self, width: int) -> None:
+        """Pad every stored key to ``width`` bytes (a longer key than any so far)."""
+        count = len(self._lengths)
+        if count and self._width:
+            old = np.frombuffer(self._key_bytes, dtype=np.uint8).reshape(count, self._width)
+            wide = np.zeros((count, width), dtype=np.uint8)
+            wide[:, : self._width] = old
+            del old
+            self._key_bytes = bytearray(wide.tobytes())
+        else:
+            self._key_bytes = bytearray(count * width)
+        self._width = width
+
+    # -- queries --------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._live
+
+    def __contains__(self, key: object) -> bool:
+        return self._find(key) >= 0
+
+    def keys(self) -> Collection[OffloadKey]:
+        """The indexed keys, being written included (a live, read-only view)."""
+        return _Keys(self)
+
+    def get(self, key: OffloadKey) -> ChunkEntry | None:
+        """A copy of the entry of ``key``, or ``None``."""
+        slot = self._find(key)
+        return None if slot < 0 else self._entry(slot)
+
+    def _entry(self, slot: int) -> ChunkEntry:
+        return ChunkEntry(
+            self._sizes[slot], _STATES[self._states[slot]], self._pins.get(slot, 0)
+        )
+
+    def items(self) -> Iterator[tuple[OffloadKey, ChunkEntry]]:
+        """Every entry, least recently used first (copies)."""
+        return ((self._key(slot), self._entry(slot)) for slot in list(self._order()))
+
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        """``HIT`` (counted), ``HIT_PENDING`` while being written, or ``MISS`` (counted).
+        The scheduler's hot path: the slot is remembered for the next lookup."""
+        hot = self._hot
+        slot = hot.get(key)
+        if slot is None:
+            slot = self._find(key)
+            if len(hot) >= HOT_KEYS:
+                hot.clear()
+            hot[key] = slot
+        if slot < 0:
+            self._counters["misses"] += 1
+            return LookupResult.MISS
+        if self._states[slot] == _READY:
+            self._counters["hits"] += 1
+            return LookupResult.HIT
+        return LookupResult.HIT_PENDING
+
+    def count_miss(self) -> None:
+        """Count a miss the owner answered without the index (a remembered probe miss)."""
+        self._counters["misses"] += 1
+
+    def require_addressable(self, keys: Iterable[OffloadKey]) -> None:
+        """The ``get_spec`` rule: every key is reserved (``WRITING``) or pinned. Raises
+        :class:`~kvtiers.errors.UnknownKeyError` naming the first key that is not."""
+        for key in keys:
+            slot = self._find(key)
+            if slot < 0 or (self._states[slot] == _READY and slot not in self._pins):
+                raise UnknownKeyError(
+                    f"get_spec: key {key.hex()} is neither reserved by prepare_store nor "
+                    f"pinned by prepare_load in {self.tier}"
+                )
+
+    # -- store ----------------------------------------------------------------------
+    def reserve(self, keys: Collection[OffloadKey], size: int) -> IndexChange | None:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.reserve`."""
+        accepted = list(dict.fromkeys(key for key in keys if self._find(key) < 0))
+        need = len(accepted) * size
+        victims: list[OffloadKey] = []
+        capacity = self.capacity
+        if need and capacity is not None and self.usage + need > capacity:
+            if need > capacity:
+                return None
+            picked = self._pick_victims(self.usage + need - capacity, set(keys))
+            if picked is None:
+                return None
+            victims = [key for key, _ in picked]
+            self._evict(picked)
+        for key in accepted:
+            self._insert(key, size, _WRITING)
+        self.usage += need
+        return IndexChange(accepted, victims)
+
+    def finish(self, keys: Iterable[OffloadKey], success: bool) -> list[OffloadKey]:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.finish`."""
+        done = []
+        slots = []
+        for key in dict.fromkeys(keys):
+            slot = self._find(key)
+            if slot >= 0 and self._states[slot] == _WRITING:
+                done.append(key)
+                slots.append(slot)
+        if success:
+            for slot in slots:
+                self._states[slot] = _READY
+                self._to_end(slot)
+            self.ready_count += len(done)
+            self._counters["stores"] += len(done)
+            if done:
+                self._record(done, removed=False)
+        else:
+            for slot in slots:
+                self.usage -= self._sizes[slot]
+                self._release(slot)
+            self._counters["store_failures"] += len(done)
+        return done
+
+    # -- load -----------------------------------------------------------------------
+    def pin(self, keys: Collection[OffloadKey]) -> None:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.pin`."""
+        slots = []
+        for key in keys:
+            slot = self._find(key)
+            if slot < 0 or self._states[slot] != _READY:
+                raise UnknownKeyError(
+                    f"prepare_load: key {key.hex()} is not stored in {self.tier} "
+                    "(look it up first; only HIT keys can be loaded)"
+                )
+            slots.append(slot)
+        pins = self._pins
+        for slot in slots:
+            pins[slot] = pins.get(slot, 0) + 1
+            self._to_end(slot)
+        self._counters["loads"] += len(keys)
+
+    def unpin(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.unpin`."""
+        drops = Counter(keys)
+        pins = self._pins
+        slots = {}
+        for key, count in drops.items():
+            slot = self._find(key)
+            held = 0 if slot < 0 else pins.get(slot, 0)
+            if held < count:
+                raise UnknownKeyError(
+                    f"complete_load: key {key.hex()} is pinned {held} times in {self.tier} "
+                    f"but released {count} times (complete each prepare_load once)"
+                )
+            slots[key] = slot
+        for key, count in drops.items():
+            slot = slots[key]
+            left = pins[slot] - count
+            if left:
+                pins[slot] = left
+            else:
+                del pins[slot]
+        if not self._doomed:
+            return []
+        freed = [key for key in drops if key in self._doomed and slots[key] not in pins]
+        if freed:
+            self._doomed.difference_update(freed)
+            self._drop([(key, slots[key]) for key in freed])
+        return freed
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.touch`."""
+        for key in keys:
+            slot = self._find(key)
+            if slot >= 0 and self._states[slot] == _READY:
+                self._to_end(slot)
+
+    # -- entries found outside the scheduler's own stores ----------------------------
+    def add_ready(self, found: Iterable[tuple[OffloadKey, int]]) -> IndexChange:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.add_ready`."""
+        added = []
+        for key, size in found:
+            if self._find(key) >= 0:
+                continue
+            self._insert(key, size, _READY)
+            self.usage += size
+            added.append(key)
+        self.ready_count += len(added)
+        return self._settle(added)
+
+    def merge_oldest(
+        self, packed: PackedChunks, gone: Collection[OffloadKey] = ()
+    ) -> IndexChange:
+        """Take in ``packed`` (a rebuild's chunks, oldest first) as ``READY`` entries less
+        recently used than every indexed one, leaving out keys already indexed and keys in
+        ``gone`` (removed from the medium since the rebuild began); then as
+        :meth:`add_ready`: evicted back within the capacity, announced. The work on this
+        thread is in proportion to the keys indexed now and ``gone``, not to ``packed``."""
+        current = [(self._key(slot), slot) for slot in self._order()]
+        old_sizes, old_states, old_pins = self._sizes, self._states, self._pins
+        doomed = self._doomed
+        self._reset_storage()
+        self._doomed = doomed
+        self._width = packed.width
+        self._key_bytes = packed.key_bytes
+        self._lengths = packed.lengths
+        self._hashes = packed.hashes
+        self._sizes = packed.sizes
+        count = len(packed)
+        self._states = bytearray([_READY]) * count
+        self._places = _iota(count)
+        self._log = _iota(count)
+        self._live = self._filled = count
+        self._table = packed.table
+        self._mask = len(packed.table) - 1
+        base_usage = int(np.frombuffer(packed.sizes, dtype=np.int64).sum()) if count else 0
+        # Base slots are packed's positions: the ones released are left out of the
+        # announcement by slicing around them (C copies, not a loop over every key).
+        dropped: list[int] = []
+        for key in [*(key for key, _ in current), *gone]:
+            slot = self._find(key)
+            if slot >= 0:
+                base_usage -= self._sizes[slot]
+                self._release(slot)
+                dropped.append(slot)
+        for key, slot in current:
+            new = self._insert(key, old_sizes[slot], old_states[slot])
+            if slot in old_pins:
+                self._pins[new] = old_pins[slot]
+        self.usage += base_usage
+        added = packed.keys
+        if dropped:
+            added = []
+            start = 0
+            for slot in sorted(dropped):
+                added += packed.keys[start:slot]
+                start = slot + 1
+            added += packed.keys[start:]
+        self.ready_count += len(added)
+        # The announcement takes the list as it is: no pass over every found key here.
+        return self._settle(added, owned=True)
+
+    def _settle(self, added: list[OffloadKey], *, owned: bool = False) -> IndexChange:
+        """Evict back within the capacity after ``added`` came in; announce (see
+        :meth:`~kvtiers.tiers.index.ChunkIndex.add_ready`). ``owned``: nothing else
+        changes ``added``, so the announcement may hold it uncopied."""
+        picked: list[tuple[OffloadKey, int]] = []
+        capacity = self.capacity
+        if capacity is not None and self.usage > capacity:
+            got = self._pick_victims(self.usage - capacity, ())
+            # None: pinned and writing entries alone exceed capacity; evict what can go.
+            picked = got if got is not None else self._evictable()
+            for _, slot in picked:
+                self._remove(slot)
+            self._counters["evictions"] += len(picked)
+        victims = [key for key, _ in picked]
+        gone = set(victims)
+        kept = [key for key in added if key not in gone] if gone else added
+        if kept:
+            self._record(kept, removed=False, copy=kept is added and not owned)
+        fresh = set(added) if gone else ()
+        announced = [key for key in victims if key not in fresh]
+        if announced:
+            self._record(announced, removed=True)
+        return IndexChange(added, victims)
+
+    def evict_lru(self, nbytes: int) -> list[OffloadKey]:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.evict_lru`."""
+        picked = self._pick_victims(nbytes, ())
+        if picked is None:
+            picked = self._evictable()
+        self._evict(picked)
+        return [key for key, _ in picked]
+
+    def discard(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.discard`."""
+        now = []
+        for key in dict.fromkeys(keys):
+            slot = self._find(key)
+            if slot < 0 or self._states[slot] != _READY:
+                continue
+            if slot in self._pins:
+                self._doomed.add(key)
+            else:
+                now.append((key, slot))
+        if now:
+            self._drop(now)
+        return [key for key, _ in now]
+
+    def clear_ready(self) -> list[OffloadKey]:
+        """:meth:`~kvtiers.tiers.index.ChunkIndex.clear_ready`."""
+        picked = self._evictable()
+        for _, slot in picked:
+            self._remove(slot)
+        dropped = [key for key, _ in picked]
+        if dropped:
+            self._record(dropped, removed=True)
+        return dropped
+
+    def export_ready(self) -> tuple[int, bytes, bytes, bytes, int]:
+        """The ``READY`` entries least recently used first, packed for a snapshot: the key
+        width, the keys (each padded to it), their lengths (uint16), their sizes (int64)
+        and their count. Vectorised: no object per key."""
+        head = self._head
+        log = np.frombuffer(self._log, dtype=np.int32)[head:]
+        places = np.frombuffer(self._places, dtype=np.int32)
+        states = np.frombuffer(self._states, dtype=np.uint8)
+        live = places[log] == np.arange(head, head + len(log), dtype=np.int32)
+        slots = log[live]
+        slots = slots[states[slots] == _READY]
+        width = self._width
+        if width:
+            keys = np.frombuffer(self._key_bytes, dtype=np.uint8).reshape(-1, width)[slots]
+            key_bytes = keys.tobytes()
+        else:
+            key_bytes = b""
+        lengths = np.frombuffer(self._lengths, dtype=np.uint16)[slots].tobytes()
+        sizes = np.frombuffer(self._sizes, dtype=np.int64)[slots].tobytes()
+        return width, key_bytes, lengths, sizes, len(slots)
+
+    # -- reporting ------------------------------------------------------------------
+    def take_events(self) -> list[OffloadingEvent]:
+        """The events recorded since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> Mapping[str, int]:
+        """As :meth:`~kvtiers.tiers.index.ChunkIndex.stats`. O(1)."""
+        return {**self._counters, "chunks": self.ready_count}
+
+    def resident_bytes(self) -> int:
+        """The bytes the packed arrays take (their allocations; pins and the log's stale
+        places included, Python's object headers not)."""
+        arrays = (self._lengths, self._hashes, self._sizes, self._places, self._free,
+                  self._log, self._table)
+        return len(self._key_bytes) + len(self._states) + sum(
+            a.buffer_info()[1] * a.itemsize for a in arrays
+        )
+
+    # -- internals ------------------------------------------------------------------
+    def _evictable(self) -> list[tuple[OffloadKey, int]]:
+        states, pins = self._states, self._pins
+        return [
+            (self._key(slot), slot) for slot in list(self._order())
+            if states[slot] == _READY and slot not in pins
+        ]
+
+    def _pick_victims(
+        self, shortfall: int, protected: Collection[OffloadKey]
+    ) -> list[tuple[OffloadKey, int]] | None:
+        """Least recently used ``READY``, unpinned keys outside ``protected`` (with their
+        slots) freeing ``shortfall``, or ``None`` when they cannot. Changes nothing."""
+        victims = []
+        freed = 0
+        states, pins, sizes = self._states, self._pins, self._sizes
+        for slot in self._order():
+            if states[slot] != _READY or slot in pins:
+                continue
+            key = self._key(slot)
+            if key in protected:
+                continue
+            victims.append((key, slot))
+            freed += sizes[slot]
+            if freed >= shortfall:
+                return victims
+        return None
+
+    def _evict(self, picked: list[tuple[OffloadKey, int]]) -> None:
+        if not picked:
+            return
+        for _, slot in picked:
+            self._remove(slot)
+        self._counters["evictions"] += len(picked)
+        self._record([key for key, _ in picked], removed=True)
+
+    def _drop(self, picked: list[tuple[OffloadKey, int]]) -> None:
+        for key, slot in picked:
+            self._remove(slot)
+            self._doomed.discard(key)
+        self._counters["discarded"] += len(picked)
+        self._record([key for key, _ in picked], removed=True)
+
+    def _remove(self, slot: int) -> None:
+        self.usage -= self._sizes[slot]
+        if self._states[slot] == _READY:
+            self.ready_count -= 1
+        if self._doomed or self.removed is not None:
+            key = self._key(slot)
+            self._doomed.discard(key)
+            if self.removed is not None:
+                self.removed.add(key)
+        self._release(slot)
+
+    def _record(self, keys: list[OffloadKey], *, removed: bool, copy: bool = True) -> None:
+        self._events.append(OffloadingEvent(
+            list(keys) if copy else keys, self.medium, removed=removed, locality=self.locality
+        ))

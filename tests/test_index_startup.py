@@ -1,0 +1,303 @@
+"""A persistent tier serves while its index is built, and restarts from a snapshot.
+
+The build is held partway by its ``before_*_part`` hook (an event, no sleeps): lookups of
+chunks in parts already walked and in parts not yet walked, and of absent keys, answer
+``RETRY`` until a probe answers, then ``HIT`` or ``MISS`` — never a wrong answer — and a
+store, an eviction and the merge that follows keep usage, capacity and the files on disk
+in step. The snapshot tests check when a snapshot is trusted and when the tier walks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtiers.core.keys import OffloadKey, get_offload_block_hash
+from kvtiers.core.manager import LookupResult, ScheduleEndContext
+from kvtiers.filemapper import FileMapper, NamespaceIdentity
+from kvtiers.testing.conformance import conformance_key
+from kvtiers.testing.objects import offloading_config
+from kvtiers.tiers.file.manager import FileTierManager
+from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME
+from kvtiers.tiers.object.backend import ObjectBackend
+from kvtiers.tiers.object.local import LocalStore
+from kvtiers.tiers.object.manager import ObjectTierManager
+
+from .test_file_support import CTX, GEOMETRY, IDENTITY, Tier, chunk_files, open_tier
+
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+END = ScheduleEndContext()
+
+
+class Gate:
+    """Lets build parts below ``open_below`` through and holds the others until
+    :meth:`release`; :attr:`held` is set once a part waits."""
+
+    def __init__(self, open_below: int) -> None:
+        self.open_below = open_below
+        self.held = threading.Event()
+        self._go = threading.Event()
+
+    def __call__(self, part: int) -> None:
+        if part >= self.open_below:
+            self.held.set()
+            self._go.wait()
+
+    def release(self) -> None:
+        self._go.set()
+
+
+@pytest.fixture
+def gates() -> Iterator[list[Gate]]:
+    made: list[Gate] = []
+    yield made
+    for gate in made:  # a failing test must not leave a build thread waiting
+        gate.release()
+
+
+def close(tier: Tier, gate: Gate) -> None:
+    gate.release()  # a test that failed partway leaves no walk waiting
+    tier.close()
+
+
+def top_dir(key: OffloadKey) -> str:
+    return get_offload_block_hash(key).hex()[:2]
+
+
+def answer(manager: FileTierManager, key: OffloadKey) -> LookupResult:
+    """Look ``key`` up as the scheduler does: on ``RETRY`` end the step (the probe batch
+    goes out), wait for it, and ask again."""
+    result = manager.lookup(key, CTX)
+    if result is RETRY:
+        manager.on_schedule_end(END)
+        manager.wait_probes()
+        result = manager.lookup(key, CTX)
+    return result
+
+
+def stored_tier(root: Path, ids: range, **kwargs: Any) -> None:
+    tier = open_tier(root, **kwargs)
+    try:
+        tier.store(ids)
+    finally:
+        tier.close()
+
+
+def test_a_restarted_file_tier_serves_while_its_walk_is_partway(
+    tmp_path: Path, gates: list[Gate]
+) -> None:
+    stored_tier(tmp_path, range(40), slots=40)
+    keys = [conformance_key(i) for i in range(40)]
+    parts = sorted({top_dir(key) for key in keys})
+    gate = Gate(open_below=len(parts) // 2)
+    gates.append(gate)
+    walked = {key for key in keys if parts.index(top_dir(key)) < gate.open_below}
+    assert walked and len(walked) < len(keys)  # keys both before and after the position
+    tier = open_tier(tmp_path, background_index=True, snapshot=False, walk_threads=1,
+                     before_walk_part=gate)
+    try:
+        manager = tier.manager
+        assert gate.held.wait(30), "the walk never reached the held part"
+        assert not manager.index_complete
+        for key in keys:
+            assert answer(manager, key) is HIT, key in walked
+        absent = conformance_key(100)
+        assert answer(manager, absent) is MISS
+        # A chunk found by a probe is loaded like any other.
+        result, data = tier.load(7)
+        assert result.success and data
+        # A store during the build is the tier's at once.
+        tier.store([50])
+        assert manager.lookup(conformance_key(50), CTX) is HIT
+        gate.release()
+        manager.wait_index()
+        assert manager.index_complete
+        assert manager.get_stats()["chunks"] == 41
+        assert [manager.lookup(key, CTX) for key in keys] == [HIT] * 40
+        assert manager.lookup(absent, CTX) is MISS  # the index answers now, no probe
+    finally:
+        close(tier, gate)
+
+
+def test_evictions_during_the_walk_stand_after_the_merge(
+    tmp_path: Path, gates: list[Gate]
+) -> None:
+    stored_tier(tmp_path, range(4))
+    gate = Gate(open_below=0)
+    gates.append(gate)
+    tier = open_tier(tmp_path, capacity_chunks=4, background_index=True, snapshot=False,
+                     before_walk_part=gate)
+    try:
+        manager = tier.manager
+        assert gate.held.wait(30)
+        manager.deletions_gate.clear()  # the evicted file stays until the merge is done
+        tier.store(range(10, 14))
+        tier.store([14])  # evicts chunk 10, the oldest the index knows
+        # A probe finds its file (the unlink waits) but never indexes it again.
+        assert answer(manager, conformance_key(10)) is not HIT
+        gate.release()
+        manager.wait_index()  # the walk saw chunk 10's file too
+        manager.deletions_gate.set()
+        # Over capacity once the walk's chunks are in: the oldest on disk (0-3) go; the
+        # chunk evicted meanwhile is not brought back.
+        indexed = [conformance_key(i) for i in range(11, 15)]
+        assert [manager.lookup(conformance_key(i), CTX) for i in (0, 1, 2, 3, 10)] == [MISS] * 5
+        assert [manager.lookup(key, CTX) for key in indexed] == [HIT] * 4
+        assert manager.usage_bytes <= 4 * manager.reserve_bytes
+        manager.wait_deletions()
+        mapper = FileMapper(tmp_path, IDENTITY)
+        assert chunk_files(manager.namespace_dir) == sorted(mapper.path(k) for k in indexed)
+    finally:
+        close(tier, gate)
+
+
+def test_chunks_cleared_during_the_walk_stay_gone(tmp_path: Path, gates: list[Gate]) -> None:
+    stored_tier(tmp_path, range(4))
+    gate = Gate(open_below=0)
+    gates.append(gate)
+    tier = open_tier(tmp_path, background_index=True, snapshot=False, before_walk_part=gate)
+    try:
+        manager = tier.manager
+        assert gate.held.wait(30)
+        assert answer(manager, conformance_key(0)) is HIT  # found by a probe
+        tier.store([10, 11])
+        manager.deletions_gate.clear()  # the files stay while the walk runs
+        assert manager.clear() == 3  # what the index holds: 0, 10, 11
+        tier.store([12])
+        gate.release()
+        manager.wait_index()  # the walk saw every file, the cleared ones too
+        manager.deletions_gate.set()
+        manager.wait_deletions()
+        assert [manager.lookup(conformance_key(i), CTX) for i in (0, 1, 2, 3, 10, 11)] == [
+            MISS] * 6
+        assert manager.lookup(conformance_key(12), CTX) is HIT
+        mapper = FileMapper(tmp_path, IDENTITY)
+        assert chunk_files(manager.namespace_dir) == [mapper.path(conformance_key(12))]
+    finally:
+        close(tier, gate)
+
+
+def test_an_object_tier_serves_while_its_listings_are_partway(
+    tmp_path: Path, gates: list[Gate]
+) -> None:
+    identity = NamespaceIdentity.from_config(offloading_config())
+    store = LocalStore(tmp_path)
+
+    def open_manager(**kwargs: Any) -> ObjectTierManager:
+        backend = ObjectBackend(store, identity, threads=2)
+        return ObjectTierManager(backend, max_chunk_bytes=4096, **kwargs)
+
+    open_manager().shutdown()
+    namer = ObjectBackend(store, identity, threads=1)
+    keys = [conformance_key(i) for i in range(20)]
+    for key in keys:
+        store.put(namer.object_key(key), [b"chunk"])
+    namer.close()
+    prefixes = {int(top_dir(key), 16) for key in keys}
+    gate = Gate(open_below=sorted(prefixes)[len(prefixes) // 2])
+    gates.append(gate)
+    manager = open_manager(background_index=True, list_threads=1, before_list_part=gate)
+    try:
+        assert gate.held.wait(30)
+
+        def ask(key: OffloadKey) -> LookupResult:
+            result = manager.lookup(key, CTX)
+            if result is RETRY:
+                manager.on_schedule_end(END)
+                manager.wait_background()
+                result = manager.lookup(key, CTX)
+            return result
+
+        assert [ask(key) for key in keys] == [HIT] * 20
+        assert ask(conformance_key(100)) is MISS
+        gate.release()
+        manager.wait_index()
+        assert manager.index_complete and manager.get_stats()["chunks"] == 20
+    finally:
+        gate.release()
+        manager.shutdown()
+
+
+# -- the snapshot -----------------------------------------------------------------------
+def reopened(root: Path, **kwargs: Any) -> Tier:
+    tier = open_tier(root, **kwargs)
+    tier.manager.wait_index()
+    return tier
+
+
+def test_a_clean_restart_reads_the_snapshot_and_keeps_recency(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path, capacity_chunks=3)
+    tier.store(range(3))
+    tier.manager.touch([conformance_key(0)], CTX)  # 0 is now the most recently used
+    tier.close()
+    assert (tier.manager.namespace_dir / SNAPSHOT_NAME).is_file()
+    tier = reopened(tmp_path, capacity_chunks=3)
+    try:
+        manager = tier.manager
+        assert manager.index_source == "snapshot"
+        assert manager.get_stats()["chunks"] == 3
+        tier.store([10])  # evicts the least recently used: 1, not 0
+        assert [manager.lookup(conformance_key(i), CTX) for i in (0, 1, 2, 10)] == [
+            HIT, MISS, HIT, HIT
+        ]
+    finally:
+        tier.close()
+
+
+def _add_stray_chunk(root: Path) -> None:
+    """Another writer's chunk, published behind the tier's back."""
+    path = FileMapper(root, IDENTITY).path(conformance_key(99))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"x")
+
+
+def _open_and_crash(root: Path) -> None:
+    """Another engine opens the namespace and never shuts down cleanly."""
+    FileTierManager(FileMapper(root, IDENTITY), GEOMETRY)
+
+
+def _damage(root: Path) -> None:
+    path = FileMapper(root, IDENTITY).namespace_dir / SNAPSHOT_NAME
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _foreign(root: Path) -> None:
+    """A snapshot copied in from another namespace."""
+    other = NamespaceIdentity.from_config(offloading_config(model="other/model"))
+    other_tier = open_tier(root, identity=other)
+    other_tier.store([5])
+    other_tier.close()
+    mine = FileMapper(root, IDENTITY).namespace_dir / SNAPSHOT_NAME
+    mine.write_bytes((FileMapper(root, other).namespace_dir / SNAPSHOT_NAME).read_bytes())
+
+
+@pytest.mark.parametrize("change", [_add_stray_chunk, _open_and_crash, _damage, _foreign],
+                         ids=["chunk added", "opened since", "damaged", "another namespace"])
+def test_a_snapshot_is_ignored_when_the_namespace_may_have_changed(
+    tmp_path: Path, change: Callable[[Path], None]
+) -> None:
+    stored_tier(tmp_path, range(3))
+    change(tmp_path)
+    tier = reopened(tmp_path)
+    try:
+        manager = tier.manager
+        assert manager.index_source == "walk"
+        expected = 4 if change is _add_stray_chunk else 3
+        assert manager.get_stats()["chunks"] == expected
+        assert [manager.lookup(conformance_key(i), CTX) for i in range(3)] == [HIT] * 3
+    finally:
+        tier.close()
+
+
+def test_no_snapshot_while_a_store_is_in_flight(tmp_path: Path) -> None:
+    tier = open_tier(tmp_path)
+    tier.store([0])
+    assert tier.manager.prepare_store([conformance_key(1)], CTX) == [conformance_key(1)]
+    tier.close()
+    assert not (tier.manager.namespace_dir / SNAPSHOT_NAME).exists()
