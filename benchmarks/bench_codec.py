@@ -56,6 +56,13 @@ from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.tiers.object import ObjectBackend, ObjectMover, Retrier
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command", "blosc2"),
+    "tables": ("codecs", "s3"),
+    "summary": ("median_decode_GBps",),
+}
 RESULTS = Path(__file__).parent / "results"
 MIB = 1024 * 1024
 CODECS = [name for name in CODEC_NAMES if name != "none"]

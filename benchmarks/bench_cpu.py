@@ -49,6 +49,12 @@ from kvtiers.tiers.cpu.manager import CpuTierManager
 from kvtiers.tiers.cpu.region import SlotRegion
 from kvtiers.tiers.cpu.worker import MAX_COPY_THREADS, CpuWorker
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("quick", "command", "kernel_threads"),
+    "tables": ("worker", "scheduler", "memory"),
+}
 RESULTS = Path(__file__).parent / "results"
 #: The CPU tier with each builtin policy, then the ChunkIndex bookkeeping it is compared with.
 SCHEDULER_KINDS = (*BUILTIN_POLICIES, "chunkindex")

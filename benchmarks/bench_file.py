@@ -29,24 +29,33 @@ writes ``benchmarks/results/file.md`` unless ``--no-write``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import itertools
 import mmap
 import os
-import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import xxhash
-from machine import cpu_model
+from harness import (
+    bench_parser,
+    drop_page_cache,
+    filesystem_of,
+    finish_note,
+    kept_section,
+    machine_note,
+    machine_sentence,
+    markdown_table,
+    size_label,
+    split,
+    timed_threads,
+    write_result,
+)
 
 from kvtiers.core.chunkformat import HEADER_BYTES, encode_header
 from kvtiers.core.config import (
@@ -65,7 +74,16 @@ from kvtiers.tiers.file.io import PosixBackend, PublishSettings
 from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.mover import FileMover
 
-RESULTS = Path(__file__).parent / "results"
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command", "volume_bytes", "repeats"),
+    "tables": ("rows",),
+    "summary": ("rebuild_s",),
+}
+#: The measured columns of a row, in the page's order.
+ROW_KEYS = ("tier_process", "raw_pwrite", "process_ratio", "raw_onedir", "onedir_ratio",
+            "tier_power", "raw_fsync", "power_ratio", "tier_read", "raw_read", "load_ratio")
 KIB, MIB = 1024, 1024 * 1024
 CTX = ReqContext(req_id="bench")
 TARGET_PROCESS = 0.9
@@ -92,7 +110,9 @@ class Region:
         return self._view[start : start + self.slot_bytes]
 
 
-def _config(chunk_bytes: int) -> OffloadingConfig:
+def file_config(chunk_bytes: int) -> OffloadingConfig:
+    """One group of 16-token blocks whose chunk is ``chunk_bytes`` (shared with the
+    LMCache comparison, which measures the same files)."""
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(16, ("layers",), chunk_bytes),),
         model=OffloadingModelConfig(name=f"bench/file-{chunk_bytes}"),
@@ -100,26 +120,9 @@ def _config(chunk_bytes: int) -> OffloadingConfig:
     )
 
 
-def _keys(n: int, tag: str) -> list[OffloadKey]:
+def bench_keys(n: int, tag: str) -> list[OffloadKey]:
+    """``n`` distinct keys, the same for the same ``tag`` in every run."""
     return [make_offload_key(xxhash.xxh3_128_digest(f"{tag}:{i}".encode()), 0) for i in range(n)]
-
-
-def drop_page_cache(paths: Sequence[Path]) -> None:
-    """fsync every file, then ask the kernel to drop its cached pages."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _parallel(threads: int, fn: Callable[[int], object], n: int) -> float:
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        start = time.perf_counter()
-        list(pool.map(fn, range(n)))
-        return time.perf_counter() - start
 
 
 def raw_write(paths: Sequence[Path], region: Region, header: bytes, size: int,
@@ -141,7 +144,7 @@ def raw_write(paths: Sequence[Path], region: Region, header: bytes, size: int,
             os.close(fd)
 
     os.sync()
-    return _parallel(threads, one, len(paths))
+    return timed_threads(threads, one, len(paths))
 
 
 def raw_read(paths: Sequence[Path], region: Region, header: bytearray, size: int,
@@ -153,7 +156,7 @@ def raw_read(paths: Sequence[Path], region: Region, header: bytearray, size: int
         finally:
             os.close(fd)
 
-    return _parallel(threads, one, len(paths))
+    return timed_threads(threads, one, len(paths))
 
 
 WRITES = ("raw_pwrite", "raw_onedir", "raw_fsync", "tier_process", "tier_power")
@@ -170,7 +173,7 @@ class Case:
         self.chunk_bytes = chunk_bytes
         self.threads = threads
         self.n = n = max(threads, volume // chunk_bytes)
-        offloading = _config(chunk_bytes)
+        offloading = file_config(chunk_bytes)
         identity = NamespaceIdentity.from_config(offloading)
         geometry = ChunkGeometry.from_config(offloading)
         self.region = Region(n, geometry.slot_bytes)
@@ -179,11 +182,11 @@ class Case:
         raw_dir.mkdir(parents=True)
         self.onedir_paths = [raw_dir / f"{i}.blob" for i in range(n)]
         self.header = encode_header(
-            identity.digest, _keys(1, "raw")[0], self.region.view(0)[:chunk_bytes]
+            identity.digest, bench_keys(1, "raw")[0], self.region.view(0)[:chunk_bytes]
         )
         mapper = FileMapper(self.root, identity)
         self.manager = FileTierManager(mapper, geometry)
-        self.keys = _keys(n, f"{chunk_bytes}-{threads}")
+        self.keys = bench_keys(n, f"{chunk_bytes}-{threads}")
         self.paths = [mapper.path(key) for key in self.keys]
         for path in self.paths:
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -295,15 +298,15 @@ def bench_fresh(base: Path, volume: int, repeats: int) -> dict[str, float]:
     medians over ``repeats``."""
     chunk_bytes, threads = 256 * KIB, 4
     n = volume // chunk_bytes
-    offloading = _config(chunk_bytes)
+    offloading = file_config(chunk_bytes)
     identity = NamespaceIdentity.from_config(offloading)
     geometry = ChunkGeometry.from_config(offloading)
     region = Region(n, geometry.slot_bytes)
-    header = encode_header(identity.digest, _keys(1, "raw")[0], region.view(0)[:chunk_bytes])
+    header = encode_header(identity.digest, bench_keys(1, "raw")[0], region.view(0)[:chunk_bytes])
     jobs = itertools.count()
     samples: dict[str, list[float]] = {}
     for rep in range(repeats):
-        keys = _keys(n, f"fresh-{rep}")
+        keys = bench_keys(n, f"fresh-{rep}")
         root = base / f"fresh-{rep}-raw"
         paths = [FileMapper(root, identity).path(key) for key in keys]
         made: set[Path] = set()
@@ -347,11 +350,11 @@ def bench_fresh(base: Path, volume: int, repeats: int) -> dict[str, float]:
 
 
 def bench_rebuild(base: Path, num_files: int) -> tuple[float, int]:
-    identity = NamespaceIdentity.from_config(_config(4096))
+    identity = NamespaceIdentity.from_config(file_config(4096))
     mapper = FileMapper(base / "rebuild", identity)
-    FileTierManager(mapper, ChunkGeometry.from_config(_config(4096))).shutdown()
+    FileTierManager(mapper, ChunkGeometry.from_config(file_config(4096))).shutdown()
     made: set[Path] = set()
-    for key in _keys(num_files, "rebuild"):
+    for key in bench_keys(num_files, "rebuild"):
         path = mapper.path(key)
         if path.parent not in made:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -360,7 +363,7 @@ def bench_rebuild(base: Path, num_files: int) -> tuple[float, int]:
     times = []
     for _ in range(3):
         start = time.perf_counter()
-        manager = FileTierManager(mapper, ChunkGeometry.from_config(_config(4096)))
+        manager = FileTierManager(mapper, ChunkGeometry.from_config(file_config(4096)))
         times.append(time.perf_counter() - start)
         chunks = int(manager.get_stats()["chunks"])
         manager.shutdown()
@@ -368,25 +371,10 @@ def bench_rebuild(base: Path, num_files: int) -> tuple[float, int]:
     return statistics.median(times), chunks
 
 
-def machine_note(directory: Path) -> str:
-    cpu = cpu_model()
-    fs = subprocess.run(["findmnt", "-n", "-o", "FSTYPE", "--target", str(directory)],
-                        capture_output=True, text=True, check=False).stdout.strip()
-    return (
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; CPU {cpu}, "
-        f"{os.cpu_count()} cores; kernel {platform.release()}; bench directory {directory} "
-        f"on {fs or 'unknown'}; Python {platform.python_version()}"
-    )
-
-
 NOTES = "## Reading the numbers"
 
 
-def _size(chunk_bytes: int) -> str:
-    return f"{chunk_bytes // MIB} MiB" if chunk_bytes >= MIB else f"{chunk_bytes // KIB} KiB"
-
-
-def target_lines(rows: list[tuple[int, int, dict[str, float]]]) -> list[str]:
+def target_lines(rows: list[dict[str, float]]) -> list[str]:
     """One line per target: the rows that meet it and those that miss it, with ratios."""
     out = []
     for label, ratio, target in (
@@ -394,8 +382,10 @@ def target_lines(rows: list[tuple[int, int, dict[str, float]]]) -> list[str]:
         ("power store >= {t}x raw `pwrite+fsync`", "power_ratio", TARGET_POWER),
         ("load >= {t}x raw `pread`", "load_ratio", TARGET_LOAD),
     ):
-        met = [f"{_size(c)} x{t} {r[ratio]:.2f}" for c, t, r in rows if r[ratio] >= target]
-        missed = [f"{_size(c)} x{t} {r[ratio]:.2f}" for c, t, r in rows if r[ratio] < target]
+        cells = [(f"{size_label(int(r['chunk_bytes']))} x{r['threads']} {r[ratio]:.2f}",
+                  r[ratio] >= target) for r in rows]
+        met = [cell for cell, ok in cells if ok]
+        missed = [cell for cell, ok in cells if not ok]
         out.append(
             f"- {label.format(t=target)}: met in {len(met)} of {len(rows)} rows"
             + (f" ({', '.join(met)})" if met else "")
@@ -405,11 +395,52 @@ def target_lines(rows: list[tuple[int, int, dict[str, float]]]) -> list[str]:
     return out
 
 
+def render(data: dict[str, Any]) -> str:
+    """The results page (without the hand-written reading) for ``data``, the flat dict
+    :data:`LAYOUT` maps onto the schema."""
+    rows, fresh = data["rows"], data["fresh"]
+    lines = [
+        "# File tier benchmarks",
+        "",
+        f"Machine: {machine_sentence(data['machine'])}.",
+        "",
+        f"Command: `{data['command']}` ({data['volume_bytes'] // MIB} MiB per case, "
+        f"median of {data['repeats']} passes; checksums on; `sync` before every write pass; "
+        "page cache dropped with `posix_fadvise(DONTNEED)` after an fsync before every read "
+        "pass). Throughput is payload GB/s; ratios are tier / raw with the same threads and "
+        "bytes, measured in the same run; raw creates the same files as the tier (its chunk "
+        "paths, fan-out directories made before timing); `one dir` is raw `pwrite` of the "
+        "same blobs into one directory, with the process store's ratio to it. Targets: "
+        f"process store >= {TARGET_PROCESS}x raw `pwrite`, power store >= {TARGET_POWER}x raw "
+        f"`pwrite+fsync`, load >= {TARGET_LOAD}x raw `pread`.",
+        "",
+        *markdown_table(
+            ["chunk", "threads", "process store", "raw pwrite", "ratio", "one dir", "ratio",
+             "power store", "raw pwrite+fsync", "ratio", "load", "raw pread", "ratio"],
+            ([size_label(int(r["chunk_bytes"])), r["threads"],
+              *(f"{r[key]:.2f}" for key in ROW_KEYS)] for r in rows),
+            align="r" * 13),
+        "",
+        *target_lines(rows),
+        "",
+        "Fresh namespace, 256 KiB chunks, 4 threads (GB/s; first store creates the fan-out "
+        "directories, the second finds them; raw makes each missing directory of the same "
+        "paths): "
+        + ", ".join(f"{name.replace('_', ' ')} {value:.2f}" for name, value in fresh.items()
+                    if "ratio" not in name)
+        + f"; process store / raw: fresh {fresh['fresh_ratio']:.2f}x, existing "
+        f"{fresh['existing_ratio']:.2f}x.",
+        "",
+        f"Index rebuild of {data['rebuild_chunks']} chunk files (warm dentry cache): "
+        f"{data['rebuild_s']:.3f} s (target <= {TARGET_REBUILD_S} s).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="64 MiB per case, one pass")
+    parser = bench_parser(__doc__, quick="64 MiB per case, one pass, 20,000 files to rebuild")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default /tmp)")
-    parser.add_argument("--no-write", action="store_true", help="do not write results/")
     parser.add_argument("--volume-mib", type=int, default=None, help="MiB per case")
     parser.add_argument("--repeats", type=int, default=None, help="passes per case")
     args = parser.parse_args()
@@ -419,14 +450,15 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtiers-bench-") as tmp:
         base = Path(tmp)
-        note = machine_note(base)
-        print(note)
+        note = machine_note(directory=str(base), filesystem=filesystem_of(base))
+        print(machine_sentence(note))
         for chunk_bytes in (256 * KIB, 2 * MIB, 16 * MIB):
             for threads in (1, 4, 16):
                 r = bench_case(base, chunk_bytes, threads, volume, repeats)
-                rows.append((chunk_bytes, threads, r))
+                rows.append({"chunk_bytes": chunk_bytes, "threads": threads,
+                             **{key: r[key] for key in ROW_KEYS}})
                 print(
-                    f"{_size(chunk_bytes):>7} x{threads:>2}: process {r['tier_process']:.2f} "
+                    f"{size_label(chunk_bytes):>7} x{threads:>2}: process {r['tier_process']:.2f} "
                     f"GB/s vs pwrite {r['raw_pwrite']:.2f} ({r['process_ratio']:.2f}x; one "
                     f"dir {r['raw_onedir']:.2f}, {r['onedir_ratio']:.2f}x); power "
                     f"{r['tier_power']:.2f} vs pwrite+fsync {r['raw_fsync']:.2f} "
@@ -443,58 +475,17 @@ def main() -> int:
         print(f"index rebuild of {chunks} chunk files: {rebuild_s:.3f} s")
     if args.quick or args.no_write:
         return 0
-    RESULTS.mkdir(exist_ok=True)
-    lines = [
-        "# File tier benchmarks",
-        "",
-        f"Machine: {note}; load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
-        "",
-        f"Command: `{' '.join(['.venv/bin/python benchmarks/bench_file.py', *sys.argv[1:]])}` "
-        f"({volume // MIB} MiB per case, "
-        f"median of {repeats} passes; checksums on; `sync` before every write pass; page "
-        "cache dropped with `posix_fadvise(DONTNEED)` after an fsync before every read "
-        "pass). Throughput is payload GB/s; ratios are tier / raw with the same threads and "
-        "bytes, measured in the same run; raw creates the same files as the tier (its chunk "
-        "paths, fan-out directories made before timing); `one dir` is raw `pwrite` of the "
-        "same blobs into one directory, with the process store's ratio to it. Targets: "
-        f"process store >= {TARGET_PROCESS}x raw `pwrite`, power store >= {TARGET_POWER}x raw "
-        f"`pwrite+fsync`, load >= {TARGET_LOAD}x raw `pread`.",
-        "",
-        "| chunk | threads | process store | raw pwrite | ratio | one dir | ratio | "
-        "power store | raw pwrite+fsync | ratio | load | raw pread | ratio |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for chunk_bytes, threads, r in rows:
-        lines.append(
-            f"| {_size(chunk_bytes)} | {threads} | {r['tier_process']:.2f} | "
-            f"{r['raw_pwrite']:.2f} | {r['process_ratio']:.2f} | {r['raw_onedir']:.2f} | "
-            f"{r['onedir_ratio']:.2f} | {r['tier_power']:.2f} | "
-            f"{r['raw_fsync']:.2f} | {r['power_ratio']:.2f} | {r['tier_read']:.2f} | "
-            f"{r['raw_read']:.2f} | {r['load_ratio']:.2f} |"
-        )
-    lines += ["", *target_lines(rows)]
-    lines += [
-        "",
-        "Fresh namespace, 256 KiB chunks, 4 threads (GB/s; first store creates the fan-out "
-        "directories, the second finds them; raw makes each missing directory of the same "
-        "paths): "
-        + ", ".join(f"{name.replace('_', ' ')} {value:.2f}" for name, value in fresh.items()
-                    if "ratio" not in name)
-        + f"; process store / raw: fresh {fresh['fresh_ratio']:.2f}x, existing "
-        f"{fresh['existing_ratio']:.2f}x.",
-        "",
-        f"Index rebuild of {chunks} chunk files (warm dentry cache): {rebuild_s:.3f} s "
-        f"(target <= {TARGET_REBUILD_S} s).",
-        "",
-    ]
-    out = RESULTS / "file.md"
+    data = {
+        "machine": finish_note(note),
+        "command": " ".join([".venv/bin/python benchmarks/bench_file.py", *sys.argv[1:]]),
+        "volume_bytes": volume, "repeats": repeats, "rows": rows, "fresh": fresh,
+        "rebuild_chunks": chunks, "rebuild_s": rebuild_s,
+    }
     # The hand-written reading of the numbers below the table survives a rerun.
-    previous = out.read_text() if out.exists() else ""
-    if NOTES in previous:
-        lines.append(previous[previous.index(NOTES):].rstrip("\n") + "\n")
-    out.write_text("\n".join(lines))
-    print(f"wrote {out}")
+    notes = kept_section(args.out / "file.md", NOTES)
+    page = render(data) + ("\n" + notes if notes else "")
+    for path in write_result(split("file", data, **LAYOUT), args.out, "file", page):
+        print(f"wrote {path}")
     return 0
 
 

@@ -74,6 +74,12 @@ from kvtiers.engine.workload import WorkloadSpec, conversation_requests
 from kvtiers.policies import ARCPolicy, EvictionPolicy, load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command", "tokens_per_chunk", "store_batch", "stores"),
+    "tables": ("points",),
+}
 RESULTS = Path(__file__).parent / "results"
 TOKENS_PER_CHUNK = 32
 STORE_BATCH = 16

@@ -53,6 +53,13 @@ from kvtiers.tiers.listing import KEYS_PER_STEP
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.manager import ObjectTierManager
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("quick", "command"),
+    "tables": ("rows",),
+    "summary": ("seconds",),
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 END = ScheduleEndContext()
 CONFIG = offloading_config()

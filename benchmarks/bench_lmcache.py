@@ -52,11 +52,9 @@ Run: ``/tmp/lmcache-venv/bin/python benchmarks/bench_lmcache.py [--quick] [--dir
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import importlib
 import itertools
-import json
 import math
 import os
 import shutil
@@ -70,15 +68,19 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench_file import (
-    Region,
-    _config,
-    _keys,
-    _parallel,
-    _size,
+from bench_file import Region, bench_keys, file_config, raw_write
+from harness import (
+    bench_parser,
     drop_page_cache,
+    filesystem_of,
+    finish_note,
+    kept_section,
     machine_note,
-    raw_write,
+    machine_sentence,
+    size_label,
+    split,
+    timed_threads,
+    write_result,
 )
 
 from kvtiers.core.geometry import ChunkGeometry
@@ -90,7 +92,13 @@ from kvtiers.tiers.file.io import PosixBackend, PublishSettings
 from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.mover import BadChunkHandler, FileMover
 
-RESULTS = Path(__file__).parent / "results"
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command", "lmcache_version", "volume_bytes", "repeats", "threads"),
+    "tables": ("rows",),
+    "summary": ("seconds",),
+}
 KIB, MIB = 1024, 1024 * 1024
 CTX = ReqContext(req_id="bench-lmcache")
 LMCACHE_VERSION = "0.5.6"
@@ -181,7 +189,7 @@ def throughput_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     ]
     for r in rows:
         lines.append(
-            f"| {_size(int(r['chunk_bytes']))} | {r['kvtiers_store']:.2f} | "
+            f"| {size_label(int(r['chunk_bytes']))} | {r['kvtiers_store']:.2f} | "
             f"{r['lmcache_store']:.2f} | {r['store_ratio']:.2f}x | {r['raw_pwrite']:.2f} | "
             f"{r['kvtiers_load']:.2f} | {r['lmcache_load']:.2f} | {r['load_ratio']:.2f}x | "
             f"{r['raw_pread']:.2f} |"
@@ -197,7 +205,7 @@ def spread_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     for r in rows:
         cells = [f"{min(r['passes_gbps'][n]):.2f}-{max(r['passes_gbps'][n]):.2f}"
                  for n in names]
-        lines.append(f"| {_size(int(r['chunk_bytes']))} | " + " | ".join(cells) + " |")
+        lines.append(f"| {size_label(int(r['chunk_bytes']))} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -209,7 +217,7 @@ def integrity_table(kvtiers: dict[str, Any], lmcache: dict[str, Any]) -> list[st
         return f"{result[case]}; {result[case + '_file']}"
 
     return [
-        f"| {INTEGRITY_CHUNKS} chunks of {_size(INTEGRITY_CHUNK_BYTES)} | kvtiers | "
+        f"| {INTEGRITY_CHUNKS} chunks of {size_label(INTEGRITY_CHUNK_BYTES)} | kvtiers | "
         f"LMCache {LMCACHE_VERSION} |",
         "|---|---|---|",
         f"| one byte flipped in a chunk's file | {cell(kvtiers, 'flipped')} | "
@@ -248,7 +256,7 @@ class KvtiersFiles:
 
     def __init__(self, root: Path, chunk_bytes: int, n: int, threads: int = THREADS,
                  region: Region | None = None) -> None:
-        offloading = _config(chunk_bytes)
+        offloading = file_config(chunk_bytes)
         self.identity = NamespaceIdentity.from_config(offloading)
         self.geometry = ChunkGeometry.from_config(offloading)
         self.chunk_bytes = chunk_bytes
@@ -323,7 +331,7 @@ class KvtiersIntegrity:
         self.payloads = list(chunk_payloads)
         n = len(self.payloads)
         self.tier = KvtiersFiles(root, len(self.payloads[0]), n)
-        self.keys = _keys(n, "integrity")
+        self.keys = bench_keys(n, "integrity")
         self.spare = n  # the slot loads land in
 
     def store(self) -> None:
@@ -541,7 +549,7 @@ def raw_pread(paths: Sequence[Path], region: Region, size: int, threads: int) ->
         finally:
             os.close(fd)
 
-    return _parallel(threads, one, len(paths))
+    return timed_threads(threads, one, len(paths))
 
 
 class Case:
@@ -554,7 +562,7 @@ class Case:
         self.root = base / f"case-{chunk_bytes}"
         self.tier = KvtiersFiles(self.root / "kvtiers", chunk_bytes, n)
         self.region = self.tier.region
-        self.keys = _keys(n, f"lmcache-{chunk_bytes}")
+        self.keys = bench_keys(n, f"lmcache-{chunk_bytes}")
         for path in self.tier.paths(self.keys):
             path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / "raw").mkdir(parents=True)
@@ -647,10 +655,8 @@ def bench_case(base: Path, chunk_bytes: int, volume: int, repeats: int) -> dict[
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="32 MiB per case, one pass")
+    parser = bench_parser(__doc__, quick="32 MiB per case, one pass")
     parser.add_argument("--dir", type=Path, default=None, help="where to write (default /tmp)")
-    parser.add_argument("--no-write", action="store_true", help="do not write results/")
     parser.add_argument("--volume-mib", type=int, default=None, help="MiB per case")
     parser.add_argument("--repeats", type=int, default=None, help="passes per case")
     args = parser.parse_args(argv)
@@ -667,15 +673,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtiers-lmcache-") as tmp:
         base = Path(tmp)
-        note = machine_note(base) + f"; LMCache {version}"
-        print(note, flush=True)
+        note = machine_note(directory=str(base), filesystem=filesystem_of(base),
+                            lmcache=version)
+        print(machine_sentence(note), flush=True)
         if version != LMCACHE_VERSION:
             print(f"note: this benchmark was written against LMCache {LMCACHE_VERSION}")
         for chunk_bytes in CHUNK_SIZES:
             r = bench_case(base, chunk_bytes, volume, repeats)
             rows.append(r)
             print(
-                f"{_size(chunk_bytes):>7} x{THREADS}: store kvtiers {r['kvtiers_store']:.2f} "
+                f"{size_label(chunk_bytes):>7} x{THREADS}: store kvtiers {r['kvtiers_store']:.2f} "
                 f"GB/s vs LMCache {r['lmcache_store']:.2f} ({r['store_ratio']:.2f}x; raw "
                 f"pwrite {r['raw_pwrite']:.2f}); load kvtiers {r['kvtiers_load']:.2f} vs "
                 f"LMCache {r['lmcache_load']:.2f} ({r['load_ratio']:.2f}x; raw pread "
@@ -702,35 +709,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"took {elapsed:.0f} s")
     if args.quick or args.no_write:
         return 0
-    write_results(note, version, volume, repeats, rows, kvt, lmc, drift, elapsed)
+    data = {
+        "machine": finish_note(note),
+        "command": " ".join(["/tmp/lmcache-venv/bin/python benchmarks/bench_lmcache.py",
+                             *sys.argv[1:]]),
+        "lmcache_version": version, "volume_bytes": volume, "repeats": repeats,
+        "threads": THREADS, "seconds": elapsed, "rows": rows,
+        "integrity": {"kvtiers": kvt, "lmcache": lmc}, "lmcache_remove_drift": drift,
+    }
+    notes = kept_section(args.out / "lmcache.md", NOTES)
+    page = render(data) + ("\n" + notes if notes else "")
+    for path in write_result(split("lmcache", data, **LAYOUT), args.out, "lmcache", page):
+        print(f"wrote {path}")
     return 0
 
 
 NOTES = "## Reading the numbers"
 
 
-def write_results(note: str, version: str, volume: int, repeats: int,
-                  rows: list[dict[str, Any]], kvt: dict[str, Any], lmc: dict[str, Any],
-                  drift: dict[str, float], elapsed: float) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    command = " ".join(["/tmp/lmcache-venv/bin/python benchmarks/bench_lmcache.py",
-                        *sys.argv[1:]])
+def render(data: dict[str, Any]) -> str:
+    """The results page (without the hand-written reading) for ``data``, the flat dict
+    :data:`LAYOUT` maps onto the schema."""
+    rows, drift = data["rows"], data["lmcache_remove_drift"]
+    kvt, lmc = data["integrity"]["kvtiers"], data["integrity"]["lmcache"]
     lines = [
-        f"# kvtiers' file tier vs LMCache {version}'s local-disk backend",
+        f"# kvtiers' file tier vs LMCache {data['lmcache_version']}'s local-disk backend",
         "",
-        f"Machine: {note}; load average at the end {load}.",
+        f"Machine: {machine_sentence(data['machine'])}.",
         "",
-        f"Command: `{command}` ({volume // MIB} MiB per case, median of {repeats} passes, "
-        f"{THREADS} I/O threads on each side, {elapsed:.0f} s in all). Throughput is payload "
+        f"Command: `{data['command']}` ({data['volume_bytes'] // MIB} MiB per case, median "
+        f"of {data['repeats']} passes, {data['threads']} I/O threads on each side, "
+        f"{data['seconds']:.0f} s in all). Throughput is payload "
         "GB/s; ratios are kvtiers / LMCache, same bytes, same run. kvtiers: file tier "
         "mover, `durability: process`, checksums on (a 4096-byte header per file). "
-        f"LMCache: `LocalDiskBackend` with `extra_config.disk_io_threads: {THREADS}` (its "
-        "put executor and its read pool; no thread pool of the benchmark's), CPU memory "
+        f"LMCache: `LocalDiskBackend` with `extra_config.disk_io_threads: {data['threads']}` "
+        "(its put executor and its read pool; no thread pool of the benchmark's), CPU memory "
         "objects, `local_cpu: false`, no fsync. `sync` before every write pass; page cache "
         "dropped with `posix_fadvise(DONTNEED)` after an fsync before every read pass. Raw "
         "`pwrite` / `pread` of the same payloads into one directory, "
-        f"{THREADS} threads, is the medium reference.",
+        f"{data['threads']} threads, is the medium reference.",
         "",
         *throughput_table(rows),
         "",
@@ -753,25 +770,7 @@ def write_results(note: str, version: str, volume: int, repeats: int,
         f"{LMCACHE_DISK_GB:.0f}` GB so that eviction never runs.",
         "",
     ]
-    out = RESULTS / "lmcache.md"
-    previous = out.read_text() if out.exists() else ""
-    if NOTES in previous:
-        lines.append(previous[previous.index(NOTES):].rstrip("\n") + "\n")
-    out.write_text("\n".join(lines))
-    (RESULTS / "lmcache.json").write_text(json.dumps({
-        "machine": note,
-        "load_average_end": os.getloadavg(),
-        "command": command,
-        "lmcache_version": version,
-        "volume_bytes": volume,
-        "repeats": repeats,
-        "threads": THREADS,
-        "seconds": elapsed,
-        "rows": rows,
-        "integrity": {"kvtiers": kvt, "lmcache": lmc},
-        "lmcache_remove_drift": drift,
-    }, indent=2) + "\n")
-    print(f"wrote {out} and {RESULTS / 'lmcache.json'}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

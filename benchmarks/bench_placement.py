@@ -49,6 +49,12 @@ from kvtiers.engine.demo import run_demo
 from kvtiers.engine.workload import WorkloadSpec
 from kvtiers.optional import require
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command", "workload"),
+    "tables": ("rows",),
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 #: Stack name → the file tier's capacity (``None``: the demo's own, 32 MiB).

@@ -42,6 +42,13 @@ from kvtiers.engine.simulator import RequestReport, SimulatedEngine, TierTime, T
 from kvtiers.engine.workload import WorkloadSpec, conversation_requests
 from kvtiers.stack.builder import load_stack
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("quick", "command"),
+    "tables": ("rows",),
+    "summary": ("seconds",),
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 #: The heading of promotion.md's section this benchmark does not write.
 REAL_SERVER = "## A real server"

@@ -69,6 +69,13 @@ from kvtiers.testing.s3 import AWS_TEST_ENV, MotoProcess, MotoServer
 from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager, Retrier
 from kvtiers.tiers.s3.store import S3Store
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("quick", "repeats"),
+    "tables": ("transfer",),
+    "summary": ("runtime_s",),
+}
 RESULTS = Path(__file__).parent / "results"
 KIB, MIB = 1024, 1024 * 1024
 BUCKET = "kvtiers-bench"

@@ -62,6 +62,12 @@ from kvtiers.core.manager import LookupResult, Medium, ReqContext, ScheduleEndCo
 from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
 from kvtiers.tiers.file.manager import FileTierManager
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command",),
+    "tables": ("file", "index"),
+}
 RESULTS = Path(__file__).parent / "results"
 CTX = ReqContext(req_id="bench-scale")
 END = ScheduleEndContext()

@@ -78,6 +78,13 @@ from typing import Any
 from machine import cores, cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("plan", "model", "command"),
+    "tables": ("records", "gil"),
+    "summary": ("runtime_s",),
+}
 RESULTS = REPO / "benchmarks" / "results"
 BUCKET = "kvtiers-bench-serve"
 #: The benchmark's model: 8 layers, hidden 512, 8 heads over 4 KV heads, float32: KV

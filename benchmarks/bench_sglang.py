@@ -53,6 +53,12 @@ from kvtiers.testing.sglang import (
     storage_config,
 )
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command", "passes", "batch"),
+    "tables": ("rows",),
+}
 RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 128
 #: (tokens per page, layers, KV heads, head dim): bf16 pages of 32 KiB and 512 KiB.

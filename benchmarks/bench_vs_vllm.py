@@ -72,6 +72,12 @@ from kvtiers.core.manager import ReqContext
 from kvtiers.policies import load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
+#: How this bench's flat results dict maps onto the result schema's sections
+#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("python", "args", "rounds"),
+    "tables": ("runs", "memory"),
+}
 RESULTS = Path(__file__).parent / "results"
 ROUND_KEYS = 1024
 BATCHES = (1, 16, 1024)

@@ -56,8 +56,7 @@ def test_main_skips_before_any_work_when_lmcache_is_missing(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     monkeypatch.setattr(bench, "lmcache_missing", lambda: "No module named 'lmcache'")
-    monkeypatch.setattr(bench, "RESULTS", tmp_path / "results")
-    assert bench.main(["--dir", str(tmp_path)]) == 0
+    assert bench.main(["--dir", str(tmp_path), "--out", str(tmp_path / "results")]) == 0
     out = capsys.readouterr().out
     assert out.splitlines() == [bench.skip_line("No module named 'lmcache'")]
     assert list(tmp_path.iterdir()) == []
