@@ -25,11 +25,7 @@ and ``codec.json`` unless ``--no-write``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -39,7 +35,15 @@ from typing import Any
 
 import numpy as np
 from bench_s3 import BUCKET, Server, on_every_thread, through_mover
-from machine import cores, cpu_model
+from harness import (
+    bench_parser,
+    finish_note,
+    kept_section,
+    machine_note,
+    machine_sentence,
+    to_document,
+    write_result,
+)
 
 from kvtiers.core import chunkformat
 from kvtiers.core.codec import CODEC_NAMES, decode_into, make_codec
@@ -57,13 +61,12 @@ from kvtiers.testing.doubles import BytearrayRegion
 from kvtiers.tiers.object import ObjectBackend, ObjectMover, Retrier
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("command", "blosc2"),
     "tables": ("codecs", "s3"),
     "summary": ("median_decode_GBps",),
 }
-RESULTS = Path(__file__).parent / "results"
 MIB = 1024 * 1024
 CODECS = [name for name in CODEC_NAMES if name != "none"]
 #: The issue's target: this many times fewer S3 bytes on bf16 KV, decoding this fast.
@@ -211,7 +214,7 @@ def render(data: dict[str, Any]) -> str:
     lines = [
         "# Codec benchmarks",
         "",
-        f"Machine: {data['machine']}.",
+        f"Machine: {machine_sentence(data['machine'])}.",
         "",
         f"Command: `{data['command']}`. Codecs: `blosc2-zstd` (byte shuffle by the KV "
         "element size, then zstd level 1 on each byte stream), `blosc2-lz4` (bit shuffle, "
@@ -268,16 +271,6 @@ def render(data: dict[str, Any]) -> str:
 NOTES = "## Reading the numbers"
 
 
-def write_report(data: dict[str, Any]) -> None:
-    """``codec.md`` from ``data``, keeping the reading notes of the file it replaces."""
-    target = RESULTS / "codec.md"
-    text = render(data)
-    previous = target.read_text() if target.exists() else ""
-    if NOTES in previous:
-        text += "\n" + previous[previous.index(NOTES):].rstrip("\n") + "\n"
-    target.write_text(text)
-
-
 def entropy(payloads: list[bytes], typesize: int) -> dict[str, Any]:
     data = np.frombuffer(b"".join(payloads), dtype=np.uint8)
     data = data[: len(data) // typesize * typesize].reshape(-1, typesize)
@@ -290,15 +283,17 @@ def entropy(payloads: list[bytes], typesize: int) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__, quick="one repeat, 4 S3 chunks")
     parser.add_argument("--kv", action="append", default=[], metavar="NAME=ROOT",
                         help="a file-tier root of real KV chunks (bfloat16=..., fp8=...)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=None, help="passes per codec (5)")
     parser.add_argument("--threads", type=int, default=4)
-    parser.add_argument("--s3-chunks", type=int, default=16)
-    parser.add_argument("--no-s3", action="store_true")
-    parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--s3-chunks", type=int, default=None, help="chunks per S3 set (16)")
+    parser.add_argument("--no-s3", action="store_true", help="leave out the S3 loads")
     args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 5)
+    s3_chunks = args.s3_chunks or (4 if args.quick else 16)
+    note = machine_note()
     import blosc2
 
     sets: dict[str, tuple[str, list[bytes]]] = {}
@@ -311,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     for label, (kv_dtype, payloads) in sets.items():
         ent[label] = entropy(payloads, 2 if kv_dtype == "bfloat16" else 1)
         for name in CODECS:
-            row = measure_codec(name, kv_dtype, payloads, args.repeats)
+            row = measure_codec(name, kv_dtype, payloads, repeats)
             row.update(data=label, codec=name, chunk_bytes=len(payloads[0]))
             rows.append(row)
             print(f"{label:16s} {name:12s} ratio {row['ratio']:.3f} "
@@ -325,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 server.reset()
                 for label, payloads in bf16:
-                    chunks = join(payloads, 2 * MIB)[: args.s3_chunks]
-                    row = s3_load(server, chunks, args.threads, args.repeats,
+                    chunks = join(payloads, 2 * MIB)[:s3_chunks]
+                    row = s3_load(server, chunks, args.threads, repeats,
                                   label.replace(" ", "-"))
                     row["data"] = label
                     s3_rows.append(row)
@@ -334,11 +329,8 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
             finally:
                 server.stop()
-    load = os.getloadavg()
     data = {
-        "machine": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-                   f"CPU {cpu_model()}, {cores()} cores; Python {platform.python_version()}; "
-                   f"load average at the end {load[0]:.1f}, {load[1]:.1f}, {load[2]:.1f}",
+        "machine": finish_note(note),
         "command": "benchmarks/bench_codec.py " + " ".join(sys.argv[1:] if argv is None
                                                            else argv),
         "blosc2": blosc2.__version__,
@@ -349,9 +341,11 @@ def main(argv: list[str] | None = None) -> int:
     }
     text = render(data) if s3_rows else json.dumps(data, indent=1)
     print(text)
-    if not args.no_write:
-        (RESULTS / "codec.json").write_text(json.dumps(data, indent=1) + "\n")
-        write_report(data)
+    if not (args.quick or args.no_write):
+        # The hand-written reading of the numbers below the tables survives a rerun.
+        notes = kept_section(args.out / "codec.md", NOTES)
+        page = render(data) + ("\n" + notes if notes else "")
+        write_result(to_document("codec", data, **LAYOUT), args.out, "codec", page)
     return 0
 
 

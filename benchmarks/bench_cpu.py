@@ -22,21 +22,23 @@ Run: ``.venv/bin/python benchmarks/bench_cpu.py [--quick]``. Writes
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import json
-import platform
 import random
 import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import torch
-from machine import cores, cpu_model
+from harness import (
+    bench_parser,
+    finish_note,
+    machine_note,
+    machine_sentence,
+    to_document,
+    write_result,
+)
 
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey, make_offload_key
@@ -50,12 +52,11 @@ from kvtiers.tiers.cpu.region import SlotRegion
 from kvtiers.tiers.cpu.worker import MAX_COPY_THREADS, CpuWorker
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("quick", "command", "kernel_threads"),
     "tables": ("worker", "scheduler", "memory"),
 }
-RESULTS = Path(__file__).parent / "results"
 #: The CPU tier with each builtin policy, then the ChunkIndex bookkeeping it is compared with.
 SCHEDULER_KINDS = (*BUILTIN_POLICIES, "chunkindex")
 KIB = 1024
@@ -250,17 +251,6 @@ def bench_memory(policy: str, chunks: int) -> dict[str, float]:
 
 
 # -- report --------------------------------------------------------------------------
-def machine_note() -> dict[str, str]:
-    return {
-        "cpu": cpu_model(),
-        "cores": cores(),
-        "torch": torch.__version__,
-        "torch_threads": str(torch.get_num_threads()),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 def render(results: dict[str, object]) -> str:
     note = results["machine"]
     command = results["command"]
@@ -268,8 +258,7 @@ def render(results: dict[str, object]) -> str:
     lines = [
         "# CPU tier benchmarks",
         "",
-        f"Machine: {note['cpu']}, {note['cores']} cores, torch {note['torch']} "
-        f"({note['torch_threads']} threads), Python {note['python']}, {note['date']}.",
+        f"Machine: {machine_sentence(note)}.",
         f"Command: `{' '.join(['.venv/bin/python benchmarks/bench_cpu.py', command]).strip()}`",
         "",
         "## (a) Worker throughput vs a plain contiguous copy (target >= 0.8x)",
@@ -415,9 +404,7 @@ def summary(results: dict[str, object]) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser = bench_parser(__doc__, quick="smaller sizes, fewer repeats")
     parser.add_argument(
         "--threads",
         type=int,
@@ -436,8 +423,9 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     total = (16 if args.quick else 64) << 20
     repeats = args.repeats or (3 if args.quick else 7)
+    note = machine_note(torch=torch.__version__, torch_threads=torch.get_num_threads())
     results: dict[str, object] = {
-        "machine": machine_note(),
+        "machine": note,
         "quick": args.quick,
         "command": " ".join(sys.argv[1:]),
     }
@@ -464,13 +452,10 @@ def main() -> None:
         results["memory"] = [bench_memory(policy, chunks) for policy in SCHEDULER_KINDS]
     report = render(results)
     print(report)
-    if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        name = ("cpu-quick" if args.quick else "cpu") + (
-            f"-threads{args.threads}" if args.threads else ""
-        )
-        (RESULTS / f"{name}.md").write_text(report)
-        (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    if not (args.quick or args.no_write):
+        results["machine"] = finish_note(note)
+        name = "cpu" + (f"-threads{args.threads}" if args.threads else "")
+        write_result(to_document("cpu", results, **LAYOUT), args.out, name, report)
 
 
 if __name__ == "__main__":

@@ -52,8 +52,8 @@ from harness import (
     machine_sentence,
     markdown_table,
     size_label,
-    split,
     timed_threads,
+    to_document,
     write_result,
 )
 
@@ -75,7 +75,7 @@ from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.mover import FileMover
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("command", "volume_bytes", "repeats"),
     "tables": ("rows",),
@@ -484,7 +484,7 @@ def main() -> int:
     # The hand-written reading of the numbers below the table survives a rerun.
     notes = kept_section(args.out / "file.md", NOTES)
     page = render(data) + ("\n" + notes if notes else "")
-    for path in write_result(split("file", data, **LAYOUT), args.out, "file", page):
+    for path in write_result(to_document("file", data, **LAYOUT), args.out, "file", page):
         print(f"wrote {path}")
     return 0
 

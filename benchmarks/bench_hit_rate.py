@@ -52,11 +52,8 @@ every count came out the same.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import hashlib
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -65,7 +62,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from machine import cores, cpu_model
+from harness import (
+    bench_parser,
+    from_document,
+    machine_note,
+    read_result,
+    to_document,
+    write_result,
+)
 from route1 import SLOT_BYTES, job_keys, route1_manager
 
 from kvtiers.core.keys import make_offload_key
@@ -75,12 +79,11 @@ from kvtiers.policies import ARCPolicy, EvictionPolicy, load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
-    "parameters": ("command", "tokens_per_chunk", "store_batch", "stores"),
+    "parameters": ("tokens_per_chunk", "store_batch", "stores"),
     "tables": ("points",),
 }
-RESULTS = Path(__file__).parent / "results"
 TOKENS_PER_CHUNK = 32
 STORE_BATCH = 16
 #: How a request's chunks are stored: name → chunks per store (``None``: all at once).
@@ -621,19 +624,6 @@ def summary(points: list[Point]) -> list[str]:
     return lines
 
 
-def machine_note(command: str) -> dict[str, str]:
-    import vllm
-
-    return {
-        "cpu": cpu_model(),
-        "cores": cores(),
-        "python": platform.python_version(),
-        "vllm": str(vllm.__version__),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": command,
-    }
-
-
 def interpreter() -> str:
     """The Python that runs this, as the report's command names it (relative to the
     repository root when it lives there, e.g. ``.venv-vllm34/bin/python``)."""
@@ -646,10 +636,10 @@ def previous_note(path: Path, vllm_version: str, payload: dict[str, Any]) -> str
     """What to say of the report at ``path`` that a new one (``payload``, as written to
     JSON) replaces: route 1 against vLLM in one line when it measured another vLLM release
     (or none named: 0.33.0 wrote no version), and whether every count is the same; else
-    the line it carried itself."""
+    the line it carried itself. A note converted from before the schema is read as it was."""
     try:
-        old = json.loads(path.read_text())
-        machine = old["machine"]
+        old = from_document(read_result(path))
+        machine = old["machine"].get("original", old["machine"])
         old_version = machine.get("vllm", "0.33.0")
         if old_version == vllm_version:
             carried = machine.get("previous")
@@ -675,10 +665,8 @@ def previous_note(path: Path, vllm_version: str, payload: dict[str, Any]) -> str
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller traces")
+    parser = bench_parser(__doc__, quick="smaller traces")
     parser.add_argument("--trace", choices=sorted(TRACES), nargs="+", help="default: all")
-    parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument(
         "--seeds", type=int, default=5, help="other trace seeds to check lru and arc on"
     )
@@ -694,8 +682,10 @@ def main() -> None:
     command = f"{interpreter()} benchmarks/bench_hit_rate.py" + (
         " --quick" if args.quick else ""
     )
-    note = machine_note(command)
-    name = "hit_rate-quick" if args.quick else "hit_rate"
+    import vllm
+
+    note = machine_note(vllm=str(vllm.__version__), command=command)
+    name = "hit_rate"
     payload = {
         "machine": note,
         "tokens_per_chunk": TOKENS_PER_CHUNK,
@@ -708,17 +698,15 @@ def main() -> None:
         },
     }
     # Compared as they read back from JSON (tuples become lists, keys strings).
-    previous = previous_note(RESULTS / f"{name}.json", note["vllm"],
+    previous = previous_note(args.out / f"{name}.json", note["vllm"],
                              json.loads(json.dumps(payload)))
     if previous:
         note["previous"] = previous
     report = render(points, trace_sizes(scale, traces), note, other_seeds)
     print(report)
     print(f"({time.perf_counter() - started:.0f} s)")
-    if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{name}.md").write_text(report)
-        (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    if not (args.quick or args.no_write):
+        write_result(to_document("hit_rate", payload, **LAYOUT), args.out, name, report)
 
 
 if __name__ == "__main__":

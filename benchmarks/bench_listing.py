@@ -26,11 +26,8 @@ writes ``benchmarks/results/listing.md`` and ``listing.json``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
-import platform
+import sys
 import tempfile
 import time
 import tracemalloc
@@ -40,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
-from machine import cores, cpu_model
+from harness import (
+    bench_parser,
+    finish_note,
+    machine_note,
+    machine_sentence,
+    to_document,
+    write_result,
+)
 
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey, make_offload_key
@@ -54,13 +58,12 @@ from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.manager import ObjectTierManager
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("quick", "command"),
     "tables": ("rows",),
     "summary": ("seconds",),
 }
-RESULTS = Path(__file__).resolve().parent / "results"
 END = ScheduleEndContext()
 CONFIG = offloading_config()
 IDENTITY = NamespaceIdentity.from_config(CONFIG)
@@ -176,18 +179,18 @@ def per_100k(row: dict[str, Any], name: str) -> float:
     return row[name] * 100_000 / row["listed"] if row["listed"] else 0.0
 
 
-def render(rows: list[dict[str, Any]], memory: dict[str, float], seconds: float,
-           load: tuple[float, float, float]) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def render(data: dict[str, Any]) -> str:
+    """The results page for ``data``, the flat dict :data:`LAYOUT` maps onto the schema."""
+    rows, memory = data["rows"], data["memory_per_chunk"]
     peak = (memory["keys"] + 2 * memory["listing_set"] + memory["announced_set"]
             + memory["order_tuple"])
     lines = [
         "# Announcing a shared namespace: listing and summary cost",
         "",
-        f"Machine: {cpu_model()}, {cores()} cores, Python {platform.python_version()}; "
-        f"{now}; `benchmarks/bench_listing.py` ({seconds:.0f} s). Load average at the end "
-        f"{', '.join(f'{x:.1f}' for x in load)}: the machine was shared with other work, so "
-        "times are upper bounds (rerun on a quiet machine to tighten them).",
+        f"Machine: {machine_sentence(data['machine'])}; `{data['command']}` "
+        f"({data['seconds']:.0f} s). The machine was shared with other work (the load "
+        "averages above), so times are upper bounds (rerun on a quiet machine to tighten "
+        "them).",
         "",
         "Every chunk was published by another server (the listing tier's index held none): "
         "the first listing announces all of them, the second finds nothing new. `listing` "
@@ -226,10 +229,9 @@ def render(rows: list[dict[str, Any]], memory: dict[str, float], seconds: float,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small counts, a smoke run")
-    parser.add_argument("--no-write", action="store_true", help="print, do not write results")
+    parser = bench_parser(__doc__, quick="small counts")
     args = parser.parse_args()
+    note = machine_note()
     file_counts = (2_000,) if args.quick else (10_000, 100_000)
     s3_counts = (1_000,) if args.quick else (20_000,)
     started = time.perf_counter()
@@ -240,13 +242,15 @@ def main() -> None:
     for n in s3_counts:
         rows.append(s3_case(n))
     memory = memory_per_chunk(100_000 if not args.quick else 2_000)
-    text = render(rows, memory, time.perf_counter() - started, os.getloadavg())
+    data = {
+        "machine": finish_note(note), "quick": args.quick,
+        "command": " ".join(["benchmarks/bench_listing.py", *sys.argv[1:]]),
+        "seconds": time.perf_counter() - started, "rows": rows, "memory_per_chunk": memory,
+    }
+    text = render(data)
     print(text)
-    if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "listing.md").write_text(text)
-        (RESULTS / "listing.json").write_text(
-            json.dumps({"rows": rows, "memory_per_chunk": memory}, indent=1) + "\n")
+    if not (args.quick or args.no_write):
+        write_result(to_document("listing", data, **LAYOUT), args.out, "listing", text)
 
 
 if __name__ == "__main__":

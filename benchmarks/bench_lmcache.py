@@ -78,8 +78,8 @@ from harness import (
     machine_note,
     machine_sentence,
     size_label,
-    split,
     timed_threads,
+    to_document,
     write_result,
 )
 
@@ -93,7 +93,7 @@ from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.mover import BadChunkHandler, FileMover
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("command", "lmcache_version", "volume_bytes", "repeats", "threads"),
     "tables": ("rows",),
@@ -719,7 +719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     notes = kept_section(args.out / "lmcache.md", NOTES)
     page = render(data) + ("\n" + notes if notes else "")
-    for path in write_result(split("lmcache", data, **LAYOUT), args.out, "lmcache", page):
+    for path in write_result(to_document("lmcache", data, **LAYOUT), args.out, "lmcache", page):
         print(f"wrote {path}")
     return 0
 

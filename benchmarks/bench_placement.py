@@ -30,19 +30,14 @@ writes ``benchmarks/results/placement.md`` and ``placement.json``.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import io
-import json
-import os
-import platform
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machine import cores, cpu_model
+from harness import bench_parser, finish_note, machine_note, to_document, write_result
 
 from kvtiers.config.examples import example_path
 from kvtiers.engine.demo import run_demo
@@ -50,12 +45,11 @@ from kvtiers.engine.workload import WorkloadSpec
 from kvtiers.optional import require
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
-    "parameters": ("command", "workload"),
+    "parameters": ("workload",),
     "tables": ("rows",),
 }
-RESULTS = Path(__file__).resolve().parent / "results"
 
 #: Stack name → the file tier's capacity (``None``: the demo's own, 32 MiB).
 STACKS: dict[str, str | None] = {"demo stack": None, "file tier holds the trace": "128MiB"}
@@ -166,45 +160,32 @@ def _change(base: int, value: int) -> str:
     return f"{100 * (value - base) / max(base, 1):+.1f}%"
 
 
-def machine_note(command: str, load: str) -> dict[str, str]:
-    return {
-        "cpu": cpu_model(),
-        "cores": cores(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "load": load,
-        "command": command,
-    }
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--conversations", type=int, default=WorkloadSpec.conversations,
+    parser = bench_parser(__doc__, quick="4 conversations of 2 turns")
+    parser.add_argument("--conversations", type=int, default=None,
                         help="conversations in the trace (default: the demo's)")
-    parser.add_argument("--turns", type=int, default=WorkloadSpec.turns)
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--turns", type=int, default=None)
     args = parser.parse_args()
     require("moto", purpose="the embedded S3 server of the benchmark's stack")
-    spec = WorkloadSpec(conversations=args.conversations, turns=args.turns)
+    conversations = args.conversations or (4 if args.quick else WorkloadSpec.conversations)
+    turns = args.turns or (2 if args.quick else WorkloadSpec.turns)
+    spec = WorkloadSpec(conversations=conversations, turns=turns)
     started = time.perf_counter()
-    load = " / ".join(f"{value:.1f}" for value in os.getloadavg())
+    command = "benchmarks/bench_placement.py"
+    if (conversations, turns) != (WorkloadSpec.conversations, WorkloadSpec.turns):
+        command += f" --conversations {conversations} --turns {turns}"
+    note = machine_note(command=command)
     with tempfile.TemporaryDirectory(prefix="kvtiers-placement-") as scratch:
         rows = [run_policy(stack, policy, spec, Path(scratch))
                 for stack in STACKS for policy in POLICIES]
-    command = "benchmarks/bench_placement.py"
-    if (args.conversations, args.turns) != (WorkloadSpec.conversations, WorkloadSpec.turns):
-        command += f" --conversations {args.conversations} --turns {args.turns}"
-    note = machine_note(command, load)
     report = render(rows, spec, note)
     print(report)
     print(f"({time.perf_counter() - started:.0f} s)")
-    if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
+    if not (args.quick or args.no_write):
         name = "placement" if command == "benchmarks/bench_placement.py" else "placement-custom"
-        (RESULTS / f"{name}.md").write_text(report)
-        payload = {"machine": note, "workload": spec.__dict__,
+        payload = {"machine": finish_note(note), "workload": spec.__dict__,
                    "rows": [row.__dict__ for row in rows]}
-        (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+        write_result(to_document("placement", payload, **LAYOUT), args.out, name, report)
 
 
 if __name__ == "__main__":

@@ -24,17 +24,24 @@ repository root: ``.venv/bin/python benchmarks/bench_promotion.py [--quick]
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
-import json
-import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from machine import cores, cpu_model
+from harness import (
+    bench_parser,
+    finish_note,
+    kept_section,
+    machine_note,
+    machine_sentence,
+    percentile,
+    to_document,
+    write_result,
+)
 
 from kvtiers.config import PromotionConfig, StackConfig, load_stack_config
 from kvtiers.config.examples import example_path
@@ -43,13 +50,12 @@ from kvtiers.engine.workload import WorkloadSpec, conversation_requests
 from kvtiers.stack.builder import load_stack
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("quick", "command"),
     "tables": ("rows",),
     "summary": ("seconds",),
 }
-RESULTS = Path(__file__).resolve().parent / "results"
 #: The heading of promotion.md's section this benchmark does not write.
 REAL_SERVER = "## A real server"
 LATENCY_S = 0.2
@@ -111,8 +117,8 @@ def summarise(reports: list[RequestReport]) -> dict[str, float]:
     ttft = sorted(r.ttft_s for r in reports)
     return {
         "mean": statistics.mean(ttft),
-        "p50": ttft[len(ttft) // 2],
-        "p90": ttft[min(len(ttft) - 1, len(ttft) * 9 // 10)],
+        "p50": percentile(ttft, 50),
+        "p90": percentile(ttft, 90),
         "max": ttft[-1],
         "slower_than_recompute": sum(1 for r in reports if r.ttft_s > r.recompute_s + 1e-12),
         "reused": sum(r.reused_tokens for r in reports) / sum(r.prompt_tokens for r in reports),
@@ -143,14 +149,16 @@ def acceptance(rows: list[dict[str, object]]) -> list[str]:
     ]
 
 
-def render(rows: list[dict[str, object]], seconds: float) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+def render(data: dict[str, Any]) -> str:
+    """The simulated part of the page for ``data``, the flat dict :data:`LAYOUT` maps
+    onto the schema."""
+    rows = data["rows"]
     lines = [
         "# Simulated TTFT: recompute vs promote everything vs cost-aware promotion",
         "",
-        f"Machine: {cpu_model()}, {cores()} cores, Python {platform.python_version()}; {now}; "
-        f"`benchmarks/bench_promotion.py` ({seconds:.0f} s). Simulated time and counts "
-        "only: the machine's load does not change them.",
+        f"Machine: {machine_sentence(data['machine'])}; `{data['command']}` "
+        f"({data['seconds']:.0f} s). Simulated time and counts only: the machine's load "
+        "does not change them.",
         "",
         f"Stack: cpu 16 MiB (arc) over a slow tier `s3` of {LATENCY_S * 1000:.0f} ms latency "
         f"and {BYTES_PER_S / 1e6:.0f} MB/s per promotion job; the demo's model (two groups, "
@@ -177,10 +185,9 @@ def render(rows: list[dict[str, object]], seconds: float) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one trace, two rates")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser = bench_parser(__doc__, quick="one trace, two rates")
     args = parser.parse_args()
+    note = machine_note()
     traces = dict(list(TRACES.items())[:1]) if args.quick else TRACES
     rates = RATES[1:3] if args.quick else RATES
     start = time.perf_counter()
@@ -191,15 +198,19 @@ def main() -> None:
                 for phase, reports in zip(PHASES, run_mode(spec, mode, rate), strict=True):
                     rows.append({"trace": trace, "rate": rate, "phase": phase, "mode": mode,
                                  "summary": summarise(reports)})
-    text = render(rows, time.perf_counter() - start)
+    data = {
+        "machine": finish_note(note), "quick": args.quick,
+        "command": " ".join(["benchmarks/bench_promotion.py", *sys.argv[1:]]),
+        "seconds": time.perf_counter() - start, "rows": rows,
+    }
+    text = render(data)
     print(text)
-    if not args.no_write:
-        page = RESULTS / "promotion.md"
+    if not (args.quick or args.no_write):
         # The real-server section below the simulated table is written by another run
         # (python -m tests.e2e.slow_tier): kept as it is.
-        kept = page.read_text().partition(REAL_SERVER)[2] if page.exists() else ""
-        page.write_text(text + (f"\n{REAL_SERVER}{kept}" if kept else ""))
-        (RESULTS / "promotion.json").write_text(json.dumps(rows, indent=1) + "\n")
+        kept = kept_section(args.out / "promotion.md", REAL_SERVER)
+        write_result(to_document("promotion", data, **LAYOUT), args.out, "promotion",
+                     text + ("\n" + kept if kept else ""))
 
 
 if __name__ == "__main__":

@@ -33,13 +33,11 @@ about 5 minutes per server (object creation for the rebuild: ~90 s of it; the de
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import importlib.metadata
 import json
 import logging
 import os
-import platform
 import statistics
 import threading
 import time
@@ -50,7 +48,15 @@ from typing import Any
 
 import boto3
 import botocore.config
-from machine import cores, cpu_model
+from harness import (
+    bench_parser,
+    finish_note,
+    from_document,
+    machine_note,
+    read_result,
+    to_document,
+    write_result,
+)
 
 from kvtiers.core.chunkformat import HEADER_BYTES, encode_header
 from kvtiers.core.config import (
@@ -70,13 +76,12 @@ from kvtiers.tiers.object import ObjectBackend, ObjectMover, ObjectTierManager, 
 from kvtiers.tiers.s3.store import S3Store
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("quick", "repeats"),
     "tables": ("transfer",),
     "summary": ("runtime_s",),
 }
-RESULTS = Path(__file__).parent / "results"
 KIB, MIB = 1024, 1024 * 1024
 BUCKET = "kvtiers-bench"
 TARGET = 0.9
@@ -422,25 +427,14 @@ NOTES: dict[str, list[str]] = {
 }
 
 
-def machine_note(server: Server) -> dict[str, str]:
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return {
-        "server": server.describe(),
-        "cpu": cpu_model(),
-        "cores": cores(),
-        "python": platform.python_version(),
-        "boto3": boto3.__version__,
-        "load": load,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 def _spread(rounds: list[float]) -> str:
     return f"{min(rounds):.2f}-{max(rounds):.2f}"
 
 
 def render(results: dict[str, Any]) -> str:
-    note = results["machine"]
+    """The results page for ``results``, the flat dict :data:`LAYOUT` maps onto the
+    schema (a machine note converted from before the schema is read as it was)."""
+    note = results["machine"].get("original", results["machine"])
     lines = [
         "# S3 tier benchmarks",
         "",
@@ -513,9 +507,7 @@ def render(results: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer bytes and rounds")
-    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser = bench_parser(__doc__, quick="fewer bytes and rounds")
     parser.add_argument("--objects", type=int, default=0,
                         help="objects for the index rebuild (default 100,000; 20,000 quick)")
     parser.add_argument("--server", choices=("moto", "seaweedfs"), default="moto")
@@ -524,9 +516,9 @@ def main() -> None:
     args = parser.parse_args()
     stem = "s3" if args.server == "moto" else "s3-seaweedfs"
     if args.render:
-        results = json.loads((RESULTS / f"{stem}.json").read_text())
+        results = from_document(read_result(args.out / f"{stem}.json"))
         results["notes"] = NOTES[args.server]
-        (RESULTS / f"{stem}.md").write_text(render(results))
+        write_result(to_document("s3", results, **LAYOUT), args.out, stem, render(results))
         return
     os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -544,7 +536,8 @@ def run(args: argparse.Namespace, server: Server) -> None:
     started = time.perf_counter()
     volume = 32 * MIB if args.quick else 64 * MIB
     repeats = 2 if args.quick else 4
-    results: dict[str, Any] = {"machine": machine_note(server), "quick": args.quick,
+    note = machine_note(server=server.describe(), boto3=boto3.__version__)
+    results: dict[str, Any] = {"machine": note, "quick": args.quick,
                                "repeats": repeats, "transfer": []}
     for chunk_bytes, label in ((256 * KIB, "256 KiB"), (4 * MIB, "4 MiB"), (16 * MIB, "16 MiB")):
         for threads in (1, 4, 16):
@@ -559,13 +552,11 @@ def run(args: argparse.Namespace, server: Server) -> None:
     # Listing a large bucket takes a minute; one interleaved round of each side.
     results["rebuild"] = bench_rebuild(server, objects, 1)
     print(json.dumps(results["rebuild"]))
-    results["machine"]["load_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    results["machine"] = finish_note(note)
     results["runtime_s"] = time.perf_counter() - started
-    if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
+    if not (args.quick or args.no_write):
         stem = "s3" if args.server == "moto" else "s3-seaweedfs"
-        (RESULTS / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-        (RESULTS / f"{stem}.md").write_text(render(results))
+        write_result(to_document("s3", results, **LAYOUT), args.out, stem, render(results))
     print(render(results))
 
 

@@ -32,12 +32,9 @@ them afterwards). Writes ``benchmarks/results/scale.{md,json,png}`` unless
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -48,7 +45,17 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
-from machine import cores, cpu_model, load_average
+from harness import (
+    bench_parser,
+    finish_note,
+    from_document,
+    kept_section,
+    machine_note,
+    machine_sentence,
+    read_result,
+    to_document,
+    write_result,
+)
 
 from kvtiers.core.config import (
     OffloadingCacheConfig,
@@ -63,12 +70,11 @@ from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
 from kvtiers.tiers.file.manager import FileTierManager
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("command",),
     "tables": ("file", "index"),
 }
-RESULTS = Path(__file__).parent / "results"
 CTX = ReqContext(req_id="bench-scale")
 END = ScheduleEndContext()
 SAMPLE = 200
@@ -327,7 +333,7 @@ def render(report: dict[str, Any]) -> str:
     lines = [
         "# Start-up and index memory at scale",
         "",
-        f"Machine: {report['machine']}",
+        f"Machine: {machine_sentence(report['machine'])}",
         "",
         f"Command: `{report['command']}`. Each file-tier start runs in a process of its own; "
         "a scheduler loop looks up 200 present keys (random over the namespace) and 200 "
@@ -416,12 +422,12 @@ def plot(report: dict[str, Any], path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = bench_parser(__doc__, quick="20,000 file chunks, an index of 100,000")
     parser.add_argument("--data", type=Path, default=None)
-    parser.add_argument("--sizes", default="100000,1000000,3000000")
-    parser.add_argument("--index-sizes", default="1000000")
+    parser.add_argument("--sizes", default=None, help="file chunks per start, comma-separated "
+                        "(default 100000,1000000,3000000)")
+    parser.add_argument("--index-sizes", default=None, help="index sizes (default 1000000)")
     parser.add_argument("--s3-objects", type=int, default=0)
-    parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--one-file", nargs=2, metavar=("ROOT", "N"))
     parser.add_argument("--one-index", nargs=2, metavar=("KIND", "N"))
     parser.add_argument("--one-before", nargs=2, metavar=("ROOT", "N"))
@@ -440,10 +446,13 @@ def main() -> int:
     if args.one_index:
         print(json.dumps(one_index(args.one_index[0], int(args.one_index[1]))))
         return 0
+    sizes = args.sizes or ("20000" if args.quick else "100000,1000000,3000000")
+    index_sizes = args.index_sizes or ("100000" if args.quick else "1000000")
+    note = machine_note()
     data = args.data or Path(tempfile.mkdtemp(prefix="kvtiers-scale-"))
     report: dict[str, Any] = {"file": [], "index": []}
-    earlier = json.loads(args.reuse.read_text()) if args.reuse else None
-    for n in (int(s) for s in args.sizes.split(",") if s):
+    earlier = from_document(read_result(args.reuse)) if args.reuse else None
+    for n in (int(s) for s in sizes.split(",") if s):
         row = bench_file(data, n, args.baseline)
         if earlier is not None and "before" not in row:
             old = [r["before"] for r in earlier["file"] if r["n"] == n and "before" in r]
@@ -451,7 +460,7 @@ def main() -> int:
                 row["before"] = old[0]
         print(json.dumps(row), flush=True)
         report["file"].append(row)
-    for n in (int(s) for s in args.index_sizes.split(",") if s):
+    for n in (int(s) for s in index_sizes.split(",") if s):
         row = {"n": n, "dict": subprocess_json("--one-index", "dict", str(n)),
                "compact": subprocess_json("--one-index", "compact", str(n))}
         print(json.dumps(row), flush=True)
@@ -463,19 +472,17 @@ def main() -> int:
         report["s3"] = earlier["s3"]
     if earlier is not None:
         report["reused"] = (f"The before rows and the SeaweedFS row are from the run of "
-                            f"{earlier['machine'].split(';')[0]} (same code for the tiers' "
+                            f"{machine_sentence(earlier['machine']).split(';')[0]} (same code "
+                            "for the tiers' "
                             "listings; this run re-measured the rest).")
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    report["machine"] = (
-        f"{now}; CPU {cpu_model()}, {cores()} cores; Python {platform.python_version()}; "
-        f"load average at the end {load_average()}"
-    )
+    report["machine"] = finish_note(note)
     report["command"] = "benchmarks/bench_scale.py " + " ".join(sys.argv[1:])
-    if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "scale.json").write_text(json.dumps(report, indent=1) + "\n")
-        (RESULTS / "scale.md").write_text(render(report))
-        plot(report, RESULTS / "scale.png")
+    if not (args.quick or args.no_write):
+        # The hand-written reading of the numbers below the page survives a rerun.
+        notes = kept_section(args.out / "scale.md", "## Reading the numbers")
+        write_result(to_document("scale", report, **LAYOUT), args.out, "scale",
+                     render(report) + notes)
+        plot(report, args.out / "scale.png")
     print(render(report))
     return 0
 

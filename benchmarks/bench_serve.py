@@ -56,11 +56,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import io
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -75,17 +73,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from machine import cores, cpu_model
+from harness import (
+    RESULTS,
+    bench_parser,
+    finish_note,
+    from_document,
+    percentile,
+    read_result,
+    to_document,
+    write_result,
+)
+from harness import machine_note as harness_machine_note
 
 REPO = Path(__file__).resolve().parents[1]
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("plan", "model", "command"),
     "tables": ("records", "gil"),
     "summary": ("runtime_s",),
 }
-RESULTS = REPO / "benchmarks" / "results"
 BUCKET = "kvtiers-bench-serve"
 #: The benchmark's model: 8 layers, hidden 512, 8 heads over 4 KV heads, float32: KV
 #: 16 KiB per token, a 2,048-token prefill above 1 s on 2 cores.
@@ -537,14 +544,6 @@ class Runner:
 
 
 # -- statistics -------------------------------------------------------------------------
-def _pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * p / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def group_stats(result: dict[str, Any], group: Group | dict[str, Any]) -> dict[str, float]:
     """TTFT (ms) mean/p50/p90/p99 over the group's requests, the first-of-prefix and
     the other requests' mean TTFT, TPOT mean (ms), request throughput."""
@@ -554,8 +553,8 @@ def group_stats(result: dict[str, Any], group: Group | dict[str, Any]) -> dict[s
     rest = [t for t, f in zip(ttft, first, strict=True) if not f]
     tpots = [t * 1000 for t in result["tpot"] if t is not None]
     return {
-        "ttft_mean": statistics.fmean(ttft), "ttft_p50": _pct(ttft, 50),
-        "ttft_p90": _pct(ttft, 90), "ttft_p99": _pct(ttft, 99),
+        "ttft_mean": statistics.fmean(ttft), "ttft_p50": percentile(ttft, 50),
+        "ttft_p90": percentile(ttft, 90), "ttft_p99": percentile(ttft, 99),
         "first_mean": statistics.fmean(firsts) if firsts else float("nan"),
         "rest_mean": statistics.fmean(rest) if rest else float("nan"),
         "tpot_mean": statistics.fmean(tpots) if tpots else float("nan"),
@@ -900,7 +899,7 @@ def _ms(triple: list[float] | tuple[float, float, float], digits: int = 0) -> st
 
 
 def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
-    note = results["machine"]
+    note = results["machine"].get("original", results["machine"])
     plan = results["plan"]
     lines = [
         "# kvtiers behind `vllm serve`",
@@ -1086,16 +1085,12 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def machine_note() -> dict[str, str]:
+def machine_note() -> dict[str, Any]:
+    """The shared note with the vLLM and torch versions the servers ran."""
     import torch
     import vllm
 
-    return {
-        "cpu": cpu_model(), "cores": cores(), "python": platform.python_version(),
-        "vllm": vllm.__version__, "torch": torch.__version__,
-        "load": ", ".join(f"{x:.2f}" for x in os.getloadavg()),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
+    return harness_machine_note(vllm=vllm.__version__, torch=torch.__version__)
 
 
 def gil_line(row: dict[str, Any]) -> str:
@@ -1252,24 +1247,22 @@ NOREUSE_NOTES: list[str] = [
 
 
 def write(results: dict[str, Any], out: Path) -> None:
+    """``serve.json`` (the result schema), ``serve.md`` and ``serve.png`` in ``out``."""
     summary = summarize(results)
-    out.mkdir(parents=True, exist_ok=True)
     results = {**results, "notes": NOTES}
     if results.get("noreuse"):
         results["noreuse"] = {**results["noreuse"], "notes": NOREUSE_NOTES}
-    (out / "serve.json").write_text(json.dumps(results, indent=1) + "\n")
+    out.mkdir(parents=True, exist_ok=True)
     plotted = plot(results, summary, out / "serve.png")
     text = render(results, summary)
     if plotted:
         text = text.replace("## Targets", "![TTFT per phase](serve.png)\n\n## Targets", 1)
-    (out / "serve.md").write_text(text)
+    write_result(to_document("serve", results, **LAYOUT), out, "serve", text)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="one round, 2k prefixes only, fewer requests; writes nothing "
-                        "unless --out is given")
+    parser = bench_parser(__doc__, quick="one round, 2k prefixes only, fewer requests; "
+                          "with --out naming another folder, written there")
     parser.add_argument("--rounds", type=int, help="rounds of both sides (default 3)")
     parser.add_argument("--model", help="a model directory or name (default: the random "
                         "8-layer Llama, made under the scratch directory)")
@@ -1279,8 +1272,6 @@ def main() -> None:
     parser.add_argument("--cpu-capacity", default="1GiB", help="kvtiers' CPU tier")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="one more argument for every server (repeat it)")
-    parser.add_argument("--out", type=Path, help="where serve.md/.json/.png go (default "
-                        "benchmarks/results; --quick: nowhere)")
     parser.add_argument("--scratch", type=Path, help="keep servers' logs and tiers here")
     parser.add_argument("--no-gil", action="store_true", help="skip the GIL measurements")
     parser.add_argument("--gil-only", action="store_true",
@@ -1292,11 +1283,11 @@ def main() -> None:
     parser.add_argument("--render", action="store_true",
                         help="only rewrite serve.md and serve.png from serve.json")
     args = parser.parse_args()
-    out = args.out or (None if args.quick else RESULTS)
     if args.render:
-        target = out or RESULTS
-        write(json.loads((target / "serve.json").read_text()), target)
+        write(from_document(read_result(args.out / "serve.json")), args.out)
         return
+    # --quick writes only where --out names a folder of its own, not over the results.
+    out = None if args.no_write or (args.quick and args.out == RESULTS) else args.out
     plan = QUICK if args.quick else FULL
     if args.rounds:
         plan = Plan(**{**plan.__dict__, "rounds": args.rounds})
@@ -1345,7 +1336,7 @@ def noreuse_round(runner: Runner, noreuse: dict[str, Any], r: int, started: floa
     for record in runner.noreuse(r):
         record["round"] = r
         noreuse["records"].append(record)
-    noreuse["machine"]["load_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    noreuse["machine"] = finish_note(noreuse["machine"])
     noreuse["runtime_s"] = time.perf_counter() - started
 
 
@@ -1387,7 +1378,7 @@ def _merge_noreuse(out: Path, noreuse: dict[str, Any]) -> None:
     path = out / "serve.json"
     if not path.exists():
         raise SystemExit(f"bench_serve: {path} is missing; run the whole benchmark first")
-    results = json.loads(path.read_text())
+    results = from_document(read_result(path))
     results["noreuse"] = noreuse
     write(results, out)
 
@@ -1424,7 +1415,7 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
             noreuse_round(runner, results["noreuse"], r, started)
             results["rounds_done"] = r + 1
             note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
-            note["load_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+            note.update(finish_note(note))
             results["runtime_s"] = time.perf_counter() - started
             if out is not None:
                 # What a run cut short measured stays (--render redraws it).
@@ -1442,7 +1433,7 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
         note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
     finally:
         s3.stop()
-    note["load_end"] = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    note.update(finish_note(note))
     results["runtime_s"] = time.perf_counter() - started
     summary = summarize(results)
     for t in summary["targets"]:

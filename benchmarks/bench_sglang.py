@@ -24,12 +24,7 @@ SGLang 0.5.23, which ``make test`` installs). The full run writes
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
-import json
-import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -42,7 +37,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from machine import cores, cpu_model
+from harness import (
+    bench_parser,
+    filesystem_of,
+    finish_note,
+    kept_section,
+    machine_note,
+    machine_sentence,
+    size_label,
+    to_document,
+    write_result,
+)
 
 from kvtiers.testing.sglang import (
     MHATokenToKVPoolHost,
@@ -54,12 +59,12 @@ from kvtiers.testing.sglang import (
 )
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("command", "passes", "batch"),
     "tables": ("rows",),
+    "summary": ("seconds",),
 }
-RESULTS = Path(__file__).resolve().parent / "results"
 BATCH = 128
 #: (tokens per page, layers, KV heads, head dim): bf16 pages of 32 KiB and 512 KiB.
 GEOMETRIES = ((16, 4, 2, 64), (64, 8, 4, 64))
@@ -155,18 +160,6 @@ def bench_geometry(base: Path, geometry: tuple[int, int, int, int], passes: int
     return row
 
 
-def machine_note(directory: Path) -> str:
-    return (
-        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; CPU "
-        f"{cpu_model()}, {cores()} cores; kernel {platform.release()}; bench directory "
-        f"{directory}; Python {platform.python_version()}; torch {torch.__version__}"
-    )
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes // (1 << 20)} MiB" if nbytes >= 1 << 20 else f"{nbytes // 1024} KiB"
-
-
 def table(rows: Sequence[dict[str, Any]]) -> list[str]:
     out = [
         "| page | op | HiCacheFile µs/page | kvtiers generic µs/page | kvtiers v1 µs/page "
@@ -177,7 +170,7 @@ def table(rows: Sequence[dict[str, Any]]) -> list[str]:
         for op in ("exists", "set", "get"):
             theirs, generic, v1 = (row[f"{s}_{op}_us"] for s in SYSTEMS)
             out.append(
-                f"| {_size(row['page_bytes'])} | {op} | {theirs:.1f} | {generic:.1f} | "
+                f"| {size_label(row['page_bytes'])} | {op} | {theirs:.1f} | {generic:.1f} | "
                 f"{v1:.1f} | {v1 / theirs:.2f}x |"
             )
     return out
@@ -192,64 +185,67 @@ def spread_table(rows: Sequence[dict[str, Any]]) -> list[str]:
             for name in SYSTEMS:
                 passes = row["passes_us"][f"{name}_{op}"]
                 cells.append(f"{min(passes):.1f}-{max(passes):.1f}")
-            out.append(f"| {_size(row['page_bytes'])} | {op} | " + " | ".join(cells) + " |")
+            out.append(f"| {size_label(row['page_bytes'])} | {op} | " + " | ".join(cells) + " |")
     return out
 
 
 NOTES = "## Reading the numbers"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="3 passes")
-    parser.add_argument("--dir", type=Path, default=None, help="where to write (default /tmp)")
-    parser.add_argument("--no-write", action="store_true", help="do not write results/")
-    args = parser.parse_args(argv)
-    passes = 3 if args.quick else 15
-    started = time.perf_counter()
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtiers-sglang-") as tmp:
-        note = machine_note(Path(tmp))
-        print(note, flush=True)
-        rows = [bench_geometry(Path(tmp), g, passes) for g in GEOMETRIES]
-    elapsed = time.perf_counter() - started
-    lines = table(rows)
-    spread = spread_table(rows)
-    print("\n".join(lines))
-    print("\n".join(spread))
-    print(f"took {elapsed:.0f} s")
-    if args.quick or args.no_write:
-        return 0
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    command = " ".join(["python benchmarks/bench_sglang.py", *sys.argv[1:]])
+def render(data: dict[str, Any]) -> str:
+    """The results page (without the hand-written reading) for ``data``, the flat dict
+    :data:`LAYOUT` maps onto the schema."""
+    rows = data["rows"]
     text = [
         "# kvtiers as SGLang HiCache's storage backend: per-page overhead beside HiCacheFile",
         "",
-        f"Machine: {note}; load average at the end {load}.",
+        f"Machine: {machine_sentence(data['machine'])}.",
         "",
-        f"Command: `{command}` (batches of {BATCH} pages, median of {passes} passes, "
-        f"{elapsed:.0f} s in all). Microseconds per page of one call (call time / "
-        f"{BATCH}); page cache warm. HiCacheFile and kvtiers generic: SGLang's generic "
+        f"Command: `{data['command']}` (batches of {data['batch']} pages, median of "
+        f"{data['passes']} passes, {data['seconds']:.0f} s in all). Microseconds per page of "
+        f"one call (call time / {data['batch']}); page cache warm. HiCacheFile and kvtiers "
+        "generic: SGLang's generic "
         "`batch_set` / `batch_get` with flat pages (what SGLang 0.5.23 calls for "
         "HiCacheFile); kvtiers v1: `batch_set_v1` / `batch_get_v1` from and into the host "
         "pool (SGLang with `\"interface_v1\": 1`). kvtiers: one file tier, 8 I/O threads, "
         "`durability: process`, a 4 KiB header and xxh3_128 checksum per chunk, two chunks "
         "(K, V) per page.",
         "",
-        *lines,
+        *table(rows),
         "",
         "Fastest-slowest pass (µs/page; the table above gives medians):",
         "",
-        *spread,
+        *spread_table(rows),
         "",
     ]
-    out = RESULTS / "sglang.md"
-    previous = out.read_text() if out.exists() else ""
-    if NOTES in previous:
-        text.append(previous[previous.index(NOTES):].rstrip("\n") + "\n")
-    out.write_text("\n".join(text))
-    (RESULTS / "sglang.json").write_text(json.dumps(
-        {"machine": note, "load": load, "passes": passes, "batch": BATCH, "rows": rows},
-        indent=1) + "\n")
+    return "\n".join(text)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = bench_parser(__doc__, quick="3 passes")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write (default /tmp)")
+    args = parser.parse_args(argv)
+    passes = 3 if args.quick else 15
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.dir, prefix="kvtiers-sglang-") as tmp:
+        note = machine_note(directory=tmp, filesystem=filesystem_of(Path(tmp)),
+                            torch=torch.__version__)
+        print(machine_sentence(note), flush=True)
+        rows = [bench_geometry(Path(tmp), g, passes) for g in GEOMETRIES]
+    elapsed = time.perf_counter() - started
+    print("\n".join(table(rows)))
+    print("\n".join(spread_table(rows)))
+    print(f"took {elapsed:.0f} s")
+    if args.quick or args.no_write:
+        return 0
+    data = {
+        "machine": finish_note(note),
+        "command": " ".join(["python benchmarks/bench_sglang.py", *sys.argv[1:]]),
+        "passes": passes, "batch": BATCH, "seconds": elapsed, "rows": rows,
+    }
+    notes = kept_section(args.out / "sglang.md", NOTES)
+    page = render(data) + ("\n" + notes if notes else "")
+    write_result(to_document("sglang", data, **LAYOUT), args.out, "sglang", page)
     return 0
 
 

@@ -49,11 +49,7 @@ one from another vLLM release keeps that release's route-1 summary in one line.
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
-import json
-import platform
 import random
 import statistics
 import sys
@@ -64,7 +60,16 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from machine import cores, cpu_model, load_average
+from harness import (
+    bench_parser,
+    finish_note,
+    from_document,
+    machine_note,
+    percentile,
+    read_result,
+    to_document,
+    write_result,
+)
 from route1 import SLOT_BYTES, job_keys, route1_manager
 
 from kvtiers.core.keys import make_offload_key
@@ -73,12 +78,11 @@ from kvtiers.policies import load_policy
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
 #: How this bench's flat results dict maps onto the result schema's sections
-#: (``harness.split``; ``convert_results.py`` reads it for the older files).
+#: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("python", "args", "rounds"),
     "tables": ("runs", "memory"),
 }
-RESULTS = Path(__file__).parent / "results"
 ROUND_KEYS = 1024
 BATCHES = (1, 16, 1024)
 POLICIES = ("lru", "arc")
@@ -252,8 +256,7 @@ class Recorder:
         ]
         if len(ratios) < 2:
             return (ratios[0], ratios[0]) if ratios else (float("nan"), float("nan"))
-        low, _, high = statistics.quantiles(ratios, n=4)
-        return low, high
+        return percentile(ratios, 25), percentile(ratios, 75)
 
 
 def timed_calls(
@@ -415,21 +418,6 @@ def bench_memory(chunks: int, policy: str, side_name: str, seed: int) -> dict[st
 
 
 # -- report --------------------------------------------------------------------------
-def machine_note() -> dict[str, str]:
-    import torch
-    import vllm
-
-    return {
-        "cpu": cpu_model(),
-        "cores": cores(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "vllm": vllm.__version__,
-        "load_start": load_average(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-    }
-
-
 LABELS = {
     "lookup_hit": "lookup HIT",
     "lookup_miss": "lookup MISS",
@@ -440,13 +428,15 @@ LABELS = {
 
 
 def render(results: dict[str, Any]) -> str:
-    note = results["machine"]
+    """The results page for ``results``, the flat dict :data:`LAYOUT` maps onto the
+    schema (a machine note converted from before the schema is read as it was)."""
+    note = results["machine"].get("original", results["machine"])
     lines = [
         "# kvtiers' CPU tier vs vLLM's CPUOffloadingManager",
         "",
         f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, torch "
         f"{note['torch']}, vLLM {note['vllm']}, {note['date']}; load average at the start "
-        f"{note.get('load_start', '?')}, at the end {note.get('load_end', '?')}.",
+        f"{note.get('load', note.get('load_start', '?'))}, at the end {note.get('load_end', '?')}.",
         f"Command: `{results.get('python', '.venv/bin/python')} benchmarks/bench_vs_vllm.py "
         f"{results['args']}`",
         *([f"Previous run: {results['previous']}"] if results.get("previous") else []),
@@ -622,8 +612,9 @@ def previous_note(path: Path, vllm_version: str) -> str | None:
     """What to say of the report at ``path`` that a new one replaces: its route-1 ratios in
     one line when it measured another vLLM release, else the line it carried itself."""
     try:
-        old = json.loads(path.read_text())
-        old_version = old["machine"]["vllm"]
+        old = from_document(read_result(path))
+        machine = old["machine"].get("original", old["machine"])
+        old_version = machine["vllm"]
         if old_version == vllm_version:
             carried = old.get("previous")
             return str(carried) if carried else None
@@ -634,19 +625,19 @@ def previous_note(path: Path, vllm_version: str) -> str | None:
         return None
     above = sum(ratio > 0.8 for ratio in ratios)
     return (
-        f"vLLM {old_version}, {old['machine'].get('cpu', '?')}, "
-        f"{old['machine'].get('date', '?')}, `{old.get('args', '?')}` (load "
-        f"{old['machine'].get('load_start', '?')} to {old['machine'].get('load_end', '?')}): "
+        f"vLLM {old_version}, {machine.get('cpu', '?')}, "
+        f"{machine.get('date', '?')}, `{old.get('args', '?')}` (load "
+        f"{machine.get('load', machine.get('load_start', '?'))} to "
+        f"{machine.get('load_end', '?')}): "
         f"route 1 at {min(ratios):.2f}-{max(ratios):.2f}x of vLLM, {len(ratios) - above} of "
         f"{len(ratios)} rows at or below 0.8x (git history holds its tables)."
     )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="20,000 chunks, 10 rounds")
+    parser = bench_parser(__doc__, quick="20,000 chunks, 10 rounds")
     parser.add_argument("--chunks", type=int, nargs="+", help="tier sizes (default 100000)")
-    parser.add_argument("--rounds", type=int, help="rounds per metric (default 30)")
+    parser.add_argument("--rounds", type=int, help="rounds per metric (default 30; 10 quick)")
     parser.add_argument(
         "--policies", nargs="+", choices=POLICIES, default=list(POLICIES), help="default both"
     )
@@ -654,12 +645,14 @@ def main() -> None:
         "--parts", nargs="+", choices=PARTS, default=list(PARTS), help="default all"
     )
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
-    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args()
     sizes = args.chunks or ([20_000] if args.quick else [100_000])
     rounds = args.rounds or (10 if args.quick else 30)
+    import torch
+    import vllm
+
     results: dict[str, Any] = {
-        "machine": machine_note(),
+        "machine": machine_note(torch=torch.__version__, vllm=vllm.__version__),
         "python": interpreter(),
         "args": " ".join(
             part
@@ -687,15 +680,13 @@ def main() -> None:
             for policy in args.policies:
                 for side in SIDES:
                     results["memory"].append(bench_memory(chunks, policy, side, seed=7))
-    results["machine"]["load_end"] = load_average()
-    name = "vs_vllm-quick" if args.quick else "vs_vllm"
-    results["previous"] = previous_note(RESULTS / f"{name}.json", results["machine"]["vllm"])
+    results["machine"] = finish_note(results["machine"])
+    name = "vs_vllm"
+    results["previous"] = previous_note(args.out / f"{name}.json", results["machine"]["vllm"])
     report = render(results)
     print(report)
-    if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"{name}.md").write_text(report)
-        (RESULTS / f"{name}.json").write_text(json.dumps(results, indent=2) + "\n")
+    if not (args.quick or args.no_write):
+        write_result(to_document("vs_vllm", results, **LAYOUT), args.out, name, report)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def convert(stem: str, old: Any) -> dict[str, Any]:
     flat["machine"] = ({"original": original} if original else
                        {"unknown": NO_NOTE.get(stem, "the original results recorded none")})
     layout = LAYOUTS.get(stem) or bench_layout(bench)
-    return harness.split(bench, flat, **layout)
+    return harness.to_document(bench, flat, **layout)
 
 
 _CASE = re.compile(r"\((\d+) MiB per case, median of (\d+) passes")

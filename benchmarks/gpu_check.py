@@ -45,13 +45,11 @@ machine, and runs nothing.
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import importlib.util
 import io
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -66,9 +64,10 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-# The benchmarks' shared machine note, also when this file is loaded by path (the tests).
+# The benchmarks' harness (machine note, result schema), also when this file is loaded
+# by path (the tests).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine import cpu_model  # noqa: E402
+import harness  # noqa: E402
 
 SCRIPT = Path(__file__).resolve()
 DEFAULT_WHEELS = REPO / ".whl"
@@ -239,15 +238,10 @@ def cuda_state() -> tuple[bool, str]:
     return True, f"torch {torch.__version__} (CUDA {built}), {torch.cuda.get_device_name(0)}"
 
 
-def machine_note() -> dict[str, str]:
-    """What the results were measured on: GPU, driver, torch, CPU, memory, kvikio."""
-    note = {
-        "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "cpu": cpu_model(),
-        "cores": str(os.cpu_count()),
-        "memory": _memory_total(),
-    }
+def machine_note() -> dict[str, Any]:
+    """What the results were measured on: the shared note with memory, GPU, driver,
+    torch and cuFile."""
+    note = harness.machine_note(memory=_memory_total())
     try:
         import torch
 
@@ -1325,7 +1319,7 @@ def verdict(results: Sequence[StepResult]) -> tuple[bool, str]:
     return True, f"PASSED ({tally})"
 
 
-def render(note: dict[str, str], command: str, results: Sequence[StepResult]) -> str:
+def render(note: dict[str, Any], command: str, results: Sequence[StepResult]) -> str:
     _, line = verdict(results)
     gpu = note.get("gpu", "no GPU")
     lines = [
@@ -1401,16 +1395,17 @@ def render_bench(rows: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def write_report(out: Path, note: dict[str, str], command: str,
+def write_report(out: Path, note: dict[str, Any], command: str,
                  results: Sequence[StepResult], log: Path | None) -> tuple[Path, Path]:
-    """``gpu.md``, ``gpu.json`` and the trimmed log into ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    md, js = out / REPORT_MD, out / REPORT_JSON
-    md.write_text(render(note, command, results))
+    """``gpu.md``, ``gpu.json`` (the result schema: the steps a table, the verdict in
+    ``extra``) and the trimmed log into ``out``."""
     ok, line = verdict(results)
-    js.write_text(json.dumps({"machine": note, "command": command, "passed": ok,
-                              "verdict": line, "steps": [asdict(r) for r in results]},
-                             indent=2, default=str) + "\n")
+    # Steps' details may hold paths and other objects JSON has no type for: as text.
+    steps = json.loads(json.dumps([asdict(r) for r in results], default=str))
+    doc = harness.result("gpu_check", note, parameters={"command": command},
+                         tables={"steps": steps}, extra={"passed": ok, "verdict": line})
+    js, md = harness.write_result(doc, out, Path(REPORT_JSON).stem,
+                                  render(note, command, results))
     if log is not None and log.exists():
         copy_trimmed(log, out / LOG_NAME)
     return md, js

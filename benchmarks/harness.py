@@ -214,12 +214,12 @@ def result(bench: str, machine: Mapping[str, Any], *,
     }
 
 
-def split(bench: str, flat: Mapping[str, Any], *, parameters: Sequence[str] = (),
+def to_document(bench: str, flat: Mapping[str, Any], *, parameters: Sequence[str] = (),
           tables: Sequence[str] = (), summary: Sequence[str] = ()) -> dict[str, Any]:
     """A result document from a bench's own flat dict: ``flat["machine"]`` is the machine
     note, the keys named in ``parameters``, ``tables`` and ``summary`` go to those
     sections, every other key to ``extra``. A named key ``flat`` lacks is left out (a
-    bench's optional section); :func:`joined` is the inverse."""
+    bench's optional section); :func:`from_document` is the inverse."""
     named = {"machine", *parameters, *tables, *summary}
     return result(
         bench, flat["machine"],
@@ -230,8 +230,8 @@ def split(bench: str, flat: Mapping[str, Any], *, parameters: Sequence[str] = ()
     )
 
 
-def joined(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The flat dict :func:`split` took ``doc`` from: ``machine`` and every section's keys
+def from_document(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """The flat dict :func:`to_document` took ``doc`` from: ``machine`` and every section's keys
     at one level, for a bench's renderer. Raises ``ValueError`` where two sections hold
     the same key (the flat dict could not say which)."""
     flat: dict[str, Any] = {"machine": doc["machine"]}

@@ -363,8 +363,8 @@ def test_report_files_hold_the_machine_note_steps_and_tables(tmp_path: Path) -> 
     log.write_bytes(b"a" * 100 + b"b" * 100)
     note = {"gpu": "NVIDIA H200", "gpu_memory": "139.8 GiB", "capability": "9.0",
             "driver": "580.1", "torch": "2.11.0", "cuda": "13.0", "cufile": "not found",
-            "cpu": "x86", "cores": "16", "memory": "125 GiB", "python": "3.12.3",
-            "date": "2026-12-01 05:00 UTC"}
+            "cpu": "x86", "cores": 16, "memory": "125 GiB", "python": "3.12.3",
+            "date": "2026-12-01 05:00 UTC", "load": "1.0, 1.0, 1.0", "kernel": "6.8"}
     results = [
         gpu_check.StepResult("wheels", "skipped", "skipped: no wheels in .whl", 0.0, 30),
         gpu_check.StepResult("cuda-tests", "passed", "40 passed", 20.0, 120),
@@ -390,7 +390,9 @@ def test_report_files_hold_the_machine_note_steps_and_tables(tmp_path: Path) -> 
         in text
     assert "- unusable: kvikio does not import" in text
     data = json.loads(js.read_text())
-    assert data["passed"] is False and [s["name"] for s in data["steps"]][-1] == "demo"
+    assert data["bench"] == "gpu_check" and data["parameters"]["command"].startswith("python")
+    assert data["extra"]["passed"] is False
+    assert [s["name"] for s in data["tables"]["steps"]][-1] == "demo"
     assert (out / gpu_check.LOG_NAME).read_bytes() == log.read_bytes()
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [gpu_check.REPORT_MD, gpu_check.REPORT_JSON, gpu_check.LOG_NAME])
