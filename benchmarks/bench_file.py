@@ -24,7 +24,7 @@ and index rebuild time.
     files (empty files with chunk names; the scan stats, never opens). Target: <= 2 s.
 
 Run: ``.venv/bin/python benchmarks/bench_file.py [--quick] [--dir DIR]``. The full run
-writes ``benchmarks/results/file.md`` unless ``--no-write``.
+writes ``benchmarks/results/file.md`` and ``file.json`` unless ``--no-write``.
 """
 
 from __future__ import annotations
