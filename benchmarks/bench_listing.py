@@ -42,6 +42,7 @@ from harness import (
     finish_note,
     machine_note,
     machine_sentence,
+    markdown_table,
     to_document,
     write_result,
 )
@@ -200,19 +201,19 @@ def render(data: dict[str, Any]) -> str:
         "work on the machine does not count; its wall time is in the JSON); per 100k = "
         "scaled from the measured count.",
         "",
-        "| tier | chunks | listing | listing s | per 100k s | compare CPU ms | per 100k ms "
-        "| slowest step ms | steps | announced | summary |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *markdown_table(
+            ["tier", "chunks", "listing", "listing s", "per 100k s", "compare CPU ms",
+             "per 100k ms", "slowest step ms", "steps", "announced", "summary"],
+            ([row["tier"], f"{row['chunks']:,}", name, f"{run['listing_s']:.2f}",
+              f"{per_100k(run, 'listing_s'):.2f}", f"{1000 * run['compare_cpu_s']:.1f}",
+              f"{1000 * per_100k(run, 'compare_cpu_s'):.1f}",
+              f"{1000 * run['slowest_step_cpu_s']:.2f}", run["steps"],
+              f"{run['announced']:,}", f"{row['summary_bytes'] / 1024:.1f} KiB"]
+             for row in rows
+             for name, run in (("first (all new)", row["first"]),
+                               ("steady (none new)", row["steady"]))),
+            align="lrlrrrrrrrr"),
     ]
-    for row in rows:
-        for name, run in (("first (all new)", row["first"]), ("steady (none new)",
-                                                              row["steady"])):
-            lines.append(
-                f"| {row['tier']} | {row['chunks']:,} | {name} | {run['listing_s']:.2f} | "
-                f"{per_100k(run, 'listing_s'):.2f} | {1000 * run['compare_cpu_s']:.1f} | "
-                f"{1000 * per_100k(run, 'compare_cpu_s'):.1f} | "
-                f"{1000 * run['slowest_step_cpu_s']:.2f} | {run['steps']} | "
-                f"{run['announced']:,} | {row['summary_bytes'] / 1024:.1f} KiB |")
     lines += [
         "",
         f"Memory per listed chunk, every chunk announced: the key itself {memory['keys']:.0f} B "

@@ -77,6 +77,7 @@ from harness import (
     kept_section,
     machine_note,
     machine_sentence,
+    markdown_table,
     size_label,
     timed_threads,
     to_document,
@@ -182,31 +183,25 @@ def file_fate(path: Path, quarantine: Path | None) -> str:
 
 
 def throughput_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    lines = [
-        "| chunk | kvtiers store | LMCache store | store ratio | raw pwrite | kvtiers load | "
-        "LMCache load | load ratio | raw pread |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {size_label(int(r['chunk_bytes']))} | {r['kvtiers_store']:.2f} | "
-            f"{r['lmcache_store']:.2f} | {r['store_ratio']:.2f}x | {r['raw_pwrite']:.2f} | "
-            f"{r['kvtiers_load']:.2f} | {r['lmcache_load']:.2f} | {r['load_ratio']:.2f}x | "
-            f"{r['raw_pread']:.2f} |"
-        )
-    return lines
+    return markdown_table(
+        ["chunk", "kvtiers store", "LMCache store", "store ratio", "raw pwrite",
+         "kvtiers load", "LMCache load", "load ratio", "raw pread"],
+        ([size_label(int(r["chunk_bytes"])), f"{r['kvtiers_store']:.2f}",
+          f"{r['lmcache_store']:.2f}", f"{r['store_ratio']:.2f}x", f"{r['raw_pwrite']:.2f}",
+          f"{r['kvtiers_load']:.2f}", f"{r['lmcache_load']:.2f}", f"{r['load_ratio']:.2f}x",
+          f"{r['raw_pread']:.2f}"] for r in rows),
+        align="r" * 9)
 
 
 def spread_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     """Slowest and fastest pass of each variant (GB/s): how far apart the passes were."""
     names = WRITES + READS
-    lines = ["| chunk | " + " | ".join(n.replace("_", " ") for n in names) + " |",
-             "|---:|" + "---:|" * len(names)]
-    for r in rows:
-        cells = [f"{min(r['passes_gbps'][n]):.2f}-{max(r['passes_gbps'][n]):.2f}"
-                 for n in names]
-        lines.append(f"| {size_label(int(r['chunk_bytes']))} | " + " | ".join(cells) + " |")
-    return lines
+    return markdown_table(
+        ["chunk", *(n.replace("_", " ") for n in names)],
+        ([size_label(int(r["chunk_bytes"])),
+          *(f"{min(r['passes_gbps'][n]):.2f}-{max(r['passes_gbps'][n]):.2f}" for n in names)]
+         for r in rows),
+        align="r" * (1 + len(names)))
 
 
 def integrity_table(kvtiers: dict[str, Any], lmcache: dict[str, Any]) -> list[str]:

@@ -37,7 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness import bench_parser, finish_note, machine_note, to_document, write_result
+from harness import (
+    bench_parser,
+    finish_note,
+    machine_note,
+    markdown_table,
+    to_document,
+    write_result,
+)
 
 from kvtiers.config.examples import example_path
 from kvtiers.engine.demo import run_demo
@@ -137,18 +144,16 @@ def render(rows: list[Row], spec: WorkloadSpec, note: dict[str, str]) -> str:
             "",
             f"## {stack} (file tier {capacity or '32MiB'})",
             "",
-            "| s3 policy | s3 writes cold | fewer | Δ reused cold | s3 writes both | fewer | "
-            "file writes both | reused warm | Δ reused both |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *markdown_table(
+                ["s3 policy", "s3 writes cold", "fewer", "Δ reused cold", "s3 writes both",
+                 "fewer", "file writes both", "reused warm", "Δ reused both"],
+                ([row.policy, f"{row.s3_writes_cold:,}",
+                  _ratio(base.s3_writes_cold, row.s3_writes_cold),
+                  _change(base.reused_cold, row.reused_cold), f"{row.s3_writes:,}",
+                  _ratio(base.s3_writes, row.s3_writes), f"{row.file_writes:,}",
+                  f"{row.reused_warm:,}", _change(base.reused, row.reused)]
+                 for row in stack_rows)),
         ]
-        for row in stack_rows:
-            lines.append(
-                f"| {row.policy} | {row.s3_writes_cold:,} | "
-                f"{_ratio(base.s3_writes_cold, row.s3_writes_cold)} | "
-                f"{_change(base.reused_cold, row.reused_cold)} | {row.s3_writes:,} | "
-                f"{_ratio(base.s3_writes, row.s3_writes)} | {row.file_writes:,} | "
-                f"{row.reused_warm:,} | {_change(base.reused, row.reused)} |"
-            )
     return "\n".join(lines) + "\n"
 
 

@@ -38,6 +38,7 @@ from harness import (
     kept_section,
     machine_note,
     machine_sentence,
+    markdown_table,
     percentile,
     to_document,
     write_result,
@@ -167,20 +168,17 @@ def render(data: dict[str, Any]) -> str:
         "prompt; `reused` = prompt tokens loaded; `promoted` = bytes read from `s3`. "
         "`cost-learned` seeds the estimate with 1 ms / 2 GB/s and learns from its jobs.",
         "",
-        "| trace | tokens/s | phase | mode | mean s | p50 s | p90 s | max s | slower | "
-        "reused | promoted |",
-        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        *markdown_table(
+            ["trace", "tokens/s", "phase", "mode", "mean s", "p50 s", "p90 s", "max s",
+             "slower", "reused", "promoted"],
+            ([row["trace"], f"{row['rate']:,.0f}", row["phase"], row["mode"],
+              *(f"{row['summary'][key]:.3f}" for key in ("mean", "p50", "p90", "max")),
+              row["summary"]["slower_than_recompute"],
+              f"{100 * row['summary']['reused']:.1f}%",
+              f"{row['summary']['promoted_bytes'] / 2**20:,.1f} MiB"] for row in rows),
+            align="lrllrrrrrrr"),
     ]
     lines[4:4] = [*acceptance(rows), ""]
-    for row in rows:
-        s = row["summary"]
-        assert isinstance(s, dict)
-        lines.append(
-            f"| {row['trace']} | {row['rate']:,.0f} | {row['phase']} | {row['mode']} | "
-            f"{s['mean']:.3f} | {s['p50']:.3f} | {s['p90']:.3f} | {s['max']:.3f} | "
-            f"{s['slower_than_recompute']} | {100 * s['reused']:.1f}% | "
-            f"{s['promoted_bytes'] / 2**20:,.1f} MiB |"
-        )
     return "\n".join(lines) + "\n"
 
 

@@ -44,6 +44,7 @@ from harness import (
     kept_section,
     machine_note,
     machine_sentence,
+    markdown_table,
     size_label,
     to_document,
     write_result,
@@ -161,32 +162,25 @@ def bench_geometry(base: Path, geometry: tuple[int, int, int, int], passes: int
 
 
 def table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    out = [
-        "| page | op | HiCacheFile µs/page | kvtiers generic µs/page | kvtiers v1 µs/page "
-        "| v1 / HiCacheFile |",
-        "|---:|---|---:|---:|---:|---:|",
-    ]
+    cells = []
     for row in rows:
         for op in ("exists", "set", "get"):
             theirs, generic, v1 = (row[f"{s}_{op}_us"] for s in SYSTEMS)
-            out.append(
-                f"| {size_label(row['page_bytes'])} | {op} | {theirs:.1f} | {generic:.1f} | "
-                f"{v1:.1f} | {v1 / theirs:.2f}x |"
-            )
-    return out
+            cells.append([size_label(row["page_bytes"]), op, f"{theirs:.1f}", f"{generic:.1f}",
+                          f"{v1:.1f}", f"{v1 / theirs:.2f}x"])
+    return markdown_table(["page", "op", "HiCacheFile µs/page", "kvtiers generic µs/page",
+                           "kvtiers v1 µs/page", "v1 / HiCacheFile"], cells, align="rlrrrr")
 
 
 def spread_table(rows: Sequence[dict[str, Any]]) -> list[str]:
-    out = ["| page | op | HiCacheFile | kvtiers generic | kvtiers v1 |",
-           "|---:|---|---:|---:|---:|"]
+    cells = []
     for row in rows:
         for op in ("exists", "set", "get"):
-            cells = []
-            for name in SYSTEMS:
-                passes = row["passes_us"][f"{name}_{op}"]
-                cells.append(f"{min(passes):.1f}-{max(passes):.1f}")
-            out.append(f"| {size_label(row['page_bytes'])} | {op} | " + " | ".join(cells) + " |")
-    return out
+            passes = [row["passes_us"][f"{name}_{op}"] for name in SYSTEMS]
+            cells.append([size_label(row["page_bytes"]), op,
+                          *(f"{min(p):.1f}-{max(p):.1f}" for p in passes)])
+    return markdown_table(["page", "op", "HiCacheFile", "kvtiers generic", "kvtiers v1"],
+                          cells, align="rlrrr")
 
 
 NOTES = "## Reading the numbers"

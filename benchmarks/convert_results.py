@@ -56,13 +56,20 @@ def bench_layout(bench: str) -> dict[str, tuple[str, ...]]:
     raise LookupError(f"bench_{bench}.py has no LAYOUT")
 
 
-def convert(stem: str, old: Any) -> dict[str, Any]:
-    """The result document for an older results file ``stem`` holding ``old``."""
+def convert(stem: str, old: Any, page: str = "") -> dict[str, Any]:
+    """The result document for an older results file ``stem`` holding ``old``; ``page``
+    is the markdown the same run wrote, whose machine line is quoted where ``old`` kept
+    no note (as text beside the reason, not as a measured note)."""
     flat = dict(old) if isinstance(old, dict) else {"rows": old}
     original = flat.pop("machine", None)
     bench = BENCH_OF.get(stem, stem)
-    flat["machine"] = ({"original": original} if original else
-                       {"unknown": NO_NOTE.get(stem, "the original results recorded none")})
+    if original:
+        flat["machine"] = {"original": original}
+    else:
+        why = NO_NOTE.get(stem, "the original results recorded none")
+        line = next((text for text in page.splitlines() if text.startswith("Machine: ")), "")
+        flat["machine"] = {"unknown": why + (f"; {stem}.md, written by the same run, says: "
+                                             f"{line.removeprefix('Machine: ')}" if line else "")}
     layout = LAYOUTS.get(stem) or bench_layout(bench)
     return harness.to_document(bench, flat, **layout)
 
@@ -129,7 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             old = json.loads(path.read_text())
             if isinstance(old, dict) and "schema" in old:
                 continue
-            target, doc = path, convert(path.stem, old)
+            page = path.with_suffix(".md")
+            target = path
+            doc = convert(path.stem, old, page.read_text() if page.exists() else "")
         pending += 1
         print(f"{'would convert' if args.check else 'converted'} {path.name} -> {target.name}")
         if not args.check:

@@ -8,7 +8,9 @@ the same way lives here:
   :func:`machine_sentence` to print it;
 - :func:`result` / :func:`write_result` — one versioned result document
   (:data:`SCHEMA_VERSION`; :func:`validate` states the shape) written as
-  ``results/<stem>.json`` beside the bench's ``results/<stem>.md``;
+  ``results/<stem>.json`` beside the bench's ``results/<stem>.md``; :func:`to_document`
+  builds it from a bench's flat dict and its ``LAYOUT``, :func:`read_result` and
+  :func:`from_document` give that dict back (to re-render, to compare with a new run);
 - :func:`percentile` and :func:`spread` — one definition of a percentile (linear between
   closest ranks) and of a median with its spread;
 - :func:`add_common_flags` — ``--quick``, ``--out``, ``--no-write`` and, where a bench
@@ -31,7 +33,6 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -184,11 +185,6 @@ def bench_parser(doc: str | None, **flags: Any) -> argparse.ArgumentParser:
     docstring) with :func:`add_common_flags` (``flags`` go there)."""
     parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0])
     return add_common_flags(parser, **flags)
-
-
-def command_line() -> str:
-    """How this process was started, for a note: the script and its arguments."""
-    return " ".join(sys.argv)
 
 
 def result(bench: str, machine: Mapping[str, Any], *,

@@ -76,6 +76,8 @@ def test_the_converter_keeps_an_old_file_whole_and_its_note_verbatim() -> None:
     bare = convert_results.convert("promotion", [{"p50": 0.1}])
     assert bare["tables"] == {"rows": [{"p50": 0.1}]}
     assert set(bare["machine"]) == {"unknown"}, "no note is made up for a file without one"
+    quoted = convert_results.convert("promotion", [], "# T\n\nMachine: cpu x; today.\n")
+    assert quoted["machine"]["unknown"].endswith("written by the same run, says: cpu x; today.")
 
 
 def test_validate_names_what_is_wrong() -> None:
