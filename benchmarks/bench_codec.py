@@ -41,6 +41,7 @@ from harness import (
     kept_section,
     machine_note,
     machine_sentence,
+    markdown_table,
     to_document,
     write_result,
 )
@@ -224,26 +225,25 @@ def render(data: dict[str, Any]) -> str:
         "",
         "## Bytes and speed per chunk (one thread)",
         "",
-        "| data | chunks | chunk | codec | ratio | chunks encoded | encode GB/s | decode GB/s |",
-        "|---|---:|---:|---|---:|---:|---:|---:|",
+        *markdown_table(
+            ["data", "chunks", "chunk", "codec", "ratio", "chunks encoded", "encode GB/s",
+             "decode GB/s"],
+            ([row["data"], row["chunks"], f"{row['chunk_bytes'] // 1024} KiB", row["codec"],
+              f"{row['ratio']:.3f}", row["encoded_chunks"], f"{row['encode_GBps']:.2f}",
+              f"{row['decode_GBps']:.2f}"] for row in data["codecs"]),
+            align="lrrlrrrr"),
     ]
-    for row in data["codecs"]:
-        lines.append(
-            f"| {row['data']} | {row['chunks']} | {row['chunk_bytes'] // 1024} KiB | "
-            f"{row['codec']} | {row['ratio']:.3f} | {row['encoded_chunks']} | "
-            f"{row['encode_GBps']:.2f} | {row['decode_GBps']:.2f} |"
-        )
     lines += [
         "",
         "Order-0 entropy of each byte of an element (bits of 8; what an entropy coder "
         "working byte by byte can reach at best):",
         "",
-        "| data | bytes | entropy per byte | bound on the ratio |",
-        "|---|---|---|---:|",
+        *markdown_table(
+            ["data", "bytes", "entropy per byte", "bound on the ratio"],
+            ([name, len(row["bits"]), " / ".join(f"{b:.2f}" for b in row["bits"]),
+              f"{row['bound']:.3f}"] for name, row in data["entropy"].items()),
+            align="lllr"),
     ]
-    for name, row in data["entropy"].items():
-        lines.append(f"| {name} | {len(row['bits'])} | "
-                     f"{' / '.join(f'{b:.2f}' for b in row['bits'])} | {row['bound']:.3f} |")
     lines += [
         "",
         f"## S3 load through SeaweedFS, out of process ({data['s3'][0]['threads']} threads)",
@@ -252,19 +252,18 @@ def render(data: dict[str, Any]) -> str:
         "(verified, decoded into the slots), best of the rounds; bytes are what the bucket "
         "holds (headers included).",
         "",
-        "| data | chunks x size | setting | bucket MiB | bytes ratio | load s | load ratio "
-        "| store s |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
+        *markdown_table(
+            ["data", "chunks x size", "setting", "bucket MiB", "bytes ratio", "load s",
+             "load ratio", "store s"],
+            ([row["data"], f"{row['chunks']} x {row['chunk_bytes'] // MIB} MiB", name,
+              f"{row[f'{name}_bucket_bytes'] / MIB:.1f}",
+              "" if name == "none" else f"{row[f'{name}_bytes_ratio']:.3f}",
+              f"{row[f'{name}_load_s']:.3f}",
+              "" if name == "none" else f"{row[f'{name}_load_ratio']:.2f}",
+              f"{row[f'{name}_store_s']:.3f}"]
+             for row in data["s3"] for name in ["none", *CODECS]),
+            align="lllrrrrr"),
     ]
-    for row in data["s3"]:
-        for name in ["none", *CODECS]:
-            ratio = "" if name == "none" else f"{row[f'{name}_bytes_ratio']:.3f}"
-            load = "" if name == "none" else f"{row[f'{name}_load_ratio']:.2f}"
-            lines.append(
-                f"| {row['data']} | {row['chunks']} x {row['chunk_bytes'] // MIB} MiB | {name} | "
-                f"{row[f'{name}_bucket_bytes'] / MIB:.1f} | {ratio} | "
-                f"{row[f'{name}_load_s']:.3f} | {load} | {row[f'{name}_store_s']:.3f} |"
-            )
     return "\n".join(lines) + "\n"
 
 

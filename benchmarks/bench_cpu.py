@@ -36,6 +36,7 @@ from harness import (
     finish_note,
     machine_note,
     machine_sentence,
+    markdown_table,
     to_document,
     write_result,
 )
@@ -270,20 +271,16 @@ def render(results: dict[str, object]) -> str:
         "staging buffer, then scatter; fresh: one indexed pass). Ratios are to the plain copy "
         "in the same row.",
         "",
-        "| slots | page | groups | blocks/chunk | MiB | copy GB/s | kernel store | kernel load "
-        "| torch store | torch load |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *markdown_table(
+            ["slots", "page", "groups", "blocks/chunk", "MiB", "copy GB/s", "kernel store",
+             "kernel load", "torch store", "torch load"],
+            ([r["layout"], f"{r['page_kib']} KiB", r["groups"], r["blocks_per_chunk"],
+              f"{r['bytes'] / 2**20:.0f}", f"{r['copy_gbs']:.1f}",
+              *(f"{r[f'{path}_{d}_gbs']:.1f} GB/s {r[f'{path}_{d}_ratio']:.2f}x"
+                for path in PATHS for d in ("store", "load"))]
+             for r in results["worker"]),  # type: ignore[attr-defined]
+        ),
     ]
-    for r in results["worker"]:  # type: ignore[attr-defined]
-        cells = " | ".join(
-            f"{r[f'{path}_{d}_gbs']:.1f} GB/s {r[f'{path}_{d}_ratio']:.2f}x"
-            for path in PATHS
-            for d in ("store", "load")
-        )
-        lines.append(
-            f"| {r['layout']} | {r['page_kib']} KiB | {r['groups']} | {r['blocks_per_chunk']} | "
-            f"{r['bytes'] / 2**20:.0f} | {r['copy_gbs']:.1f} | {cells} |"
-        )
     if results["scheduler"]:
         lines += [
             "",
@@ -292,15 +289,14 @@ def render(results: dict[str, object]) -> str:
             "",
             "A full tier of random keys; hits, loads and misses drawn at random (no locality).",
             "",
-            "| policy | chunks | batch | lookup hit | lookup miss "
-            "| prepare_store+get_spec+complete_store | prepare_load+get_spec+complete_load |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            *markdown_table(
+                ["policy", "chunks", "batch", "lookup hit", "lookup miss",
+                 "prepare_store+get_spec+complete_store", "prepare_load+get_spec+complete_load"],
+                ([r["policy"], r["capacity"], r["batch"],
+                  *(f"{r[key]:.2f}" for key in ("lookup_hit_us", "lookup_miss_us", "store_us",
+                                                 "load_us"))]
+                 for r in results["scheduler"])),  # type: ignore[attr-defined]
         ]
-        for r in results["scheduler"]:  # type: ignore[attr-defined]
-            lines.append(
-                f"| {r['policy']} | {r['capacity']} | {r['batch']} | {r['lookup_hit_us']:.2f} "
-                f"| {r['lookup_miss_us']:.2f} | {r['store_us']:.2f} | {r['load_us']:.2f} |"
-            )
     if results["memory"]:
         lines += [
             "",
@@ -309,15 +305,13 @@ def render(results: dict[str, object]) -> str:
             "Everything the manager and its policy allocate (tracemalloc), excluding the key "
             "objects themselves, which the caller creates.",
             "",
-            "| policy | chunks | after fill (B) | + key object | after turnover (B) |",
-            "|---|---:|---:|---:|---:|",
+            *markdown_table(
+                ["policy", "chunks", "after fill (B)", "+ key object", "after turnover (B)"],
+                ([r["policy"], r["chunks"], f"{r['bytes_per_chunk']:.0f}",
+                  f"{r['bytes_per_chunk'] + r['key_object_bytes']:.0f}",
+                  f"{r['turnover_bytes_per_chunk']:.0f}"]
+                 for r in results["memory"])),  # type: ignore[attr-defined]
         ]
-        for r in results["memory"]:  # type: ignore[attr-defined]
-            lines.append(
-                f"| {r['policy']} | {r['chunks']} | {r['bytes_per_chunk']:.0f} | "
-                f"{r['bytes_per_chunk'] + r['key_object_bytes']:.0f} | "
-                f"{r['turnover_bytes_per_chunk']:.0f} |"
-            )
     lines += ["", "## Reading the numbers", "", *summary(results)]
     return "\n".join(lines) + "\n"
 
