@@ -53,6 +53,7 @@ from harness import (
     finish_note,
     from_document,
     machine_note,
+    markdown_table,
     read_result,
     to_document,
     write_result,
@@ -454,38 +455,35 @@ def render(results: dict[str, Any]) -> str:
         "and *vs +INM* the tier put's ratio to it: the part of a put miss that is the "
         "server checking the condition.",
         "",
-        "| chunk | threads | chunks | raw put | raw+INM put | tier put | put ratio "
-        "| rounds | vs +INM | raw get | tier get | get ratio | rounds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *markdown_table(
+            ["chunk", "threads", "chunks", "raw put", "raw+INM put", "tier put", "put ratio",
+             "rounds", "vs +INM", "raw get", "tier get", "get ratio", "rounds"],
+            ([row["chunk"], row["threads"], row["count"], f"{row['raw_put_GBps']:.3f}",
+              f"{row['raw_cond_put_GBps']:.3f}", f"{row['tier_put_GBps']:.3f}",
+              f"**{row['put_ratio']:.2f}x**", _spread(row["put_ratio_rounds"]),
+              f"{row['cond_put_ratio']:.2f}x", f"{row['raw_get_GBps']:.3f}",
+              f"{row['tier_get_GBps']:.3f}", f"**{row['get_ratio']:.2f}x**",
+              _spread(row["get_ratio_rounds"])] for row in results["transfer"]),
+            align="l" * 13),
     ]
-    for row in results["transfer"]:
-        lines.append(
-            f"| {row['chunk']} | {row['threads']} | {row['count']} "
-            f"| {row['raw_put_GBps']:.3f} | {row['raw_cond_put_GBps']:.3f} "
-            f"| {row['tier_put_GBps']:.3f} | **{row['put_ratio']:.2f}x** "
-            f"| {_spread(row['put_ratio_rounds'])} | {row['cond_put_ratio']:.2f}x "
-            f"| {row['raw_get_GBps']:.3f} | {row['tier_get_GBps']:.3f} "
-            f"| **{row['get_ratio']:.2f}x** | {_spread(row['get_ratio_rounds'])} |"
-        )
     lines += [
         "",
         "CPU milliseconds per chunk (mean over the rounds), client = this process, server = "
         "the server's processes; unlike wall time, other jobs on the machine barely move "
         "these:",
         "",
-        "| chunk | threads | put client raw / tier | put server raw / +INM / tier "
-        "| get client raw / tier | get server raw / tier |",
-        "|---|---|---|---|---|---|",
+        *markdown_table(
+            ["chunk", "threads", "put client raw / tier", "put server raw / +INM / tier",
+             "get client raw / tier", "get server raw / tier"],
+            ([row["chunk"], row["threads"],
+              f"{row['raw_put_client_ms']:.2f} / {row['tier_put_client_ms']:.2f}",
+              f"{row['raw_put_server_ms']:.2f} / {row['raw_cond_put_server_ms']:.2f} / "
+              f"{row['tier_put_server_ms']:.2f}",
+              f"{row['raw_get_client_ms']:.2f} / {row['tier_get_client_ms']:.2f}",
+              f"{row['raw_get_server_ms']:.2f} / {row['tier_get_server_ms']:.2f}"]
+             for row in results["transfer"]),
+            align="l" * 6),
     ]
-    for row in results["transfer"]:
-        lines.append(
-            f"| {row['chunk']} | {row['threads']} "
-            f"| {row['raw_put_client_ms']:.2f} / {row['tier_put_client_ms']:.2f} "
-            f"| {row['raw_put_server_ms']:.2f} / {row['raw_cond_put_server_ms']:.2f} / "
-            f"{row['tier_put_server_ms']:.2f} "
-            f"| {row['raw_get_client_ms']:.2f} / {row['tier_get_client_ms']:.2f} "
-            f"| {row['raw_get_server_ms']:.2f} / {row['tier_get_server_ms']:.2f} |"
-        )
     misses = [f"{row['chunk']} x {row['threads']} {side} {row[f'{side}_ratio']:.2f}x"
               for row in results["transfer"] for side in ("put", "get")
               if row[f"{side}_ratio"] < TARGET]

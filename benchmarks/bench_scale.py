@@ -52,6 +52,7 @@ from harness import (
     kept_section,
     machine_note,
     machine_sentence,
+    markdown_table,
     read_result,
     to_document,
     write_result,
@@ -329,6 +330,14 @@ def bench_s3(objects: int) -> dict[str, Any]:
         server.stop()
 
 
+def _index_cells(r: dict[str, Any]) -> list[str]:
+    """The measured cells of one start that builds an index in the background."""
+    return [f"{r['ctor_s']:.3f} s", f"{r['first_s']:.3f} s", f"{r['full_s']:.2f} s",
+            f"{r['answers']} ({r['wrong']})", f"{r['max_call_ms']:.1f} ms",
+            f"{r['index_bytes']:.0f}", f"{r['rss_bytes']:.0f}",
+            f"{r['hit_ns'] / 1e3:.1f} / {r['miss_ns'] / 1e3:.1f} µs"]
+
+
 def render(report: dict[str, Any]) -> str:
     lines = [
         "# Start-up and index memory at scale",
@@ -342,45 +351,35 @@ def render(report: dict[str, Any]) -> str:
         f"{TARGET_FULL_3M_S:g} s (<= {TARGET_SNAPSHOT_3M_S:g} s from a snapshot); <= "
         f"{TARGET_BYTES} B a chunk; no wrong answer.",
         "",
-        "| tier | chunks | start | constructor | first lookup | full index | answers "
-        "(wrong) | longest call | index B/chunk | RSS B/chunk | hit / miss per call |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    cells: list[list[object]] = []
     for row in report["file"]:
         if "before" in row:
             b = row["before"]
-            lines.append(
-                f"| file, before | {row['n']:,} | walk, blocking | {b['ctor_s']:.2f} s | "
-                f"{b['ctor_s']:.2f} s | {b['ctor_s']:.2f} s | n/a | "
-                f"{b['ctor_s'] * 1e3:.0f} ms | n/a | "
-                f"{b['rss_bytes']:.0f} | {b['hit_ns'] / 1e3:.1f} / {b['miss_ns'] / 1e3:.1f} µs |"
-            )
-        for phase in ("walk", "snapshot"):
-            r = row[phase]
-            lines.append(
-                f"| file | {row['n']:,} | {r['source']} | {r['ctor_s']:.3f} s | "
-                f"{r['first_s']:.3f} s | {r['full_s']:.2f} s | {r['answers']} ({r['wrong']}) | "
-                f"{r['max_call_ms']:.1f} ms | {r['index_bytes']:.0f} | {r['rss_bytes']:.0f} | "
-                f"{r['hit_ns'] / 1e3:.1f} / {r['miss_ns'] / 1e3:.1f} µs |"
-            )
+            cells.append(["file, before", f"{row['n']:,}", "walk, blocking",
+                          *[f"{b['ctor_s']:.2f} s"] * 3, "n/a", f"{b['ctor_s'] * 1e3:.0f} ms",
+                          "n/a", f"{b['rss_bytes']:.0f}",
+                          f"{b['hit_ns'] / 1e3:.1f} / {b['miss_ns'] / 1e3:.1f} µs"])
+        cells += [["file", f"{row['n']:,}", row[phase]["source"], *_index_cells(row[phase])]
+                  for phase in ("walk", "snapshot")]
     s3 = report.get("s3")
     if s3:
-        lines.append(
-            f"| s3 (SeaweedFS) | {s3['objects']:,} | listings by prefix | {s3['ctor_s']:.3f} s | "
-            f"{s3['first_s']:.3f} s | {s3['full_s']:.2f} s | {s3['answers']} ({s3['wrong']}) | "
-            f"{s3['max_call_ms']:.1f} ms | {s3['index_bytes']:.0f} | {s3['rss_bytes']:.0f} | "
-            f"{s3['hit_ns'] / 1e3:.1f} / {s3['miss_ns'] / 1e3:.1f} µs |"
-        )
+        cells.append(["s3 (SeaweedFS)", f"{s3['objects']:,}", "listings by prefix",
+                      *_index_cells(s3)])
+    lines += markdown_table(
+        ["tier", "chunks", "start", "constructor", "first lookup", "full index",
+         "answers (wrong)", "longest call", "index B/chunk", "RSS B/chunk",
+         "hit / miss per call"], cells, align="lrlrrrrrrrr")
     lines += ["", "The index alone (N keys added; RSS growth a chunk; `lookup` per call):", "",
-              "| keys | ChunkIndex B/chunk | CompactChunkIndex B/chunk | ChunkIndex hit / miss "
-              "| CompactChunkIndex hit / miss |", "|---:|---:|---:|---:|---:|"]
-    for row in report["index"]:
-        old, new = row["dict"], row["compact"]
-        lines.append(
-            f"| {row['n']:,} | {old['rss_bytes']:.0f} | {new['rss_bytes']:.0f} | "
-            f"{old['hit_ns']:.0f} / {old['miss_ns']:.0f} ns | "
-            f"{new['hit_ns']:.0f} / {new['miss_ns']:.0f} ns |"
-        )
+              *markdown_table(
+                  ["keys", "ChunkIndex B/chunk", "CompactChunkIndex B/chunk",
+                   "ChunkIndex hit / miss", "CompactChunkIndex hit / miss"],
+                  ([f"{row['n']:,}", f"{row['dict']['rss_bytes']:.0f}",
+                    f"{row['compact']['rss_bytes']:.0f}",
+                    f"{row['dict']['hit_ns']:.0f} / {row['dict']['miss_ns']:.0f} ns",
+                    f"{row['compact']['hit_ns']:.0f} / {row['compact']['miss_ns']:.0f} ns"]
+                   for row in report["index"]),
+                  align="rrrrr")]
     if s3:
         lines += ["", f"SeaweedFS: {s3['objects']:,} objects created in {s3['create_s']:.0f} s; "
                   f"the blocking start with one lister at a time took "
