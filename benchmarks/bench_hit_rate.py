@@ -66,6 +66,7 @@ from harness import (
     bench_parser,
     from_document,
     machine_note,
+    markdown_table,
     read_result,
     to_document,
     write_result,
@@ -421,40 +422,30 @@ def render(
         "still does); kvtiers' tier now takes only the free slots for them and evicts "
         "nothing, vLLM stores none of them.",
         "",
-        "| trace | requests | chunks | distinct chunks | longest prompt (chunks) |",
-        "|---|---:|---:|---:|---:|",
+        *markdown_table(
+            ["trace", "requests", "chunks", "distinct chunks", "longest prompt (chunks)"],
+            ([trace, *(f"{size[key]:,}" for key in ("requests", "chunks", "distinct_chunks",
+                                                    "longest"))]
+             for trace, size in sizes.items())),
     ]
-    for trace, size in sizes.items():
-        lines.append(
-            f"| {trace} | {size['requests']:,} | {size['chunks']:,} | "
-            f"{size['distinct_chunks']:,} | {size['longest']:,} |"
-        )
     for store in STORES:
         for policy in POLICIES:
             lines += ["", f"## {policy}, {store}", ""]
+            rows = [p for p in points if p.policy == policy and p.store == store]
             if policy in VLLM_POLICIES:
-                lines += [
-                    "| trace | capacity | chunks | vLLM | route1 | Δ route1 | native | Δ native "
-                    "| partial | Δ partial |",
-                    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-                ]
+                lines += markdown_table(
+                    ["trace", "capacity", "chunks", "vLLM", "route1", "Δ route1", "native",
+                     "Δ native", "partial", "Δ partial"],
+                    ([p.trace, f"{p.fraction:.0%}", f"{p.chunks:,}", f"{p.reused['vllm']:.1f}",
+                      *(cell for side in ("route1", "native", "partial") for cell in (
+                          f"{p.reused[side]:.1f}",
+                          f"{p.reused[side] - p.reused['vllm']:+.1f}"))]
+                     for p in rows))
             else:
-                lines += [
-                    "| trace | capacity | chunks | native | partial |",
-                    "|---|---:|---:|---:|---:|",
-                ]
-            for p in (p for p in points if p.policy == policy and p.store == store):
-                r = p.reused
-                head = f"| {p.trace} | {p.fraction:.0%} | {p.chunks:,} |"
-                if policy in VLLM_POLICIES:
-                    lines.append(
-                        f"{head} {r['vllm']:.1f} | {r['route1']:.1f} | "
-                        f"{r['route1'] - r['vllm']:+.1f} | {r['native']:.1f} | "
-                        f"{r['native'] - r['vllm']:+.1f} | {r['partial']:.1f} | "
-                        f"{r['partial'] - r['vllm']:+.1f} |"
-                    )
-                else:
-                    lines.append(f"{head} {r['native']:.1f} | {r['partial']:.1f} |")
+                lines += markdown_table(
+                    ["trace", "capacity", "chunks", "native", "partial"],
+                    ([p.trace, f"{p.fraction:.0%}", f"{p.chunks:,}", f"{p.reused['native']:.1f}",
+                      f"{p.reused['partial']:.1f}"] for p in rows))
     lines += ["", "## Against the target (kvtiers ≥ vLLM at every point, lru and arc)", ""]
     lines += summary(points)
     lines += ["", "## The trade: a store larger than the room left", "", *trade(points)]
@@ -505,16 +496,12 @@ def ablations(points: list[Point]) -> list[str]:
         "kvtiers' ARC before this cycle) and gives its reuse minus kvtiers' ARC's: "
         "negative where the choice wins.",
         "",
-        "| trace | capacity | vLLM | kvtiers | " + " | ".join(columns) + " |",
-        "|---|---:|---:|---:|" + "---:|" * len(columns),
     ]
     arc = ablated(points)
-    for p in arc:
-        r = p.reused
-        cells = " | ".join(f"{r[c] - r['native']:+.1f}" for c in columns)
-        lines.append(
-            f"| {p.trace} | {p.fraction:.0%} | {r['vllm']:.1f} | {r['native']:.1f} | {cells} |"
-        )
+    lines += markdown_table(
+        ["trace", "capacity", "vLLM", "kvtiers", *columns],
+        ([p.trace, f"{p.fraction:.0%}", f"{p.reused['vllm']:.1f}", f"{p.reused['native']:.1f}",
+          *(f"{p.reused[c] - p.reused['native']:+.1f}" for c in columns)] for p in arc))
     lines.append("")
     for column, (choice, _) in ABLATIONS.items():
         deltas = [(p.reused[column] - p.reused["native"], p) for p in arc]
@@ -544,9 +531,8 @@ def trade(points: list[Point]) -> list[str]:
         "positive where taking only the free slots for a store larger than the room left "
         "wins, negative where evicting for its leading keys did.",
         "",
-        "| store | policy | trace | mean | best | worst | points won / lost |",
-        "|---|---|---|---:|---:|---:|---:|",
     ]
+    cells: list[list[object]] = []
     for store in STORES:
         for policy in POLICIES:
             for trace in dict.fromkeys(p.trace for p in points):
@@ -559,11 +545,11 @@ def trade(points: list[Point]) -> list[str]:
                     continue
                 won = sum(1 for d in deltas if d > 0.05)
                 lost = sum(1 for d in deltas if d < -0.05)
-                lines.append(
-                    f"| {store} | {policy} | {trace} | {sum(deltas) / len(deltas):+.2f} | "
-                    f"{max(deltas):+.1f} | {min(deltas):+.1f} | {won} / {lost} |"
-                )
-    return lines
+                cells.append([store, policy, trace, f"{sum(deltas) / len(deltas):+.2f}",
+                              f"{max(deltas):+.1f}", f"{min(deltas):+.1f}", f"{won} / {lost}"])
+    return lines + markdown_table(
+        ["store", "policy", "trace", "mean", "best", "worst", "points won / lost"], cells,
+        align="lllrrrr")
 
 
 DIFFERENCES = [

@@ -65,6 +65,7 @@ from harness import (
     finish_note,
     from_document,
     machine_note,
+    markdown_table,
     percentile,
     read_result,
     to_document,
@@ -456,23 +457,18 @@ def render(results: dict[str, Any]) -> str:
         lines += [
             f"## {run['policy']}, {run['chunks']:,} chunks",
             "",
-            "| metric | batch | vLLM | direct | direct ratio | route1 | route1 ratio "
-            "| route1 p25-p75 | worst vLLM | worst direct | worst route1 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            *markdown_table(
+                ["metric", "batch", "vLLM", "direct", "direct ratio", "route1", "route1 ratio",
+                 "route1 p25-p75", "worst vLLM", "worst direct", "worst route1"],
+                ([LABELS[r["metric"]], r["batch"] or "-", f"{r['vllm_us']:.2f}",
+                  f"{r['direct_us']:.2f}", f"{r['direct_ratio']:.2f}x", f"{r['route1_us']:.2f}",
+                  f"{r['route1_ratio']:.2f}x",
+                  f"{r['route1_ratio_p25']:.2f}-{r['route1_ratio_p75']:.2f}x",
+                  *(f"{r[f'{side}_worst_ms']:.1f} ({r[f'{side}_worst_no_gc_ms']:.1f})"
+                    for side in SIDES)]
+                 for r in run["rows"])),
+            "",
         ]
-        for r in run["rows"]:
-            lines.append(
-                f"| {LABELS[r['metric']]} | {r['batch'] or '-'} | {r['vllm_us']:.2f} "
-                f"| {r['direct_us']:.2f} | {r['direct_ratio']:.2f}x | {r['route1_us']:.2f} "
-                f"| {r['route1_ratio']:.2f}x "
-                f"| {r['route1_ratio_p25']:.2f}-{r['route1_ratio_p75']:.2f}x | "
-                + " | ".join(
-                    f"{r[f'{side}_worst_ms']:.1f} ({r[f'{side}_worst_no_gc_ms']:.1f})"
-                    for side in SIDES
-                )
-                + " |"
-            )
-        lines.append("")
     lines += [
         "## Memory per tracked chunk (tracemalloc; target <= 200 B for route 1)",
         "",
@@ -480,14 +476,12 @@ def render(results: dict[str, Any]) -> str:
         "(the caller's). `after turnover`: once as many evicting stores as the tier holds "
         "have replaced every chunk.",
         "",
-        "| policy | chunks | side | after fill (B) | after turnover (B) |",
-        "|---|---:|---|---:|---:|",
+        *markdown_table(
+            ["policy", "chunks", "side", "after fill (B)", "after turnover (B)"],
+            ([m["policy"], f"{m['chunks']:,}", m["side"], f"{m['filled_bytes_per_chunk']:.0f}",
+              f"{m['turnover_bytes_per_chunk']:.0f}"] for m in results["memory"]),
+            align="lrlrr"),
     ]
-    for m in results["memory"]:
-        lines.append(
-            f"| {m['policy']} | {m['chunks']:,} | {m['side']} | "
-            f"{m['filled_bytes_per_chunk']:.0f} | {m['turnover_bytes_per_chunk']:.0f} |"
-        )
     lines += ["", "## Reading the numbers", "", *summary(results)]
     return "\n".join(lines) + "\n"
 
