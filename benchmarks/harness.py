@@ -211,7 +211,7 @@ def result(bench: str, machine: Mapping[str, Any], *,
 
 
 def to_document(bench: str, flat: Mapping[str, Any], *, parameters: Sequence[str] = (),
-          tables: Sequence[str] = (), summary: Sequence[str] = ()) -> dict[str, Any]:
+                tables: Sequence[str] = (), summary: Sequence[str] = ()) -> dict[str, Any]:
     """A result document from a bench's own flat dict: ``flat["machine"]`` is the machine
     note, the keys named in ``parameters``, ``tables`` and ``summary`` go to those
     sections, every other key to ``extra``. A named key ``flat`` lacks is left out (a
@@ -227,9 +227,9 @@ def to_document(bench: str, flat: Mapping[str, Any], *, parameters: Sequence[str
 
 
 def from_document(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """The flat dict :func:`to_document` took ``doc`` from: ``machine`` and every section's keys
-    at one level, for a bench's renderer. Raises ``ValueError`` where two sections hold
-    the same key (the flat dict could not say which)."""
+    """The flat dict :func:`to_document` took ``doc`` from: ``machine`` and every
+    section's keys at one level, for a bench's renderer. Raises ``ValueError`` where two
+    sections hold the same key (the flat dict could not say which)."""
     flat: dict[str, Any] = {"machine": doc["machine"]}
     for section in ("parameters", "tables", "summary", "extra"):
         for key, value in doc[section].items():
