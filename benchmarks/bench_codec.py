@@ -25,7 +25,6 @@ and ``codec.json`` unless ``--no-write``.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -244,6 +243,8 @@ def render(data: dict[str, Any]) -> str:
               f"{row['bound']:.3f}"] for name, row in data["entropy"].items()),
             align="lllr"),
     ]
+    if not data["s3"]:  # --no-s3
+        return "\n".join(lines) + "\n"
     lines += [
         "",
         f"## S3 load through SeaweedFS, out of process ({data['s3'][0]['threads']} threads)",
@@ -338,12 +339,12 @@ def main(argv: list[str] | None = None) -> int:
         "s3": s3_rows,
         "median_decode_GBps": statistics.median(r["decode_GBps"] for r in rows),
     }
-    text = render(data) if s3_rows else json.dumps(data, indent=1)
+    text = render(data)
     print(text)
     if not (args.quick or args.no_write):
         # The hand-written reading of the numbers below the tables survives a rerun.
         notes = kept_section(args.out / "codec.md", NOTES)
-        page = render(data) + ("\n" + notes if notes else "")
+        page = text + ("\n" + notes if notes else "")
         write_result(to_document("codec", data, **LAYOUT), args.out, "codec", page)
     return 0
 
