@@ -38,7 +38,7 @@ so the scheduler sees one manager.
   when a ``back`` tier would have taken it and does not hold it). That is the first
   hop, for ``back`` tiers whose nearest writing tier above is the primary (or a tier that
   cannot hand evictions over); below a tier that can (the file tier, a
-  :class:`~kvtiers.stack.placement.HandingTier`) the *second hop* writes what that tier
+  :class:`~kvtiers.core.primary.HandingTier`) the *second hop* writes what that tier
   evicts: from the chunk's primary slot while the primary holds it, else read from the
   evicted file into a held primary slot and stored from there; the file is deleted once
   nothing reads it. No slot: dropped (``demotions_dropped``).
@@ -94,21 +94,20 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.mover import MoverResult
+from kvtiers.core.primary import (
+    HandingTier,
+    HoldingPrimary,
+    SlotState,
+    handing,
+    holding,
+    holds,
+)
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.core.tier import BuiltTier, WritePolicy
 from kvtiers.errors import ClosedError, ConfigError
 from kvtiers.stack.cost import CostModel
 from kvtiers.stack.metrics_latency import LatencyHistograms
-from kvtiers.stack.placement import (
-    BoundedTable,
-    HandingTier,
-    Headroom,
-    HoldingPrimary,
-    handing,
-    holding,
-    holds,
-)
-from kvtiers.tiers.cpu.manager import CpuTierManager, SlotState
+from kvtiers.stack.placement import BoundedTable, Headroom
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 _INTERNAL = ReqContext(req_id="kvtiers-internal")
@@ -250,13 +249,6 @@ class TieredManager(OffloadingManager):
             )
         # Placement (docs/architecture.md, "Placement").
         self._through = [lo for lo in self._lower if lo.writes and lo.write.mode == "through"]
-        if isinstance(self._primary, CpuTierManager) and any(
-            lo.write.after_hits == 0 for lo in self._through
-        ):
-            # Every chunk the primary stores is copied below: what it evicts lives on there,
-            # so a store that does not fit whole may evict for its head, which then reaches
-            # the tiers below ("Prefixes larger than the primary" in docs/architecture.md).
-            self._primary.staging = True
         back = [lo for lo in self._lower if lo.writes and lo.write.mode == "back"]
         #: ``back`` tiers written when the primary evicts (the first hop) ...
         self._back: list[_Lower] = []
