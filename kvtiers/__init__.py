@@ -25,7 +25,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+from kvtiers.release import __version__
 
 _PUBLIC: dict[str, str] = {
     # configuration

@@ -65,7 +65,9 @@ class CompositeMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.region = BytearrayRegion(SLOTS, GEOMETRY.slot_bytes)
-        self.primary = CpuTierManager(SLOTS, GEOMETRY.slot_bytes, load_policy("lru")(SLOTS))
+        # Staging, as the stack builder makes a primary over a tier written through.
+        self.primary = CpuTierManager(SLOTS, GEOMETRY.slot_bytes, load_policy("lru")(SLOTS),
+                                      staging=True)
         self.lower = MemoryObjectTier(LOWER_CHUNKS, MemoryObjectStore(), persistent=True)
         self.mover = MemoryMover(self.region, GEOMETRY, self.lower)
         self.manager = TieredManager(

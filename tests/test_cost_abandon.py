@@ -47,7 +47,9 @@ class Stack:
 
     def __init__(self, estimate: TransferEstimate) -> None:
         self.region = BytearrayRegion(SLOTS, GEOMETRY.slot_bytes)
-        self.primary = CpuTierManager(SLOTS, GEOMETRY.slot_bytes, load_policy("lru")(SLOTS))
+        # Staging, as the stack builder makes a primary over a tier written through.
+        self.primary = CpuTierManager(SLOTS, GEOMETRY.slot_bytes, load_policy("lru")(SLOTS),
+                                      staging=True)
         self.lower = MemoryObjectTier(256, MemoryObjectStore())
         self.mover = MemoryMover(self.region, GEOMETRY, self.lower)
         self.manager = TieredManager([

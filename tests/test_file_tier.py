@@ -764,7 +764,7 @@ def test_cpu_and_file_stack_cascades_then_promotes_after_restart(tmp_path: Path)
 
     def stack() -> TieredManager:
         cpu = build_cpu(CPUTierConfig(name="cpu", capacity=Size(4 * 8192)), offloading,
-                        primary_region=None, name="cpu")
+                        primary_region=None, name="cpu", staging=True)
         disk = build_file(FileTierConfig(name="disk", root=str(tmp_path)), offloading,
                           primary_region=cpu.region, name="disk")
         return TieredManager([cpu, disk])

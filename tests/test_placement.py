@@ -54,7 +54,10 @@ class Stack:
         lower_chunks: int | tuple[int, ...] = 64, handing: bool = False, policy: str = "lru",
     ) -> None:
         self.region = BytearrayRegion(slots, GEOMETRY.slot_bytes)
-        self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy(policy)(slots))
+        # Staging as the stack builder decides it: some tier takes every chunk through.
+        staging = any(w.mode == "through" and not w.after_hits for w in writes)
+        self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy(policy)(slots),
+                                      staging=staging)
         self.lower: list[MemoryObjectTier] = []
         self.movers: list[MemoryMover] = []
         tiers: list[BuiltTier] = [BuiltTier("cpu", self.primary, region=self.region)]

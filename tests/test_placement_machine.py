@@ -99,7 +99,10 @@ class PlacementMachine(RuleBasedStateMachine):
         super().__init__()
         slots = self.slots
         self.region = BytearrayRegion(slots, GEOMETRY.slot_bytes)
-        self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy(self.policy)(slots))
+        # Staging as the stack builder decides it: some tier takes every chunk through.
+        staging = any(w.mode == "through" and not w.after_hits for w in self.writes)
+        self.primary = CpuTierManager(slots, GEOMETRY.slot_bytes, load_policy(self.policy)(slots),
+                                      staging=staging)
         self.lower: list[MemoryObjectTier] = []
         self.movers: list[_WatchedMover] = []
         tiers: list[BuiltTier] = [BuiltTier("cpu", self.primary, region=self.region)]

@@ -69,10 +69,14 @@ class BuiltTier(Generic[M]):
 
 
 class TierFactory(Protocol):
-    """``build(config, offloading, primary_region=..., name=...) -> BuiltTier``.
+    """``build(config, offloading, primary_region=..., name=..., staging=...) -> BuiltTier``.
 
     ``primary_region`` is ``None`` when building the primary itself; lower tiers get the
-    primary's host region for their movers.
+    primary's host region for their movers. ``staging`` is given to the primary's factory
+    only: whether some lower tier is written through with every chunk, so the primary may
+    evict for the head of a store that does not fit whole (what it evicts lives on below;
+    :mod:`kvtiers.core.primary`, "Staging"). A kind that cannot be the primary takes no
+    ``staging``.
     """
 
     def __call__(

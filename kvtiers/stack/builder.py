@@ -183,15 +183,30 @@ def build_primary_worker(
         raise
 
 
+def stages(config: StackConfig) -> bool:
+    """Whether ``config``'s primary stages (:mod:`kvtiers.core.primary`, "Staging"): some
+    lower tier writes every chunk the primary stores through (``write: through``, no
+    ``write_after_hits``, not read-only), so a store that does not fit whole may evict for
+    its head, which then reaches the tiers below ("Prefixes larger than the primary" in
+    docs/architecture.md)."""
+    return any(
+        isinstance(tier, LowerTierConfig) and tier.admission != "never"
+        and tier.write == "through" and tier.write_after_hits == 0
+        for tier in config.tiers[1:]
+    )
+
+
 def _build_tier(
     config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None
 ) -> BuiltTier:
     tier_config = config.tiers[index]
     where = f"tiers[{index}]"
     factory = resolve_factory(tier_config.kind, path=f"{where}.kind")
+    # The primary's staging is decided here, from the stack, before it is built.
+    more = {"staging": stages(config)} if index == 0 else {}
     try:
         tier = factory(tier_config, identity, primary_region=primary_region,
-                       name=tier_config.name)
+                       name=tier_config.name, **more)
     except ConfigError as exc:
         # A factory names the key within its tier (``capacity``); say which tier and file.
         source = "" if config.source == "<mapping>" else config.source

@@ -57,7 +57,7 @@ def _build_info() -> Any:
 
     from prometheus_client.core import GaugeMetricFamily
 
-    from kvtiers import __version__
+    from kvtiers.release import __version__
 
     family = GaugeMetricFamily(
         "kvtiers_build_info",

@@ -1,29 +1,25 @@
 """What the composite needs to decide where chunks are written (docs/architecture.md,
 "Placement"): how often each chunk was referenced (loaded, or stored again), which tier
-a chunk in the primary was promoted from, how much free room the primary keeps for
-demotions, and the two capabilities demotion asks of tiers — a primary that holds an
-evicted chunk's slot (:class:`HoldingPrimary`, the first hop) and a lower tier that hands
-the chunks it evicts over instead of deleting them (:class:`HandingTier`, the second hop).
+a chunk in the primary was promoted from, and how much free room the primary keeps for
+demotions. What demotion asks of the tiers themselves (a primary that holds an evicted
+chunk's slot, a lower tier that hands its evictions over) is core's contract
+(:mod:`kvtiers.core.primary`).
 
 The tables are small and bounded, on the scheduler thread: no I/O, no threads. They
 forget their oldest entries beyond a limit, so memory stays bounded however many
 distinct chunks pass through; the reference counts never forget a chunk the primary
 holds while a ``write: back`` tier below it admits by count, so a forgotten count only
 delays a chunk's admission. Below a handing tier the decision is kept with the chunk in
-that tier instead (:meth:`HandingTier.want_evictions`), however long it holds it.
+that tier instead (:meth:`~kvtiers.core.primary.HandingTier.want_evictions`), however
+long it holds it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable
 
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.manager import OffloadingManager
-from kvtiers.core.specs import LoadStoreSpec
-from kvtiers.tiers.cpu.manager import SlotState
-from kvtiers.tiers.index import ChunkIndex
 
 #: Steps over which the primary's demand for slots is remembered (see :class:`Headroom`).
 HEADROOM_STEPS = 8
@@ -105,86 +101,3 @@ class Headroom:
         self._demand.append(self._step)
         self._step = 0
         return max(self._demand)
-
-
-@runtime_checkable
-class HoldingPrimary(Protocol):
-    """A primary that can evict chunks while holding their slots for a demotion, and give
-    up a promotion's reservation while holding its slot until the copy ends (the CPU
-    tier: ``CpuTierManager``)."""
-
-    @property
-    def free_slots(self) -> int: ...
-
-    @property
-    def evictions(self) -> int: ...
-
-    def evict_held(
-        self, count: int, protected: Collection[OffloadKey] = ()
-    ) -> dict[OffloadKey, int]: ...
-
-    def hold_free(self, count: int) -> list[int]: ...
-
-    def slot_state(self, key: OffloadKey) -> SlotState: ...
-
-    def release_held(self, slots: Iterable[int]) -> None: ...
-
-    def detach_writing(self, keys: Collection[OffloadKey]) -> dict[OffloadKey, int]: ...
-
-
-@runtime_checkable
-class HandingTier(Protocol):
-    """A lower tier that can hand the chunks it evicts to the composite (the file tier),
-    so that the ``back`` tier below it receives them: a second-hop demotion.
-
-    After :meth:`hand_over_evictions` every chunk the tier evicts leaves its index at once
-    (a lookup answers ``MISS``, a removal event goes out) but its bytes stay in the medium
-    until :meth:`release_evicted` names it: :meth:`take_evicted` lists the new ones each
-    step, :meth:`evicted_spec` addresses them for the tier's mover to read. A key stored
-    into the tier again meanwhile is the tier's own again: releasing it deletes nothing.
-    Keys the tier no longer holds for the caller are ignored by :meth:`release_evicted`;
-    ``shutdown`` deletes what was never released.
-
-    With ``wanted_only`` only the chunks named to :meth:`want_evictions` since the tier
-    took them (stored, or being stored) are handed over; the others are deleted at
-    eviction as before. The mark lives with the chunk: it goes when the chunk leaves the
-    tier, and a key stored anew is unmarked."""
-
-    def hand_over_evictions(self, wanted_only: bool = False) -> None: ...
-
-    def want_evictions(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """Mark the chunks of ``keys`` the tier holds (stored or being stored) to be
-        handed over at eviction; returns the others, which it does not hold."""
-        ...
-
-    def take_evicted(self) -> list[OffloadKey]: ...
-
-    def evicted_spec(self, keys: Sequence[OffloadKey]) -> LoadStoreSpec: ...
-
-    def release_evicted(self, keys: Iterable[OffloadKey]) -> None: ...
-
-
-@runtime_checkable
-class IndexedTier(Protocol):
-    """A lower tier whose bookkeeping is a :class:`~kvtiers.tiers.index.ChunkIndex` (the
-    file, object and reference tiers): what it holds can be asked without a lookup."""
-
-    @property
-    def index(self) -> ChunkIndex: ...
-
-
-def holds(manager: OffloadingManager, key: OffloadKey) -> bool:
-    """Whether ``manager`` holds ``key``, stored or being stored, as far as its own
-    bookkeeping knows (nothing is counted, nothing probed); ``False`` for a tier that
-    cannot say."""
-    return isinstance(manager, IndexedTier) and key in manager.index
-
-
-def handing(manager: OffloadingManager) -> HandingTier | None:
-    """``manager`` as a :class:`HandingTier`, or ``None`` when it cannot hand evictions."""
-    return manager if isinstance(manager, HandingTier) else None
-
-
-def holding(manager: OffloadingManager) -> HoldingPrimary | None:
-    """``manager`` as a :class:`HoldingPrimary`, or ``None`` when it cannot hold slots."""
-    return manager if isinstance(manager, HoldingPrimary) else None

@@ -83,6 +83,10 @@ class TierConformanceTests:
     @pytest.fixture(autouse=True)
     def _conformance_setup(self, tmp_path: Path) -> Iterator[None]:
         self.tmp_path = tmp_path
+        # A context per test: a composite keeps the keys a request's lookups found in
+        # ctx.keep (never evicted for that request's stores), which must not leak into
+        # the next test.
+        self.ctx = ReqContext(req_id="conformance")
         self._made: list[OffloadingManager] = []
         yield
         for manager in self._made:
@@ -97,7 +101,7 @@ class TierConformanceTests:
     def chunk_size(self) -> int:
         return self.geometry.chunk_bytes(0)
 
-    ctx = ReqContext(req_id="conformance")
+    ctx: ReqContext
 
     def caps(self, manager: OffloadingManager) -> TierCapabilities:
         return manager.capabilities

@@ -131,7 +131,7 @@ class MemoryObjectTier(InMemoryTier):
 
 class HandingMemoryTier(MemoryObjectTier):
     """A :class:`MemoryObjectTier` that can hand the chunks it evicts to the composite
-    (:class:`~kvtiers.stack.placement.HandingTier`), as the file tier does: once asked, an
+    (:class:`~kvtiers.core.primary.HandingTier`), as the file tier does: once asked, an
     evicted chunk (every one, or with ``wanted_only`` each one marked by
     :meth:`want_evictions`) leaves the index at once but its object stays in the store
     until :meth:`release_evicted`. ``handed`` names the objects kept for the caller."""

@@ -38,22 +38,13 @@ from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Entry, Location, is_temp
 from kvtiers.tools.summary import summary_report
-from kvtiers.tools.text import say, say_parts
+from kvtiers.tools.text import DAY_S, age, say, say_parts
 
-DAY_S = 86400.0
 #: ``verify`` reads a chunk's payload in blocks of this size.
 VERIFY_BLOCK_BYTES = 4 << 20
 #: The largest decoded payload ``verify`` allocates for a chunk stored with a codec.
 MAX_DECODED_BYTES = 1 << 32
 _DIGEST_HEX = re.compile(r"[0-9a-f]{64}")
-
-
-def _age(mtime: float, now: float) -> str:
-    seconds = max(0.0, now - mtime)
-    for unit, size in (("d", DAY_S), ("h", 3600.0), ("min", 60.0)):
-        if seconds >= size:
-            return f"{seconds / size:.1f} {unit}"
-    return f"{seconds:.0f} s"
 
 
 def _manifest(location: Location, namespace: str) -> dict[str, Any] | None:
@@ -205,8 +196,8 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
             say_parts(out, fields, indent=2)
         ages = ""
         if r["chunks"]:
-            ages = (f", newest {_age(r['newest_mtime'], now)} old, oldest "
-                    f"{_age(r['oldest_mtime'], now)} old")
+            ages = (f", newest {age(r['newest_mtime'], now)} old, oldest "
+                    f"{age(r['oldest_mtime'], now)} old")
         parts = [f"chunks {r['chunks']:,} ({format_size(r['chunk_bytes'])}){ages}",
                  f"temp files {r['temp_files']}", f"other files {r['other_files']}"]
         if r["not_regular_files"]:
@@ -215,7 +206,7 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
         if r["quarantined"]:
             say_parts(out, [
                 f"quarantined {r['quarantined']:,} ({format_size(r['quarantined_bytes'])}),",
-                f"oldest {_age(r['quarantined_oldest_mtime'], now)} old:",
+                f"oldest {age(r['quarantined_oldest_mtime'], now)} old:",
                 "corrupt chunks no tier reads;",
                 "kvtiers gc --quarantine-older-than-days removes them",
             ], indent=2, separator=" ")
@@ -393,7 +384,7 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
         stale = policy.stale_days is not None and now - newest > policy.stale_days * DAY_S
         if namespace in policy.namespaces or stale:
             why = "named" if namespace in policy.namespaces else (
-                f"newest chunk {_age(newest, now)} old")
+                f"newest chunk {age(newest, now)} old")
             quarantined = list(location.quarantined(namespace))
             size = sum(e.size for e in (*census.chunks, *census.temps, *census.other,
                                         *quarantined))

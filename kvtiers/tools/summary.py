@@ -27,6 +27,7 @@ from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.summary import MAX_SUMMARY_BYTES, SUMMARY_NAME, NamespaceSummary
 from kvtiers.tiers.object.store import ObjectMissing
 from kvtiers.tools.locations import Location
+from kvtiers.tools.text import age, say
 
 
 def read_summary(location: Location, namespace: str) -> NamespaceSummary:
@@ -61,8 +62,6 @@ def _read(location: Location, namespace: str) -> NamespaceSummary | None:
 def summary_report(location: Location, namespace: str) -> tuple[dict[str, Any] | None, str]:
     """What ``inspect`` says of ``namespace``'s summary: its fields for ``--json``
     (``None`` without a summary) and one line of text (empty without a summary)."""
-    from kvtiers.tools.commands import _age
-
     try:
         summary = _read(location, namespace)
     except (SummaryError, OSError) as exc:
@@ -84,7 +83,7 @@ def summary_report(location: Location, namespace: str) -> tuple[dict[str, Any] |
     line = (
         f"  summary: {summary.keys:,} chunk keys in {format_size(len(summary.bitmap))} "
         f"({summary.probes} probes, {summary.false_positive_rate:.2%} false positives), "
-        f"listed {_age(summary.listed_at_ns / 1e9, time.time())} ago"
+        f"listed {age(summary.listed_at_ns / 1e9, time.time())} ago"
     )
     return fields, line
 
@@ -159,9 +158,6 @@ def has(location: Location, namespace: str, keys: list[str], out: TextIO, *,
     be one of the namespace's is refused (:class:`~kvtiers.errors.ConfigError`)."""
     import sys
 
-    from kvtiers.tools.commands import _age
-    from kvtiers.tools.text import say
-
     parsed = [parse_key(text) for text in keys]
     try:
         summary = read_summary(location, namespace)
@@ -179,7 +175,7 @@ def has(location: Location, namespace: str, keys: list[str], out: TextIO, *,
     check_key_lengths(location, namespace, keys, parsed)
     present = [key in summary for key in parsed]
     leading = summary.leading(parsed)
-    ago = _age(summary.listed_at_ns / 1e9, time.time())
+    ago = age(summary.listed_at_ns / 1e9, time.time())
     if as_json:
         json.dump({
             "location": location.describe(), "namespace": namespace,

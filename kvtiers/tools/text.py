@@ -21,6 +21,8 @@ from typing import TextIO
 
 #: Text reports wrap at this many columns.
 WIDTH = 80
+#: Seconds in a day: the unit of the reports' ages and of ``gc``'s day counts.
+DAY_S = 86400.0
 
 
 def _wrap(line: str, indent: int) -> list[str]:
@@ -71,3 +73,14 @@ def say_parts(out: TextIO, parts: list[str], *, indent: int = 0,
         current += (" " if current.strip() else "") + piece
     lines.append(current)
     print("\n".join(lines), file=out)
+
+
+def age(mtime: float, now: float) -> str:
+    """How long before ``now`` ``mtime`` was (seconds since the epoch both), in the
+    largest unit it reaches: ``2.5 d``, ``3.0 h``, ``12.0 min``, ``40 s`` (0 for a time
+    in the future)."""
+    seconds = max(0.0, now - mtime)
+    for unit, size in (("d", DAY_S), ("h", 3600.0), ("min", 60.0)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.0f} s"

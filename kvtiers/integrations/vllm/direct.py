@@ -9,13 +9,15 @@ batch by the stack's :class:`~kvtiers.core.keys.KeyFormat`, the contexts are the
 adapter's own, and a shut-down stack refuses every call (:class:`~kvtiers.errors.
 ClosedError`) as the composite's door would.
 
-* ``lookup`` is the primary's one-call lookup (``CpuTierManager.lookup_as``): it answers
+* The primary is core's :class:`~kvtiers.core.primary.DirectPrimary` (the cpu tier is one);
+  the per-key calls go to it with nothing in between.
+* ``lookup`` is the primary's one-call lookup (``DirectPrimary.lookup_as``): it answers
   in vLLM's own result values, keeps the keys it finds on the request's ``found`` list
   (moved into ``ctx.keep`` before a store reads it, as the composite keeps them) and
   answers ``MISS`` unchecked for a key it does not hold: every key is checked where it
   enters, at ``prepare_store`` and ``prepare_load``.
 * When vLLM publishes no KV events the primary builds none: it forwards the keys it
-  removes (``CpuTierManager.forward_removals``), and ``prepare_store`` reports them as
+  removes (``DirectPrimary.forward_removals``), and ``prepare_store`` reports them as
   evicted from that list. With events, stores and events go through the composite.
 * A sharded engine (a shard ledger) keeps the one-call lookup and the composite's other
   calls, which check every rank's shard before publishing.
@@ -29,6 +31,7 @@ from typing import Any
 from vllm.v1.kv_offload import base as vbase
 
 from kvtiers.core.keys import OffloadKey
+from kvtiers.core.primary import DirectPrimary
 from kvtiers.errors import ClosedError
 from kvtiers.integrations.vllm.manager import (
     KVTiersManager,
@@ -38,7 +41,6 @@ from kvtiers.integrations.vllm.manager import (
 from kvtiers.integrations.vllm.translate import KeyMap, kvtiers_context
 from kvtiers.integrations.vllm.worker import KVTiersLoadStoreSpec
 from kvtiers.stack.builder import Stack
-from kvtiers.tiers.cpu.manager import CpuTierManager
 from kvtiers.tiers.cpu.shards import ShardLedger
 
 #: The batch a call without keys checks (a list: the key format's fast path).
@@ -50,12 +52,12 @@ def direct_eligible(stack: Stack, keys: KeyMap) -> bool:
     tiered = stack.manager
     return (
         keys.identity and len(tiered.tiers) == 1
-        and isinstance(tiered.tiers[0].manager, CpuTierManager) and tiered.cost is None
+        and isinstance(tiered.tiers[0].manager, DirectPrimary) and tiered.cost is None
     )
 
 
 class KVTiersDirectManager(KVTiersManager):
-    """vLLM's manager API answered by a one-tier stack's cpu primary (see the module
+    """vLLM's manager API answered by a one-tier stack's primary itself (see the module
     docstring). Build it only for a stack :func:`direct_eligible` accepts."""
 
     def __init__(
@@ -72,8 +74,10 @@ class KVTiersDirectManager(KVTiersManager):
             ledger=ledger,
         )
         primary = self._primary
-        assert isinstance(primary, CpuTierManager) and keys.identity
-        self._cpu = primary
+        assert isinstance(primary, DirectPrimary) and keys.identity
+        # The contract's extra calls; the manager's own go to self._primary (the same
+        # object).
+        self._direct: DirectPrimary = primary
         self._check_keys = stack.manager.key_format.check_all
         # Each announced request's found list, by request id (the one-call lookup's).
         self._found: dict[str, list[OffloadKey]] = {}
@@ -117,9 +121,9 @@ class KVTiersDirectManager(KVTiersManager):
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
         self._check_keys(keys, "prepare_load")
         if self._num_groups == 1:
-            spec = KVTiersLoadStoreSpec((self._cpu.prepare_load_spec(keys, ctx),))
+            spec = KVTiersLoadStoreSpec((self._direct.prepare_load_spec(keys, ctx),))
         else:
-            self._cpu.prepare_load(keys, ctx)
+            self._primary.prepare_load(keys, ctx)
             spec = self._spec(keys)
         # Pinned now: the request's prefix no longer needs protecting by name.
         ctx.keep.clear()
@@ -134,7 +138,7 @@ class KVTiersDirectManager(KVTiersManager):
         request = self._requests.get(req_context.req_id)
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
         self._check_keys(keys, "complete_load")
-        primary = self._cpu
+        primary = self._primary
         primary.complete_load(keys, ctx, generation=primary.generation)
 
     def prepare_store(self, keys: Collection[Any], req_context: Any) -> Any:
@@ -151,7 +155,7 @@ class KVTiersDirectManager(KVTiersManager):
         self._check_keys(keys, "prepare_store")
         # Removals before this call (a reset's) may name keys it stores again.
         earlier = len(removed)
-        accepted = self._cpu.prepare_store(keys, ctx)
+        accepted = self._primary.prepare_store(keys, ctx)
         if accepted is None:
             return None
         evicted: list[OffloadKey] = []
@@ -177,7 +181,7 @@ class KVTiersDirectManager(KVTiersManager):
         request = self._requests.get(req_context.req_id)
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
         self._check_keys(ordered, "complete_store")
-        primary = self._cpu
+        primary = self._primary
         # vLLM completes no job from before a reset: this one is of the current generation.
         primary.complete_store(ordered, ctx, success, generation=primary.generation)
 
@@ -191,7 +195,7 @@ class KVTiersDirectManager(KVTiersManager):
         request = self._requests.get(req_id)
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
         ctx.keep.clear()
-        self._cpu.on_request_finished(ctx)
+        self._primary.on_request_finished(ctx)
         self._requests.pop(req_id, None)
         self._found.pop(req_id, None)
 

@@ -56,7 +56,9 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtiers.core.keys import OffloadKey, get_offload_group_idx
 from kvtiers.core.manager import Locality, LookupResult, Medium, ReqContext, ScheduleEndContext
+from kvtiers.core.primary import SlottedPrimary
 from kvtiers.core.tier import BuiltTier
+from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm import compat
 from kvtiers.integrations.vllm.engine import EngineConfigs
 from kvtiers.integrations.vllm.translate import (
@@ -69,7 +71,6 @@ from kvtiers.integrations.vllm.translate import (
 )
 from kvtiers.integrations.vllm.worker import KVTiersLoadStoreSpec
 from kvtiers.stack.builder import Stack
-from kvtiers.tiers.cpu.manager import CpuTierManager
 from kvtiers.tiers.cpu.shards import ShardLedger
 
 logger = logging.getLogger(__name__)
@@ -179,6 +180,17 @@ class KVTiersManager(vbase.OffloadingManager):
         self._reset_grace_steps = reset_grace_steps
         self._requests: dict[str, _Request] = {}
         self._primary = stack.manager.tiers[0].manager
+        # A sharded engine checks each stored chunk's slot in the shard ledger: its
+        # primary keeps chunks in slots (core's primary contract; see spec).
+        self._slotted: SlottedPrimary | None = None
+        if ledger is not None:
+            if not isinstance(self._primary, SlottedPrimary):
+                raise ConfigError(
+                    f"tier {stack.manager.tiers[0].name!r}: a sharded engine's primary must "
+                    "keep its chunks in slots of shared memory (a cpu tier)",
+                    path="tiers[0].kind",
+                )
+            self._slotted = self._primary
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._requests.get(ctx.req_id)
@@ -327,8 +339,8 @@ class KVTiersManager(vbase.OffloadingManager):
         ones. A key without a stamp passes as whole, for the stack to judge (vLLM completes
         only keys it reserved since the last reset, and each of those has one)."""
         assert self._ledger is not None
-        primary = self._tiered.tiers[0].manager
-        assert isinstance(primary, CpuTierManager)  # a sharded engine's primary (see spec)
+        primary = self._slotted
+        assert primary is not None  # a sharded engine's primary (see __init__)
         checked: list[OffloadKey] = []
         slots: list[int] = []
         stamps: list[int] = []

@@ -39,8 +39,10 @@ def build_tier(
     *,
     primary_region: HostRegion | None,
     name: str,
+    staging: bool = False,
 ) -> BuiltTier:
-    """The CPU tier ``name``; it must be the primary (``primary_region`` is ``None``)."""
+    """The CPU tier ``name``; it must be the primary (``primary_region`` is ``None``).
+    ``staging``: the stack's decision (see :class:`~kvtiers.core.tier.TierFactory`)."""
     if primary_region is not None:
         raise ConfigError(
             f"tier {name!r}: a cpu tier can only be the first tier of a stack; "
@@ -54,7 +56,8 @@ def build_tier(
     num_slots = config.capacity // geometry.slot_bytes
     region = SlotRegion(num_slots, geometry.slot_bytes, config.shared_memory_name)
     manager = CpuTierManager(
-        num_slots, geometry.slot_bytes, load_policy(config.policy), region=region
+        num_slots, geometry.slot_bytes, load_policy(config.policy), region=region,
+        staging=staging,
     )
 
     def make_worker(kv: KVCacheTensors) -> OffloadingWorker:

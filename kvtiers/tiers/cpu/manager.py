@@ -52,7 +52,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from enum import IntEnum
 from itertools import filterfalse
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -67,6 +66,7 @@ from kvtiers.core.manager import (
     RequestOffloadingContext,
     TierCapabilities,
 )
+from kvtiers.core.primary import SlotState
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.errors import ClosedError, UnknownKeyError
 from kvtiers.policies.base import EvictionPolicy
@@ -79,14 +79,6 @@ if TYPE_CHECKING:
 def _shown(key: object) -> str:
     """A key for an error message."""
     return key.hex() if isinstance(key, bytes) else repr(key)
-
-
-class SlotState(IntEnum):
-    """State of one slot of the host region."""
-
-    FREE = 0
-    WRITING = 1
-    READY = 2
 
 
 _WRITING = int(SlotState.WRITING)
@@ -153,7 +145,10 @@ class CpuTierManager(OffloadingManager):
     and ``s3fifo``, exactly those classes) the tier tracks its chunks in the twin and builds
     no key-based policy (a given instance stays empty); any other policy, a subclass of a
     built-in included, tracks them itself (an instance of the class when given a class).
-    ``region``, when given, is closed by :meth:`shutdown`. Keys passed to ``complete_store``
+    ``region``, when given, is closed by :meth:`shutdown`. ``staging``: see the attribute.
+    It is the :class:`~kvtiers.core.primary.HoldingPrimary` and
+    :class:`~kvtiers.core.primary.DirectPrimary` of core's primary-tier contract, its slot
+    states core's :class:`~kvtiers.core.primary.SlotState`. Keys passed to ``complete_store``
     that are stored already are ignored, and a key named twice counts once; a key neither
     reserved, stored nor fenced raises.
 
@@ -174,6 +169,7 @@ class CpuTierManager(OffloadingManager):
         policy: EvictionPolicy | type[EvictionPolicy],
         *,
         region: SlotRegion | None = None,
+        staging: bool = False,
     ) -> None:
         if num_slots <= 0:
             raise ValueError(f"a CPU tier needs at least one slot, got {num_slots}")
@@ -182,9 +178,10 @@ class CpuTierManager(OffloadingManager):
         self.policy = policy
         self._shields = policy.shields_request_head
         #: Whether this tier stages chunks for lower tiers that are written through (every
-        #: chunk it stores is copied below: the composite sets it): a store that does not
-        #: fit whole then evicts for its leading keys too, not only the free slots.
-        self.staging = False
+        #: chunk it stores is copied below: the stack builder decides, see
+        #: :mod:`kvtiers.core.primary`): a store that does not fit whole then evicts for
+        #: its leading keys too, not only the free slots.
+        self.staging = staging
         # The region this manager's slots index; closed by shutdown().
         self.region = region
         # An instance-level declaration: LRU order holds only for policies that keep it.

@@ -37,9 +37,18 @@ def build_tier(
     *,
     primary_region: HostRegion | None,
     name: str,
+    staging: bool = False,
 ) -> BuiltTier:
     """The file tier ``name``: a lower tier when ``primary_region`` is given, else a GDS
-    primary (which needs ``gds: true``)."""
+    primary (which needs ``gds: true``). A GDS primary has no host memory for lower tiers
+    to copy through, so it cannot stage for them (``staging``: see
+    :class:`~kvtiers.core.tier.TierFactory`)."""
+    if staging:
+        raise ConfigError(
+            f"tier {name!r}: a gds file tier as the primary has no host memory for lower "
+            "tiers to copy through; put a cpu tier first",
+            path="kind",
+        )
     if primary_region is None and not config.gds:
         raise ConfigError(
             f"tier {name!r}: a file tier can be the first tier of a stack only with "

@@ -833,7 +833,7 @@ class FileTierManager(OffloadingManager):
             victims = doomed
         return self._deleter.delete(path(key) for key in victims)
 
-    # -- evictions handed to the composite (stack.placement.HandingTier) --------------
+    # -- evictions handed to the composite (core.primary.HandingTier) -----------------
     def hand_over_evictions(self, wanted_only: bool = False) -> None:
         """From now on, keep evicted chunks' files for the composite (module docstring):
         every one, or with ``wanted_only`` those marked by :meth:`want_evictions`."""
