@@ -14,6 +14,8 @@ fenced once every job from before a reset ended; and no wrong bytes, ever.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hypothesis import settings
@@ -44,6 +46,42 @@ HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.H
                              LookupResult.RETRY)
 
 
+class _Gate(threading.Event):
+    """The mover's gate: opening it runs the copies queued while it was shut."""
+
+    def __init__(self, opened: Callable[[], None]) -> None:
+        super().__init__()
+        self._opened = opened
+
+    def set(self) -> None:
+        super().set()
+        self._opened()
+
+
+class StepMover(MemoryMover):
+    """A :class:`MemoryMover` that copies on the machine's own thread: at submit while
+    the gate is open, else when it next opens. Hypothesis replays a run's steps and needs
+    the same draws each time; with pool threads, whether a promotion had landed by the
+    next lookup (a HIT, so a load job, so a ``finish_load`` draw) depended on timing."""
+
+    def __init__(self, region: BytearrayRegion, geometry: ChunkGeometry,
+                 tier: MemoryObjectTier) -> None:
+        super().__init__(region, geometry, tier, threads=1)
+        self._queued: list[Callable[[], None]] = []
+        self.gate = _Gate(self._run_queued)
+        self.gate.set()
+
+    def _start_task(self, task: Callable[[], None]) -> None:
+        if self.gate.is_set():
+            task()
+        else:
+            self._queued.append(task)
+
+    def _run_queued(self) -> None:
+        while self._queued:
+            self._queued.pop(0)()
+
+
 def payload(key: OffloadKey) -> bytes:
     """The only bytes ever right for ``key``."""
     return (key * (CHUNK // len(key) + 1))[:CHUNK]
@@ -69,7 +107,7 @@ class CompositeMachine(RuleBasedStateMachine):
         self.primary = CpuTierManager(SLOTS, GEOMETRY.slot_bytes, load_policy("lru")(SLOTS),
                                       staging=True)
         self.lower = MemoryObjectTier(LOWER_CHUNKS, MemoryObjectStore(), persistent=True)
-        self.mover = MemoryMover(self.region, GEOMETRY, self.lower)
+        self.mover = StepMover(self.region, GEOMETRY, self.lower)
         self.manager = TieredManager(
             [BuiltTier("cpu", self.primary, region=self.region),
              BuiltTier("mem", self.lower, mover=self.mover)],
