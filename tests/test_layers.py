@@ -27,6 +27,7 @@ FLOORS = (
     "tiers",
     "logs",
     "stack",
+    "service",
     "engine",
     "tools",
     "integrations",
