@@ -339,3 +339,50 @@ def test_status_cli_prints_json(service: ServiceProcess, capsys: pytest.CaptureF
     mine.shutdown()
     service.stop()
     assert main(["status", "--socket", str(service.socket)]) == 1
+
+
+# -- engines with a kind: service stack: real worker copies through the mapped pool -------
+MODEL = {
+    "name": "service/model",
+    "tokens_per_hash": 16,
+    "blocks_per_chunk": 2,
+    "groups": [{"tokens_per_block": 16, "num_layers": 2, "page_bytes": "1KiB"}],
+}
+
+
+def test_two_simulated_engines_share_prefixes_through_the_pool(
+    service: ServiceProcess,
+) -> None:
+    from kvtiers.engine.simulator import SimulatedEngine
+    from kvtiers.engine.workload import WorkloadSpec, conversation_requests
+    from kvtiers.stack.builder import load_stack
+
+    config = {"tiers": [{"kind": "service", "socket": str(service.socket)}], "model": MODEL}
+    spec = WorkloadSpec(conversations=3, system_prompts=1, turns=1, system_tokens=(128, 160))
+    requests = list(conversation_requests(spec))
+    with load_stack(config) as first_stack, load_stack(config) as second_stack:
+        first = SimulatedEngine(first_stack, num_gpu_blocks=128)
+        firsts = [first.run_request(r.req_id, r.token_ids) for r in requests]
+        first.glue.end_step()  # the step's commits reach the service
+        second = SimulatedEngine(second_stack, num_gpu_blocks=128)
+        seconds = [second.run_request(r.req_id, r.token_ids) for r in requests]
+        first.shutdown()
+        second.shutdown()
+    assert sum(r.stored_bytes for r in firsts) > 0
+    # The second engine stores nothing the first stored: every chunk is a pool hit,
+    # copied into its own KV tensors and verified block by block.
+    assert [r.reused_tokens for r in seconds] == [
+        (r.prompt_tokens - 1) // 32 * 32 for r in seconds  # whole chunks, one token left
+    ]
+    assert sum(r.verified_blocks for r in seconds) > 0
+    assert sum(r.verification_failures + r.load_failures for r in seconds) == 0
+
+
+def test_a_service_stack_without_a_service_is_refused(tmp_path: Path) -> None:
+    from kvtiers.errors import ConfigError
+    from kvtiers.stack.builder import load_stack
+
+    config = {"tiers": [{"kind": "service", "socket": str(tmp_path / "none.sock")}],
+              "model": MODEL}
+    with pytest.raises(ConfigError, match="no kvtiers service answers"):
+        load_stack(config)
