@@ -48,7 +48,7 @@ def pool_name(tmp_path: Path) -> Iterator[str]:
 def service(tmp_path: Path, pool_name: str) -> Iterator[ServiceProcess]:
     config = tmp_path / "serve.yaml"
     config.write_text(
-        f"tiers:\n  - kind: cpu\n    capacity: 256KiB\n    shared_memory_name: {pool_name}\n"
+        f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
     )
     proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT)
     proc.start(fresh=True)
@@ -57,10 +57,12 @@ def service(tmp_path: Path, pool_name: str) -> Iterator[ServiceProcess]:
         proc.stop()
 
 
-def engine(service: ServiceProcess, identity: bytes = IDENTITY) -> ServiceTierManager:
-    """An engine's tier that notices a dead service at its next call and retries at once."""
+def engine(service: ServiceProcess, identity: bytes = IDENTITY, *, lease: int = 8
+           ) -> ServiceTierManager:
+    """An engine's tier that notices a dead service at its next call and retries at once;
+    ``lease`` 0 reserves by round trip."""
     client = ServiceClient(service.socket, identity, SLOT, timeout_s=5.0, retry_s=0.0)
-    return ServiceTierManager(client, liveness_s=0.0)
+    return ServiceTierManager(client, liveness_s=0.0, lease_slots=lease)
 
 
 def store(manager: ServiceTierManager, wanted: list[OffloadKey]) -> list[OffloadKey]:
@@ -70,7 +72,7 @@ def store(manager: ServiceTierManager, wanted: list[OffloadKey]) -> list[Offload
     for key, slot in zip(accepted, manager.get_spec(accepted).block_ids, strict=True):
         manager.region.view(int(slot))[:SLOT] = chunk_bytes_of(key, SLOT)
     manager.complete_store(accepted, ctx)
-    manager.flush()
+    manager.flush(wait=True)
     return accepted
 
 
@@ -83,7 +85,7 @@ def read_exact(manager: ServiceTierManager, wanted: list[OffloadKey]) -> bool:
         for k, s in zip(wanted, slots, strict=True)
     )
     manager.complete_load(wanted, ctx)
-    manager.flush()
+    manager.flush(wait=True)
     return exact
 
 
@@ -106,10 +108,10 @@ def test_a_chunk_stored_by_one_engine_is_a_hit_for_another(service: ServiceProce
     other.shutdown()
 
 
-def test_the_same_key_stored_by_two_engines_at_once_is_held_once(
+def test_the_same_key_stored_by_two_engines_at_once_is_written_once(
     service: ServiceProcess,
 ) -> None:
-    first, second = engine(service), engine(service)
+    first, second = engine(service, lease=0), engine(service, lease=0)
     ctx = ReqContext("r")
     wanted = keys(4)
     # Both reserve before either commits: only the first gets slots.
@@ -119,11 +121,38 @@ def test_the_same_key_stored_by_two_engines_at_once_is_held_once(
     for key, slot in zip(wanted, first.get_spec(wanted).block_ids, strict=True):
         first.region.view(int(slot))[:SLOT] = chunk_bytes_of(key, SLOT)
     first.complete_store(wanted, ctx)
-    first.flush()
+    first.flush(wait=True)
     state = read_status(service.socket)
     assert state["used_slots"] == 4
     assert [ns["chunks"] for ns in state["namespaces"]] == [4]
     assert read_exact(second, wanted)
+    first.shutdown()
+    second.shutdown()
+
+
+def test_with_leases_the_same_key_stored_by_two_engines_at_once_is_held_once(
+    service: ServiceProcess,
+) -> None:
+    first, second = engine(service), engine(service)
+    ctx = ReqContext("r")
+    wanted = keys(4)
+    # Leased slots: both engines take slots and write, without a round trip.
+    assert first.prepare_store(wanted, ctx) == wanted
+    assert second.prepare_store(wanted, ctx) == wanted
+    for manager in (first, second):
+        for key, slot in zip(wanted, manager.get_spec(wanted).block_ids, strict=True):
+            manager.region.view(int(slot))[:SLOT] = chunk_bytes_of(key, SLOT)
+        manager.complete_store(wanted, ctx)
+        manager.flush(wait=True)
+    state = read_status(service.socket)
+    assert [ns["chunks"] for ns in state["namespaces"]] == [4]
+    assert state["counters"]["duplicate_stores"] == 4
+    assert second.get_stats()["duplicate_stores"] == 4
+    # The second engine's slots went back to its lease, and the chunks read back exact.
+    assert state["leased_slots"] == len(first._lease) + len(second._lease) > 0
+    assert read_exact(second, wanted) and read_exact(first, wanted)
+    # Nothing is stored again once present.
+    assert first.prepare_store(wanted, ctx) == []
     first.shutdown()
     second.shutdown()
 
@@ -176,13 +205,13 @@ def test_torn_corrupt_and_foreign_slots_are_not_adopted(
     mine.prepare_load(stored, ctx)
     slots = [int(s) for s in mine.get_spec(stored).block_ids]
     mine.complete_load(stored, ctx)
-    mine.flush()
+    mine.flush(wait=True)
     mine.shutdown()
     assert service.stop() == 0
     path = Path("/dev/shm", pool_name)
     from kvtiers.service.pool import Layout
 
-    pool = Pool(path, Layout(64, SLOT))
+    pool = Pool(path, Layout(256, SLOT))
     # Slot of key 0: one flipped byte. Key 1: its header back to WRITING (a crash
     # mid-store). Key 2: another namespace's digest.
     pool.view(slots[0])[100] ^= 0xFF
@@ -256,7 +285,7 @@ def test_a_commit_of_a_slot_not_reserved_is_refused(service: ServiceProcess) -> 
     stored = store(good, keys(1))
     slot = int(good.get_spec([]).block_ids.size)
     bad = ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
-    with pytest.raises(ServiceDown, match="not reserved"):
+    with pytest.raises(ServiceDown, match="neither leased"):
         bad.call([p.Commit(bad.next_seq(), bad.ns, list(stored), [slot], [SLOT])])
     assert read_exact(good, stored)
     good.shutdown()
@@ -363,7 +392,8 @@ def test_two_simulated_engines_share_prefixes_through_the_pool(
     with load_stack(config) as first_stack, load_stack(config) as second_stack:
         first = SimulatedEngine(first_stack, num_gpu_blocks=128)
         firsts = [first.run_request(r.req_id, r.token_ids) for r in requests]
-        first.glue.end_step()  # the step's commits reach the service
+        first.glue.end_step()  # the step's commits are sent...
+        first_stack.tiers[0].manager.flush(wait=True)  # ...and taken in
         second = SimulatedEngine(second_stack, num_gpu_blocks=128)
         seconds = [second.run_request(r.req_id, r.token_ids) for r in requests]
         first.shutdown()

@@ -241,6 +241,11 @@ class ServiceTierConfig(TierConfig):
     misses) until a reattach succeeds."""
     retry_s: Annotated[float, Range(0.001)] = 1.0
     """How often a down service is tried again (at calls; nothing sleeps)."""
+    lease_slots: Annotated[int, Range(0, 4096)] = 64
+    """Slots the engine keeps leased so that a store costs no round trip (its commits go
+    in one round trip a step); more are leased when a step stores more. A key two engines
+    store at once is then held once but may be written twice. 0: each store reserves its
+    slots by a round trip, and such a key is written once."""
 
     @property
     def can_be_primary(self) -> bool:

@@ -121,7 +121,14 @@ class ServiceClient:
             readable, _, _ = select.select([sock], [], [], 0)
             if not readable:
                 return True
-            # Nothing is sent unasked: readable means closed (or an error to read).
+            # Readable: replies not read yet (sent without waiting), or the peer closed.
+            try:
+                if sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    return True
+            except BlockingIOError:
+                return True
+            except OSError:
+                pass
             self._down()
         if time.monotonic() >= self._next_try:
             return self._attach()
@@ -133,6 +140,31 @@ class ServiceClient:
         if self.sock is None and not self.available():
             raise ServiceDown("the service is down")
         return self._round_trip(requests)
+
+    def send(self, requests: Sequence[p.Request]) -> None:
+        """Send ``requests`` without reading their replies (:meth:`receive` reads them,
+        in order, before any later reply). Raises :class:`ServiceDown` as :meth:`call`."""
+        sock = self.sock
+        if sock is None:
+            raise ServiceDown("the service is down")
+        try:
+            sock.sendall(b"".join(p.frame(r) for r in requests))
+        except OSError as exc:
+            self._down()
+            raise ServiceDown(str(exc)) from None
+
+    def receive(self, requests: Sequence[p.Request]) -> list[p.Reply]:
+        """The replies to ``requests``, sent earlier by :meth:`send`, in order."""
+        sock = self.sock
+        if sock is None:
+            raise ServiceDown("the service is down")
+        try:
+            replies = [self._read_reply(sock) for _ in requests]
+        except (OSError, p.ProtocolError, msgspec.MsgspecError) as exc:
+            self._down()
+            raise ServiceDown(str(exc)) from None
+        self._check(requests, replies)
+        return replies
 
     def next_seq(self) -> int:
         self._seq += 1
@@ -147,6 +179,10 @@ class ServiceClient:
         except (OSError, p.ProtocolError, msgspec.MsgspecError) as exc:
             self._down()
             raise ServiceDown(str(exc)) from None
+        self._check(requests, replies)
+        return replies
+
+    def _check(self, requests: Sequence[p.Request], replies: list[p.Reply]) -> None:
         for request, reply in zip(requests, replies, strict=True):
             if isinstance(reply, p.Error):
                 self._down()
@@ -154,7 +190,6 @@ class ServiceClient:
             if reply.seq != request.seq:
                 self._down()
                 raise ServiceDown("a reply out of order")
-        return replies
 
     def _read_reply(self, sock: socket.socket) -> p.Reply:
         (size,) = p.FRAME.unpack(self._read_exactly(sock, 4))

@@ -44,9 +44,19 @@ class Reserve(_Msg):
     keys: list[bytes]
 
 
+class Lease(_Msg):
+    """``count`` slots for this connection to store into without a round trip per store
+    (their keys are named at :class:`Commit`)."""
+
+    ns: int
+    count: int
+
+
 class Commit(_Msg):
-    """Finish stores: ``slots[i]`` (reserved by this connection) holds ``keys[i]``,
-    ``lengths[i]`` bytes long, when ``ok``; else the reservations are dropped."""
+    """Finish stores: ``slots[i]`` (reserved for ``keys[i]`` or leased by this
+    connection) holds ``keys[i]``, ``lengths[i]`` bytes long, when ``ok``; else reserved
+    slots are dropped and leased ones stay leased. The reply's ``slots[i]``: 1 stored,
+    0 not stored and still leased (the key was stored meanwhile: held once), -1 dropped."""
 
     ns: int
     keys: list[bytes]
@@ -80,7 +90,7 @@ class Status(_Msg):
     """The service's state (as ``kvtiers status`` shows it)."""
 
 
-Request = Union[Attach, Reserve, Commit, Pin, Unpin, Lookup, Status]  # noqa: UP007
+Request = Union[Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Status]  # noqa: UP007
 
 
 class Attached(_Msg):
@@ -94,14 +104,14 @@ class Attached(_Msg):
 
 
 class Slots(_Msg):
-    """Reply to :class:`Reserve`, :class:`Pin`, :class:`Lookup`: one slot per key
-    (-1: none)."""
+    """Reply to :class:`Reserve`, :class:`Lease`, :class:`Pin`, :class:`Lookup`: one slot
+    per key (-1: none); to :class:`Commit`: one outcome per key."""
 
     slots: list[int]
 
 
 class Done(_Msg):
-    """Reply to :class:`Commit` and :class:`Unpin`."""
+    """Reply to :class:`Unpin`."""
 
 
 class StatusReply(_Msg):

@@ -98,6 +98,7 @@ class _Conn:
     outbuf: bytearray = field(default_factory=bytearray)
     attached: set[int] = field(default_factory=set)
     reserved: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    leased: set[int] = field(default_factory=set)
     pins: Counter[int] = field(default_factory=Counter)
     closing: bool = False
 
@@ -127,12 +128,15 @@ class Service:
         group: int | None = None,
         max_frame: int = p.MAX_FRAME,
         max_output: int = MAX_OUTPUT,
+        max_lease: int = 4096,
     ) -> None:
         self.pool = pool
         self.socket_path = socket_path
         self.group = group
         self.max_frame = max_frame
         self.max_output = max_output
+        #: The most slots one Lease may ask for.
+        self.max_lease = max_lease
         self.epoch = time.time_ns()
         self.started = time.time()
         num_slots = pool.num_slots
@@ -319,6 +323,11 @@ class Service:
             self.counters["bad_messages"] += 1
             self._refuse(conn, request.seq, str(exc))
             return
+        except Exception as exc:  # a defect here must cost one connection, not the node
+            log.exception("kvtiers serve: internal error answering pid %d", conn.pid)
+            self.counters["internal_errors"] += 1
+            self._refuse(conn, request.seq, f"internal error: {type(exc).__name__}")
+            return
         conn.outbuf += p.frame(reply)
         if len(conn.outbuf) > self.max_output:
             self.counters["slow_clients"] += 1
@@ -359,8 +368,11 @@ class Service:
         for slot, (index, key) in conn.reserved.items():
             self._namespaces[index].writing.pop(key, None)
             self._release(slot)
+        for slot in conn.leased:
+            self._release(slot)
         conn.pins.clear()
         conn.reserved.clear()
+        conn.leased.clear()
         self._conns.pop(conn.sock.fileno(), None)
         self._selector.unregister(conn.sock)
         conn.sock.close()
@@ -374,14 +386,15 @@ class Service:
         if request.ns not in conn.attached:
             raise Refused(f"namespace {request.ns} is not attached by this connection")
         ns = self._namespaces[request.ns]
+        if isinstance(request, p.Lease):
+            return p.Slots(request.seq, self._lease(conn, request.count))
         for key in request.keys:
             if not 0 < len(key) <= MAX_KEY:
                 raise Refused(f"a key of {len(key)} bytes (1 to {MAX_KEY} expected)")
         if isinstance(request, p.Reserve):
             return p.Slots(request.seq, self._reserve(conn, ns, request.keys))
         if isinstance(request, p.Commit):
-            self._commit(conn, ns, request)
-            return p.Done(request.seq)
+            return p.Slots(request.seq, self._commit(conn, ns, request))
         if isinstance(request, p.Pin):
             return p.Slots(request.seq, self._pin(conn, ns, request.keys))
         if isinstance(request, p.Unpin):
@@ -459,23 +472,53 @@ class Service:
             slots.append(slot)
         return slots
 
-    def _commit(self, conn: _Conn, ns: _Namespace, request: p.Commit) -> None:
+    def _lease(self, conn: _Conn, count: int) -> list[int]:
+        """Up to ``count`` slots for ``conn`` to fill (evicting as reservations do)."""
+        if not 0 <= count <= self.max_lease:
+            raise Refused(f"lease: {count} slots (0 to {self.max_lease} expected)")
+        # One connection holds an eighth of the pool at most: leased slots hold nothing.
+        count = min(count, max(1, self.pool.num_slots // 8) - len(conn.leased))
+        slots = []
+        for _ in range(count):
+            slot = self._take_slot(set())
+            if slot < 0:
+                break
+            self.pool.set_writing(slot)
+            self._owner[slot] = None
+            conn.leased.add(slot)
+            slots.append(slot)
+        return slots
+
+    def _commit(self, conn: _Conn, ns: _Namespace, request: p.Commit) -> list[int]:
         if not len(request.keys) == len(request.slots) == len(request.lengths):
             raise Refused("commit: keys, slots and lengths differ in length")
         for key, slot, length in zip(request.keys, request.slots, request.lengths,
                                      strict=True):
-            if conn.reserved.get(slot) != (ns.index, key):
-                raise Refused(f"commit: slot {slot} is not reserved for that key by this "
-                              "connection")
+            if slot not in conn.leased and conn.reserved.get(slot) != (ns.index, key):
+                raise Refused(f"commit: slot {slot} is neither leased by this connection "
+                              "nor reserved for that key by it")
             if not 0 < length <= self.pool.slot_bytes:
                 raise Refused(f"commit: length {length} outside the slot")
+        if len(set(request.slots)) != len(request.slots):
+            raise Refused("commit: a slot named twice")
+        outcome = []
         for key, slot, length in zip(request.keys, request.slots, request.lengths,
                                      strict=True):
-            del conn.reserved[slot]
-            del ns.writing[key]
-            if not request.ok:
-                self._release(slot)
-                continue
+            if slot in conn.leased:
+                if not request.ok or key in ns.ready or key in ns.writing:
+                    # Stored by another engine meanwhile: held once; the slot stays leased.
+                    self.counters["duplicate_stores"] += request.ok
+                    outcome.append(0)
+                    continue
+                conn.leased.discard(slot)
+                self._owner[slot] = (ns.index, key)
+            else:
+                del conn.reserved[slot]
+                del ns.writing[key]
+                if not request.ok:
+                    self._release(slot)
+                    outcome.append(-1)
+                    continue
             tag = self.pool.set_ready(slot, ns.index, ns.digest, key, length)
             if not self.pool.mirror_add(tag, slot):
                 self.counters["mirror_full"] += 1
@@ -483,6 +526,8 @@ class Service:
             ns.lengths[slot] = length
             ns.stored += 1
             self._lru[slot] = None
+            outcome.append(1)
+        return outcome
 
     def _release(self, slot: int) -> None:
         self._owner[slot] = None
@@ -531,6 +576,7 @@ class Service:
             "used_slots": used,
             "ready_slots": len(self._lru),
             "pinned_slots": len(self._pins),
+            "leased_slots": sum(len(c.leased) for c in self._conns.values()),
             "counters": dict(self.counters),
             "namespaces": [
                 {
@@ -554,6 +600,7 @@ class Service:
                     "namespaces": sorted(conn.attached),
                     "pins": sum(conn.pins.values()),
                     "reserved": len(conn.reserved),
+                    "leased": len(conn.leased),
                 }
                 for conn in self._conns.values()
                 if conn.attached

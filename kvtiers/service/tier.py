@@ -50,6 +50,10 @@ _MISS = LookupResult.MISS
 #: How often (seconds) a lookup polls the socket for the service's death: a dead service
 #: is noticed within this bound and a step of lookups costs one poll at most.
 LIVENESS_S = 0.001
+#: Slots an engine keeps leased by default, so that its stores need no round trip.
+DEFAULT_LEASE = 64
+#: Keys per Commit or Unpin message (a frame stays far below the service's bound).
+COMMIT_BATCH = 4096
 
 
 class ServiceTierManager(OffloadingManager):
@@ -62,7 +66,8 @@ class ServiceTierManager(OffloadingManager):
     locality = Locality.LOCAL
     capabilities = TierCapabilities(persistent=False, evicts=True, recency=True, events=False)
 
-    def __init__(self, client: ServiceClient, *, liveness_s: float = LIVENESS_S) -> None:
+    def __init__(self, client: ServiceClient, *, liveness_s: float = LIVENESS_S,
+                 lease_slots: int = DEFAULT_LEASE) -> None:
         import time
 
         self._clock = time.monotonic
@@ -74,16 +79,32 @@ class ServiceTierManager(OffloadingManager):
         self._liveness_s = liveness_s
         self._checked_at = -1.0
         self._alive = True
-        #: key → slot reserved by this engine (session ``_session``).
+        #: 0: every prepare_store is a Reserve round trip; else the least number of
+        #: leased slots kept at hand (more when a step stores more).
+        # The service grants one connection an eighth of the pool at most.
+        self._lease_cap = max(1, self.num_slots // 8)
+        self._lease_min = min(lease_slots, self._lease_cap)
+        self._lease: list[int] = []
+        self._stored_since_flush = 0
+        self._refilled = False
+        #: key → slot reserved or leased for it by this engine (session ``_session``).
         self._reserved: dict[OffloadKey, int] = {}
         #: key → [slot (-1: lost), pin count].
         self._pinned: dict[OffloadKey, list[int]] = {}
-        self._commits: list[tuple[bytes, int]] = []
+        #: Stores finished and not yet committed: key → slot.
+        self._commits: dict[bytes, int] = {}
+        #: Commits sent whose replies are not read yet (not stored again meanwhile).
+        self._committing: dict[bytes, int] = {}
+        #: Requests sent whose replies are owed, and slots asked for by them.
+        self._inflight: list[p.Request] = []
+        self._leasing = 0
         self._failed: list[tuple[bytes, int]] = []
         self._unpins: list[bytes] = []
         self._session = client.session
         self.stats = {"lookups": 0, "hits": 0, "round_trips": 0, "lost_loads": 0,
-                      "down_lookups": 0}
+                      "down_lookups": 0, "duplicate_stores": 0}
+        if lease_slots:
+            self.flush(wait=True)
 
     # -- liveness -------------------------------------------------------------------
     def _live(self) -> bool:
@@ -101,55 +122,100 @@ class ServiceTierManager(OffloadingManager):
         """The service restarted (or we reattached): what we held belongs to no one."""
         self._session = self.client.session
         self._reserved.clear()
+        self._lease.clear()
         for entry in self._pinned.values():
             entry[0] = -1
         self._commits.clear()
+        self._committing.clear()
+        self._inflight.clear()
+        self._leasing = 0
         self._failed.clear()
         self._unpins.clear()
 
-    def _call(self, request: p.Request) -> p.Reply | None:
-        """``request`` after any queued commits and unpins, in one round trip; ``None``
-        when the service is down (the queued calls are dropped with the session)."""
+    def _queued(self, lease: bool) -> list[p.Request]:
+        """The queued commits and unpins, and a lease top-up, as requests (taken from
+        the queues)."""
+        client = self.client
+        size = client.chunk_bytes
+        queued: list[p.Request] = []
+        commits = list(self._commits.items())
+        for at in range(0, len(commits), COMMIT_BATCH):
+            batch = commits[at : at + COMMIT_BATCH]
+            queued.append(p.Commit(client.next_seq(), client.ns, [k for k, _ in batch],
+                                   [s for _, s in batch], [size] * len(batch)))
+        self._committing.update(self._commits)
+        self._commits.clear()
+        for at in range(0, len(self._failed), COMMIT_BATCH):
+            batch = self._failed[at : at + COMMIT_BATCH]
+            queued.append(p.Commit(client.next_seq(), client.ns, [k for k, _ in batch],
+                                   [s for _, s in batch], [size] * len(batch), False))
+        self._failed = []
+        for at in range(0, len(self._unpins), COMMIT_BATCH):
+            queued.append(p.Unpin(client.next_seq(), client.ns,
+                                  self._unpins[at : at + COMMIT_BATCH]))
+        self._unpins = []
+        if self._lease_min and lease:
+            target = min(self._lease_cap,
+                         max(self._lease_min, 2 * self._stored_since_flush))
+            want = target - len(self._lease) - self._leasing
+            if want > 0:
+                queued.append(p.Lease(client.next_seq(), client.ns, want))
+                self._leasing += want
+        self._stored_since_flush = 0
+        return queued
+
+    def _exchange(self, extra: list[p.Request], *, lease: bool = True, wait: bool = True
+                  ) -> list[p.Reply] | None:
+        """Send the queued calls (:meth:`_queued`) and ``extra`` in one write; with
+        ``wait``, read every reply still owed (one round trip) and return those to
+        ``extra``. ``None`` when the service is down (what was queued is dropped with the
+        session: the service frees the slots of a closed connection)."""
         if not self._live():
             return None
-        requests = self._queued()
-        requests.append(request)
+        queued = self._queued(lease)
         try:
-            replies = self.client.call(requests)
+            if queued or extra:
+                self.client.send([*queued, *extra])
+            self._inflight.extend(queued)
+            if not wait:
+                return []
+            owed, self._inflight = self._inflight, []
+            replies = self.client.receive([*owed, *extra]) if owed or extra else []
         except ServiceDown:
             self._alive = False
             self._new_session()
             return None
-        self.stats["round_trips"] += 1
-        return replies[-1]
+        if owed or extra:
+            self.stats["round_trips"] += 1
+        self._absorb(owed, replies[: len(owed)])
+        return replies[len(owed) :]
 
-    def _queued(self) -> list[p.Request]:
-        client = self.client
-        requests: list[p.Request] = []
-        size = self.client.chunk_bytes
-        for batch, ok in ((self._commits, True), (self._failed, False)):
-            if batch:
-                keys = [k for k, _ in batch]
-                slots = [s for _, s in batch]
-                requests.append(p.Commit(client.next_seq(), client.ns, keys, slots,
-                                         [size] * len(keys), ok))
-                batch.clear()
-        if self._unpins:
-            requests.append(p.Unpin(client.next_seq(), client.ns, self._unpins))
-            self._unpins = []
-        return requests
+    def _absorb(self, requests: list[p.Request], replies: list[p.Reply]) -> None:
+        """Take in the replies to queued calls: slots of commits another engine beat
+        (held once: the slot is leased to us again) and granted leases."""
+        for request, reply in zip(requests, replies, strict=True):
+            if isinstance(request, p.Commit) and request.ok:
+                assert isinstance(reply, p.Slots)
+                for key, slot, result in zip(request.keys, request.slots, reply.slots,
+                                             strict=True):
+                    self._committing.pop(key, None)
+                    if result == 0:
+                        self.stats["duplicate_stores"] += 1
+                        self._lease.append(slot)
+            elif isinstance(request, p.Lease):
+                assert isinstance(reply, p.Slots)
+                self._leasing -= request.count
+                self._lease.extend(reply.slots)
 
-    def flush(self) -> None:
-        """Send queued commits and unpins now (one round trip, none if nothing is queued)."""
-        if not (self._commits or self._failed or self._unpins) or not self._live():
-            return
-        try:
-            self.client.call(self._queued())
-        except ServiceDown:
-            self._alive = False
-            self._new_session()
-            return
-        self.stats["round_trips"] += 1
+    def _call(self, request: p.Request) -> p.Reply | None:
+        replies = self._exchange([request])
+        return None if replies is None else replies[0]
+
+    def flush(self, *, wait: bool = False) -> None:
+        """Send queued commits and unpins and top the lease up, in one write; their
+        replies are read at the next round trip (``wait``: now, so that the service has
+        taken them in when this returns)."""
+        self._exchange([], wait=wait)
 
     # -- the contract ---------------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -166,6 +232,8 @@ class ServiceTierManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
+        if self._lease_min:
+            return self._store_leased(keys)
         keys = [k for k in dict.fromkeys(keys) if k not in self._reserved]
         if not keys:
             return []
@@ -181,13 +249,43 @@ class ServiceTierManager(OffloadingManager):
             return None
         return accepted
 
+    def _store_leased(self, keys: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """Leased slots for the keys not present (no round trip; one Lease round trip a
+        step at most when the lease ran out)."""
+        if not self._live():
+            return None
+        pool = self.client.pool
+        assert pool is not None
+        digest = self._digest
+        accepted: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            if key in self._reserved or key in self._commits or key in self._committing:
+                continue
+            if pool.find(tag_of(digest, key)) >= 0:
+                continue
+            if not self._lease and not self._refilled:
+                self._refilled = True
+                self._exchange([])
+            if not self._lease:
+                # Leading keys only, as the CPU tier does when not all fit.
+                return accepted or None
+            self._reserved[key] = self._lease.pop()
+            accepted.append(key)
+        return accepted
+
     def complete_store(self, keys: Collection[OffloadKey], ctx: ReqContext,
                        success: bool = True, *, generation: int | None = None) -> None:
-        target = self._commits if success else self._failed
         for key in keys:
             slot = self._reserved.pop(key, None)
-            if slot is not None:
-                target.append((key, slot))
+            if slot is None:
+                continue
+            if success:
+                self._commits[key] = slot
+                self._stored_since_flush += 1
+            elif self._lease_min:
+                self._lease.append(slot)  # still leased to this connection
+            else:
+                self._failed.append((key, slot))
 
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         wanted = list(dict.fromkeys(keys))
@@ -243,6 +341,7 @@ class ServiceTierManager(OffloadingManager):
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self.flush()
+        self._refilled = False
 
     def reset_cache(self) -> None:
         """The pool is shared: nothing of other engines is dropped (see the module)."""
@@ -256,7 +355,9 @@ class ServiceTierManager(OffloadingManager):
         return stats
 
     def shutdown(self) -> None:
-        self.flush()
+        """Commit what is finished (no new lease) and detach: the service frees the
+        slots still leased."""
+        self._exchange([], lease=False)
         self.client.close()
 
 
@@ -282,7 +383,7 @@ def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
     except ServiceDown as exc:
         raise ConfigError(f"tier {name!r}: {exc}; start it with kvtiers serve",
                           path="socket") from None
-    manager = ServiceTierManager(client)
+    manager = ServiceTierManager(client, lease_slots=config.lease_slots)
     region = manager.region
 
     def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
