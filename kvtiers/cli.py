@@ -314,6 +314,10 @@ def _configure_serve(parser: argparse.ArgumentParser) -> None:
                         help="admit engines of this group too (socket and pool 0660)")
     parser.add_argument("--fresh", action="store_true",
                         help="start with an empty pool instead of re-adopting the last one")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="export Prometheus metrics on this port (the metrics extra)")
+    parser.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                        help="address of the metrics exporter (default 127.0.0.1)")
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -323,7 +327,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     from kvtiers.service.main import serve
 
     return serve(args.config, socket_path=Path(args.socket) if args.socket else None,
-                 slot_bytes=args.slot_bytes, group=args.group, fresh=args.fresh)
+                 slot_bytes=args.slot_bytes, group=args.group, fresh=args.fresh,
+                 metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
 
 
 def _configure_status(parser: argparse.ArgumentParser) -> None:

@@ -416,3 +416,32 @@ def test_a_service_stack_without_a_service_is_refused(tmp_path: Path) -> None:
               "model": MODEL}
     with pytest.raises(ConfigError, match="no kvtiers service answers"):
         load_stack(config)
+
+
+def test_metrics_export_the_pool_namespaces_and_engines(tmp_path: Path, pool_name: str
+                                                        ) -> None:
+    pytest.importorskip("prometheus_client")
+    from kvtiers.testing.serve import free_port, scrape
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
+    )
+    port = free_port()
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT, metrics_port=port)
+    proc.start(fresh=True)
+    try:
+        mine = engine(proc)
+        stored = store(mine, keys(3))
+        assert read_exact(mine, stored)
+        samples = scrape(f"http://127.0.0.1:{port}/metrics")
+        namespace = 'namespace="test/model-f4a91f1b4ef09ca1"'
+        assert samples[f"kvtiers_service_namespace_chunks{{{namespace}}}"] == 3
+        assert samples[f"kvtiers_service_namespace_bytes{{{namespace}}}"] == 3 * SLOT
+        assert samples[f"kvtiers_service_namespace_hits_total{{{namespace}}}"] == 3
+        assert samples['kvtiers_service_pool_slots{state="ready"}'] == 3
+        assert samples["kvtiers_service_engines"] == 1
+        assert samples['kvtiers_service_events_total{event="attaches"}'] == 1
+        mine.shutdown()
+    finally:
+        assert proc.stop() == 0

@@ -72,8 +72,10 @@ def pool_settings(config_path: str, slot_bytes: int | None) -> tuple[str, int, i
 
 
 def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int | None = None,
-          group: str | None = None, fresh: bool = False, shm_dir: Path = SHM_DIR) -> int:
-    """Run the service until SIGTERM or SIGINT (then drain and return 0)."""
+          group: str | None = None, fresh: bool = False, shm_dir: Path = SHM_DIR,
+          metrics_port: int | None = None, metrics_addr: str = "127.0.0.1") -> int:
+    """Run the service until SIGTERM or SIGINT (then drain and return 0); with
+    ``metrics_port``, export its metrics there (:mod:`kvtiers.service.metrics`)."""
     from kvtiers.service.pool import Layout, Pool
     from kvtiers.service.server import Service
 
@@ -88,12 +90,19 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
         os.chown(pool.path, -1, gid)
     try:
         service = Service(pool, path, group=gid)
+        exporter = None
+        if metrics_port is not None:
+            from kvtiers.service.metrics import start_exporter
+
+            exporter = start_exporter(service.snapshot, port=metrics_port, addr=metrics_addr)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: service.stop())
         # The line a supervisor (or a test) waits for: the socket accepts from here on.
         print(f"kvtiers serve: ready on {path} (adopted {service.adoption.total})",
               flush=True)
         service.serve()
+        if exporter is not None:
+            exporter.shutdown()
     finally:
         pool.close()
     return 0

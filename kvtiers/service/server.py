@@ -21,6 +21,7 @@ import selectors
 import socket
 import stat
 import struct
+import threading
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
@@ -154,6 +155,8 @@ class Service:
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
         self._stopping = False
+        # Snapshots asked for by other threads (metrics): answered on the loop's thread.
+        self._asked: list[tuple[threading.Event, list[dict[str, Any]]]] = []
         self._listener = self._listen(socket_path)
 
     # -- set-up ---------------------------------------------------------------------
@@ -215,6 +218,18 @@ class Service:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"x")
 
+    def snapshot(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        """:meth:`state`, taken by the loop's thread, for another thread; ``None`` if
+        the loop did not answer within ``timeout_s`` (or is stopped)."""
+        done = threading.Event()
+        box: list[dict[str, Any]] = []
+        self._asked.append((done, box))
+        try:
+            self._wake_w.send(b"s")
+        except OSError:
+            return None
+        return box[0] if done.wait(timeout_s) and box else None
+
     def serve(self) -> None:
         """Run until :meth:`stop`: then stop accepting, send what is queued (each
         connection gets what a non-blocking send takes), close every connection and the
@@ -244,6 +259,10 @@ class Service:
                 pass
         except BlockingIOError:
             pass
+        while self._asked:
+            done, box = self._asked.pop()
+            box.append(self.state())
+            done.set()
 
     def _shutdown(self) -> None:
         for conn in list(self._conns.values()):

@@ -32,8 +32,10 @@ def chunk_bytes_of(key: bytes, size: int) -> bytes:
 class ServiceProcess:
     """``kvtiers serve`` over ``config`` on ``socket``; :meth:`start` waits for ready."""
 
-    def __init__(self, config: Path, socket: Path, *, slot_bytes: int = 4096) -> None:
+    def __init__(self, config: Path, socket: Path, *, slot_bytes: int = 4096,
+                 metrics_port: int | None = None) -> None:
         self.config = config
+        self.metrics_port = metrics_port
         self.socket = socket
         self.slot_bytes = slot_bytes
         self.proc: subprocess.Popen[str] | None = None
@@ -44,6 +46,8 @@ class ServiceProcess:
                    "--socket", str(self.socket), "--slot-bytes", str(self.slot_bytes)]
         if fresh:
             command.append("--fresh")
+        if self.metrics_port is not None:
+            command += ["--metrics-port", str(self.metrics_port)]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
         assert self.proc.stdout is not None
