@@ -19,7 +19,7 @@ import pytest
 pytest.importorskip("msgspec")
 
 from kvtiers.core.keys import OffloadKey
-from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.service import protocol as p
 from kvtiers.service.client import ServiceClient, ServiceDown, read_status
 from kvtiers.service.pool import SLOT_HEADER, Pool, SlotState
@@ -445,3 +445,21 @@ def test_metrics_export_the_pool_namespaces_and_engines(tmp_path: Path, pool_nam
         mine.shutdown()
     finally:
         assert proc.stop() == 0
+
+
+def test_an_engine_that_only_stores_reads_its_owed_replies(service: ServiceProcess) -> None:
+    mine = engine(service)
+    ctx = ReqContext("r")
+    for step in range(300):
+        key = OffloadKey(step.to_bytes(4, "big") * 9)
+        accepted = mine.prepare_store([key], ctx)
+        assert accepted == [key]
+        mine.complete_store(accepted, ctx)
+        mine.on_schedule_end(ScheduleEndContext())  # a write; the last step's replies read
+    assert len(mine._inflight) <= 2  # one step's commit and lease top-up at most
+    mine.flush(wait=True)
+    state = read_status(service.socket)
+    assert state["counters"].get("slow_clients", 0) == 0
+    assert sum(ns["stored"] for ns in state["namespaces"]) == 300
+    assert mine.get_stats()["service_up"] == 1.0
+    mine.shutdown()

@@ -164,31 +164,35 @@ class ServiceTierManager(OffloadingManager):
         self._stored_since_flush = 0
         return queued
 
-    def _exchange(self, extra: list[p.Request], *, lease: bool = True, wait: bool = True
-                  ) -> list[p.Reply] | None:
-        """Send the queued calls (:meth:`_queued`) and ``extra`` in one write; with
-        ``wait``, read every reply still owed (one round trip) and return those to
-        ``extra``. ``None`` when the service is down (what was queued is dropped with the
-        session: the service frees the slots of a closed connection)."""
+    def _exchange(self, extra: list[p.Request], *, lease: bool = True, wait: bool = True,
+                  queued: bool = True) -> list[p.Reply] | None:
+        """Send the queued calls (:meth:`_queued`; none unless ``queued``) and ``extra``
+        in one write. Replies still owed from the last such write are read first (by
+        then the service has usually sent them: no wait). With ``wait`` the replies to
+        this write are read too (a round trip) and those to ``extra`` returned; without,
+        they are owed. ``None`` when the service is down (what was queued is dropped with
+        the session: the service frees the slots of a closed connection)."""
         if not self._live():
             return None
-        queued = self._queued(lease)
+        sending = self._queued(lease) if queued else []
         try:
-            if queued or extra:
-                self.client.send([*queued, *extra])
-            self._inflight.extend(queued)
-            if not wait:
-                return []
             owed, self._inflight = self._inflight, []
-            replies = self.client.receive([*owed, *extra]) if owed or extra else []
+            if owed:
+                self._absorb(owed, self.client.receive(owed))
+            if sending or extra:
+                self.client.send([*sending, *extra])
+            if not wait:
+                self._inflight = sending
+                return []
+            replies = self.client.receive([*sending, *extra]) if sending or extra else []
         except ServiceDown:
             self._alive = False
             self._new_session()
             return None
-        if owed or extra:
+        if sending or extra:
             self.stats["round_trips"] += 1
-        self._absorb(owed, replies[: len(owed)])
-        return replies[len(owed) :]
+        self._absorb(sending, replies[: len(sending)])
+        return replies[len(sending) :]
 
     def _absorb(self, requests: list[p.Request], replies: list[p.Reply]) -> None:
         """Take in the replies to queued calls: slots of commits another engine beat
@@ -208,7 +212,8 @@ class ServiceTierManager(OffloadingManager):
                 self._lease.extend(reply.slots)
 
     def _call(self, request: p.Request) -> p.Reply | None:
-        replies = self._exchange([request])
+        # Alone: the step's commits wait for its end, so the service answers this first.
+        replies = self._exchange([request], queued=False)
         return None if replies is None else replies[0]
 
     def flush(self, *, wait: bool = False) -> None:
