@@ -292,6 +292,18 @@ def test_a_commit_of_a_slot_not_reserved_is_refused(service: ServiceProcess) -> 
     bad.close()
 
 
+def test_one_connection_holds_an_eighth_of_the_pool_at_most(service: ServiceProcess) -> None:
+    greedy = engine(service, lease=0)
+    ctx = ReqContext("r")
+    # 256 slots: a reservation of all of them gets the first 32 (and frees nothing).
+    accepted = greedy.prepare_store(keys(200) + keys(56, salt=7), ctx)
+    assert accepted is not None and len(accepted) == 32
+    other = engine(service)
+    assert store(other, keys(4, salt=8)) == keys(4, salt=8)
+    greedy.shutdown()
+    other.shutdown()
+
+
 def test_unpin_of_a_key_not_pinned_is_refused(service: ServiceProcess) -> None:
     good = engine(service)
     stored = store(good, keys(1))

@@ -138,6 +138,8 @@ class Service:
         self.max_output = max_output
         #: The most slots one Lease may ask for.
         self.max_lease = max_lease
+        #: The most slots one connection holds reserved or leased (empty, not chunks).
+        self._per_conn = max(1, pool.num_slots // 8)
         self.epoch = time.time_ns()
         self.started = time.time()
         num_slots = pool.num_slots
@@ -479,7 +481,9 @@ class Service:
             if full or key in ns.writing:
                 slots.append(NO_ROOM if full else PRESENT)
                 continue
-            slot = self._take_slot(batch)
+            # One connection holds an eighth of the pool at most, reserved or leased.
+            held = len(conn.reserved) + len(conn.leased)
+            slot = self._take_slot(batch) if held < self._per_conn else -1
             if slot < 0:
                 full = True
                 slots.append(NO_ROOM)
@@ -496,7 +500,7 @@ class Service:
         if not 0 <= count <= self.max_lease:
             raise Refused(f"lease: {count} slots (0 to {self.max_lease} expected)")
         # One connection holds an eighth of the pool at most: leased slots hold nothing.
-        count = min(count, max(1, self.pool.num_slots // 8) - len(conn.leased))
+        count = min(count, self._per_conn - len(conn.leased) - len(conn.reserved))
         slots = []
         for _ in range(count):
             slot = self._take_slot(set())
