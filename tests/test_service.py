@@ -180,6 +180,20 @@ def test_kill_9_makes_lookups_miss_and_a_restart_readopts(service: ServiceProces
     mine.shutdown()
 
 
+def test_an_engine_never_uses_a_pool_made_again_under_its_name(service: ServiceProcess
+                                                               ) -> None:
+    mine = engine(service)
+    store(mine, keys(2))
+    assert service.stop() == 0
+    service.start(fresh=True)  # a new file at the same name: the engine maps the old one
+    ctx = ReqContext("r")
+    assert mine.lookup(keys(2)[0], ctx) is MISS
+    assert mine.prepare_store(keys(1, salt=5), ctx) is None
+    assert not mine.client.up
+    assert read_status(service.socket)["engines"] == []
+    mine.shutdown()
+
+
 def test_sigterm_drains_and_the_next_start_readopts(service: ServiceProcess) -> None:
     mine = engine(service)
     stored = store(mine, keys(8))

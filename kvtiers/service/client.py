@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import select
 import socket
 import time
@@ -87,13 +88,12 @@ class ServiceClient:
         assert isinstance(reply, p.Attached)
         if self.pool is None:
             self.pool = PoolView(Path(reply.pool))
-        elif (self.pool.num_slots, self.pool.slot_bytes, str(self.pool.path)) != (
-            reply.num_slots, reply.slot_bytes, reply.pool
-        ):
+        elif not self._same_pool(reply):
             # The workers copy through the mapping made at the first attach: a service
-            # over another pool cannot be used by this engine.
-            log.error("kvtiers: the service at %s now has another pool; staying detached",
-                      self.socket_path)
+            # over another pool (or one re-made under the same name, --fresh) cannot be
+            # used by this engine; its writes would land in the old file.
+            log.error("kvtiers: the service at %s now has another pool; staying detached "
+                      "(restart the engine to attach to it)", self.socket_path)
             self._down()
             return False
         self.ns = reply.ns
@@ -103,6 +103,18 @@ class ServiceClient:
             self.reattaches += 1
             log.info("kvtiers: reattached to %s", self.socket_path)
         return True
+
+    def _same_pool(self, reply: p.Attached) -> bool:
+        assert self.pool is not None
+        if (self.pool.num_slots, self.pool.slot_bytes, str(self.pool.path)) != (
+            reply.num_slots, reply.slot_bytes, reply.pool
+        ):
+            return False
+        try:
+            info = os.stat(reply.pool)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self.pool.file_id
 
     def _down(self) -> None:
         if self.sock is not None:

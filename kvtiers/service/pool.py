@@ -182,6 +182,8 @@ class PoolView:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             info = os.fstat(fd)
+            #: The mapped file's identity: a pool re-made under the same name is another.
+            self.file_id = (info.st_dev, info.st_ino)
             if not stat.S_ISREG(info.st_mode):
                 raise _refuse(path, "is not a regular file")
             # An engine of the service's group maps the service's file (mode 0660).
