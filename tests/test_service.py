@@ -489,3 +489,23 @@ def test_an_engine_that_only_stores_reads_its_owed_replies(service: ServiceProce
     assert sum(ns["stored"] for ns in state["namespaces"]) == 300
     assert mine.get_stats()["service_up"] == 1.0
     mine.shutdown()
+
+
+def test_slots_being_written_at_a_stop_are_reused_last(tmp_path: Path, pool_name: str
+                                                       ) -> None:
+    from kvtiers.service.pool import Layout
+
+    path = Path("/dev/shm", pool_name)
+    pool = Pool(path, Layout(16, SLOT), fresh=True)
+    pool.set_writing(3)  # a store in flight when the service died
+    pool.close()
+    pool = Pool(path, Layout(16, SLOT))
+    svc = Service(pool, tmp_path / "again.sock")
+    try:
+        assert svc.adoption.unsettled == [3] and svc.adoption.torn == 1
+        taken = [svc._take_slot(set()) for _ in range(16)]
+        assert taken[-1] == 3 and sorted(taken) == list(range(16))
+    finally:
+        svc.stop()
+        svc.serve()  # returns at once: closes the socket
+        pool.close()

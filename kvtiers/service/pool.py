@@ -151,6 +151,9 @@ class Adoption:
     """What :meth:`Pool.adopt` found: chunks kept per namespace index, and slots freed."""
 
     adopted: dict[int, list[int]] = field(default_factory=dict)
+    #: Slots that were being written (or leased) when the last service stopped: a worker
+    #: of an engine may still be copying into one, so they are reused last.
+    unsettled: list[int] = field(default_factory=list)
     torn: int = 0
     corrupt: int = 0
     foreign: int = 0
@@ -434,6 +437,7 @@ class Pool(PoolView):
             if state != SlotState.READY or not key:
                 if state != SlotState.FREE:
                     found.torn += 1
+                    found.unsettled.append(slot)
                 self.set_free(slot)
                 continue
             if table.get(namespace) != digest:

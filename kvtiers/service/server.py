@@ -150,7 +150,12 @@ class Service:
         self.counters: Counter[str] = Counter()
         self.adoption = self._adopt() if not pool.created else Adoption()
         taken = {s for slots in self.adoption.adopted.values() for s in slots}
-        self._free = [s for s in range(num_slots - 1, -1, -1) if s not in taken]
+        # Popped from the end: slots being written at the last stop go last (a worker's
+        # copy started before it may still land; see docs/service.md, known window).
+        unsettled = set(self.adoption.unsettled)
+        self._free = [*self.adoption.unsettled, *(
+            s for s in range(num_slots - 1, -1, -1) if s not in taken and s not in unsettled
+        )]
         self._conns: dict[int, _Conn] = {}
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
