@@ -247,9 +247,9 @@ def render(results: dict[str, Any]) -> str:
     trip = results["round_trip_us"]
     lines += ["", "One bare round trip to the service (a one-key Lookup): "
               f"p50 {trip['p50']:.0f} us, p99 {trip['p99']:.0f} us. A step through the "
-              "service costs up to three: the "
-              "lease top-up when a step's stores outrun the lease, each prepare_load's Pin, "
-              "and the step's Commit/Unpin/Lease at on_schedule_end."]
+              "service waits for one round trip per prepare_load (its Pin) and one more "
+              "when the step's stores outrun the lease; the step's Commit/Unpin/Lease at "
+              "on_schedule_end is a write whose replies are read at the next step."]
     m = results["machine"]
     lines += ["", f"Machine: {m['cpu']}, {m['cores']}, load {m['load']}, Python {m['python']}, "
               f"{m['steps']} steps per row, {m['date']}."]
