@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import statistics
+import time
 import urllib.request
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import pytest
 from kvtiers.service.client import read_status
 from kvtiers.testing.serve import VllmServer, kv_transfer_config
 from kvtiers.testing.service import ServiceProcess
-from tests.e2e.conftest import SERVER_ENV
+from tests.e2e.conftest import SERVER_ENV, SUMMARY
 from tests.e2e.tiny_model import SPECIALS, VOCAB
 
 BLOCK = 32
@@ -48,6 +50,16 @@ def _complete(server: VllmServer, prompt: list[int]) -> str:
     with urllib.request.urlopen(request, timeout=300) as response:
         text: str = json.loads(response.read())["choices"][0]["text"]
     return text
+
+
+def _timed(server: VllmServer, prompts: list[list[int]], times: list[float]) -> list[str]:
+    """Answers to ``prompts``; each request's wall time (ms) appended to ``times``."""
+    answers = []
+    for prompt in prompts:
+        start = time.perf_counter()
+        answers.append(_complete(server, prompt))
+        times.append((time.perf_counter() - start) * 1e3)
+    return answers
 
 
 def _hits(server: VllmServer) -> float:
@@ -91,9 +103,12 @@ def test_two_servers_share_prefixes_through_the_service(model_dir: Path, tmp_pat
     try:
         with _server(model_dir, tmp_path, "a", stack) as first, \
                 _server(model_dir, tmp_path, "b", stack) as second:
-            texts = [_complete(first, prompt) for prompt in PROMPTS]
+            times: dict[str, list[float]] = {"computed": [], "local hit": [], "pool hit": [],
+                                              "re-adopted hit": []}
+            texts = _timed(first, PROMPTS, times["computed"])
             assert _hits(first) == 0
-            assert [_complete(second, prompt) for prompt in PROMPTS] == texts
+            assert _timed(first, PROMPTS, times["local hit"]) == texts  # vLLM's own cache
+            assert _timed(second, PROMPTS, times["pool hit"]) == texts
             assert _hits(second) == HIT_TOKENS
             state = read_status(service.socket)
             assert len(state["engines"]) >= 2
@@ -109,8 +124,11 @@ def test_two_servers_share_prefixes_through_the_service(model_dir: Path, tmp_pat
             # B forgets its own prefix cache: the prompts can only come from the pool,
             # re-adopted by the restarted service, which B reattaches to at its next call.
             _reset_local(second)
-            assert [_complete(second, prompt) for prompt in PROMPTS] == texts
+            assert _timed(second, PROMPTS, times["re-adopted hit"]) == texts
             assert _hits(second) == before + HIT_TOKENS
+            # Indicative only (a tiny model on a shared CPU; requests of 8 tokens):
+            SUMMARY.append("service e2e, median ms per request: " + ", ".join(
+                f"{name} {statistics.median(values):.0f}" for name, values in times.items()))
             assert _complete(first, FRESH) == fresh
     finally:
         if service.proc is not None and service.proc.poll() is None:
