@@ -440,8 +440,21 @@ def test_a_service_stack_without_a_service_is_refused(tmp_path: Path) -> None:
 
     config = {"tiers": [{"kind": "service", "socket": str(tmp_path / "none.sock")}],
               "model": MODEL}
-    with pytest.raises(ConfigError, match="no kvtiers service answers"):
+    with pytest.raises(ConfigError, match="no kvtiers service answers") as info:
         load_stack(config)
+    assert info.value.path == "tiers[0].socket"  # found by the start-time checks
+
+
+def test_kvtiers_check_probes_the_service_socket(service: ServiceProcess, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtiers.cli import main
+
+    stack = tmp_path / "engine.yaml"
+    stack.write_text(f"tiers:\n  - kind: service\n    socket: {service.socket}\n")
+    assert main(["check", str(stack)]) == 0
+    service.stop()
+    assert main(["check", str(stack)]) != 0
+    assert "no kvtiers service answers" in capsys.readouterr().err
 
 
 def test_metrics_export_the_pool_namespaces_and_engines(tmp_path: Path, pool_name: str
