@@ -303,6 +303,58 @@ def _run_gc(args: argparse.Namespace) -> int:
     return status
 
 
+def _configure_serve(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="FILE",
+                        help="a stack file whose cpu tier sizes and names the pool")
+    parser.add_argument("--socket", metavar="PATH", help="the Unix socket to listen on "
+                        "(default: $XDG_RUNTIME_DIR/kvtiers/serve.sock)")
+    parser.add_argument("--slot-bytes", type=int, metavar="N",
+                        help="slot size when the stack file has no model: section")
+    parser.add_argument("--group", metavar="NAME",
+                        help="admit engines of this group too (socket and pool 0660)")
+    parser.add_argument("--fresh", action="store_true",
+                        help="start with an empty pool instead of re-adopting the last one")
+    parser.add_argument("--metrics-port", type=int, metavar="PORT",
+                        help="export Prometheus metrics on this port (the metrics extra)")
+    parser.add_argument("--metrics-addr", default="127.0.0.1", metavar="ADDR",
+                        help="address of the metrics exporter (default 127.0.0.1)")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """Run the node's pool service until SIGTERM (docs/service.md)."""
+    from pathlib import Path
+
+    from kvtiers.service.main import serve
+
+    return serve(args.config, socket_path=Path(args.socket) if args.socket else None,
+                 slot_bytes=args.slot_bytes, group=args.group, fresh=args.fresh,
+                 metrics_port=args.metrics_port, metrics_addr=args.metrics_addr)
+
+
+def _configure_status(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", metavar="PATH", help="the service's socket "
+                        "(default: $XDG_RUNTIME_DIR/kvtiers/serve.sock)")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    """Print the service's engines, pool occupancy and namespaces; 1 if it is down."""
+    from pathlib import Path
+
+    from kvtiers.service.client import ServiceDown, read_status
+    from kvtiers.service.main import default_socket, print_status
+
+    path = Path(args.socket) if args.socket else default_socket()
+    try:
+        state = read_status(path)
+    except (OSError, ServiceDown) as exc:
+        print(f"kvtiers: no service answers on {path}: {_one_line(str(exc))}",
+              file=sys.stderr)
+        return EXIT_FAILURE
+    print_status(state, as_json=args.json)
+    return 0
+
+
 def _configure_identity(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="FILE",
                         help="a stack file with a model: section")
@@ -444,6 +496,18 @@ COMMANDS: tuple[Command, ...] = (
              "--shm: cpu regions killed engines left",
         configure=_configure_gc,
         run=_run_gc,
+    ),
+    Command(
+        name="serve",
+        help="run the node's shared KV pool that engines with a service tier attach to",
+        configure=_configure_serve,
+        run=_run_serve,
+    ),
+    Command(
+        name="status",
+        help="show a running kvtiers serve: engines, pool occupancy, namespaces",
+        configure=_configure_status,
+        run=_run_status,
     ),
     Command(
         name="identity",

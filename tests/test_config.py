@@ -468,7 +468,7 @@ BAD_STACKS = [
         "object-store-first",
         "tiers:\n  - kind: s3  # <-\n    bucket: kv-cache\n",
         "tiers[0].kind",
-        "an s3 tier cannot be one (primaries: cpu, file)",
+        "an s3 tier cannot be one (primaries: cpu, file, service)",
     ),
     (
         "gds-not-first",
@@ -492,7 +492,7 @@ BAD_STACKS = [
         "unknown-kind",
         "tiers:\n  - kind: nvme  # <-\n",
         "tiers[0].kind",
-        "unknown tier kind 'nvme'; known kinds: cpu, file, s3, fsspec",
+        "unknown tier kind 'nvme'; known kinds: cpu, file, s3, fsspec, service",
     ),
     ("kind-typo", "tiers:\n  - kind: cpux  # <-\n", "tiers[0].kind", "did you mean 'cpu'"),
     (
@@ -916,6 +916,7 @@ def test_registry_names_the_factories() -> None:
         "file": "kvtiers.tiers.file.factory:build_tier",
         "s3": "kvtiers.tiers.s3.factory:build_tier",
         "fsspec": "kvtiers.tiers.fsspec.factory:build_tier",
+        "service": "kvtiers.service.tier:build_tier",
     }
     for name, kind in kinds_module.TIER_KINDS.items():
         assert kind.name == name

@@ -30,6 +30,7 @@ FLOORS = (
     "tiers",
     "logs",
     "stack",
+    "service",
     "engine",
     "tools",
     "integrations",

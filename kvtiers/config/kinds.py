@@ -20,6 +20,7 @@ from kvtiers.config.tiers import (
     FileTierConfig,
     FsspecTierConfig,
     S3TierConfig,
+    ServiceTierConfig,
     TierConfig,
 )
 from kvtiers.errors import ConfigError
@@ -70,6 +71,11 @@ TIER_KINDS: Mapping[str, TierKind] = MappingProxyType(
             TierKind(
                 "fsspec", FsspecTierConfig, "kvtiers.tiers.fsspec.factory:build_tier",
                 may_be_primary=False, persistent=True, extra="fsspec", requires=("fsspec",),
+            ),
+            TierKind(
+                "service", ServiceTierConfig, "kvtiers.service.tier:build_tier",
+                may_be_primary=True, persistent=False, extra="service",
+                requires=("msgspec",),
             ),
         )
     }

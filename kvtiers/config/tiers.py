@@ -226,6 +226,36 @@ class CPUTierConfig(TierConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ServiceTierConfig(TierConfig):
+    """The node's shared pool held by ``kvtiers serve`` (docs/service.md): first tier only."""
+
+    what: ClassVar[str] = "a service tier"
+
+    kind: Literal["service"] = "service"
+    socket: Annotated[str, Matches(r"[^\x00]+", "a socket path")] = field(
+        metadata=example("socket: /run/kvtiers/serve.sock")
+    )
+    """The Unix socket ``kvtiers serve`` listens on."""
+    timeout_s: Annotated[float, Range(0.001)] = 0.5
+    """The longest wait for one reply; past it the service counts as down (every lookup
+    misses) until a reattach succeeds."""
+    retry_s: Annotated[float, Range(0.001)] = 1.0
+    """How often a down service is tried again (at calls; nothing sleeps)."""
+    lease_slots: Annotated[int, Range(0, 4096)] = 64
+    """Slots the engine keeps leased so that a store costs no round trip (its commits go
+    in one round trip a step); more are leased when a step stores more. A key two engines
+    store at once is then held once but may be written twice. 0: each store reserves its
+    slots by a round trip, and such a key is written once."""
+
+    @property
+    def can_be_primary(self) -> bool:
+        return True
+
+    def describe(self) -> str:
+        return f"service {self.socket}"
+
+
+@dataclass(frozen=True, kw_only=True)
 class FileTierConfig(LowerTierConfig):
     """A directory on local or shared storage; with ``gds: true`` it is a GDS primary.
 

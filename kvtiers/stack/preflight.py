@@ -31,7 +31,12 @@ from typing import Literal
 
 from kvtiers.config import StackConfig
 from kvtiers.config.sizes import format_size
-from kvtiers.config.tiers import CPUTierConfig, FileTierConfig, S3TierConfig
+from kvtiers.config.tiers import (
+    CPUTierConfig,
+    FileTierConfig,
+    S3TierConfig,
+    ServiceTierConfig,
+)
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.errors import ConfigError, NamespaceMismatchError
 
@@ -82,6 +87,8 @@ def preflight(
             findings.extend(_file_findings(tier, where, identity))
         elif isinstance(tier, S3TierConfig):
             findings.extend(_s3_findings(tier, where))
+        elif isinstance(tier, ServiceTierConfig):
+            findings.extend(_service_findings(tier, where))
     if check_port and config.metrics is not None and config.metrics.port != 0:
         problem = _port_problem(config.metrics.addr, config.metrics.port)
         if problem is not None:
@@ -104,6 +111,22 @@ def check_before_build(config: StackConfig, identity: OffloadingConfig | None) -
         + "; ".join(f"{p.path}: {p.message}" for p in problems),
         source=source,
     )
+
+
+def _service_findings(tier: ServiceTierConfig, where: str) -> Iterator[Finding]:
+    """Something listens on the service's socket (a connect, closed at once; whether it
+    is ``kvtiers serve`` the attach tells)."""
+    import socket
+
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(tier.timeout_s)
+    try:
+        probe.connect(tier.socket)
+    except OSError as exc:
+        yield Finding(f"{where}.socket", f"no kvtiers service answers on {tier.socket} "
+                      f"({exc.strerror or exc}); start it with kvtiers serve")
+    finally:
+        probe.close()
 
 
 def _cpu_findings(tier: CPUTierConfig, where: str) -> Iterator[Finding]:

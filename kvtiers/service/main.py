@@ -1,0 +1,131 @@
+"""``kvtiers serve`` and ``kvtiers status``: the service's start-up, signals and report.
+
+The service's configuration is a stack file: its first tier must be ``kind: cpu``, whose
+``capacity`` sizes the pool and ``shared_memory_name`` names it (``kvtiers-serve`` when
+unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB, or
+``--slot-bytes``. Tiers below the pool are refused: the service does not run them yet.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvtiers.config import CPUTierConfig, load_stack_config
+from kvtiers.errors import ConfigError
+
+SHM_DIR = Path("/dev/shm")
+DEFAULT_POOL = "kvtiers-serve"
+
+
+def default_socket() -> Path:
+    """``$XDG_RUNTIME_DIR/kvtiers/serve.sock``, else ``/tmp/kvtiers-<uid>/serve.sock``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "kvtiers" if runtime else Path(f"/tmp/kvtiers-{os.geteuid()}")
+    return base / "serve.sock"
+
+
+def _socket_dir(path: Path, group: int | None) -> None:
+    """Make the socket's directory (0700, 0750 with a group) if missing; refuse one that
+    another user owns."""
+    directory = path.parent
+    directory.mkdir(mode=0o750 if group is not None else 0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_uid != os.geteuid():
+        raise ConfigError(f"{directory} is owned by uid {info.st_uid}; choose another "
+                          "--socket", path="socket")
+
+
+def pool_settings(config_path: str, slot_bytes: int | None) -> tuple[str, int, int]:
+    """``(pool name, num_slots, slot_bytes)`` from the stack file and ``--slot-bytes``."""
+    from kvtiers.core.geometry import ChunkGeometry
+    from kvtiers.service.pool import PAGE
+
+    config = load_stack_config(config_path)
+    primary = config.tiers[0]
+    if not isinstance(primary, CPUTierConfig):
+        raise ConfigError("kvtiers serve needs a cpu tier first: its capacity sizes the pool",
+                          path="tiers[0]", source=config.source)
+    if len(config.tiers) > 1:
+        raise ConfigError(
+            "kvtiers serve does not run tiers below the pool yet (docs/service.md, "
+            "'Not built yet'); keep only the cpu tier in the service's stack file",
+            path="tiers[1]", source=config.source,
+        )
+    if slot_bytes is None:
+        if config.model is None:
+            raise ConfigError("give --slot-bytes or a model: section (its chunk size sets "
+                              "the pool's slot size)", path="model", source=config.source)
+        slot_bytes = ChunkGeometry.from_config(config.model.to_offloading_config(0)).slot_bytes
+    slot_bytes = -(-slot_bytes // PAGE) * PAGE
+    num_slots = primary.capacity // slot_bytes
+    if num_slots < 1:
+        raise ConfigError(f"capacity {primary.capacity} holds no slot of {slot_bytes} bytes",
+                          path="tiers[0].capacity", source=config.source)
+    return primary.shared_memory_name or DEFAULT_POOL, num_slots, slot_bytes
+
+
+def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int | None = None,
+          group: str | None = None, fresh: bool = False, shm_dir: Path = SHM_DIR,
+          metrics_port: int | None = None, metrics_addr: str = "127.0.0.1") -> int:
+    """Run the service until SIGTERM or SIGINT (then drain and return 0); with
+    ``metrics_port``, export its metrics there (:mod:`kvtiers.service.metrics`)."""
+    from kvtiers.service.pool import Layout, Pool
+    from kvtiers.service.server import Service
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    name, num_slots, slot = pool_settings(config_path, slot_bytes)
+    gid = grp.getgrnam(group).gr_gid if group is not None else None
+    path = socket_path or default_socket()
+    _socket_dir(path, gid)
+    pool = Pool(shm_dir / name, Layout(num_slots, slot), group_access=gid is not None,
+                fresh=fresh)
+    if gid is not None:
+        os.chown(pool.path, -1, gid)
+    try:
+        service = Service(pool, path, group=gid)
+        exporter = None
+        if metrics_port is not None:
+            from kvtiers.service.metrics import start_exporter
+
+            exporter = start_exporter(service.snapshot, port=metrics_port, addr=metrics_addr)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, lambda *_: service.stop())
+        # The line a supervisor (or a test) waits for: the socket accepts from here on.
+        print(f"kvtiers serve: ready on {path} (adopted {service.adoption.total})",
+              flush=True)
+        service.serve()
+        if exporter is not None:
+            exporter.shutdown()
+    finally:
+        pool.close()
+    return 0
+
+
+def print_status(state: dict[str, Any], *, as_json: bool) -> None:
+    """``kvtiers status``'s report: JSON, or a few readable lines."""
+    if as_json:
+        json.dump(state, sys.stdout, indent=2, sort_keys=True)
+        print()
+        return
+    used, total = state["used_slots"], state["num_slots"]
+    print(f"service on {state['socket']}, pool {state['pool']}: {used}/{total} slots of "
+          f"{state['slot_bytes']} bytes used ({state['ready_slots']} ready, "
+          f"{state['pinned_slots']} pinned)")
+    counters = state.get("counters", {})
+    print("re-adopted {}; freed at start: {} torn, {} corrupt, {} foreign".format(
+        counters.get("adopted", 0), counters.get("adopt_torn", 0),
+        counters.get("adopt_corrupt", 0), counters.get("adopt_foreign", 0)))
+    for ns in state["namespaces"]:
+        print(f"namespace {ns['name']}: {ns['chunks']} chunks, {ns['bytes']} bytes, "
+              f"{ns['hits']} hits, {ns['adopted']} adopted")
+    for engine in state["engines"]:
+        print(f"engine pid {engine['pid']} ({engine['engine'] or 'no name'}): namespaces "
+              f"{engine['namespaces']}, {engine['pins']} pins")
+    print("lower tiers: none (the service runs the pool only)")

@@ -1,0 +1,109 @@
+"""Prometheus export of ``kvtiers serve`` (``--metrics-port``): the pool, each namespace,
+each attached engine, and the service's event counters.
+
+A scrape asks the service's loop for a fresh :meth:`~kvtiers.service.server.Service.
+state` (:meth:`Service.snapshot`, answered on the loop's thread within a bounded wait),
+so the HTTP thread never reads the loop's tables. prometheus-client (the ``metrics``
+extra) is imported only here.
+
+Families: ``kvtiers_service_pool_slots{state}`` (total, used, ready, pinned, leased),
+``kvtiers_service_slot_bytes``, ``kvtiers_service_namespace_chunks{namespace}``,
+``kvtiers_service_namespace_bytes{namespace}``, counters
+``kvtiers_service_namespace_{hits,misses,stored}_total{namespace}``,
+``kvtiers_service_namespace_adopted_chunks{namespace}`` (re-adopted at the last start),
+``kvtiers_service_engines``, ``kvtiers_service_engine_{pins,leased_slots}{pid,engine}``
+and ``kvtiers_service_events_total{event}`` (attaches, detaches, connections, evictions,
+refused_peers, bad_messages, slow_clients, duplicate_stores, adopted and the
+adoption's torn, corrupt and foreign slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvtiers.errors import ConfigError
+
+
+class _Collector:
+    def __init__(self, snapshot: Callable[[], dict[str, Any] | None]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        state = self._snapshot()
+        if state is None:  # the loop did not answer in time: export nothing this time
+            return
+        slots = GaugeMetricFamily("kvtiers_service_pool_slots",
+                                  "Slots of the pool by state (slots)", labels=["state"])
+        for name, key in (("total", "num_slots"), ("used", "used_slots"),
+                          ("ready", "ready_slots"), ("pinned", "pinned_slots"),
+                          ("leased", "leased_slots")):
+            slots.add_metric([name], state[key])
+        yield slots
+        yield GaugeMetricFamily("kvtiers_service_slot_bytes", "Size of one slot (bytes)",
+                                value=state["slot_bytes"])
+        gauges = {
+            "chunks": GaugeMetricFamily("kvtiers_service_namespace_chunks",
+                                        "Chunks held per namespace (chunks)",
+                                        labels=["namespace"]),
+            "bytes": GaugeMetricFamily("kvtiers_service_namespace_bytes",
+                                       "Bytes held per namespace (bytes)",
+                                       labels=["namespace"]),
+            "adopted": GaugeMetricFamily("kvtiers_service_namespace_adopted_chunks",
+                                         "Chunks re-adopted at the service's start (chunks)",
+                                         labels=["namespace"]),
+        }
+        counters = {
+            name: CounterMetricFamily(f"kvtiers_service_namespace_{name}",
+                                      f"Pins that {what} per namespace (keys)"
+                                      if name != "stored" else
+                                      "Chunks stored per namespace (chunks)",
+                                      labels=["namespace"])
+            for name, what in (("hits", "found the chunk"), ("misses", "did not"),
+                               ("stored", ""))
+        }
+        for ns in state["namespaces"]:
+            for name, family in gauges.items():
+                family.add_metric([ns["name"]], ns[name])
+            for name, counter in counters.items():
+                counter.add_metric([ns["name"]], ns[name])
+        yield from gauges.values()
+        yield from counters.values()
+        yield GaugeMetricFamily("kvtiers_service_engines", "Attached engines (engines)",
+                                value=len(state["engines"]))
+        pins = GaugeMetricFamily("kvtiers_service_engine_pins",
+                                 "Pins held per attached engine (pins)",
+                                 labels=["pid", "engine"])
+        leased = GaugeMetricFamily("kvtiers_service_engine_leased_slots",
+                                   "Slots leased per attached engine (slots)",
+                                   labels=["pid", "engine"])
+        for engine in state["engines"]:
+            labels = [str(engine["pid"]), engine["engine"]]
+            pins.add_metric(labels, engine["pins"])
+            leased.add_metric(labels, engine["leased"])
+        yield pins
+        yield leased
+        events = CounterMetricFamily("kvtiers_service_events",
+                                     "Service events since its start (events)",
+                                     labels=["event"])
+        for name, value in sorted(state["counters"].items()):
+            events.add_metric([name], value)
+        yield events
+
+
+def start_exporter(snapshot: Callable[[], dict[str, Any] | None], *, port: int,
+                   addr: str = "127.0.0.1") -> Any:
+    """Serve the service's metrics on ``addr:port``; returns the HTTP server (its
+    ``shutdown`` stops it). A port that cannot be bound is a :class:`ConfigError`."""
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry()
+    registry.register(_Collector(snapshot))
+    try:
+        server, _thread = start_http_server(port, addr=addr, registry=registry)
+    except OSError as exc:
+        raise ConfigError(f"the service's metrics cannot listen on {addr}:{port}: "
+                          f"{exc.strerror or exc}", path="metrics-port") from None
+    return server

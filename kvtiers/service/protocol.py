@@ -1,0 +1,151 @@
+"""The service's wire format: msgspec msgpack messages framed by a 4-byte length.
+
+Every request carries a ``seq`` the reply echoes. A request is one of the ``Request``
+structs (a tagged union: ``["Reserve", seq, ...]`` on the wire); a reply is one of the
+``Reply`` structs. Decoding checks shape and types, so a message of the wrong shape is
+a :class:`ProtocolError`, never a half-applied call. msgspec is imported here, and this
+module only by the service and its client (the ``service`` extra).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, Union
+
+import msgspec
+
+#: A frame's length prefix.
+FRAME = struct.Struct("<I")
+#: The default bound of one frame's payload (the service's ``max_frame``).
+MAX_FRAME = 1 << 20
+
+
+class ProtocolError(Exception):
+    """A message that is not a well-formed request or reply."""
+
+
+class _Msg(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True):
+    seq: int
+
+
+class Attach(_Msg):
+    """Attach a namespace: ``identity`` is the cache identity's canonical JSON (the
+    service takes its sha256 itself); ``chunk_bytes`` the engine's largest chunk."""
+
+    identity: bytes
+    chunk_bytes: int
+    engine: str = ""
+
+
+class Reserve(_Msg):
+    """Slots for ``keys`` of namespace ``ns``; keys present or being written get none."""
+
+    ns: int
+    keys: list[bytes]
+
+
+class Lease(_Msg):
+    """``count`` slots for this connection to store into without a round trip per store
+    (their keys are named at :class:`Commit`)."""
+
+    ns: int
+    count: int
+
+
+class Commit(_Msg):
+    """Finish stores: ``slots[i]`` (reserved for ``keys[i]`` or leased by this
+    connection) holds ``keys[i]``, ``lengths[i]`` bytes long, when ``ok``; else reserved
+    slots are dropped and leased ones stay leased. The reply's ``slots[i]``: 1 stored,
+    0 not stored and still leased (the key was stored meanwhile: held once), -1 dropped."""
+
+    ns: int
+    keys: list[bytes]
+    slots: list[int]
+    lengths: list[int]
+    ok: bool = True
+
+
+class Pin(_Msg):
+    """Pin ``keys`` for loading; the reply names each key's slot (-1: not held)."""
+
+    ns: int
+    keys: list[bytes]
+
+
+class Unpin(_Msg):
+    """Drop one pin of each of ``keys`` (held by this connection)."""
+
+    ns: int
+    keys: list[bytes]
+
+
+class Lookup(_Msg):
+    """Which of ``keys`` are held: each key's slot, or -1."""
+
+    ns: int
+    keys: list[bytes]
+
+
+class Status(_Msg):
+    """The service's state (as ``kvtiers status`` shows it)."""
+
+
+Request = Union[Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Status]  # noqa: UP007
+
+
+class Attached(_Msg):
+    """Reply to :class:`Attach`: the namespace handle and where the pool is."""
+
+    ns: int
+    pool: str
+    num_slots: int
+    slot_bytes: int
+    epoch: int
+
+
+class Slots(_Msg):
+    """Reply to :class:`Reserve`, :class:`Lease`, :class:`Pin`, :class:`Lookup`: one slot
+    per key (-1: none); to :class:`Commit`: one outcome per key."""
+
+    slots: list[int]
+
+
+class Done(_Msg):
+    """Reply to :class:`Unpin`."""
+
+
+class StatusReply(_Msg):
+    state: dict[str, Any]
+
+
+class Error(_Msg):
+    """The request was refused; the service closes the connection after sending it."""
+
+    message: str
+
+
+Reply = Union[Attached, Slots, Done, StatusReply, Error]  # noqa: UP007
+
+_encoder = msgspec.msgpack.Encoder()
+_requests = msgspec.msgpack.Decoder(Request)
+_replies = msgspec.msgpack.Decoder(Reply)
+
+
+def frame(message: msgspec.Struct) -> bytes:
+    """``message`` encoded, with its length prefix."""
+    payload = _encoder.encode(message)
+    return FRAME.pack(len(payload)) + payload
+
+
+def decode_request(payload: bytes | memoryview) -> Request:
+    try:
+        return _requests.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(str(exc)) from None
+
+
+def decode_reply(payload: bytes | memoryview) -> Reply:
+    try:
+        return _replies.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(str(exc)) from None

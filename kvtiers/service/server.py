@@ -1,0 +1,637 @@
+"""The service process's core: one thread, one non-blocking selector loop.
+
+The loop owns the pool's bookkeeping (which slot holds which namespace's key, the LRU
+order of ready slots, pins and reservations per connection) and answers each request
+frame at once; nothing in it blocks on a client. Per connection the input held is at
+most one frame (``max_frame``) and the output queue at most ``max_output`` bytes: a
+client that sends more than a frame's bound, or stops reading until its queue is over
+the bound, is closed. A request that does not decode, or names a namespace the
+connection did not attach, a slot it did not reserve or a pin it does not hold, gets an
+:class:`~kvtiers.service.protocol.Error` reply and the connection is closed; the others
+are not affected. Closing a connection drops its pins and frees its reservations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import selectors
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvtiers.service import protocol as p
+from kvtiers.service.pool import MAX_KEY, Adoption, Pool
+
+log = logging.getLogger("kvtiers.service")
+
+#: Bound of one connection's queued replies.
+MAX_OUTPUT = 4 << 20
+_RECV = 1 << 16
+_PEERCRED = struct.Struct("3i")
+#: A reservation's or pin's slot in a reply when the key is present or being written
+#: (``PRESENT``) or when no slot could be freed (``NO_ROOM``).
+PRESENT = -1
+NO_ROOM = -2
+
+
+class Refused(Exception):
+    """A request this connection may not make; the reply is an error and a close."""
+
+
+def peer_groups(pid: int) -> set[int]:
+    """The supplementary groups of process ``pid`` (from ``/proc``; empty if gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except OSError:
+        pass
+    return set()
+
+
+def peer_allowed(uid: int, gid: int, groups: set[int], *, owner: int,
+                 group: int | None) -> bool:
+    """Whether a peer of ``uid``/``gid`` (supplementary ``groups``) may attach to a
+    service run by ``owner`` that admits ``group`` (``None``: its own uid only)."""
+    if uid == owner:
+        return True
+    return group is not None and (gid == group or group in groups)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+@dataclass
+class _Namespace:
+    index: int
+    digest: bytes
+    name: str
+    ready: dict[bytes, int] = field(default_factory=dict)
+    writing: dict[bytes, int] = field(default_factory=dict)
+    lengths: dict[int, int] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    adopted: int = 0
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket
+    pid: int
+    uid: int
+    engine: str = ""
+    inbuf: bytearray = field(default_factory=bytearray)
+    outbuf: bytearray = field(default_factory=bytearray)
+    attached: set[int] = field(default_factory=set)
+    reserved: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    leased: set[int] = field(default_factory=set)
+    pins: Counter[int] = field(default_factory=Counter)
+    closing: bool = False
+
+
+def _namespace_name(identity: bytes) -> str:
+    """A readable name for a namespace: its identity's model name and digest head."""
+    import json
+
+    try:
+        model = str(json.loads(identity).get("model_name", "?"))
+    except (ValueError, AttributeError):
+        model = "?"
+    return f"{model}-{hashlib.sha256(identity).hexdigest()[:16]}"
+
+
+class Service:
+    """The pool's bookkeeping behind a listening Unix socket; see the module docstring.
+
+    ``serve`` runs the loop until :meth:`stop` (thread- and signal-safe) is called.
+    """
+
+    def __init__(
+        self,
+        pool: Pool,
+        socket_path: Path,
+        *,
+        group: int | None = None,
+        max_frame: int = p.MAX_FRAME,
+        max_output: int = MAX_OUTPUT,
+        max_lease: int = 4096,
+    ) -> None:
+        self.pool = pool
+        self.socket_path = socket_path
+        self.group = group
+        self.max_frame = max_frame
+        self.max_output = max_output
+        #: The most slots one Lease may ask for.
+        self.max_lease = max_lease
+        #: The most slots one connection holds reserved or leased (empty, not chunks).
+        self._per_conn = max(1, pool.num_slots // 8)
+        self.epoch = time.time_ns()
+        self.started = time.time()
+        num_slots = pool.num_slots
+        self._owner: list[tuple[int, bytes] | None] = [None] * num_slots
+        self._lru: OrderedDict[int, None] = OrderedDict()
+        self._pins: Counter[int] = Counter()
+        self._namespaces: dict[int, _Namespace] = {}
+        self.counters: Counter[str] = Counter()
+        self.adoption = self._adopt() if not pool.created else Adoption()
+        taken = {s for slots in self.adoption.adopted.values() for s in slots}
+        # Popped from the end: slots being written at the last stop go last (a worker's
+        # copy started before it may still land; see docs/service.md, known window).
+        unsettled = set(self.adoption.unsettled)
+        self._free = [*self.adoption.unsettled, *(
+            s for s in range(num_slots - 1, -1, -1) if s not in taken and s not in unsettled
+        )]
+        self._conns: dict[int, _Conn] = {}
+        self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._stopping = False
+        # Snapshots asked for by other threads (metrics): answered on the loop's thread.
+        self._asked: list[tuple[threading.Event, list[dict[str, Any]]]] = []
+        self._listener = self._listen(socket_path)
+
+    # -- set-up ---------------------------------------------------------------------
+    def _adopt(self) -> Adoption:
+        found = self.pool.adopt()
+        for index, digest in self.pool.namespaces():
+            self._namespaces[index] = _Namespace(index, digest, digest.hex()[:16])
+        for index, slots in found.adopted.items():
+            ns = self._namespaces[index]
+            for slot in slots:
+                _, _, _, length, _, _, _, key = self.pool.header(slot)
+                ns.ready[key] = slot
+                ns.lengths[slot] = length
+                self._owner[slot] = (index, key)
+                self._lru[slot] = None
+            ns.adopted = len(slots)
+        self.counters["adopted"] = found.total
+        self.counters["adopt_torn"] = found.torn
+        self.counters["adopt_corrupt"] = found.corrupt
+        self.counters["adopt_foreign"] = found.foreign
+        log.info(
+            "kvtiers serve: re-adopted %d chunks from %s (%d torn, %d corrupt, %d foreign "
+            "freed)", found.total, self.pool.path, found.torn, found.corrupt, found.foreign,
+        )
+        return found
+
+    def _listen(self, path: Path) -> socket.socket:
+        if path.exists() or path.is_symlink():
+            info = path.lstat()
+            if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.geteuid():
+                raise OSError(f"{path} exists and is not this user's socket; remove it")
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(str(path))
+            except OSError:
+                path.unlink()  # a stale socket of a service that died
+            else:
+                raise OSError(f"another service listens on {path}")
+            finally:
+                probe.close()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o117 if self.group is not None else 0o177)
+        try:
+            listener.bind(str(path))
+        finally:
+            os.umask(old)
+        if self.group is not None:
+            os.chown(path, -1, self.group)
+        listener.listen(64)
+        listener.setblocking(False)
+        self._selector.register(listener, selectors.EVENT_READ, None)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        return listener
+
+    # -- the loop -------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the loop to drain and return; safe from a signal handler or a thread."""
+        self._stopping = True
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    def snapshot(self, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        """:meth:`state`, taken by the loop's thread, for another thread; ``None`` if
+        the loop did not answer within ``timeout_s`` (or is stopped)."""
+        done = threading.Event()
+        box: list[dict[str, Any]] = []
+        self._asked.append((done, box))
+        try:
+            self._wake_w.send(b"s")
+        except OSError:
+            return None
+        return box[0] if done.wait(timeout_s) and box else None
+
+    def serve(self) -> None:
+        """Run until :meth:`stop`: then stop accepting, send what is queued (each
+        connection gets what a non-blocking send takes), close every connection and the
+        socket. The pool file stays for the next start to re-adopt."""
+        log.info("kvtiers serve: listening on %s, pool %s (%d slots of %d bytes)",
+                 self.socket_path, self.pool.path, self.pool.num_slots, self.pool.slot_bytes)
+        try:
+            while not self._stopping:
+                for key, events in self._selector.select():
+                    sock = key.fileobj
+                    if sock is self._listener:
+                        self._accept()
+                    elif sock is self._wake_r:
+                        self._drain_wake()
+                    else:
+                        conn = key.data
+                        if events & selectors.EVENT_READ:
+                            self._read(conn)
+                        if events & selectors.EVENT_WRITE and not conn.closing:
+                            self._flush(conn)
+        finally:
+            self._shutdown()
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(64):
+                pass
+        except BlockingIOError:
+            pass
+        while self._asked:
+            done, box = self._asked.pop()
+            box.append(self.state())
+            done.set()
+
+    def _shutdown(self) -> None:
+        for conn in list(self._conns.values()):
+            if conn.outbuf:
+                with contextlib.suppress(OSError):
+                    conn.sock.send(conn.outbuf)
+            self._close(conn, "service stopping")
+        self._selector.unregister(self._listener)
+        self._listener.close()
+        self.socket_path.unlink(missing_ok=True)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        log.info("kvtiers serve: stopped; %d chunks stay in %s", len(self._lru), self.pool.path)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except BlockingIOError:
+                return
+            pid, uid, gid = peer_credentials(sock)
+            if not peer_allowed(uid, gid, peer_groups(pid) if self.group is not None else set(),
+                                owner=os.geteuid(), group=self.group):
+                self.counters["refused_peers"] += 1
+                log.warning("kvtiers serve: refused pid %d uid %d (not this user or group)",
+                            pid, uid)
+                try:
+                    sock.setblocking(False)
+                    sock.send(p.frame(p.Error(0, "peer credentials refused")))
+                except OSError:
+                    pass
+                sock.close()
+                continue
+            sock.setblocking(False)
+            conn = _Conn(sock, pid, uid)
+            self._conns[sock.fileno()] = conn
+            self._selector.register(sock, selectors.EVENT_READ, conn)
+            self.counters["connections"] += 1
+
+    def _read(self, conn: _Conn) -> None:
+        try:
+            data = conn.sock.recv(_RECV)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._close(conn, "peer closed")
+            return
+        conn.inbuf += data
+        buf = conn.inbuf
+        while len(buf) >= 4 and not conn.closing:
+            (size,) = p.FRAME.unpack_from(buf)
+            if size > self.max_frame:
+                self.counters["bad_messages"] += 1
+                self._refuse(conn, 0, f"frame of {size} bytes over the bound {self.max_frame}")
+                return
+            if len(buf) < 4 + size:
+                break
+            payload = bytes(buf[4 : 4 + size])
+            del buf[: 4 + size]
+            self._handle(conn, payload)
+        if not conn.closing:
+            self._flush(conn)
+
+    def _handle(self, conn: _Conn, payload: bytes) -> None:
+        try:
+            request = p.decode_request(payload)
+        except p.ProtocolError as exc:
+            self.counters["bad_messages"] += 1
+            self._refuse(conn, 0, f"malformed request: {exc}")
+            return
+        try:
+            reply = self._answer(conn, request)
+        except Refused as exc:
+            self.counters["bad_messages"] += 1
+            self._refuse(conn, request.seq, str(exc))
+            return
+        except Exception as exc:  # a defect here must cost one connection, not the node
+            log.exception("kvtiers serve: internal error answering pid %d", conn.pid)
+            self.counters["internal_errors"] += 1
+            self._refuse(conn, request.seq, f"internal error: {type(exc).__name__}")
+            return
+        conn.outbuf += p.frame(reply)
+        if len(conn.outbuf) > self.max_output:
+            self.counters["slow_clients"] += 1
+            self._close(conn, "output queue over its bound (the client does not read)")
+
+    def _refuse(self, conn: _Conn, seq: int, message: str) -> None:
+        """Send ``message`` as an error (as far as a non-blocking send takes it) and close."""
+        log.warning("kvtiers serve: closing pid %d: %s", conn.pid, message)
+        conn.outbuf += p.frame(p.Error(seq, message[:500]))
+        with contextlib.suppress(OSError):
+            conn.sock.send(conn.outbuf)
+        self._close(conn, message)
+
+    def _flush(self, conn: _Conn) -> None:
+        if conn.outbuf:
+            try:
+                sent = conn.sock.send(conn.outbuf)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self._close(conn, "send failed")
+                return
+            del conn.outbuf[:sent]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.outbuf else 0)
+        self._selector.modify(conn.sock, events, conn)
+
+    def _close(self, conn: _Conn, why: str) -> None:
+        if conn.closing:
+            return
+        conn.closing = True
+        if conn.attached:
+            log.info("kvtiers serve: detached pid %d (%s)", conn.pid, why)
+            self.counters["detaches"] += 1
+        for slot, count in conn.pins.items():
+            self._pins[slot] -= count
+            if self._pins[slot] <= 0:
+                del self._pins[slot]
+        for slot, (index, key) in conn.reserved.items():
+            self._namespaces[index].writing.pop(key, None)
+            self._release(slot)
+        for slot in conn.leased:
+            self._release(slot)
+        conn.pins.clear()
+        conn.reserved.clear()
+        conn.leased.clear()
+        self._conns.pop(conn.sock.fileno(), None)
+        self._selector.unregister(conn.sock)
+        conn.sock.close()
+
+    # -- requests -------------------------------------------------------------------
+    def _answer(self, conn: _Conn, request: p.Request) -> p.Reply:
+        if isinstance(request, p.Attach):
+            return self._attach(conn, request)
+        if isinstance(request, p.Status):
+            return p.StatusReply(request.seq, self.state())
+        if request.ns not in conn.attached:
+            raise Refused(f"namespace {request.ns} is not attached by this connection")
+        ns = self._namespaces[request.ns]
+        if isinstance(request, p.Lease):
+            return p.Slots(request.seq, self._lease(conn, request.count))
+        for key in request.keys:
+            if not 0 < len(key) <= MAX_KEY:
+                raise Refused(f"a key of {len(key)} bytes (1 to {MAX_KEY} expected)")
+        if isinstance(request, p.Reserve):
+            return p.Slots(request.seq, self._reserve(conn, ns, request.keys))
+        if isinstance(request, p.Commit):
+            return p.Slots(request.seq, self._commit(conn, ns, request))
+        if isinstance(request, p.Pin):
+            return p.Slots(request.seq, self._pin(conn, ns, request.keys))
+        if isinstance(request, p.Unpin):
+            self._unpin(conn, ns, request.keys)
+            return p.Done(request.seq)
+        assert isinstance(request, p.Lookup)
+        return p.Slots(request.seq, [ns.ready.get(key, PRESENT) for key in request.keys])
+
+    def _attach(self, conn: _Conn, request: p.Attach) -> p.Reply:
+        if request.chunk_bytes > self.pool.slot_bytes or request.chunk_bytes < 1:
+            raise Refused(
+                f"chunks of {request.chunk_bytes} bytes do not fit the pool's slots of "
+                f"{self.pool.slot_bytes} bytes: start the service with a larger slot size"
+            )
+        digest = hashlib.sha256(request.identity).digest()
+        try:
+            index = self.pool.add_namespace(digest)
+        except Exception as exc:  # the table is full: this engine cannot attach
+            raise Refused(str(exc)) from None
+        ns = self._namespaces.get(index)
+        name = _namespace_name(request.identity)
+        if ns is None:
+            ns = self._namespaces[index] = _Namespace(index, digest, name)
+        ns.name = name
+        conn.attached.add(index)
+        self.counters["attaches"] += 1
+        conn.engine = request.engine[:200]
+        log.info("kvtiers serve: pid %d (%s) attached namespace %s", conn.pid, conn.engine,
+                 ns.name)
+        return p.Attached(request.seq, index, str(self.pool.path), self.pool.num_slots,
+                          self.pool.slot_bytes, self.epoch)
+
+    def _take_slot(self, batch: set[bytes]) -> int:
+        """A free slot, evicting the least recently used unpinned ready chunk not in
+        ``batch`` if none is free; -1 if none can be freed."""
+        if self._free:
+            return self._free.pop()
+        for slot in self._lru:
+            owner = self._owner[slot]
+            if slot in self._pins or owner is None or owner[1] in batch:
+                continue
+            index, key = owner
+            ns = self._namespaces[index]
+            del ns.ready[key]
+            ns.lengths.pop(slot, None)
+            del self._lru[slot]
+            self._owner[slot] = None
+            self.pool.mirror_remove(self.pool.header(slot)[5], slot)
+            self.counters["evictions"] += 1
+            return slot
+        return -1
+
+    def _reserve(self, conn: _Conn, ns: _Namespace, keys: list[bytes]) -> list[int]:
+        slots = []
+        batch = set(keys)
+        full = False
+        for key in keys:
+            ready = ns.ready.get(key)
+            if ready is not None:
+                self._lru.move_to_end(ready)
+                slots.append(PRESENT)
+                continue
+            if full or key in ns.writing:
+                slots.append(NO_ROOM if full else PRESENT)
+                continue
+            # One connection holds an eighth of the pool at most, reserved or leased.
+            held = len(conn.reserved) + len(conn.leased)
+            slot = self._take_slot(batch) if held < self._per_conn else -1
+            if slot < 0:
+                full = True
+                slots.append(NO_ROOM)
+                continue
+            self.pool.set_writing(slot)
+            ns.writing[key] = slot
+            self._owner[slot] = (ns.index, key)
+            conn.reserved[slot] = (ns.index, key)
+            slots.append(slot)
+        return slots
+
+    def _lease(self, conn: _Conn, count: int) -> list[int]:
+        """Up to ``count`` slots for ``conn`` to fill (evicting as reservations do)."""
+        if not 0 <= count <= self.max_lease:
+            raise Refused(f"lease: {count} slots (0 to {self.max_lease} expected)")
+        # One connection holds an eighth of the pool at most: leased slots hold nothing.
+        count = min(count, self._per_conn - len(conn.leased) - len(conn.reserved))
+        slots = []
+        for _ in range(count):
+            slot = self._take_slot(set())
+            if slot < 0:
+                break
+            self.pool.set_writing(slot)
+            self._owner[slot] = None
+            conn.leased.add(slot)
+            slots.append(slot)
+        return slots
+
+    def _commit(self, conn: _Conn, ns: _Namespace, request: p.Commit) -> list[int]:
+        if not len(request.keys) == len(request.slots) == len(request.lengths):
+            raise Refused("commit: keys, slots and lengths differ in length")
+        for key, slot, length in zip(request.keys, request.slots, request.lengths,
+                                     strict=True):
+            if slot not in conn.leased and conn.reserved.get(slot) != (ns.index, key):
+                raise Refused(f"commit: slot {slot} is neither leased by this connection "
+                              "nor reserved for that key by it")
+            if not 0 < length <= self.pool.slot_bytes:
+                raise Refused(f"commit: length {length} outside the slot")
+        if len(set(request.slots)) != len(request.slots):
+            raise Refused("commit: a slot named twice")
+        outcome = []
+        for key, slot, length in zip(request.keys, request.slots, request.lengths,
+                                     strict=True):
+            if slot in conn.leased:
+                if not request.ok or key in ns.ready or key in ns.writing:
+                    # Stored by another engine meanwhile: held once; the slot stays leased.
+                    self.counters["duplicate_stores"] += request.ok
+                    outcome.append(0)
+                    continue
+                conn.leased.discard(slot)
+                self._owner[slot] = (ns.index, key)
+            else:
+                del conn.reserved[slot]
+                del ns.writing[key]
+                if not request.ok:
+                    self._release(slot)
+                    outcome.append(-1)
+                    continue
+            tag = self.pool.set_ready(slot, ns.index, ns.digest, key, length)
+            if not self.pool.mirror_add(tag, slot):
+                self.counters["mirror_full"] += 1
+            ns.ready[key] = slot
+            ns.lengths[slot] = length
+            ns.stored += 1
+            self._lru[slot] = None
+            outcome.append(1)
+        return outcome
+
+    def _release(self, slot: int) -> None:
+        self._owner[slot] = None
+        self.pool.set_free(slot)
+        self._free.append(slot)
+
+    def _pin(self, conn: _Conn, ns: _Namespace, keys: list[bytes]) -> list[int]:
+        slots = []
+        for key in keys:
+            slot = ns.ready.get(key)
+            if slot is None:
+                ns.misses += 1
+                slots.append(PRESENT)
+                continue
+            ns.hits += 1
+            self._pins[slot] += 1
+            conn.pins[slot] += 1
+            self._lru.move_to_end(slot)
+            slots.append(slot)
+        return slots
+
+    def _unpin(self, conn: _Conn, ns: _Namespace, keys: list[bytes]) -> None:
+        slots = [ns.ready.get(key, -1) for key in keys]
+        for slot, count in Counter(slots).items():
+            if conn.pins[slot] < count:
+                raise Refused("unpin: a key this connection has not pinned")
+        for slot in slots:
+            conn.pins[slot] -= 1
+            if not conn.pins[slot]:
+                del conn.pins[slot]
+            self._pins[slot] -= 1
+            if self._pins[slot] <= 0:
+                del self._pins[slot]
+
+    # -- status ---------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        """What ``kvtiers status`` shows; plain JSON types only."""
+        used = self.pool.num_slots - len(self._free)
+        return {
+            "socket": str(self.socket_path),
+            "pool": str(self.pool.path),
+            "epoch": self.epoch,
+            "uptime_s": round(time.time() - self.started, 3),
+            "num_slots": self.pool.num_slots,
+            "slot_bytes": self.pool.slot_bytes,
+            "used_slots": used,
+            "ready_slots": len(self._lru),
+            "pinned_slots": len(self._pins),
+            "leased_slots": sum(len(c.leased) for c in self._conns.values()),
+            "counters": dict(self.counters),
+            "namespaces": [
+                {
+                    "index": ns.index,
+                    "name": ns.name,
+                    "chunks": len(ns.ready),
+                    "bytes": sum(ns.lengths.values()),
+                    "writing": len(ns.writing),
+                    "hits": ns.hits,
+                    "misses": ns.misses,
+                    "stored": ns.stored,
+                    "adopted": ns.adopted,
+                }
+                for ns in self._namespaces.values()
+            ],
+            "engines": [
+                {
+                    "pid": conn.pid,
+                    "uid": conn.uid,
+                    "engine": conn.engine,
+                    "namespaces": sorted(conn.attached),
+                    "pins": sum(conn.pins.values()),
+                    "reserved": len(conn.reserved),
+                    "leased": len(conn.leased),
+                }
+                for conn in self._conns.values()
+                if conn.attached
+            ],
+            "lower_tiers": [],
+        }

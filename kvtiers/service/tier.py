@@ -1,0 +1,399 @@
+"""``kind: service``: an engine's primary tier held by ``kvtiers serve`` (docs/service.md).
+
+:class:`ServiceTierManager` is an :class:`~kvtiers.core.manager.OffloadingManager`
+answering as the CPU tier does, with the pool in another process:
+
+- ``lookup`` reads the pool's index mirror and the slot header (no round trip);
+- ``prepare_store`` and ``prepare_load`` are one round trip each (``Reserve``, ``Pin``);
+- ``complete_store`` and ``complete_load`` queue ``Commit``/``Unpin``, sent pipelined with
+  the next round trip or at ``on_schedule_end`` (at most one round trip a step);
+- while the service is down every lookup is a ``MISS``, ``prepare_store`` returns
+  ``None``, and the keys of ``prepare_load`` get an out-of-range slot in ``get_spec`` so
+  the worker fails their job (vLLM recomputes) — never a slot the service may reuse.
+
+The tier is shared by every engine of the node: ``reset_cache`` drops this engine's own
+reservations and pins only, never chunks others use. Its generation stays 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TierCapabilities,
+)
+from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.errors import UnknownKeyError
+from kvtiers.service import protocol as p
+from kvtiers.service.client import ServiceClient, ServiceDown
+from kvtiers.service.pool import tag_of
+from kvtiers.service.server import NO_ROOM
+
+if TYPE_CHECKING:
+    from kvtiers.config.tiers import ServiceTierConfig
+    from kvtiers.core.config import OffloadingConfig
+    from kvtiers.core.mover import HostRegion
+    from kvtiers.core.tier import BuiltTier
+
+_HIT = LookupResult.HIT
+_MISS = LookupResult.MISS
+#: How often (seconds) a lookup polls the socket for the service's death: a dead service
+#: is noticed within this bound and a step of lookups costs one poll at most.
+LIVENESS_S = 0.001
+#: Slots an engine keeps leased by default, so that its stores need no round trip.
+DEFAULT_LEASE = 64
+#: Keys per Commit or Unpin message (a frame stays far below the service's bound).
+COMMIT_BATCH = 4096
+
+
+class ServiceTierManager(OffloadingManager):
+    """The engine's side of a service-held pool; see the module docstring.
+
+    ``liveness_s`` bounds how long a dead service goes unnoticed by lookups (0: every
+    lookup polls the socket)."""
+
+    medium = Medium.CPU
+    locality = Locality.LOCAL
+    capabilities = TierCapabilities(persistent=False, evicts=True, recency=True, events=False)
+
+    def __init__(self, client: ServiceClient, *, liveness_s: float = LIVENESS_S,
+                 lease_slots: int = DEFAULT_LEASE) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self.client = client
+        assert client.pool is not None
+        self.region = client.pool
+        self.num_slots = client.pool.num_slots
+        self._digest = client.digest
+        self._liveness_s = liveness_s
+        self._checked_at = -1.0
+        self._alive = True
+        #: 0: every prepare_store is a Reserve round trip; else the least number of
+        #: leased slots kept at hand (more when a step stores more).
+        # The service grants one connection an eighth of the pool at most.
+        self._lease_cap = max(1, self.num_slots // 8)
+        self._lease_min = min(lease_slots, self._lease_cap)
+        self._lease: list[int] = []
+        self._stored_since_flush = 0
+        self._refilled = False
+        #: key → slot reserved or leased for it by this engine (session ``_session``).
+        self._reserved: dict[OffloadKey, int] = {}
+        #: key → [slot (-1: lost), pin count].
+        self._pinned: dict[OffloadKey, list[int]] = {}
+        #: Stores finished and not yet committed: key → slot.
+        self._commits: dict[bytes, int] = {}
+        #: Commits sent whose replies are not read yet (not stored again meanwhile).
+        self._committing: dict[bytes, int] = {}
+        #: Requests sent whose replies are owed, and slots asked for by them.
+        self._inflight: list[p.Request] = []
+        self._leasing = 0
+        self._failed: list[tuple[bytes, int]] = []
+        self._unpins: list[bytes] = []
+        self._session = client.session
+        self.stats = {"lookups": 0, "hits": 0, "round_trips": 0, "lost_loads": 0,
+                      "down_lookups": 0, "duplicate_stores": 0}
+        if lease_slots:
+            self.flush(wait=True)
+
+    # -- liveness -------------------------------------------------------------------
+    def _live(self) -> bool:
+        now = self._clock()
+        if now - self._checked_at >= self._liveness_s:
+            self._checked_at = now
+            was_alive = self._alive
+            self._alive = self.client.available()
+            if self.client.session != self._session or (was_alive and not self._alive):
+                # Down, or back as a new session: nothing held before is ours any more.
+                self._new_session()
+        return self._alive
+
+    def _new_session(self) -> None:
+        """The service restarted (or we reattached): what we held belongs to no one."""
+        self._session = self.client.session
+        self._reserved.clear()
+        self._lease.clear()
+        for entry in self._pinned.values():
+            entry[0] = -1
+        self._commits.clear()
+        self._committing.clear()
+        self._inflight.clear()
+        self._leasing = 0
+        self._failed.clear()
+        self._unpins.clear()
+
+    def _queued(self, lease: bool) -> list[p.Request]:
+        """The queued commits and unpins, and a lease top-up, as requests (taken from
+        the queues)."""
+        client = self.client
+        size = client.chunk_bytes
+        queued: list[p.Request] = []
+        commits = list(self._commits.items())
+        for at in range(0, len(commits), COMMIT_BATCH):
+            batch = commits[at : at + COMMIT_BATCH]
+            queued.append(p.Commit(client.next_seq(), client.ns, [k for k, _ in batch],
+                                   [s for _, s in batch], [size] * len(batch)))
+        self._committing.update(self._commits)
+        self._commits.clear()
+        for at in range(0, len(self._failed), COMMIT_BATCH):
+            batch = self._failed[at : at + COMMIT_BATCH]
+            queued.append(p.Commit(client.next_seq(), client.ns, [k for k, _ in batch],
+                                   [s for _, s in batch], [size] * len(batch), False))
+        self._failed = []
+        for at in range(0, len(self._unpins), COMMIT_BATCH):
+            queued.append(p.Unpin(client.next_seq(), client.ns,
+                                  self._unpins[at : at + COMMIT_BATCH]))
+        self._unpins = []
+        if self._lease_min and lease:
+            target = min(self._lease_cap,
+                         max(self._lease_min, 2 * self._stored_since_flush))
+            want = target - len(self._lease) - self._leasing
+            if want > 0:
+                queued.append(p.Lease(client.next_seq(), client.ns, want))
+                self._leasing += want
+        self._stored_since_flush = 0
+        return queued
+
+    def _exchange(self, extra: list[p.Request], *, lease: bool = True, wait: bool = True,
+                  queued: bool = True) -> list[p.Reply] | None:
+        """Send the queued calls (:meth:`_queued`; none unless ``queued``) and ``extra``
+        in one write. Replies still owed from the last such write are read first (by
+        then the service has usually sent them: no wait). With ``wait`` the replies to
+        this write are read too (a round trip) and those to ``extra`` returned; without,
+        they are owed. ``None`` when the service is down (what was queued is dropped with
+        the session: the service frees the slots of a closed connection)."""
+        if not self._live():
+            return None
+        sending = self._queued(lease) if queued else []
+        try:
+            owed, self._inflight = self._inflight, []
+            if owed:
+                self._absorb(owed, self.client.receive(owed))
+            if sending or extra:
+                self.client.send([*sending, *extra])
+            if not wait:
+                self._inflight = sending
+                return []
+            replies = self.client.receive([*sending, *extra]) if sending or extra else []
+        except ServiceDown:
+            self._alive = False
+            self._new_session()
+            return None
+        if sending or extra:
+            self.stats["round_trips"] += 1
+        self._absorb(sending, replies[: len(sending)])
+        return replies[len(sending) :]
+
+    def _absorb(self, requests: list[p.Request], replies: list[p.Reply]) -> None:
+        """Take in the replies to queued calls: slots of commits another engine beat
+        (held once: the slot is leased to us again) and granted leases."""
+        for request, reply in zip(requests, replies, strict=True):
+            if isinstance(request, p.Commit) and request.ok:
+                assert isinstance(reply, p.Slots)
+                for key, slot, result in zip(request.keys, request.slots, reply.slots,
+                                             strict=True):
+                    self._committing.pop(key, None)
+                    if result == 0:
+                        self.stats["duplicate_stores"] += 1
+                        self._lease.append(slot)
+            elif isinstance(request, p.Lease):
+                assert isinstance(reply, p.Slots)
+                self._leasing -= request.count
+                self._lease.extend(reply.slots)
+
+    def _call(self, request: p.Request) -> p.Reply | None:
+        # Alone: the step's commits wait for its end, so the service answers this first.
+        replies = self._exchange([request], queued=False)
+        return None if replies is None else replies[0]
+
+    def flush(self, *, wait: bool = False) -> None:
+        """Send queued commits and unpins and top the lease up, in one write; their
+        replies are read at the next round trip (``wait``: now, so that the service has
+        taken them in when this returns)."""
+        self._exchange([], wait=wait)
+
+    # -- the contract ---------------------------------------------------------------
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        self.stats["lookups"] += 1
+        if not self._live():
+            self.stats["down_lookups"] += 1
+            return _MISS
+        assert self.client.pool is not None
+        if self.client.pool.find(tag_of(self._digest, key)) >= 0:
+            self.stats["hits"] += 1
+            return _HIT
+        return _MISS
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> list[OffloadKey] | None:
+        if self._lease_min:
+            return self._store_leased(keys)
+        keys = [k for k in dict.fromkeys(keys) if k not in self._reserved]
+        if not keys:
+            return []
+        reply = self._call(p.Reserve(self.client.next_seq(), self.client.ns, list(keys)))
+        if not isinstance(reply, p.Slots):
+            return None
+        accepted = []
+        for key, slot in zip(keys, reply.slots, strict=True):
+            if slot >= 0:
+                self._reserved[key] = slot
+                accepted.append(key)
+        if not accepted and NO_ROOM in reply.slots:
+            return None
+        return accepted
+
+    def _store_leased(self, keys: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """Leased slots for the keys not present (no round trip; one Lease round trip a
+        step at most when the lease ran out)."""
+        if not self._live():
+            return None
+        pool = self.client.pool
+        assert pool is not None
+        digest = self._digest
+        accepted: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            if key in self._reserved or key in self._commits or key in self._committing:
+                continue
+            if pool.find(tag_of(digest, key)) >= 0:
+                continue
+            if not self._lease and not self._refilled:
+                self._refilled = True
+                self._exchange([])
+            if not self._lease:
+                # Leading keys only, as the CPU tier does when not all fit.
+                return accepted or None
+            self._reserved[key] = self._lease.pop()
+            accepted.append(key)
+        return accepted
+
+    def complete_store(self, keys: Collection[OffloadKey], ctx: ReqContext,
+                       success: bool = True, *, generation: int | None = None) -> None:
+        for key in keys:
+            slot = self._reserved.pop(key, None)
+            if slot is None:
+                continue
+            if success:
+                self._commits[key] = slot
+                self._stored_since_flush += 1
+            elif self._lease_min:
+                self._lease.append(slot)  # still leased to this connection
+            else:
+                self._failed.append((key, slot))
+
+    def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        wanted = list(dict.fromkeys(keys))
+        reply = self._call(p.Pin(self.client.next_seq(), self.client.ns, list(map(bytes, wanted))))
+        slots = reply.slots if isinstance(reply, p.Slots) else [-1] * len(wanted)
+        found = dict(zip(wanted, slots, strict=True))
+        for key in keys:
+            slot = found[key]
+            entry = self._pinned.get(key)
+            if entry is None:
+                self._pinned[key] = [slot, 1]
+            else:
+                # A second pin of a key: the service counted it too (or it is lost).
+                entry[1] += 1
+                if slot < 0 and entry[0] >= 0:
+                    entry[0] = -1
+            if slot < 0:
+                self.stats["lost_loads"] += 1
+
+    def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
+        ids = []
+        for key in keys:
+            slot = self._reserved.get(key)
+            if slot is None:
+                entry = self._pinned.get(key)
+                if entry is None:
+                    raise UnknownKeyError(
+                        "get_spec: a key neither reserved by prepare_store nor pinned by "
+                        "prepare_load in the service tier"
+                    )
+                # A lost key's slot is out of range: the worker fails the job.
+                slot = entry[0] if entry[0] >= 0 else self.num_slots
+            ids.append(slot)
+        return CPULoadStoreSpec(ids)
+
+    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext, *,
+                      generation: int | None = None) -> None:
+        for key in keys:
+            entry = self._pinned.get(key)
+            if entry is None:
+                raise UnknownKeyError("complete_load: a key this tier has not pinned")
+            entry[1] -= 1
+            if entry[0] >= 0:
+                self._unpins.append(key)
+            if entry[1] <= 0:
+                del self._pinned[key]
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return ()
+
+    def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        self.flush()
+        self._refilled = False
+
+    def reset_cache(self) -> None:
+        """The pool is shared: nothing of other engines is dropped (see the module)."""
+
+    def get_stats(self) -> Mapping[str, float]:
+        stats: dict[str, float] = dict(self.stats)
+        stats["capacity_bytes"] = self.num_slots * self.region.slot_bytes
+        stats["service_up"] = float(self.client.up)
+        stats["service_downs"] = self.client.downs
+        stats["service_reattaches"] = self.client.reattaches
+        return stats
+
+    def shutdown(self) -> None:
+        """Commit what is finished (no new lease) and detach: the service frees the
+        slots still leased."""
+        self._exchange([], lease=False)
+        self.client.close()
+
+
+def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
+               primary_region: HostRegion | None, name: str) -> BuiltTier:
+    """The ``kind: service`` tier ``name``: attaches to the service (fail-closed: no
+    service, no stack) with this engine's namespace identity."""
+    from kvtiers.core.geometry import ChunkGeometry
+    from kvtiers.core.tier import BuiltTier
+    from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
+    from kvtiers.errors import ConfigError
+    from kvtiers.filemapper import NamespaceIdentity
+
+    if primary_region is not None:
+        raise ConfigError(f"tier {name!r}: a service tier can only be the first tier",
+                          path="kind")
+    identity = NamespaceIdentity.from_config(offloading)
+    geometry = ChunkGeometry.from_config(offloading)
+    try:
+        client = ServiceClient(config.socket, identity.canonical_json(),
+                               geometry.max_chunk_bytes, engine=identity.namespace,
+                               timeout_s=config.timeout_s, retry_s=config.retry_s)
+    except ServiceDown as exc:
+        raise ConfigError(f"tier {name!r}: {exc}; start it with kvtiers serve",
+                          path="socket") from None
+    manager = ServiceTierManager(client, lease_slots=config.lease_slots)
+    region = manager.region
+
+    def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
+        from kvtiers.tiers.cpu.worker import CpuWorker
+
+        return CpuWorker(kv, region, geometry)  # type: ignore[arg-type]
+
+    return BuiltTier(name=name, manager=manager, region=region, make_worker=make_worker)

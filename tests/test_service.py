@@ -1,0 +1,524 @@
+"""``kvtiers serve`` with the service in its own process (docs/service.md).
+
+Each test synchronises on the service itself: its ready line, its replies, the reaped
+process after ``kill -9``. No sleeps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("msgspec")
+
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.service import protocol as p
+from kvtiers.service.client import ServiceClient, ServiceDown, read_status
+from kvtiers.service.pool import SLOT_HEADER, Pool, SlotState
+from kvtiers.service.server import Service, peer_allowed
+from kvtiers.service.tier import ServiceTierManager
+from kvtiers.testing.service import ServiceProcess, chunk_bytes_of, run_peer
+
+IDENTITY = b'{"model_name":"test/model","x":1}'
+OTHER_IDENTITY = b'{"model_name":"test/other","x":2}'
+SLOT = 4096
+HIT, MISS = LookupResult.HIT, LookupResult.MISS
+
+
+def keys(n: int, salt: int = 0) -> list[OffloadKey]:
+    return [OffloadKey(bytes([salt, i]) * 18) for i in range(n)]
+
+
+@pytest.fixture
+def pool_name(tmp_path: Path) -> Iterator[str]:
+    name = f"kvtiers-test-{os.getpid()}-{tmp_path.name}"
+    yield name
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+@pytest.fixture
+def service(tmp_path: Path, pool_name: str) -> Iterator[ServiceProcess]:
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
+    )
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT)
+    proc.start(fresh=True)
+    yield proc
+    if proc.proc is not None and proc.proc.poll() is None:
+        proc.stop()
+
+
+def engine(service: ServiceProcess, identity: bytes = IDENTITY, *, lease: int = 8
+           ) -> ServiceTierManager:
+    """An engine's tier that notices a dead service at its next call and retries at once;
+    ``lease`` 0 reserves by round trip."""
+    client = ServiceClient(service.socket, identity, SLOT, timeout_s=5.0, retry_s=0.0)
+    return ServiceTierManager(client, liveness_s=0.0, lease_slots=lease)
+
+
+def store(manager: ServiceTierManager, wanted: list[OffloadKey]) -> list[OffloadKey]:
+    ctx = ReqContext("store")
+    accepted = manager.prepare_store(wanted, ctx)
+    assert accepted is not None
+    for key, slot in zip(accepted, manager.get_spec(accepted).block_ids, strict=True):
+        manager.region.view(int(slot))[:SLOT] = chunk_bytes_of(key, SLOT)
+    manager.complete_store(accepted, ctx)
+    manager.flush(wait=True)
+    return accepted
+
+
+def read_exact(manager: ServiceTierManager, wanted: list[OffloadKey]) -> bool:
+    ctx = ReqContext("load")
+    manager.prepare_load(wanted, ctx)
+    slots = manager.get_spec(wanted).block_ids
+    exact = all(
+        bytes(manager.region.view(int(s))[:SLOT]) == chunk_bytes_of(k, SLOT)
+        for k, s in zip(wanted, slots, strict=True)
+    )
+    manager.complete_load(wanted, ctx)
+    manager.flush(wait=True)
+    return exact
+
+
+def test_a_chunk_stored_by_one_engine_is_a_hit_for_another(service: ServiceProcess) -> None:
+    stored = keys(3)
+    assert run_peer(service.socket, IDENTITY, "store", stored)["stored"] == 3
+    mine = engine(service)
+    ctx = ReqContext("r")
+    assert [mine.lookup(k, ctx) for k in stored] == [HIT] * 3
+    assert read_exact(mine, stored)
+    # And the other way round, through a second process.
+    more = keys(2, salt=1)
+    store(mine, more)
+    assert run_peer(service.socket, IDENTITY, "read", more) == {
+        "op": "read", "hits": 2, "exact": True}
+    # Another identity reaches none of them.
+    other = engine(service, OTHER_IDENTITY)
+    assert [other.lookup(k, ctx) for k in stored + more] == [MISS] * 5
+    mine.shutdown()
+    other.shutdown()
+
+
+def test_the_same_key_stored_by_two_engines_at_once_is_written_once(
+    service: ServiceProcess,
+) -> None:
+    first, second = engine(service, lease=0), engine(service, lease=0)
+    ctx = ReqContext("r")
+    wanted = keys(4)
+    # Both reserve before either commits: only the first gets slots.
+    got_first = first.prepare_store(wanted, ctx)
+    got_second = second.prepare_store(wanted, ctx)
+    assert got_first == wanted and got_second == []
+    for key, slot in zip(wanted, first.get_spec(wanted).block_ids, strict=True):
+        first.region.view(int(slot))[:SLOT] = chunk_bytes_of(key, SLOT)
+    first.complete_store(wanted, ctx)
+    first.flush(wait=True)
+    state = read_status(service.socket)
+    assert state["used_slots"] == 4
+    assert [ns["chunks"] for ns in state["namespaces"]] == [4]
+    assert read_exact(second, wanted)
+    first.shutdown()
+    second.shutdown()
+
+
+def test_with_leases_the_same_key_stored_by_two_engines_at_once_is_held_once(
+    service: ServiceProcess,
+) -> None:
+    first, second = engine(service), engine(service)
+    ctx = ReqContext("r")
+    wanted = keys(4)
+    # Leased slots: both engines take slots and write, without a round trip.
+    assert first.prepare_store(wanted, ctx) == wanted
+    assert second.prepare_store(wanted, ctx) == wanted
+    for manager in (first, second):
+        for key, slot in zip(wanted, manager.get_spec(wanted).block_ids, strict=True):
+            manager.region.view(int(slot))[:SLOT] = chunk_bytes_of(key, SLOT)
+        manager.complete_store(wanted, ctx)
+        manager.flush(wait=True)
+    state = read_status(service.socket)
+    assert [ns["chunks"] for ns in state["namespaces"]] == [4]
+    assert state["counters"]["duplicate_stores"] == 4
+    assert second.get_stats()["duplicate_stores"] == 4
+    # The second engine's slots went back to its lease, and the chunks read back exact.
+    assert state["leased_slots"] == len(first._lease) + len(second._lease) > 0
+    assert read_exact(second, wanted) and read_exact(first, wanted)
+    # Nothing is stored again once present.
+    assert first.prepare_store(wanted, ctx) == []
+    first.shutdown()
+    second.shutdown()
+
+
+def test_kill_9_makes_lookups_miss_and_a_restart_readopts(service: ServiceProcess) -> None:
+    mine = engine(service)
+    ctx = ReqContext("r")
+    stored = store(mine, keys(5))
+    loading = keys(1)
+    mine.prepare_load(loading, ctx)  # a load in flight when the service dies
+    service.kill()
+    # Every call resolves at once: lookups miss, stores are refused, loads are lost.
+    assert [mine.lookup(k, ctx) for k in stored] == [MISS] * 5
+    assert mine.prepare_store(keys(2, salt=9), ctx) is None
+    mine.prepare_load(stored[1:2], ctx)
+    assert list(mine.get_spec(stored[1:2]).block_ids) == [mine.num_slots]
+    mine.complete_load(stored[1:2], ctx)
+    mine.complete_load(loading, ctx)
+    assert mine.get_stats()["service_up"] == 0.0
+    # Back: the pool's chunks are re-adopted after their checks, byte-exact.
+    assert "adopted 5" in service.start()
+    assert [mine.lookup(k, ctx) for k in stored] == [HIT] * 5
+    assert read_exact(mine, stored)
+    assert mine.get_stats()["service_reattaches"] == 1
+    mine.shutdown()
+
+
+def test_an_engine_never_uses_a_pool_made_again_under_its_name(service: ServiceProcess
+                                                               ) -> None:
+    mine = engine(service)
+    store(mine, keys(2))
+    assert service.stop() == 0
+    service.start(fresh=True)  # a new file at the same name: the engine maps the old one
+    ctx = ReqContext("r")
+    assert mine.lookup(keys(2)[0], ctx) is MISS
+    assert mine.prepare_store(keys(1, salt=5), ctx) is None
+    assert not mine.client.up
+    assert read_status(service.socket)["engines"] == []
+    mine.shutdown()
+
+
+def test_sigterm_drains_and_the_next_start_readopts(service: ServiceProcess) -> None:
+    mine = engine(service)
+    stored = store(mine, keys(8))
+    assert service.stop() == 0
+    assert not service.socket.exists()
+    assert "adopted 8" in service.start()
+    assert read_exact(mine, stored)
+    state = read_status(service.socket)
+    assert state["counters"]["adopted"] == 8
+    mine.shutdown()
+
+
+def _header(pool: Pool, slot: int) -> int:
+    return pool.layout.headers_at + slot * SLOT_HEADER
+
+
+def test_torn_corrupt_and_foreign_slots_are_not_adopted(
+    service: ServiceProcess, pool_name: str
+) -> None:
+    mine = engine(service)
+    stored = store(mine, keys(4))
+    ctx = ReqContext("r")
+    mine.prepare_load(stored, ctx)
+    slots = [int(s) for s in mine.get_spec(stored).block_ids]
+    mine.complete_load(stored, ctx)
+    mine.flush(wait=True)
+    mine.shutdown()
+    assert service.stop() == 0
+    path = Path("/dev/shm", pool_name)
+    from kvtiers.service.pool import Layout
+
+    pool = Pool(path, Layout(256, SLOT))
+    # Slot of key 0: one flipped byte. Key 1: its header back to WRITING (a crash
+    # mid-store). Key 2: another namespace's digest.
+    pool.view(slots[0])[100] ^= 0xFF
+    struct.pack_into("<I", pool.buffer, _header(pool, slots[1]) + 8, SlotState.WRITING)
+    pool.buffer[_header(pool, slots[2]) + 56 : _header(pool, slots[2]) + 88] = bytes(32)
+    pool.close()
+    service.start()
+    state = read_status(service.socket)
+    counters = state["counters"]
+    assert (counters["adopted"], counters["adopt_corrupt"], counters["adopt_torn"],
+            counters["adopt_foreign"]) == (1, 1, 1, 1)
+    again = engine(service)
+    assert [again.lookup(k, ctx) for k in stored] == [MISS, MISS, MISS, HIT]
+    assert read_exact(again, stored[3:])
+    again.shutdown()
+
+
+def _raw(service: ServiceProcess) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(str(service.socket))
+    return sock
+
+
+def _reply_then_closed(sock: socket.socket) -> p.Reply:
+    """The one reply the service sent before closing ``sock``."""
+    data = bytearray()
+    while chunk := sock.recv(65536):
+        data += chunk
+    (size,) = p.FRAME.unpack_from(data)
+    assert len(data) == 4 + size, "more than one reply before the close"
+    sock.close()
+    return p.decode_reply(bytes(data[4:]))
+
+
+def _framed(message: object) -> bytes:
+    import msgspec
+
+    payload = msgspec.msgpack.encode(message)
+    return p.FRAME.pack(len(payload)) + payload
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(p.FRAME.pack(p.MAX_FRAME + 1), id="oversized"),
+        pytest.param(p.FRAME.pack(5) + b"\xc1" * 5, id="garbage"),
+        pytest.param(_framed(["Reserve", 1, "x", [b"k" * 36]]), id="wrong-types"),
+        pytest.param(_framed(["Shutdown", 1]), id="unknown-message"),
+        pytest.param(_framed(["Reserve", 1, 0, [b"k" * 36]]), id="not-attached"),
+        pytest.param(_framed(["Status"]), id="missing-field"),
+    ],
+)
+def test_a_hostile_message_gets_an_error_and_a_close_while_others_are_served(
+    service: ServiceProcess, payload: bytes
+) -> None:
+    good = engine(service)
+    stored = store(good, keys(2))
+    bad = _raw(service)
+    bad.sendall(payload)
+    reply = _reply_then_closed(bad)
+    assert isinstance(reply, p.Error)
+    assert read_exact(good, stored)
+    assert store(good, keys(1, salt=3)) == keys(1, salt=3)
+    assert read_status(service.socket)["counters"]["bad_messages"] >= 1
+    good.shutdown()
+
+
+def test_a_commit_of_a_slot_not_reserved_is_refused(service: ServiceProcess) -> None:
+    good = engine(service)
+    stored = store(good, keys(1))
+    slot = int(good.get_spec([]).block_ids.size)
+    bad = ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
+    with pytest.raises(ServiceDown, match="neither leased"):
+        bad.call([p.Commit(bad.next_seq(), bad.ns, list(stored), [slot], [SLOT])])
+    assert read_exact(good, stored)
+    good.shutdown()
+    bad.close()
+
+
+def test_one_connection_holds_an_eighth_of_the_pool_at_most(service: ServiceProcess) -> None:
+    greedy = engine(service, lease=0)
+    ctx = ReqContext("r")
+    # 256 slots: a reservation of all of them gets the first 32 (and frees nothing).
+    accepted = greedy.prepare_store(keys(200) + keys(56, salt=7), ctx)
+    assert accepted is not None and len(accepted) == 32
+    other = engine(service)
+    assert store(other, keys(4, salt=8)) == keys(4, salt=8)
+    greedy.shutdown()
+    other.shutdown()
+
+
+def test_unpin_of_a_key_not_pinned_is_refused(service: ServiceProcess) -> None:
+    good = engine(service)
+    stored = store(good, keys(1))
+    bad = ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
+    with pytest.raises(ServiceDown, match="not pinned"):
+        bad.call([p.Unpin(bad.next_seq(), bad.ns, list(stored))])
+    assert read_exact(good, stored)
+    good.shutdown()
+    bad.close()
+
+
+# -- in-process service: peer credentials and a client that stops reading ------------------
+@pytest.fixture
+def local_service(tmp_path: Path, pool_name: str) -> Iterator[Service]:
+    from kvtiers.service.pool import Layout
+
+    pool = Pool(Path("/dev/shm", pool_name), Layout(16, SLOT), fresh=True)
+    svc = Service(pool, tmp_path / "local.sock", max_output=1 << 16)
+    thread = threading.Thread(target=svc.serve)
+    thread.start()
+    yield svc
+    svc.stop()
+    thread.join()
+    pool.close()
+
+
+def test_peer_allowed() -> None:
+    assert peer_allowed(1000, 1000, set(), owner=1000, group=None)
+    assert not peer_allowed(1001, 1001, set(), owner=1000, group=None)
+    assert not peer_allowed(1001, 1001, {5}, owner=1000, group=None)
+    assert peer_allowed(1001, 50, set(), owner=1000, group=50)
+    assert peer_allowed(1001, 1001, {50}, owner=1000, group=50)
+    assert not peer_allowed(1001, 1001, {51}, owner=1000, group=50)
+
+
+def test_a_peer_of_another_user_is_refused(local_service: Service,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvtiers.service.server as server
+
+    monkeypatch.setattr(server, "peer_credentials", lambda sock: (1, os.geteuid() + 1, 0))
+    with pytest.raises(ServiceDown):
+        ServiceClient(local_service.socket_path, IDENTITY, SLOT, timeout_s=5.0)
+    monkeypatch.undo()
+    assert read_status(local_service.socket_path)["counters"]["refused_peers"] == 1
+
+
+def test_a_client_that_stops_reading_is_closed(local_service: Service) -> None:
+    good = ServiceClient(local_service.socket_path, IDENTITY, SLOT, timeout_s=5.0)
+    lazy = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    lazy.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    lazy.connect(str(local_service.socket_path))
+    request = p.frame(p.Status(1))
+    lazy.settimeout(10)
+    # Asks and never reads, until the service hangs up (its queue went over the bound).
+    with pytest.raises(OSError):
+        for _ in range(100_000):
+            lazy.sendall(request * 64)
+    lazy.close()
+    assert good.status()["counters"]["slow_clients"] == 1
+    good.close()
+
+
+def test_status_cli_prints_json(service: ServiceProcess, capsys: pytest.CaptureFixture[str]
+                                ) -> None:
+    from kvtiers.cli import main
+
+    mine = engine(service)
+    store(mine, keys(2))
+    assert main(["status", "--socket", str(service.socket), "--json"]) == 0
+    state = json.loads(capsys.readouterr().out)
+    assert state["ready_slots"] == 2 and len(state["engines"]) == 1
+    assert main(["status", "--socket", str(service.socket)]) == 0
+    assert "2 chunks" in capsys.readouterr().out
+    mine.shutdown()
+    service.stop()
+    assert main(["status", "--socket", str(service.socket)]) == 1
+
+
+# -- engines with a kind: service stack: real worker copies through the mapped pool -------
+MODEL = {
+    "name": "service/model",
+    "tokens_per_hash": 16,
+    "blocks_per_chunk": 2,
+    "groups": [{"tokens_per_block": 16, "num_layers": 2, "page_bytes": "1KiB"}],
+}
+
+
+def test_two_simulated_engines_share_prefixes_through_the_pool(
+    service: ServiceProcess,
+) -> None:
+    from kvtiers.engine.simulator import SimulatedEngine
+    from kvtiers.engine.workload import WorkloadSpec, conversation_requests
+    from kvtiers.stack.builder import load_stack
+
+    config = {"tiers": [{"kind": "service", "socket": str(service.socket)}], "model": MODEL}
+    spec = WorkloadSpec(conversations=3, system_prompts=1, turns=1, system_tokens=(128, 160))
+    requests = list(conversation_requests(spec))
+    with load_stack(config) as first_stack, load_stack(config) as second_stack:
+        first = SimulatedEngine(first_stack, num_gpu_blocks=128)
+        firsts = [first.run_request(r.req_id, r.token_ids) for r in requests]
+        first.glue.end_step()  # the step's commits are sent...
+        first_stack.tiers[0].manager.flush(wait=True)  # ...and taken in
+        second = SimulatedEngine(second_stack, num_gpu_blocks=128)
+        seconds = [second.run_request(r.req_id, r.token_ids) for r in requests]
+        first.shutdown()
+        second.shutdown()
+    assert sum(r.stored_bytes for r in firsts) > 0
+    # The second engine stores nothing the first stored: every chunk is a pool hit,
+    # copied into its own KV tensors and verified block by block.
+    assert [r.reused_tokens for r in seconds] == [
+        (r.prompt_tokens - 1) // 32 * 32 for r in seconds  # whole chunks, one token left
+    ]
+    assert sum(r.verified_blocks for r in seconds) > 0
+    assert sum(r.verification_failures + r.load_failures for r in seconds) == 0
+
+
+def test_a_service_stack_without_a_service_is_refused(tmp_path: Path) -> None:
+    from kvtiers.errors import ConfigError
+    from kvtiers.stack.builder import load_stack
+
+    config = {"tiers": [{"kind": "service", "socket": str(tmp_path / "none.sock")}],
+              "model": MODEL}
+    with pytest.raises(ConfigError, match="no kvtiers service answers") as info:
+        load_stack(config)
+    assert info.value.path == "tiers[0].socket"  # found by the start-time checks
+
+
+def test_kvtiers_check_probes_the_service_socket(service: ServiceProcess, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtiers.cli import main
+
+    stack = tmp_path / "engine.yaml"
+    stack.write_text(f"tiers:\n  - kind: service\n    socket: {service.socket}\n")
+    assert main(["check", str(stack)]) == 0
+    service.stop()
+    assert main(["check", str(stack)]) != 0
+    assert "no kvtiers service answers" in capsys.readouterr().err
+
+
+def test_metrics_export_the_pool_namespaces_and_engines(tmp_path: Path, pool_name: str
+                                                        ) -> None:
+    pytest.importorskip("prometheus_client")
+    from kvtiers.testing.serve import free_port, scrape
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
+    )
+    port = free_port()
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT, metrics_port=port)
+    proc.start(fresh=True)
+    try:
+        mine = engine(proc)
+        stored = store(mine, keys(3))
+        assert read_exact(mine, stored)
+        samples = scrape(f"http://127.0.0.1:{port}/metrics")
+        namespace = 'namespace="test/model-f4a91f1b4ef09ca1"'
+        assert samples[f"kvtiers_service_namespace_chunks{{{namespace}}}"] == 3
+        assert samples[f"kvtiers_service_namespace_bytes{{{namespace}}}"] == 3 * SLOT
+        assert samples[f"kvtiers_service_namespace_hits_total{{{namespace}}}"] == 3
+        assert samples['kvtiers_service_pool_slots{state="ready"}'] == 3
+        assert samples["kvtiers_service_engines"] == 1
+        assert samples['kvtiers_service_events_total{event="attaches"}'] == 1
+        mine.shutdown()
+    finally:
+        assert proc.stop() == 0
+
+
+def test_an_engine_that_only_stores_reads_its_owed_replies(service: ServiceProcess) -> None:
+    mine = engine(service)
+    ctx = ReqContext("r")
+    for step in range(300):
+        key = OffloadKey(step.to_bytes(4, "big") * 9)
+        accepted = mine.prepare_store([key], ctx)
+        assert accepted == [key]
+        mine.complete_store(accepted, ctx)
+        mine.on_schedule_end(ScheduleEndContext())  # a write; the last step's replies read
+    assert len(mine._inflight) <= 2  # one step's commit and lease top-up at most
+    mine.flush(wait=True)
+    state = read_status(service.socket)
+    assert state["counters"].get("slow_clients", 0) == 0
+    assert sum(ns["stored"] for ns in state["namespaces"]) == 300
+    assert mine.get_stats()["service_up"] == 1.0
+    mine.shutdown()
+
+
+def test_slots_being_written_at_a_stop_are_reused_last(tmp_path: Path, pool_name: str
+                                                       ) -> None:
+    from kvtiers.service.pool import Layout
+
+    path = Path("/dev/shm", pool_name)
+    pool = Pool(path, Layout(16, SLOT), fresh=True)
+    pool.set_writing(3)  # a store in flight when the service died
+    pool.close()
+    pool = Pool(path, Layout(16, SLOT))
+    svc = Service(pool, tmp_path / "again.sock")
+    try:
+        assert svc.adoption.unsettled == [3] and svc.adoption.torn == 1
+        taken = [svc._take_slot(set()) for _ in range(16)]
+        assert taken[-1] == 3 and sorted(taken) == list(range(16))
+    finally:
+        svc.stop()
+        svc.serve()  # returns at once: closes the socket
+        pool.close()
