@@ -367,9 +367,12 @@ class ServiceTierManager(OffloadingManager):
 
 
 def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
-               primary_region: HostRegion | None, name: str) -> BuiltTier:
+               primary_region: HostRegion | None, name: str,
+               staging: bool = False) -> BuiltTier:
     """The ``kind: service`` tier ``name``: attaches to the service (fail-closed: no
-    service, no stack) with this engine's namespace identity."""
+    service, no stack) with this engine's namespace identity. The pool never stages
+    (``staging`` is accepted and has no effect): the slots belong to the service, so a
+    store larger than what this engine may take is refused, not evicted for."""
     from kvtiers.core.geometry import ChunkGeometry
     from kvtiers.core.tier import BuiltTier
     from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
