@@ -158,7 +158,11 @@ def render_section(title: str, cls: type[Section], intro: str = "") -> str:
     """One section's heading, its class docstring (or ``intro``), and its key table."""
     doc = intro or " ".join(inspect.cleandoc(cls.__doc__ or "").split())
     rows = ["| key | type | default | unit | meaning |", "|---|---|---|---|---|"]
-    for spec in field_specs(cls):
+    # Kind and name, then the keys a section needs, then the rest in declaration order
+    # (a base's shared keys come before a subclass's own).
+    specs = sorted(field_specs(cls),
+                   key=lambda spec: (spec.name not in ("kind", "name"), not spec.required))
+    for spec in specs:
         text = meaning(cls, spec.name).replace("|", "\\|")
         if spec.name == "kind":
             default = f"`{_default_text(cls, spec).strip('`')}` (required)"

@@ -106,12 +106,7 @@ from kvtiers.filemapper import (
 )
 from kvtiers.filemapper.manifest import MANIFEST_NAME
 from kvtiers.filemapper.summary import SUMMARY_NAME
-from kvtiers.tiers.backoff import (
-    DEFAULT_LOAD_BACKOFF_MAX_S,
-    DEFAULT_LOAD_BACKOFF_S,
-    LoadBackoff,
-    MoverReports,
-)
+from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.file.io import IO_POSIX
@@ -124,7 +119,7 @@ from kvtiers.tiers.file.snapshot import (
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
 from kvtiers.tiers.iopool import background_initializer
-from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
+from kvtiers.tiers.listing import ListingSettings, SharedListing
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
 logger = logging.getLogger(__name__)
@@ -361,11 +356,11 @@ class FileTierManager(OffloadingManager):
     ``negative_ttl_s``). ``io_backend`` is the numeric code of the I/O path in use
     (reported in stats). ``clock`` is injectable for tests.
     ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
-    (read-only root, full disk) ``prepare_store`` answers ``None``. ``load_backoff_s`` and
-    ``load_backoff_max_s``: how long a key whose load failed is a miss (see
-    :mod:`kvtiers.tiers.backoff`). ``capacity_scope``: ``"namespace"`` (the capacity is this
-    namespace's) or ``"root"`` (one budget for every namespace under the root; see the
-    module docstring), which needs a ``capacity_bytes``.
+    (read-only root, full disk) ``prepare_store`` answers ``None``. ``load_backoff``: how
+    long a key whose load failed is a miss (see :mod:`kvtiers.tiers.backoff`).
+    ``capacity_scope``: ``"namespace"`` (the capacity is this namespace's) or ``"root"``
+    (one budget for every namespace under the root; see the module docstring), which
+    needs a ``capacity_bytes``.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
@@ -373,8 +368,8 @@ class FileTierManager(OffloadingManager):
     (failed loads reported by movers), ``unreadable_chunks`` (keys forgotten after lasting
     load failures), ``backing_off`` (keys with a failure record), ``probes`` and
     ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
-    codes; the name is in :attr:`io_backend_name`); with ``list_interval_s`` also the
-    listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
+    codes; the name is in :attr:`io_backend_name`); with a ``listing`` also the
+    listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`).
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
@@ -395,12 +390,9 @@ class FileTierManager(OffloadingManager):
         negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         space: SpaceLatch | None = None,
-        load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
-        load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
+        load_backoff: BackoffSettings = DEFAULT_BACKOFF,
         capacity_scope: Literal["namespace", "root"] = "namespace",
-        list_interval_s: float | None = None,
-        list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
-        summary_interval_s: float | None = None,
+        listing: ListingSettings | None = None,
         background_index: bool = False,
         walk_threads: int = DEFAULT_WALK_THREADS,
         snapshot: bool = True,
@@ -414,11 +406,8 @@ class FileTierManager(OffloadingManager):
             )
         if capacity_scope == "root" and capacity_bytes is None:
             raise ValueError("capacity_scope 'root' shares a capacity; give capacity_bytes")
-        if list_interval_s is not None and not shared:
+        if listing is not None and not shared:
             raise ValueError("a namespace listing is for shared directories; set shared")
-        if summary_interval_s is not None and list_interval_s is None:
-            raise ValueError("the namespace summary is written after listings; set "
-                             "list_interval_s")
         self.mapper = mapper
         self.geometry = geometry
         self.capacity_bytes = capacity_bytes
@@ -436,8 +425,8 @@ class FileTierManager(OffloadingManager):
             locality=self.locality,
         )
         self.backoff = LoadBackoff(
-            tier=f"file tier at {self.namespace_dir}", base_s=load_backoff_s,
-            max_s=load_backoff_max_s, clock=clock,
+            tier=f"file tier at {self.namespace_dir}", base_s=load_backoff.base_s,
+            max_s=load_backoff.max_s, clock=clock,
         )
         self._reports = MoverReports(self.backoff)
         self._reported_lock = threading.Lock()
@@ -496,18 +485,12 @@ class FileTierManager(OffloadingManager):
             self._poll_build()
         self.rebuild_s = time.perf_counter() - start
         self._file_mode, self._dir_mode = file_mode, dir_mode
-        self.summary: SummaryWriter | None = None
         self.listing: SharedListing | None = None
-        if list_interval_s is not None:
-            if summary_interval_s is not None:
-                self.summary = SummaryWriter(
-                    self._publish_summary, namespace_digest=mapper.identity.digest,
-                    interval_s=summary_interval_s, clock=clock,
-                )
-            self.listing = SharedListing(
-                self._listed_keys, interval_s=list_interval_s, max_chunks=list_max_chunks,
-                medium=self.medium, where=f"file tier {self.namespace_dir}",
-                summary=self.summary, clock=clock,
+        if listing is not None:
+            self.listing = listing.start(
+                self._listed_keys, publish_summary=self._publish_summary,
+                namespace_digest=mapper.identity.digest, medium=self.medium,
+                where=f"file tier {self.namespace_dir}", clock=clock,
             )
 
     @property
@@ -994,7 +977,6 @@ class FileTierManager(OffloadingManager):
         stats["io_backend"] = self.io_backend
         if self.listing is not None:
             stats.update(self.listing.stats())
-            stats["summaries"] = 0 if self.summary is None else self.summary.written
         return stats
 
     def shutdown(self) -> None:

@@ -59,15 +59,10 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.specs import ObjectLoadStoreSpec
 from kvtiers.filemapper.summary import SUMMARY_NAME
-from kvtiers.tiers.backoff import (
-    DEFAULT_LOAD_BACKOFF_MAX_S,
-    DEFAULT_LOAD_BACKOFF_S,
-    LoadBackoff,
-    MoverReports,
-)
+from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
-from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
+from kvtiers.tiers.listing import ListingSettings, SharedListing
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
@@ -85,8 +80,8 @@ class ObjectTierManager(OffloadingManager):
     ``vanished_chunks`` (reported missing), ``chunks``, ``usage_bytes``,
     ``capacity_bytes`` (0 when unbounded), ``corrupt_chunks``, ``retries``,
     ``load_failures``, ``unreadable_chunks`` and ``backing_off`` (see
-    :mod:`kvtiers.tiers.backoff`); with ``list_interval_s`` also the listing's
-    (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
+    :mod:`kvtiers.tiers.backoff`, as ``load_backoff`` sets it); with a ``listing`` also
+    the listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`).
     """
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
@@ -102,20 +97,14 @@ class ObjectTierManager(OffloadingManager):
         shared: bool = False,
         negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
-        load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
-        load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
-        list_interval_s: float | None = None,
-        list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
-        summary_interval_s: float | None = None,
+        load_backoff: BackoffSettings = DEFAULT_BACKOFF,
+        listing: ListingSettings | None = None,
         background_index: bool = False,
         list_threads: int = DEFAULT_LIST_THREADS,
         before_list_part: Callable[[int], None] | None = None,
     ) -> None:
-        if list_interval_s is not None and not shared:
+        if listing is not None and not shared:
             raise ValueError("a namespace listing is for shared namespaces; set shared")
-        if summary_interval_s is not None and list_interval_s is None:
-            raise ValueError("the namespace summary is written after listings; set "
-                             "list_interval_s")
         self.backend = backend
         self.reserve_bytes = HEADER_BYTES + max_chunk_bytes
         self.capacity_bytes = capacity_bytes
@@ -128,7 +117,7 @@ class ObjectTierManager(OffloadingManager):
         # Index misses are probed in a shared namespace, and in any while the index is built.
         self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock)
         self.backoff = LoadBackoff(
-            tier=f"object tier at {where}", base_s=load_backoff_s, max_s=load_backoff_max_s,
+            tier=f"object tier at {where}", base_s=load_backoff.base_s, max_s=load_backoff.max_s,
             clock=clock,
         )
         self._reports = MoverReports(self.backoff)
@@ -151,18 +140,12 @@ class ObjectTierManager(OffloadingManager):
         if not background_index:
             self._build.done.wait()
             self._poll_build()
-        self.summary: SummaryWriter | None = None
         self.listing: SharedListing | None = None
-        if list_interval_s is not None:
-            if summary_interval_s is not None:
-                self.summary = SummaryWriter(
-                    self._publish_summary, namespace_digest=backend.identity.digest,
-                    interval_s=summary_interval_s, clock=clock,
-                )
-            self.listing = SharedListing(
-                self._listed_keys, interval_s=list_interval_s, max_chunks=list_max_chunks,
-                medium=self.medium, where=f"object tier at {where}", summary=self.summary,
-                clock=clock,
+        if listing is not None:
+            self.listing = listing.start(
+                self._listed_keys, publish_summary=self._publish_summary,
+                namespace_digest=backend.identity.digest, medium=self.medium,
+                where=f"object tier at {where}", clock=clock,
             )
 
     @property
@@ -449,7 +432,6 @@ class ObjectTierManager(OffloadingManager):
         stats["backing_off"] = len(self.backoff)
         if self.listing is not None:
             stats.update(self.listing.stats())
-            stats["summaries"] = 0 if self.summary is None else self.summary.written
         return stats
 
     def shutdown(self) -> None:
