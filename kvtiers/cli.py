@@ -263,13 +263,13 @@ def _run_verify(args: argparse.Namespace) -> int:
 
 def _run_gc(args: argparse.Namespace) -> int:
     from kvtiers.config.sizes import parse_size
-    from kvtiers.tools.commands import GcPolicy, gc
+    from kvtiers.tools.commands import GcRules, gc
 
     for flag in ("stale_days", "older_than_days", "temp_age_s", "quarantine_older_than_days"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must not be negative, got {value}")
-    policy = GcPolicy(
+    rules = GcRules(
         namespaces=tuple(args.namespace),
         stale_days=args.stale_days,
         older_than_days=args.older_than_days,
@@ -283,9 +283,9 @@ def _run_gc(args: argparse.Namespace) -> int:
         if not args.shm:
             raise ConfigError("give a location (a file root, s3://bucket/prefix or a URL), "
                               "--shm, or both; see kvtiers gc --help")
-        if policy.namespaces or policy.stale_days is not None or (
-                policy.older_than_days is not None or policy.max_bytes is not None
-                or policy.quarantine_older_than_days is not None):
+        if rules.namespaces or rules.stale_days is not None or (
+                rules.older_than_days is not None or rules.max_bytes is not None
+                or rules.quarantine_older_than_days is not None):
             raise ConfigError("--namespace, --stale-days, --older-than-days, --max-bytes "
                               "and --quarantine-older-than-days choose what goes from a "
                               "location: give one")
@@ -293,7 +293,7 @@ def _run_gc(args: argparse.Namespace) -> int:
     if args.location is not None:
         location = _open(args)
         try:
-            status = gc(location, policy, sys.stdout)
+            status = gc(location, rules, sys.stdout)
         finally:
             location.close()
     if args.shm:

@@ -2,7 +2,7 @@
 
 Every tier has a ``kind``, a ``name`` (unique within a stack; the stack parser defaults it
 to its kind, or ``<kind><index>`` when the kind repeats) and an ``admission`` rule for
-chunks written to it; the kinds that can be lower tiers add their write policy
+chunks written to it; the kinds that can be lower tiers add their write rules
 (``write``, ``write_after_hits``, ``write_promoted``) and the cost model's seeds. The
 classes here only describe and check values; building a tier from them is the job of the
 kind's factory (see :mod:`kvtiers.config.kinds`). Sizes are bytes; ``*_s`` fields are

@@ -95,7 +95,7 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.mover import MoverResult
 from kvtiers.core.specs import LoadStoreSpec
-from kvtiers.core.tier import BuiltTier, WritePolicy
+from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.errors import ClosedError, ConfigError
 from kvtiers.stack.cost import CostModel
 from kvtiers.stack.metrics_latency import LatencyHistograms
@@ -185,7 +185,7 @@ class _Lower:
         return self.tier.manager
 
     @property
-    def write(self) -> WritePolicy:
+    def write(self) -> WriteRules:
         return self.tier.write
 
     @property

@@ -167,7 +167,7 @@ class HandingTier(Protocol):
 @runtime_checkable
 class IndexedTier(Protocol):
     """A lower tier whose bookkeeping is a :class:`~kvtiers.tiers.index.ChunkIndex` (the
-    file, object and reference tiers): what it holds can be asked without a lookup."""
+    file, object and in-memory tiers): what it holds can be asked without a lookup."""
 
     @property
     def index(self) -> ChunkIndex: ...

@@ -1,7 +1,7 @@
 """The chunk index a tier's manager owns: key → (size, state, pins) in LRU order.
 
 A plain object — no threads, no I/O — that managers hold by composition; the file, object
-and reference tiers keep all their bookkeeping here (see docs/architecture.md). Sizes are
+and in-memory tiers keep all their bookkeeping here (see docs/architecture.md). Sizes are
 in the owner's unit of capacity: bytes for persistent tiers (which reserve a key at the
 largest blob size and account rebuilt entries at their real size), 1 per chunk for a tier
 that counts chunks.

@@ -1,4 +1,4 @@
-"""A tiny in-memory reference tier: the manager contract in its plainest form.
+"""A tiny in-memory tier: the manager contract in its plainest form.
 
 It exists to prove the conformance suite before real tiers arrive, and as a test double
 for code built on top of managers. Chunks live in a bytes dict addressed by slot ids; the
