@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -39,6 +40,11 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
+def _add_json(parser: argparse.ArgumentParser,
+              meaning: str = "print one JSON document instead of text") -> None:
+    parser.add_argument("--json", action="store_true", help=meaning)
+
+
 def _one_line(text: str) -> str:
     from kvtiers.tools.text import visible
 
@@ -47,8 +53,7 @@ def _one_line(text: str) -> str:
 
 def _configure_validate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="YAML stack files to check")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
 def _run_validate(args: argparse.Namespace) -> int:
@@ -91,8 +96,7 @@ def _configure_check(parser: argparse.ArgumentParser) -> None:
         "when a start would fail. An engine runs the same checks before it builds a stack."
     )
     parser.add_argument("files", nargs="+", metavar="FILE", help="YAML stack files to check")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
 def _run_check(args: argparse.Namespace) -> int:
@@ -202,8 +206,7 @@ def _add_location(parser: argparse.ArgumentParser, *, optional: bool = False) ->
 
 def _configure_inspect(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
 def _configure_verify(parser: argparse.ArgumentParser) -> None:
@@ -234,31 +237,44 @@ def _configure_gc(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
 
 
-def _open(args: argparse.Namespace) -> Any:
+@contextmanager
+def _opened(args: argparse.Namespace) -> Iterator[Any]:
+    """The location the arguments name (``_add_location``'s), closed when the block ends."""
     from kvtiers.tools.locations import open_location
 
-    return open_location(args.location, endpoint_url=args.endpoint_url, region=args.region)
+    location = open_location(args.location, endpoint_url=args.endpoint_url, region=args.region)
+    try:
+        yield location
+    finally:
+        location.close()
 
 
-def _run_inspect(args: argparse.Namespace) -> int:
+def _on_location(
+    run: Callable[[Any, argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """A command's body that works on one location: ``run(location, args)`` over
+    :func:`_opened`'s."""
+
+    def opened(args: argparse.Namespace) -> int:
+        with _opened(args) as location:
+            return run(location, args)
+
+    return opened
+
+
+@_on_location
+def _run_inspect(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.commands import inspect
 
-    location = _open(args)
-    try:
-        return inspect(location, sys.stdout, as_json=args.json)
-    finally:
-        location.close()
+    return inspect(location, sys.stdout, as_json=args.json)
 
 
-def _run_verify(args: argparse.Namespace) -> int:
+@_on_location
+def _run_verify(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.commands import verify
 
-    location = _open(args)
-    try:
-        return verify(location, sys.stdout, fix=args.fix, as_json=args.json,
-                      progress=not args.json and sys.stderr.isatty())
-    finally:
-        location.close()
+    return verify(location, sys.stdout, fix=args.fix, as_json=args.json,
+                  progress=not args.json and sys.stderr.isatty())
 
 
 def _run_gc(args: argparse.Namespace) -> int:
@@ -291,11 +307,8 @@ def _run_gc(args: argparse.Namespace) -> int:
                               "location: give one")
     status = EXIT_OK
     if args.location is not None:
-        location = _open(args)
-        try:
+        with _opened(args) as location:
             status = gc(location, rules, sys.stdout)
-        finally:
-            location.close()
     if args.shm:
         from kvtiers.tools.commands import gc_shm
 
@@ -306,8 +319,7 @@ def _run_gc(args: argparse.Namespace) -> int:
 def _configure_identity(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="FILE",
                         help="a stack file with a model: section")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document (namespace, digest, identity)")
+    _add_json(parser, "print one JSON document (namespace, digest, identity)")
 
 
 def _run_identity(args: argparse.Namespace) -> int:
@@ -339,21 +351,17 @@ def _configure_diff(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
     parser.add_argument("first", metavar="NS_A", help="a namespace (kvtiers inspect lists them)")
     parser.add_argument("second", metavar="NS_B", help="the namespace to compare it with")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
     parser.description = ("Name every identity field that differs between two namespaces' "
                           "manifests. Exit status 0 when the identities are identical, 1 "
                           "when they differ (or a namespace cannot be read).")
 
 
-def _run_diff(args: argparse.Namespace) -> int:
+@_on_location
+def _run_diff(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.identity import diff
 
-    location = _open(args)
-    try:
-        return diff(location, args.first, args.second, sys.stdout, as_json=args.json)
-    finally:
-        location.close()
+    return diff(location, args.first, args.second, sys.stdout, as_json=args.json)
 
 
 def _configure_has(parser: argparse.ArgumentParser) -> None:
@@ -373,18 +381,14 @@ def _configure_has(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("keys", nargs="+", metavar="KEY",
                         help="chunk keys, a prefix's in token order: each chunk's file name "
                         "(<hash hex>_g<group>) or the key's bytes in hex")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
-def _run_has(args: argparse.Namespace) -> int:
+@_on_location
+def _run_has(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.summary import has
 
-    location = _open(args)
-    try:
-        return has(location, args.namespace, args.keys, sys.stdout, as_json=args.json)
-    finally:
-        location.close()
+    return has(location, args.namespace, args.keys, sys.stdout, as_json=args.json)
 
 
 def _configure_vllm_config(parser: argparse.ArgumentParser) -> None:
@@ -395,8 +399,7 @@ def _configure_vllm_config(parser: argparse.ArgumentParser) -> None:
         "since vLLM's processes may run elsewhere."
     )
     parser.add_argument("config", metavar="FILE", help="the stack file")
-    parser.add_argument("--json", action="store_true",
-                        help="print only the JSON value, unquoted")
+    _add_json(parser, "print only the JSON value, unquoted")
 
 
 def _run_vllm_config(args: argparse.Namespace) -> int:
