@@ -16,14 +16,13 @@ that tier instead (:meth:`HandingTier.want_evictions`), however long it holds it
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from typing import Protocol, runtime_checkable
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import OffloadingManager
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.tiers.cpu.manager import SlotState
-from kvtiers.tiers.index import ChunkIndex
 
 #: Steps over which the primary's demand for slots is remembered (see :class:`Headroom`).
 HEADROOM_STEPS = 8
@@ -166,11 +165,11 @@ class HandingTier(Protocol):
 
 @runtime_checkable
 class IndexedTier(Protocol):
-    """A lower tier whose bookkeeping is a :class:`~kvtiers.tiers.index.ChunkIndex` (the
+    """A lower tier whose bookkeeping is a chunk index (:mod:`kvtiers.tiers.index`; the
     file, object and in-memory tiers): what it holds can be asked without a lookup."""
 
     @property
-    def index(self) -> ChunkIndex: ...
+    def index(self) -> Container[OffloadKey]: ...
 
 
 def holds(manager: OffloadingManager, key: OffloadKey) -> bool:
