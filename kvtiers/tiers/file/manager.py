@@ -107,7 +107,7 @@ from kvtiers.filemapper import (
 from kvtiers.filemapper.manifest import MANIFEST_NAME
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
-from kvtiers.tiers.build import IndexBuild
+from kvtiers.tiers.build import IndexBuild, TakesBuiltIndex
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.snapshot import (
@@ -347,7 +347,7 @@ def _chunk_files(namespace_dir: str) -> tuple[list[tuple[float, str, int]], OSEr
     return found, None
 
 
-class FileTierManager(OffloadingManager):
+class FileTierManager(TakesBuiltIndex[tuple[Walked, _Foreign | None]], OffloadingManager):
     """Bookkeeping of the chunk files of one namespace; see the module docstring.
 
     ``capacity_bytes`` ``None`` means bounded only by the filesystem. ``shared``: other
@@ -499,11 +499,6 @@ class FileTierManager(OffloadingManager):
         return self.index.usage
 
     # -- start-up -------------------------------------------------------------------
-    @property
-    def index_complete(self) -> bool:
-        """Whether every chunk found at start is indexed (the build was merged)."""
-        return self._complete
-
     def _find_chunks(
         self,
         build: IndexBuild[tuple[Walked, _Foreign | None]],
@@ -531,22 +526,11 @@ class FileTierManager(OffloadingManager):
             foreign = _Foreign(self.mapper.root, self.namespace_dir.name)
         return walked, foreign
 
-    def _poll_build(self) -> None:
-        """Merge the build once it is done (scheduler's thread; O(1) until then)."""
-        build = self._build
-        if build is None or not build.done.is_set():
-            return
-        self._build = None
+    def _merge_build(
+        self, result: tuple[Walked, _Foreign | None], gone: set[OffloadKey]
+    ) -> None:
+        walked, foreign = result
         index = self.index
-        gone = index.removed or set()
-        index.removed = None
-        if build.error is not None or build.result is None:
-            logger.error(
-                "file tier %s: the index could not be built (%s); index misses stay probed",
-                self.namespace_dir, build.error,
-            )
-            return
-        walked, foreign = build.result
         if self._cleared:
             # Cleared while the walk ran: what it found goes, except what was stored since.
             self._delete([key for key in walked.packed.keys if key not in index])
@@ -557,8 +541,6 @@ class FileTierManager(OffloadingManager):
         self.unindexed_entries = walked.unindexed
         if foreign is not None and self.capacity_bytes is not None:
             self._share_root(self.capacity_bytes, foreign)
-        self._complete = True
-        self.index_build_s = build.elapsed_s
         if walked.removed_temps:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir,
                         walked.removed_temps)
@@ -571,15 +553,8 @@ class FileTierManager(OffloadingManager):
         logger.info(
             "file tier %s: %d chunks (%d bytes) indexed from a %s in %.3f s",
             self.namespace_dir, len(walked.packed), self.index.usage, self.index_source,
-            build.elapsed_s or 0.0,
+            self.index_build_s or 0.0,
         )
-
-    def wait_index(self) -> None:
-        """Block until the index is built, then merge it. For tests and tools: the
-        scheduler never blocks (its calls merge the build once it is done)."""
-        if self._build is not None:
-            self._build.done.wait()
-            self._poll_build()
 
     def _share_root(self, capacity: int, foreign: _Foreign) -> None:
         """Given the other namespaces under the root (measured by the build), trim them

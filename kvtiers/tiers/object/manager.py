@@ -60,7 +60,7 @@ from kvtiers.core.manager import (
 from kvtiers.core.specs import ObjectLoadStoreSpec
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
-from kvtiers.tiers.build import IndexBuild
+from kvtiers.tiers.build import IndexBuild, TakesBuiltIndex
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.listing import ListingSettings, SharedListing
 from kvtiers.tiers.object.backend import ObjectBackend
@@ -72,7 +72,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIST_THREADS = 8
 
 
-class ObjectTierManager(OffloadingManager):
+class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
     """Bookkeeping of one namespace of an object store. See the module docstring.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
@@ -153,11 +153,6 @@ class ObjectTierManager(OffloadingManager):
         """How long a probe's negative answer is trusted; ``None`` unless ``shared``."""
         return self._probes.negative_ttl_s if self.shared else None
 
-    @property
-    def index_complete(self) -> bool:
-        """Whether every chunk listed at start is indexed (the build was merged)."""
-        return self._complete
-
     # -- start-up -------------------------------------------------------------------
     def _list_chunks(
         self, build: IndexBuild[Any], threads: int, before_part: Callable[[int], None] | None
@@ -190,29 +185,9 @@ class ObjectTierManager(OffloadingManager):
         found.sort()
         return PackedChunks.pack([key for _, _, key, _ in found], [size for *_, size in found])
 
-    def _poll_build(self) -> None:
-        """Merge the build once it is done (scheduler's thread; O(1) until then)."""
-        build = self._build
-        if build is None or not build.done.is_set():
-            return
-        self._build = None
-        index = self.index
-        gone = index.removed or set()
-        index.removed = None
-        if build.error is not None or build.result is None:
-            logger.error("%s: the index could not be built (%s); index misses stay probed",
-                         index.tier, build.error)
-            return
+    def _merge_build(self, result: PackedChunks, gone: set[OffloadKey]) -> None:
         # Listed chunks are least recently used, by mtime; beyond capacity the oldest go.
-        self._delete(index.merge_oldest(build.result, gone).victims)
-        self._complete = True
-        self.index_build_s = build.elapsed_s
-
-    def wait_index(self) -> None:
-        """Block until the index is built, then merge it. For tests and tools."""
-        if self._build is not None:
-            self._build.done.wait()
-            self._poll_build()
+        self._delete(self.index.merge_oldest(result, gone).victims)
 
     # -- messages from I/O threads --------------------------------------------------
     def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
