@@ -13,10 +13,6 @@ Invariants: ``work`` runs once, on the build's thread, and its result or its exc
 kept (never raised on that thread); :attr:`done` is set after either; ``stop`` asks the
 work to end early (it checks :attr:`stopping` between parts) and waits for the thread a
 bounded time (a walk stuck in a filesystem call is left behind, a daemon thread).
-
-:class:`TakesBuiltIndex` is the managers' side of it, written once: it takes a finished
-build in on the scheduler's thread, with the keys its index removed meanwhile, and says
-whether the index is complete.
 """
 
 from __future__ import annotations
@@ -25,11 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from kvtiers.core.keys import OffloadKey
-    from kvtiers.tiers.compact import CompactChunkIndex
+from typing import Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -83,51 +75,3 @@ class IndexBuild(Generic[_T]):
         finally:
             self.elapsed_s = time.perf_counter() - self.started
             self.done.set()
-
-
-class TakesBuiltIndex(Generic[_T]):
-    """A manager whose :class:`~kvtiers.tiers.compact.CompactChunkIndex` ``index`` is
-    built in the background by ``_build``: :meth:`_poll_build` (scheduler's thread; O(1)
-    until the build is done) hands a successful build's result to :meth:`_merge_build`
-    with the keys the index removed while it ran, and the index is complete after;
-    a failed build is logged and index misses stay probed."""
-
-    index: CompactChunkIndex
-    _build: IndexBuild[_T] | None
-    _complete: bool
-    #: Seconds the build took (``None`` until it is merged).
-    index_build_s: float | None
-
-    @property
-    def index_complete(self) -> bool:
-        """Whether every chunk found at start is indexed (the build was merged)."""
-        return self._complete
-
-    def wait_index(self) -> None:
-        """Block until the index is built, then merge it. For tests and tools: the
-        scheduler never blocks (its calls merge the build once it is done)."""
-        if self._build is not None:
-            self._build.done.wait()
-            self._poll_build()
-
-    def _poll_build(self) -> None:
-        """Merge the build once it is done (see the class docstring)."""
-        build = self._build
-        if build is None or not build.done.is_set():
-            return
-        self._build = None
-        index = self.index
-        gone = index.removed or set()
-        index.removed = None
-        if build.error is not None or build.result is None:
-            logger.error("%s: the index could not be built (%s); index misses stay probed",
-                         index.tier, build.error)
-            return
-        self.index_build_s = build.elapsed_s
-        self._merge_build(build.result, gone)
-        self._complete = True
-
-    def _merge_build(self, result: _T, gone: set[OffloadKey]) -> None:
-        """Take ``result`` in as the least recently used entries (merge_oldest), leaving
-        out ``gone``; :attr:`index_build_s` is set."""
-        raise NotImplementedError

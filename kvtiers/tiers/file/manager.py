@@ -87,13 +87,9 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import (
     Locality,
     LookupResult,
-    Medium,
     OffloadingEvent,
-    OffloadingManager,
     ReqContext,
-    RequestOffloadingContext,
     ScheduleEndContext,
-    TierCapabilities,
 )
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
 from kvtiers.core.specs import FileLoadStoreSpec
@@ -107,7 +103,7 @@ from kvtiers.filemapper import (
 from kvtiers.filemapper.manifest import MANIFEST_NAME
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
-from kvtiers.tiers.build import IndexBuild, TakesBuiltIndex
+from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.snapshot import (
@@ -120,6 +116,7 @@ from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
 from kvtiers.tiers.iopool import background_initializer
 from kvtiers.tiers.listing import ListingSettings, SharedListing
+from kvtiers.tiers.persistent import PersistentTierManager
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
 logger = logging.getLogger(__name__)
@@ -347,7 +344,7 @@ def _chunk_files(namespace_dir: str) -> tuple[list[tuple[float, str, int]], OSEr
     return found, None
 
 
-class FileTierManager(TakesBuiltIndex[tuple[Walked, _Foreign | None]], OffloadingManager):
+class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     """Bookkeeping of the chunk files of one namespace; see the module docstring.
 
     ``capacity_bytes`` ``None`` means bounded only by the filesystem. ``shared``: other
@@ -372,8 +369,6 @@ class FileTierManager(TakesBuiltIndex[tuple[Walked, _Foreign | None]], Offloadin
     listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`).
     """
 
-    capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
-    medium = Medium.STORAGE
     locality = Locality.LOCAL
 
     def __init__(
@@ -640,13 +635,6 @@ class FileTierManager(TakesBuiltIndex[tuple[Walked, _Foreign | None]], Offloadin
             self._reported["corrupt_chunks" if corrupt else "vanished_chunks"] += len(keys)
         self._reports.forget(keys)
 
-    def load_failed(
-        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
-    ) -> None:
-        """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
-        taken in on the next scheduler-thread call."""
-        self._reports.load_failed(key, where, error, lasting=lasting)
-
     def _drain_forgotten(self) -> None:
         if self._build is not None:
             self._poll_build()
@@ -878,13 +866,7 @@ class FileTierManager(TakesBuiltIndex[tuple[Walked, _Foreign | None]], Offloadin
         path = self.mapper.path
         return FileLoadStoreSpec([str(path(key)) for key in keys], list(keys))
 
-    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        self.index.touch(keys)
-
     # -- the rest of the contract ---------------------------------------------------
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()
         return events if self.listing is None else self.listing.observe(events)
@@ -919,11 +901,6 @@ class FileTierManager(TakesBuiltIndex[tuple[Walked, _Foreign | None]], Offloadin
     def has_pending_work(self) -> bool:
         return self._probes.pending or self._prober.busy
 
-    def reset_cache(self) -> None:
-        """Persistent: stored chunks stay. Only queued probes and remembered probe
-        misses are dropped."""
-        self._probes.reset()
-
     def clear(self) -> int:
         """Delete every chunk file of this namespace that no job is writing or reading
         (an operator's wipe, such as SGLang's ``clear``); returns how many indexed ones.
@@ -938,32 +915,19 @@ class FileTierManager(TakesBuiltIndex[tuple[Walked, _Foreign | None]], Offloadin
 
     def get_stats(self) -> Mapping[str, float]:
         self._drain_forgotten()
-        stats: dict[str, float] = dict(self.index.stats())
-        del stats["discarded"]
+        stats = self._shared_stats()
         with self._reported_lock:
             stats.update(self._reported)
-        stats["load_failures"] = self.backoff.failures
-        stats["unreadable_chunks"] = self.backoff.forgotten
-        stats["backing_off"] = len(self.backoff)
-        stats["probes"] = self._probes.probes
         stats["probe_hits"] = self._probe_hits
-        stats["usage_bytes"] = self.index.usage
-        stats["capacity_bytes"] = self.capacity_bytes or 0
         stats["io_backend"] = self.io_backend
-        if self.listing is not None:
-            stats.update(self.listing.stats())
         return stats
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._build is not None:
-            self._build.stop()
-            self._build = None
+        self._stop_background()
         self._prober.close()
-        if self.listing is not None:
-            self.listing.close()
         # Handed over and never released: nobody reads them any more.
         self._deleter.delete(self._handed.values())
         self._handed.clear()

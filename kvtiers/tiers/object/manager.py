@@ -49,21 +49,18 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import (
     Locality,
     LookupResult,
-    Medium,
     OffloadingEvent,
-    OffloadingManager,
     ReqContext,
-    RequestOffloadingContext,
     ScheduleEndContext,
-    TierCapabilities,
 )
 from kvtiers.core.specs import ObjectLoadStoreSpec
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
-from kvtiers.tiers.build import IndexBuild, TakesBuiltIndex
+from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.listing import ListingSettings, SharedListing
 from kvtiers.tiers.object.backend import ObjectBackend
+from kvtiers.tiers.persistent import PersistentTierManager
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
 logger = logging.getLogger(__name__)
@@ -72,7 +69,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIST_THREADS = 8
 
 
-class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
+class ObjectTierManager(PersistentTierManager[PackedChunks]):
     """Bookkeeping of one namespace of an object store. See the module docstring.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
@@ -84,8 +81,6 @@ class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
     the listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`).
     """
 
-    capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
-    medium = Medium.STORAGE
     locality = Locality.REMOTE
 
     def __init__(
@@ -199,13 +194,6 @@ class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
                 self._vanished += len(keys)
         self._reports.forget(keys)
 
-    def load_failed(
-        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
-    ) -> None:
-        """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
-        taken in on the next scheduler-thread call."""
-        self._reports.load_failed(key, where, error, lasting=lasting)
-
     def _drain(self) -> None:
         if self._build is not None:
             self._poll_build()
@@ -293,9 +281,6 @@ class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
             self.backend.store.bucket, [self.backend.object_key(k) for k in keys], list(keys)
         )
 
-    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        self.index.touch(keys)
-
     def complete_store(
         self,
         keys: Collection[OffloadKey],
@@ -313,9 +298,6 @@ class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
     ) -> None:
         self.index.unpin(keys)
         self._drain()
-
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._drain()
@@ -376,11 +358,6 @@ class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
         return self._probes.pending
 
     # -- the rest -------------------------------------------------------------------
-    def reset_cache(self) -> None:
-        """Persistent: the chunks stay; only queued probes and remembered probe misses
-        are dropped."""
-        self._probes.reset()
-
     def clear(self) -> int:
         """Delete every stored object of this namespace that no job is writing or
         reading (an operator's wipe, such as SGLang's ``clear``); returns how many. Not
@@ -392,30 +369,17 @@ class ObjectTierManager(TakesBuiltIndex[PackedChunks], OffloadingManager):
 
     def get_stats(self) -> Mapping[str, float]:
         self._drain()
-        stats: dict[str, float] = dict(self.index.stats())
-        stats["forgotten"] = stats.pop("discarded")
-        stats["probes"] = self._probes.probes
+        stats = self._shared_stats()
+        stats["forgotten"] = self.index.stats()["discarded"]
         with self._vanished_lock:
             stats["vanished_chunks"] = self._vanished
-        stats["usage_bytes"] = self.index.usage
-        # 0 = no capacity limit (bounded only by the store).
-        stats["capacity_bytes"] = self.capacity_bytes or 0
         stats["corrupt_chunks"] = self.backend.corrupt_chunks
         stats["retries"] = self.backend.retries
-        stats["load_failures"] = self.backoff.failures
-        stats["unreadable_chunks"] = self.backoff.forgotten
-        stats["backing_off"] = len(self.backoff)
-        if self.listing is not None:
-            stats.update(self.listing.stats())
         return stats
 
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._build is not None:
-            self._build.stop()
-            self._build = None
-        if self.listing is not None:
-            self.listing.close()
+        self._stop_background()
         self.backend.close()
