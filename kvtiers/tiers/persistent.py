@@ -18,7 +18,7 @@ incomplete, so index misses stay probed.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Generic, TypeVar
 
 from kvtiers.core.keys import OffloadKey
@@ -32,7 +32,7 @@ from kvtiers.core.manager import (
 from kvtiers.tiers.backoff import LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex
-from kvtiers.tiers.listing import SharedListing
+from kvtiers.tiers.listing import ListingSettings, SharedListing
 from kvtiers.tiers.probe import ProbeBook
 
 logger = logging.getLogger(__name__)
@@ -45,8 +45,9 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
 
     A subclass sets, in its constructor: ``index``, ``_build`` (the build under way, whose
     result :meth:`_merge_build` takes in), ``_complete`` (``False``), ``index_build_s``
-    (``None``), ``backoff`` and ``_reports``, ``_probes``, ``listing`` and
-    ``capacity_bytes``."""
+    (``None``), ``backoff`` and ``_reports``, ``_probes``, ``listing`` (through
+    :meth:`_start_listing`), ``capacity_bytes`` and ``_closed`` (``False``); it closes
+    its medium's own parts in :meth:`_close`."""
 
     capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
     medium = Medium.STORAGE
@@ -61,6 +62,7 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
     _probes: ProbeBook
     listing: SharedListing | None
     capacity_bytes: int | None
+    _closed: bool
 
     # -- the index built in the background ------------------------------------------
     @property
@@ -136,10 +138,40 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
             stats.update(self.listing.stats())
         return stats
 
-    def _stop_background(self) -> None:
-        """Stop the index build (if still running) and the listing."""
+    # -- the background listing ----------------------------------------------------
+    def _start_listing(
+        self, listing: ListingSettings | None, *, namespace_digest: bytes, where: str,
+        clock: Callable[[], float],
+    ) -> None:
+        """Set :attr:`listing`: the namespace listed in the background as ``listing``
+        says (``None``: not listed), over :meth:`_listed_keys`, the summary written by
+        :meth:`_publish_summary`; ``where`` names the namespace in messages."""
+        self.listing = None if listing is None else listing.start(
+            self._listed_keys, publish_summary=self._publish_summary,
+            namespace_digest=namespace_digest, medium=self.medium, where=where, clock=clock,
+        )
+
+    def _listed_keys(self) -> Iterator[OffloadKey]:
+        """The namespace's chunk keys, as one listing finds them (the listing's thread)."""
+        raise NotImplementedError
+
+    def _publish_summary(self, data: bytes) -> None:
+        """Write the namespace summary ``data`` in one atomic step (the listing's thread)."""
+        raise NotImplementedError
+
+    # -- shutdown ---------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the index build (if still running) and the listing, then :meth:`_close`
+        the medium's own parts. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._build is not None:
             self._build.stop()
             self._build = None
         if self.listing is not None:
             self.listing.close()
+        self._close()
+
+    def _close(self) -> None:
+        """Close what the subclass holds (executors, connections); once, at shutdown."""

@@ -115,7 +115,7 @@ from kvtiers.tiers.file.snapshot import (
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
 from kvtiers.tiers.iopool import background_initializer
-from kvtiers.tiers.listing import ListingSettings, SharedListing
+from kvtiers.tiers.listing import ListingSettings
 from kvtiers.tiers.persistent import PersistentTierManager
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
@@ -480,13 +480,8 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             self._poll_build()
         self.rebuild_s = time.perf_counter() - start
         self._file_mode, self._dir_mode = file_mode, dir_mode
-        self.listing: SharedListing | None = None
-        if listing is not None:
-            self.listing = listing.start(
-                self._listed_keys, publish_summary=self._publish_summary,
-                namespace_digest=mapper.identity.digest, medium=self.medium,
-                where=f"file tier {self.namespace_dir}", clock=clock,
-            )
+        self._start_listing(listing, namespace_digest=mapper.identity.digest,
+                            where=f"file tier {self.namespace_dir}", clock=clock)
 
     @property
     def usage_bytes(self) -> int:
@@ -922,11 +917,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         stats["io_backend"] = self.io_backend
         return stats
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._stop_background()
+    def _close(self) -> None:
         self._prober.close()
         # Handed over and never released: nobody reads them any more.
         self._deleter.delete(self._handed.values())

@@ -58,7 +58,7 @@ from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
-from kvtiers.tiers.listing import ListingSettings, SharedListing
+from kvtiers.tiers.listing import ListingSettings
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.persistent import PersistentTierManager
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
@@ -135,13 +135,8 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
         if not background_index:
             self._build.done.wait()
             self._poll_build()
-        self.listing: SharedListing | None = None
-        if listing is not None:
-            self.listing = listing.start(
-                self._listed_keys, publish_summary=self._publish_summary,
-                namespace_digest=backend.identity.digest, medium=self.medium,
-                where=f"object tier at {where}", clock=clock,
-            )
+        self._start_listing(listing, namespace_digest=backend.identity.digest,
+                            where=f"object tier at {where}", clock=clock)
 
     @property
     def negative_ttl_s(self) -> float | None:
@@ -377,9 +372,5 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
         stats["retries"] = self.backend.retries
         return stats
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._stop_background()
+    def _close(self) -> None:
         self.backend.close()
