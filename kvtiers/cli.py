@@ -56,34 +56,47 @@ def _configure_validate(parser: argparse.ArgumentParser) -> None:
     _add_json(parser)
 
 
-def _run_validate(args: argparse.Namespace) -> int:
-    """Check each stack file; one line per file, on stdout if good, on stderr if not
-    (with ``--json``, one document on stdout)."""
+def _report_files(
+    args: argparse.Namespace, one: Callable[[str], tuple[dict[str, Any], bool]]
+) -> int:
+    """Run ``one`` on each of ``args.files``: it prints the file's lines (unless
+    ``--json``) and answers its JSON entry and whether it is good. Exit status 2 when one
+    is not; with ``--json``, one document on stdout."""
     import json
 
-    from kvtiers.config import load_stack_config
-
-    status = EXIT_OK
     report = []
+    status = EXIT_OK
     for name in args.files:
-        try:
-            stack = load_stack_config(name)
-        except ConfigError as exc:
-            # The error's source names the file (and line): ``<file>:<line>: <path>: …``.
-            report.append({"file": name, "ok": False, "path": exc.path,
-                           "error": _one_line(str(exc))})
-            if not args.json:
-                print(_one_line(str(exc)), file=sys.stderr)
+        entry, good = one(name)
+        report.append(entry)
+        if not good:
             status = EXIT_USAGE
-        else:
-            report.append({"file": name, "ok": True, "summary": stack.summary()})
-            if not args.json:
-                print(f"{name}: ok — {stack.summary()}")
     if args.json:
         json.dump({"ok": status == EXIT_OK, "files": report}, sys.stdout, indent=2,
                   ensure_ascii=False)
         print()
     return status
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    """Check each stack file; one line per file, on stdout if good, on stderr if not
+    (with ``--json``, one document on stdout)."""
+    from kvtiers.config import load_stack_config
+
+    def one(name: str) -> tuple[dict[str, Any], bool]:
+        try:
+            stack = load_stack_config(name)
+        except ConfigError as exc:
+            # The error's source names the file (and line): ``<file>:<line>: <path>: …``.
+            line = _one_line(str(exc))
+            if not args.json:
+                print(line, file=sys.stderr)
+            return {"file": name, "ok": False, "path": exc.path, "error": line}, False
+        if not args.json:
+            print(f"{name}: ok — {stack.summary()}")
+        return {"file": name, "ok": True, "summary": stack.summary()}, True
+
+    return _report_files(args, one)
 
 
 def _configure_check(parser: argparse.ArgumentParser) -> None:
@@ -101,14 +114,10 @@ def _configure_check(parser: argparse.ArgumentParser) -> None:
 
 def _run_check(args: argparse.Namespace) -> int:
     """Validate, then preflight, each stack file; problems on stderr, exit 2 if any."""
-    import json
-
     from kvtiers.config import load_stack_config
     from kvtiers.stack.preflight import preflight
 
-    status = EXIT_OK
-    report = []
-    for name in args.files:
+    def one(name: str) -> tuple[dict[str, Any], bool]:
         try:
             stack = load_stack_config(name)
         except ConfigError as exc:
@@ -120,19 +129,14 @@ def _run_check(args: argparse.Namespace) -> int:
                          "message": _one_line(f.message), "line": _one_line(f.line(name))}
                         for f in preflight(stack, identity)]
         problems = [f for f in findings if f["severity"] == "problem"]
-        if problems:
-            status = EXIT_USAGE
-        report.append({"file": name, "ok": not problems, "findings": findings})
-        if args.json:
-            continue
-        for finding in findings:
-            print(finding["line"], file=sys.stderr if finding in problems else sys.stdout)
-        if not problems:
-            print(f"{name}: ok — ready to start")
-    if args.json:
-        json.dump({"ok": status == EXIT_OK, "files": report}, sys.stdout, indent=2)
-        print()
-    return status
+        if not args.json:
+            for finding in findings:
+                print(finding["line"], file=sys.stderr if finding in problems else sys.stdout)
+            if not problems:
+                print(f"{name}: ok — ready to start")
+        return {"file": name, "ok": not problems, "findings": findings}, not problems
+
+    return _report_files(args, one)
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
