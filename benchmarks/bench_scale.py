@@ -209,10 +209,12 @@ def one_before(root: Path, n: int) -> dict[str, Any]:
 
 def one_index(kind: str, n: int) -> dict[str, Any]:
     """The index alone: ``n`` keys added, bytes a chunk and lookups per call."""
-    from kvtiers.tiers.compact import CompactChunkIndex
-    from kvtiers.tiers.index import ChunkIndex
+    import importlib
 
-    cls = CompactChunkIndex if kind == "compact" else ChunkIndex
+    # "dict": a --baseline checkout from before the dict-based ChunkIndex left the package.
+    module, name = (("kvtiers.tiers.compact", "CompactChunkIndex") if kind == "compact"
+                    else ("kvtiers.tiers.index", "ChunkIndex"))
+    cls = getattr(importlib.import_module(module), name)
     gc.collect()
     before = rss()
     index = cls(None, tier="bench", medium=Medium.STORAGE)
@@ -363,7 +365,9 @@ def render(report: dict[str, Any]) -> str:
               "| keys | ChunkIndex B/chunk | CompactChunkIndex B/chunk | ChunkIndex hit / miss "
               "| CompactChunkIndex hit / miss |", "|---:|---:|---:|---:|---:|"]
     for row in report["index"]:
-        old, new = row["dict"], row["compact"]
+        new = row["compact"]
+        old = row.get("dict", {"rss_bytes": float("nan"), "hit_ns": float("nan"),
+                               "miss_ns": float("nan")})
         lines.append(
             f"| {row['n']:,} | {old['rss_bytes']:.0f} | {new['rss_bytes']:.0f} | "
             f"{old['hit_ns']:.0f} / {old['miss_ns']:.0f} ns | "
@@ -446,8 +450,13 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         report["file"].append(row)
     for n in (int(s) for s in args.index_sizes.split(",") if s):
-        row = {"n": n, "dict": subprocess_json("--one-index", "dict", str(n)),
-               "compact": subprocess_json("--one-index", "compact", str(n))}
+        # The dict-based ChunkIndex left the package: it is measured in a --baseline
+        # checkout that has it, or kept from --reuse.
+        row = {"n": n, "compact": subprocess_json("--one-index", "compact", str(n))}
+        if args.baseline is not None:
+            row["dict"] = subprocess_json("--one-index", "dict", str(n), env=args.baseline)
+        elif earlier is not None:
+            row.update(("dict", r["dict"]) for r in earlier["index"] if r["n"] == n)
         print(json.dumps(row), flush=True)
         report["index"].append(row)
     if args.s3_objects:
