@@ -47,7 +47,7 @@ from kvtiers.core.manager import OffloadingManager, ReqContext
 from kvtiers.core.specs import CPULoadStoreSpec, GPULoadStoreSpec, GroupTransfer
 from kvtiers.core.worker import KVCacheTensors, KVTensorRef
 from kvtiers.policies import BUILTIN_POLICIES, load_policy
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 from kvtiers.tiers.cpu.manager import CpuTierManager
 from kvtiers.tiers.cpu.region import SlotRegion
 from kvtiers.tiers.cpu.worker import MAX_COPY_THREADS, CpuWorker

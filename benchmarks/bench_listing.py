@@ -54,7 +54,7 @@ from kvtiers.filemapper import FileMapper, NamespaceIdentity
 from kvtiers.testing.objects import offloading_config
 from kvtiers.testing.s3 import AWS_TEST_ENV, MotoProcess
 from kvtiers.tiers.file.manager import FileTierManager
-from kvtiers.tiers.listing import KEYS_PER_STEP
+from kvtiers.tiers.listing import KEYS_PER_STEP, ListingSettings
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.manager import ObjectTierManager
 
@@ -108,8 +108,8 @@ def one_listing(manager: Any, clock: Clock) -> dict[str, float]:
 
 def file_case(n: int, root: Path) -> dict[str, Any]:
     clock = Clock()
-    manager = FileTierManager(FileMapper(root, IDENTITY), GEOMETRY, shared=True,
-                              list_interval_s=INTERVAL_S, summary_interval_s=1.0, clock=clock)
+    manager = FileTierManager(FileMapper(root, IDENTITY), GEOMETRY, shared=True, clock=clock,
+                              listing=ListingSettings(INTERVAL_S, summary_interval_s=1.0))
     try:
         start = time.perf_counter()
         for key in keys(n):  # "another server" publishes n chunks
@@ -137,8 +137,8 @@ def s3_case(n: int) -> dict[str, Any]:
         manager = ObjectTierManager(
             ObjectBackend(S3Store("kvtiers-bench", endpoint_url=moto.endpoint_url), IDENTITY,
                           prefix="bench", threads=2),
-            max_chunk_bytes=GEOMETRY.max_chunk_bytes, shared=True, list_interval_s=INTERVAL_S,
-            summary_interval_s=1.0, clock=clock)
+            max_chunk_bytes=GEOMETRY.max_chunk_bytes, shared=True, clock=clock,
+            listing=ListingSettings(INTERVAL_S, summary_interval_s=1.0))
         writer = ObjectBackend(store, IDENTITY, prefix="bench", threads=16)
         start = time.perf_counter()
         with ThreadPoolExecutor(16) as pool:  # "another server" publishes n chunks

@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -39,6 +40,11 @@ class Command:
     run: Callable[[argparse.Namespace], int]
 
 
+def _add_json(parser: argparse.ArgumentParser,
+              meaning: str = "print one JSON document instead of text") -> None:
+    parser.add_argument("--json", action="store_true", help=meaning)
+
+
 def _one_line(text: str) -> str:
     from kvtiers.tools.text import visible
 
@@ -47,38 +53,50 @@ def _one_line(text: str) -> str:
 
 def _configure_validate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("files", nargs="+", metavar="FILE", help="YAML stack files to check")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
-def _run_validate(args: argparse.Namespace) -> int:
-    """Check each stack file; one line per file, on stdout if good, on stderr if not
-    (with ``--json``, one document on stdout)."""
+def _report_files(
+    args: argparse.Namespace, one: Callable[[str], tuple[dict[str, Any], bool]]
+) -> int:
+    """Run ``one`` on each of ``args.files``: it prints the file's lines (unless
+    ``--json``) and answers its JSON entry and whether it is good. Exit status 2 when one
+    is not; with ``--json``, one document on stdout."""
     import json
 
-    from kvtiers.config import load_stack_config
-
-    status = EXIT_OK
     report = []
+    status = EXIT_OK
     for name in args.files:
-        try:
-            stack = load_stack_config(name)
-        except ConfigError as exc:
-            # The error's source names the file (and line): ``<file>:<line>: <path>: …``.
-            report.append({"file": name, "ok": False, "path": exc.path,
-                           "error": _one_line(str(exc))})
-            if not args.json:
-                print(_one_line(str(exc)), file=sys.stderr)
+        entry, good = one(name)
+        report.append(entry)
+        if not good:
             status = EXIT_USAGE
-        else:
-            report.append({"file": name, "ok": True, "summary": stack.summary()})
-            if not args.json:
-                print(f"{name}: ok — {stack.summary()}")
     if args.json:
         json.dump({"ok": status == EXIT_OK, "files": report}, sys.stdout, indent=2,
                   ensure_ascii=False)
         print()
     return status
+
+
+def _run_validate(args: argparse.Namespace) -> int:
+    """Check each stack file; one line per file, on stdout if good, on stderr if not
+    (with ``--json``, one document on stdout)."""
+    from kvtiers.config import load_stack_config
+
+    def one(name: str) -> tuple[dict[str, Any], bool]:
+        try:
+            stack = load_stack_config(name)
+        except ConfigError as exc:
+            # The error's source names the file (and line): ``<file>:<line>: <path>: …``.
+            line = _one_line(str(exc))
+            if not args.json:
+                print(line, file=sys.stderr)
+            return {"file": name, "ok": False, "path": exc.path, "error": line}, False
+        if not args.json:
+            print(f"{name}: ok — {stack.summary()}")
+        return {"file": name, "ok": True, "summary": stack.summary()}, True
+
+    return _report_files(args, one)
 
 
 def _configure_check(parser: argparse.ArgumentParser) -> None:
@@ -91,20 +109,15 @@ def _configure_check(parser: argparse.ArgumentParser) -> None:
         "when a start would fail. An engine runs the same checks before it builds a stack."
     )
     parser.add_argument("files", nargs="+", metavar="FILE", help="YAML stack files to check")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
 def _run_check(args: argparse.Namespace) -> int:
     """Validate, then preflight, each stack file; problems on stderr, exit 2 if any."""
-    import json
-
     from kvtiers.config import load_stack_config
     from kvtiers.stack.preflight import preflight
 
-    status = EXIT_OK
-    report = []
-    for name in args.files:
+    def one(name: str) -> tuple[dict[str, Any], bool]:
         try:
             stack = load_stack_config(name)
         except ConfigError as exc:
@@ -116,19 +129,14 @@ def _run_check(args: argparse.Namespace) -> int:
                          "message": _one_line(f.message), "line": _one_line(f.line(name))}
                         for f in preflight(stack, identity)]
         problems = [f for f in findings if f["severity"] == "problem"]
-        if problems:
-            status = EXIT_USAGE
-        report.append({"file": name, "ok": not problems, "findings": findings})
-        if args.json:
-            continue
-        for finding in findings:
-            print(finding["line"], file=sys.stderr if finding in problems else sys.stdout)
-        if not problems:
-            print(f"{name}: ok — ready to start")
-    if args.json:
-        json.dump({"ok": status == EXIT_OK, "files": report}, sys.stdout, indent=2)
-        print()
-    return status
+        if not args.json:
+            for finding in findings:
+                print(finding["line"], file=sys.stderr if finding in problems else sys.stdout)
+            if not problems:
+                print(f"{name}: ok — ready to start")
+        return {"file": name, "ok": not problems, "findings": findings}, not problems
+
+    return _report_files(args, one)
 
 
 def _configure_demo(parser: argparse.ArgumentParser) -> None:
@@ -202,8 +210,7 @@ def _add_location(parser: argparse.ArgumentParser, *, optional: bool = False) ->
 
 def _configure_inspect(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
 def _configure_verify(parser: argparse.ArgumentParser) -> None:
@@ -234,42 +241,55 @@ def _configure_gc(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="say what would go; remove nothing")
 
 
-def _open(args: argparse.Namespace) -> Any:
+@contextmanager
+def _opened(args: argparse.Namespace) -> Iterator[Any]:
+    """The location the arguments name (``_add_location``'s), closed when the block ends."""
     from kvtiers.tools.locations import open_location
 
-    return open_location(args.location, endpoint_url=args.endpoint_url, region=args.region)
+    location = open_location(args.location, endpoint_url=args.endpoint_url, region=args.region)
+    try:
+        yield location
+    finally:
+        location.close()
 
 
-def _run_inspect(args: argparse.Namespace) -> int:
+def _on_location(
+    run: Callable[[Any, argparse.Namespace], int],
+) -> Callable[[argparse.Namespace], int]:
+    """A command's body that works on one location: ``run(location, args)`` over
+    :func:`_opened`'s."""
+
+    def opened(args: argparse.Namespace) -> int:
+        with _opened(args) as location:
+            return run(location, args)
+
+    return opened
+
+
+@_on_location
+def _run_inspect(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.commands import inspect
 
-    location = _open(args)
-    try:
-        return inspect(location, sys.stdout, as_json=args.json)
-    finally:
-        location.close()
+    return inspect(location, sys.stdout, as_json=args.json)
 
 
-def _run_verify(args: argparse.Namespace) -> int:
+@_on_location
+def _run_verify(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.commands import verify
 
-    location = _open(args)
-    try:
-        return verify(location, sys.stdout, fix=args.fix, as_json=args.json,
-                      progress=not args.json and sys.stderr.isatty())
-    finally:
-        location.close()
+    return verify(location, sys.stdout, fix=args.fix, as_json=args.json,
+                  progress=not args.json and sys.stderr.isatty())
 
 
 def _run_gc(args: argparse.Namespace) -> int:
     from kvtiers.config.sizes import parse_size
-    from kvtiers.tools.commands import GcPolicy, gc
+    from kvtiers.tools.commands import GcRules, gc
 
     for flag in ("stale_days", "older_than_days", "temp_age_s", "quarantine_older_than_days"):
         value = getattr(args, flag)
         if value is not None and value < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must not be negative, got {value}")
-    policy = GcPolicy(
+    rules = GcRules(
         namespaces=tuple(args.namespace),
         stale_days=args.stale_days,
         older_than_days=args.older_than_days,
@@ -283,19 +303,16 @@ def _run_gc(args: argparse.Namespace) -> int:
         if not args.shm:
             raise ConfigError("give a location (a file root, s3://bucket/prefix or a URL), "
                               "--shm, or both; see kvtiers gc --help")
-        if policy.namespaces or policy.stale_days is not None or (
-                policy.older_than_days is not None or policy.max_bytes is not None
-                or policy.quarantine_older_than_days is not None):
+        if rules.namespaces or rules.stale_days is not None or (
+                rules.older_than_days is not None or rules.max_bytes is not None
+                or rules.quarantine_older_than_days is not None):
             raise ConfigError("--namespace, --stale-days, --older-than-days, --max-bytes "
                               "and --quarantine-older-than-days choose what goes from a "
                               "location: give one")
     status = EXIT_OK
     if args.location is not None:
-        location = _open(args)
-        try:
-            status = gc(location, policy, sys.stdout)
-        finally:
-            location.close()
+        with _opened(args) as location:
+            status = gc(location, rules, sys.stdout)
     if args.shm:
         from kvtiers.tools.commands import gc_shm
 
@@ -358,8 +375,7 @@ def _run_status(args: argparse.Namespace) -> int:
 def _configure_identity(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", metavar="FILE",
                         help="a stack file with a model: section")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document (namespace, digest, identity)")
+    _add_json(parser, "print one JSON document (namespace, digest, identity)")
 
 
 def _run_identity(args: argparse.Namespace) -> int:
@@ -391,21 +407,17 @@ def _configure_diff(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
     parser.add_argument("first", metavar="NS_A", help="a namespace (kvtiers inspect lists them)")
     parser.add_argument("second", metavar="NS_B", help="the namespace to compare it with")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
     parser.description = ("Name every identity field that differs between two namespaces' "
                           "manifests. Exit status 0 when the identities are identical, 1 "
                           "when they differ (or a namespace cannot be read).")
 
 
-def _run_diff(args: argparse.Namespace) -> int:
+@_on_location
+def _run_diff(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.identity import diff
 
-    location = _open(args)
-    try:
-        return diff(location, args.first, args.second, sys.stdout, as_json=args.json)
-    finally:
-        location.close()
+    return diff(location, args.first, args.second, sys.stdout, as_json=args.json)
 
 
 def _configure_has(parser: argparse.ArgumentParser) -> None:
@@ -425,18 +437,14 @@ def _configure_has(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("keys", nargs="+", metavar="KEY",
                         help="chunk keys, a prefix's in token order: each chunk's file name "
                         "(<hash hex>_g<group>) or the key's bytes in hex")
-    parser.add_argument("--json", action="store_true",
-                        help="print one JSON document instead of text")
+    _add_json(parser)
 
 
-def _run_has(args: argparse.Namespace) -> int:
+@_on_location
+def _run_has(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.summary import has
 
-    location = _open(args)
-    try:
-        return has(location, args.namespace, args.keys, sys.stdout, as_json=args.json)
-    finally:
-        location.close()
+    return has(location, args.namespace, args.keys, sys.stdout, as_json=args.json)
 
 
 def _configure_vllm_config(parser: argparse.ArgumentParser) -> None:
@@ -447,8 +455,7 @@ def _configure_vllm_config(parser: argparse.ArgumentParser) -> None:
         "since vLLM's processes may run elsewhere."
     )
     parser.add_argument("config", metavar="FILE", help="the stack file")
-    parser.add_argument("--json", action="store_true",
-                        help="print only the JSON value, unquoted")
+    _add_json(parser, "print only the JSON value, unquoted")
 
 
 def _run_vllm_config(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
-"""ChunkIndex and CompactChunkIndex alone, against one plain model: a dict of entries and
-a list for LRU order.
+"""The chunk index (CompactChunkIndex) alone, against one plain model: a dict of entries
+and a list for LRU order.
 
 The state machine drives every operation with arbitrary keys (present or not, repeated)
 and checks each answer, each raised error and, after every step, every entry, the LRU
@@ -21,7 +21,7 @@ from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import UnknownKeyError
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
-from kvtiers.tiers.index import ChunkIndex, ChunkState, IndexChange
+from kvtiers.tiers.index import ChunkState, IndexChange
 
 KEYS = [make_offload_key(bytes([i]) * 16, 0) for i in range(6)]
 key_st = st.sampled_from(KEYS)
@@ -39,14 +39,13 @@ class ModelEntry:
 
 
 class ChunkIndexMachine(RuleBasedStateMachine):
-    """The index and the model receive the same calls and must agree on everything."""
-
-    index_class: type[ChunkIndex] | type[CompactChunkIndex] = ChunkIndex
+    """The index and the model receive the same calls (the merge of a background rebuild
+    included) and must agree on everything."""
 
     @initialize(capacity=st.one_of(st.none(), st.integers(min_value=1, max_value=8)))
     def start(self, capacity: int | None) -> None:
-        self.index = self.index_class(capacity, tier="the test tier", medium=Medium.CPU,
-                                      locality=Locality.LOCAL)
+        self.index = CompactChunkIndex(capacity, tier="the test tier", medium=Medium.CPU,
+                                       locality=Locality.LOCAL)
         self.capacity = capacity
         self.entries: dict[OffloadKey, ModelEntry] = {}
         self.order: list[OffloadKey] = []  # least recently used first
@@ -263,16 +262,6 @@ class ChunkIndexMachine(RuleBasedStateMachine):
             **{name: self.counters[name] for name in names}, "chunks": ready
         }
 
-
-TestChunkIndexMachine = ChunkIndexMachine.TestCase
-TestChunkIndexMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
-
-
-class CompactChunkIndexMachine(ChunkIndexMachine):
-    """The same model against the packed index, plus its merge of a background rebuild."""
-
-    index_class = CompactChunkIndex
-
     @rule(found=st.lists(st.tuples(key_st, size_st), max_size=5), gone=keys_st)
     def merge_oldest(self, found: list[tuple[OffloadKey, int]], gone: list[OffloadKey]) -> None:
         distinct = dict(reversed(found))  # one size a key, first occurrence's
@@ -285,9 +274,7 @@ class CompactChunkIndexMachine(ChunkIndexMachine):
         victims: list[OffloadKey] = []
         if self.capacity is not None and self._usage() > self.capacity:
             victims = self._pick(self._usage() - self.capacity, set()) or self._evictable(set())
-        index = self.index
-        assert isinstance(index, CompactChunkIndex)
-        assert index.merge_oldest(packed, gone) == IndexChange(added, victims)
+        assert self.index.merge_oldest(packed, gone) == IndexChange(added, victims)
         kept = [key for key in added if key not in victims]
         if kept:
             self.events.append((kept, False))
@@ -300,17 +287,17 @@ class CompactChunkIndexMachine(ChunkIndexMachine):
             self.events.append((earlier, True))
 
 
-TestCompactChunkIndexMachine = CompactChunkIndexMachine.TestCase
-TestCompactChunkIndexMachine.settings = settings(
+TestChunkIndexMachine = ChunkIndexMachine.TestCase
+TestChunkIndexMachine.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None
 )
 
 
-def _index(capacity: int | None = 4) -> ChunkIndex:
-    return ChunkIndex(capacity, tier="the test tier", medium=Medium.CPU)
+def _index(capacity: int | None = 4) -> CompactChunkIndex:
+    return CompactChunkIndex(capacity, tier="the test tier", medium=Medium.CPU)
 
 
-def _stored(index: ChunkIndex, keys: list[OffloadKey], size: int = 1) -> None:
+def _stored(index: CompactChunkIndex, keys: list[OffloadKey], size: int = 1) -> None:
     assert index.reserve(keys, size) is not None
     index.finish(keys, True)
 

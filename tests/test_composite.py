@@ -1,5 +1,5 @@
 """TieredManager: conformance, cascade, promotion, filters, faults, reset and restart,
-over the in-memory reference tiers (real tiers are exercised end to end elsewhere)."""
+over in-memory tiers (real tiers are exercised end to end elsewhere)."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ from kvtiers.testing.doubles import (
     MemoryObjectStore,
     MemoryObjectTier,
 )
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 from kvtiers.tiers.index import ChunkState
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))

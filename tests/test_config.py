@@ -367,7 +367,7 @@ BAD_STACKS = [
         "write-policy-on-primary",
         "tiers:\n  - kind: file\n    root: /d\n    gds: true\n    write: back  # <-\n",
         "tiers[0].write",
-        "write is a lower tier's write policy",
+        "write is one of a lower tier's write rules",
     ),
     (
         "write-policy-unknown",

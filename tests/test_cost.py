@@ -31,7 +31,7 @@ from kvtiers.testing.doubles import (
     MemoryObjectStore,
     MemoryObjectTier,
 )
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 
 HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 MB = 1_000_000

@@ -33,7 +33,7 @@ from kvtiers.filemapper import FileMapper, NamespaceIdentity, check_manifest, op
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
 from kvtiers.testing.objects import offloading_config
 from kvtiers.tiers.file.io import PosixBackend, PublishSettings
-from kvtiers.tools.commands import GcPolicy, gc, inspect, verify
+from kvtiers.tools.commands import GcRules, gc, inspect, verify
 from kvtiers.tools.locations import Location, open_location
 
 KEY = make_offload_key(bytes(range(16)), 0)
@@ -106,10 +106,10 @@ def test_gc_never_deletes_through_a_symlinked_namespace(tmp_path: Path) -> None:
     (root / namespace.name).symlink_to(namespace)
     out = io.StringIO()
     # A linked namespace is not listed, so the root holds none: gc says so and removes nothing.
-    for policy in (GcPolicy(older_than_days=0.0, temp_age_s=0.0),
-                   GcPolicy(namespaces=(namespace.name,))):
+    for rules in (GcRules(older_than_days=0.0, temp_age_s=0.0),
+                  GcRules(namespaces=(namespace.name,))):
         with pytest.raises(LocationError, match="holds no kvtiers namespace"):
-            gc(open_location(str(root)), policy, out)
+            gc(open_location(str(root)), rules, out)
     assert victim.exists() and (namespace / "manifest.json").exists()
 
 

@@ -222,6 +222,38 @@ def test_an_object_tier_serves_while_its_listings_are_partway(
         manager.shutdown()
 
 
+def _unreadable_part(part: int) -> None:
+    raise OSError(5, "Input/output error")
+
+
+def test_a_failed_build_leaves_both_tiers_probing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The file and object tiers take a build in through one piece of code: a build that
+    # fails is logged, the index stays incomplete, and misses are probed, not trusted.
+    stored_tier(tmp_path / "file", range(3))
+    tier = open_tier(tmp_path / "file", background_index=True, snapshot=False,
+                     walk_threads=1, before_walk_part=_unreadable_part)
+    identity = NamespaceIdentity.from_config(offloading_config())
+    store = LocalStore(tmp_path / "objects")
+    writer = ObjectBackend(store, identity, threads=1)
+    store.put(writer.object_key(conformance_key(0)), [b"chunk"])
+    writer.close()
+    objects = ObjectTierManager(ObjectBackend(store, identity, threads=1),
+                                max_chunk_bytes=4096, background_index=True,
+                                before_list_part=_unreadable_part)
+    try:
+        tier.manager.wait_index()
+        objects.wait_index()
+        assert not tier.manager.index_complete and not objects.index_complete
+        assert caplog.text.count("the index could not be built") == 2
+        assert answer(tier.manager, conformance_key(1)) is HIT  # found by a probe
+        assert objects.lookup(conformance_key(0), CTX) is RETRY
+    finally:
+        tier.close()
+        objects.shutdown()
+
+
 # -- the snapshot -----------------------------------------------------------------------
 def reopened(root: Path, **kwargs: Any) -> Tier:
     tier = open_tier(root, **kwargs)

@@ -2,7 +2,7 @@
 job ends — refused or raising submission, partial failure, success — for stores and loads,
 with and without a primary manager.
 
-The managers are reference tiers that record their completion calls; the mover is scripted
+The managers are in-memory tiers that record their completion calls; the mover is scripted
 (the test decides what it accepts and what it reports)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from kvtiers.core.mover import Mover, MoverResult
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 from kvtiers.testing.conformance import conformance_key
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 
 CTX = ReqContext("r")
@@ -25,7 +25,7 @@ K0, K1, K2 = (conformance_key(i) for i in range(3))
 
 
 class RecordingTier(InMemoryTier):
-    """A reference tier that records every completion it is given."""
+    """An in-memory tier that records every completion it is given."""
 
     def __init__(self, capacity_chunks: int) -> None:
         super().__init__(capacity_chunks)

@@ -32,7 +32,7 @@ from kvtiers.testing.objects import offloading_config
 from kvtiers.testing.s3 import BUCKET, MotoServer
 from kvtiers.tiers import listing as listing_module
 from kvtiers.tiers.fsspec.store import FsspecStore
-from kvtiers.tiers.listing import KEYS_PER_STEP, SharedListing
+from kvtiers.tiers.listing import KEYS_PER_STEP, ListingSettings, SharedListing
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.manager import ObjectTierManager
 from kvtiers.tiers.object.mover import ObjectMover
@@ -295,8 +295,8 @@ def test_close_gives_up_on_a_listing_that_hangs(
 def test_another_servers_chunks_on_a_shared_root_become_events_and_a_summary(
     tmp_path: Path, clock: Clock
 ) -> None:
-    reader = open_tier(tmp_path, shared=True, list_interval_s=INTERVAL_S,
-                       summary_interval_s=INTERVAL_S, clock=clock)
+    reader = open_tier(tmp_path, shared=True, clock=clock,
+                       listing=ListingSettings(INTERVAL_S, summary_interval_s=INTERVAL_S))
     writer = open_tier(tmp_path, shared=True)
     try:
         reader.manager.take_events()
@@ -368,12 +368,12 @@ def test_another_servers_objects_become_events_and_a_summary(
     identity = NamespaceIdentity.from_config(config)
     geometry = ChunkGeometry.from_config(config)
 
-    def manager(**listing: object) -> ObjectTierManager:
+    def manager(listing: ListingSettings | None = None) -> ObjectTierManager:
         backend = ObjectBackend(object_store(), identity, prefix="kv", threads=2)
         return ObjectTierManager(backend, max_chunk_bytes=geometry.max_chunk_bytes,
-                                 shared=True, clock=clock, **listing)  # type: ignore[arg-type]
+                                 shared=True, clock=clock, listing=listing)
 
-    reader = manager(list_interval_s=INTERVAL_S, summary_interval_s=INTERVAL_S)
+    reader = manager(ListingSettings(INTERVAL_S, summary_interval_s=INTERVAL_S))
     writer_manager = manager()
     region = BytearrayRegion(8, geometry.slot_bytes)
     mover = ObjectMover(writer_manager.backend, region, geometry, reporter=writer_manager)

@@ -1,4 +1,4 @@
-"""Write policies of lower tiers (docs/architecture.md, "Placement"): write-through,
+"""Write rules of lower tiers (docs/architecture.md, "Placement"): write-through,
 write-back by demotion, frequency admission, promoted chunks written into the tiers above
 their source; over a CPU primary and in-memory lower tiers."""
 
@@ -16,7 +16,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import KeyFormat, OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import CPULoadStoreSpec
-from kvtiers.core.tier import BuiltTier, WritePolicy
+from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.errors import ConfigError
 from kvtiers.policies import load_policy
 from kvtiers.stack.composite import TieredManager
@@ -29,7 +29,7 @@ from kvtiers.testing.doubles import (
     MemoryObjectStore,
     MemoryObjectTier,
 )
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 from kvtiers.tiers.cpu.manager import CpuTierManager
 
 GEOMETRY = ChunkGeometry(blocks_per_chunk=1, group_bytes_per_block=(4096,))
@@ -45,11 +45,11 @@ def key(i: int) -> OffloadKey:
 class Stack:
     """A CPU primary of ``slots`` slots (evicting by ``policy``) over a bytearray and
     in-memory lower tiers of ``lower_chunks`` chunks (or one count per tier), one per
-    write policy given (over ``stores``, when given, which they index at start);
+    write rules given (over ``stores``, when given, which they index at start);
     ``handing``: tiers that can hand their evictions over."""
 
     def __init__(
-        self, *writes: WritePolicy, slots: int = 4,
+        self, *writes: WriteRules, slots: int = 4,
         stores: list[MemoryObjectStore] | None = None,
         lower_chunks: int | tuple[int, ...] = 64, handing: bool = False, policy: str = "lru",
     ) -> None:
@@ -116,14 +116,14 @@ def stacks() -> Iterator[list[Stack]]:
 
 
 def test_write_through_writes_every_stored_chunk(stacks: list[Stack]) -> None:
-    stacks.append(stack := Stack(WritePolicy()))
+    stacks.append(stack := Stack(WriteRules()))
     stack.store(0, 1)
     stack.manager.wait_idle()
     assert stack.held(0) == {0, 1}
 
 
 def test_write_back_writes_a_chunk_when_the_primary_evicts_it(stacks: list[Stack]) -> None:
-    stacks.append(stack := Stack(WritePolicy("back")))
+    stacks.append(stack := Stack(WriteRules("back")))
     stack.store(0, 1)
     stack.manager.wait_idle()
     assert stack.held(0) == set(), "write-back wrote before any eviction"
@@ -143,7 +143,7 @@ def test_write_back_writes_a_chunk_when_the_primary_evicts_it(stacks: list[Stack
 
 
 def test_a_demoted_slot_is_not_reused_until_its_copy_ended(stacks: list[Stack]) -> None:
-    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stacks.append(stack := Stack(WriteRules("back"), slots=2))
     stack.store(0, 1)
     stack.movers[0].gate.clear()  # the demotion's copy waits before reading
     stack.manager.on_schedule_end(ScheduleEndContext())
@@ -157,7 +157,7 @@ def test_a_demoted_slot_is_not_reused_until_its_copy_ended(stacks: list[Stack]) 
 
 
 def test_a_failed_demotion_leaves_the_chunk_simply_gone(stacks: list[Stack]) -> None:
-    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stacks.append(stack := Stack(WriteRules("back"), slots=2))
     stack.store(0, 1)
     stack.movers[0].fail_keys.add(key(0))
     stack.step()
@@ -171,7 +171,7 @@ def test_a_failed_demotion_leaves_the_chunk_simply_gone(stacks: list[Stack]) -> 
 def test_frequency_admission_writes_at_the_load_that_reaches_the_count(
     stacks: list[Stack],
 ) -> None:
-    stacks.append(stack := Stack(WritePolicy(after_hits=2)))
+    stacks.append(stack := Stack(WriteRules(after_hits=2)))
     stack.store(0, 1)
     stack.manager.wait_idle()
     assert stack.held(0) == set()
@@ -185,7 +185,7 @@ def test_frequency_admission_writes_at_the_load_that_reaches_the_count(
 
 
 def test_frequency_admission_under_write_back(stacks: list[Stack]) -> None:
-    stacks.append(stack := Stack(WritePolicy("back", after_hits=1), slots=2))
+    stacks.append(stack := Stack(WriteRules("back", after_hits=1), slots=2))
     stack.store(0, 1)
     stack.load(1)
     stack.step()  # both evicted to keep 2 free; only the loaded one is written
@@ -199,7 +199,7 @@ def test_a_loaded_chunk_the_primary_keeps_long_is_written_back_when_it_goes(
     """A frequency-keeping policy keeps a chunk loaded thrice while many more are stored
     than the reference table holds (4 x 4 slots); its count must still be there when the
     primary finally demotes it."""
-    stacks.append(stack := Stack(WritePolicy("back", after_hits=1), policy=policy))
+    stacks.append(stack := Stack(WriteRules("back", after_hits=1), policy=policy))
     stack.store(0)
     stack.step()
     for _ in range(3):
@@ -225,7 +225,7 @@ def test_demotions_dropped_counts_only_chunks_a_back_tier_would_take_and_lacks(
 ) -> None:
     """The primary evicting by itself (a store that needs more than the free room) drops a
     chunk only if a write-back tier would have been written and does not hold it."""
-    stacks.append(stack := Stack(WritePolicy("back", after_hits=1), slots=2))
+    stacks.append(stack := Stack(WriteRules("back", after_hits=1), slots=2))
     stack.store(0, 1)
     stack.load(0)
     stack.store(2, 3)  # no step: no free room was kept, the primary evicts 0 and 1 itself
@@ -233,7 +233,7 @@ def test_demotions_dropped_counts_only_chunks_a_back_tier_would_take_and_lacks(
 
 
 def test_a_chunk_the_back_tier_still_holds_is_not_counted_dropped(stacks: list[Stack]) -> None:
-    stacks.append(back := Stack(WritePolicy("back"), slots=2))
+    stacks.append(back := Stack(WriteRules("back"), slots=2))
     back.store(0, 1)
     back.step()  # 0 and 1 are demoted to keep 2 slots free
     assert back.held(0) == {0, 1}
@@ -255,7 +255,7 @@ def test_promoted_chunks_reach_the_tiers_above_that_take_them(
 ) -> None:
     below = MemoryObjectStore()
     below.put(key(3), conformance_payload(3, CHUNK))
-    stacks.append(stack := Stack(WritePolicy(promoted=promoted), WritePolicy(),
+    stacks.append(stack := Stack(WriteRules(promoted=promoted), WriteRules(),
                                  stores=[MemoryObjectStore(), below]))
     assert stack.manager.lookup(key(3), CTX) is PENDING
     stack.step()
@@ -270,13 +270,13 @@ def test_write_back_needs_a_primary_that_holds_slots() -> None:
     mover = MemoryMover(region, GEOMETRY, lower)
     with pytest.raises(ConfigError, match="needs a primary that can hold") as caught:
         TieredManager([BuiltTier("cpu", InMemoryTier(2), region=region),
-                       BuiltTier("mem", lower, mover=mover, write=WritePolicy("back"))],
+                       BuiltTier("mem", lower, mover=mover, write=WriteRules("back"))],
                       keys=KeyFormat(1, 16))
     assert caught.value.path == "tiers[1].write"
     mover.shutdown()
 
 
-def test_the_yaml_write_policy_parses() -> None:
+def test_the_yaml_write_rules_parse() -> None:
     config = load_stack_config({"tiers": [
         {"kind": "cpu", "capacity": "1MiB"},
         {"kind": "fsspec", "url": "memory://placement", "write": "back",
@@ -308,7 +308,7 @@ def test_headroom_is_the_busiest_recent_step() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("example", ["cpu-file-s3-writeback", "cpu-file-s3-frequency"])
-def test_the_demo_runs_each_write_policy_and_shows_writes_per_tier(
+def test_the_demo_runs_each_write_rule_and_shows_writes_per_tier(
     tmp_path: Path, example: str
 ) -> None:
     """``kvtiers demo --config <example>``: every loaded byte verified, and the table's
@@ -348,7 +348,7 @@ def test_a_finished_request_no_longer_shields_its_keys_from_demotion(
 ) -> None:
     """A request's looked-up keys are never demoted while it runs; once it finishes (even
     named by another context object of the same id, as an adapter may pass) they are."""
-    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stacks.append(stack := Stack(WriteRules("back"), slots=2))
     stack.store(0, 1)
     stack.manager.wait_idle()
     running = ReqContext(req_id="running")

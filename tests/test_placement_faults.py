@@ -11,7 +11,7 @@ import pytest
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import ReqContext, ScheduleEndContext
-from kvtiers.core.tier import WritePolicy
+from kvtiers.core.tier import WriteRules
 from kvtiers.testing.conformance import conformance_payload
 from kvtiers.testing.doubles import MemoryObjectStore
 from tests.test_placement import CHUNK, CTX, MISS, PENDING, Stack, key
@@ -34,7 +34,7 @@ def _refuse_submits(stack: Stack, tier: int) -> None:
 
 
 def test_a_refused_demotion_releases_its_slot(stacks: list[Stack]) -> None:
-    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stacks.append(stack := Stack(WriteRules("back"), slots=2))
     stack.store(0, 1)
     _refuse_submits(stack, 0)
     stack.manager.on_schedule_end(ScheduleEndContext())
@@ -46,7 +46,7 @@ def test_a_refused_demotion_releases_its_slot(stacks: list[Stack]) -> None:
 def test_a_refused_demotion_to_one_tier_keeps_the_slot_another_tier_reads(
     stacks: list[Stack],
 ) -> None:
-    stacks.append(stack := Stack(WritePolicy("back"), WritePolicy("back"), slots=2))
+    stacks.append(stack := Stack(WriteRules("back"), WriteRules("back"), slots=2))
     stack.store(0, 1)
     stack.movers[0].gate.clear()  # tier 0's copy waits before reading the held slots
     _refuse_submits(stack, 1)
@@ -61,7 +61,7 @@ def test_a_refused_demotion_to_one_tier_keeps_the_slot_another_tier_reads(
 def test_a_demotion_whose_tier_raises_in_prepare_store_releases_its_slots(
     stacks: list[Stack],
 ) -> None:
-    stacks.append(stack := Stack(WritePolicy("back"), slots=2))
+    stacks.append(stack := Stack(WriteRules("back"), slots=2))
     stack.store(0, 1)
 
     def broken(keys: Collection[OffloadKey], ctx: ReqContext) -> None:
@@ -81,7 +81,7 @@ def test_wait_idle_also_drains_a_cascade_a_landing_promotion_starts(
     and cascades into tier 0 (``write_promoted``): wait_idle goes round again."""
     below = MemoryObjectStore()
     below.put(key(3), conformance_payload(3, CHUNK))
-    stacks.append(stack := Stack(WritePolicy(promoted=True), WritePolicy(),
+    stacks.append(stack := Stack(WriteRules(promoted=True), WriteRules(),
                                  stores=[MemoryObjectStore(), below]))
     assert stack.manager.lookup(key(3), CTX) is PENDING
     stack.manager.wait_idle()
@@ -94,7 +94,7 @@ def test_a_promoted_chunk_its_back_tier_dropped_is_written_back_at_eviction(
 ) -> None:
     """Chunk 0 is demoted to a 3-chunk back tier, promoted, kept hot in the primary while
     the back tier evicts it, then evicted from the primary: it is demoted again, not lost."""
-    stacks.append(stack := Stack(WritePolicy("back"), lower_chunks=3))
+    stacks.append(stack := Stack(WriteRules("back"), lower_chunks=3))
     stack.store(0, 1)
     stack.step()
     stack.store(2, 3)

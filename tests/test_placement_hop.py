@@ -16,7 +16,7 @@ import pytest
 
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import CPULoadStoreSpec
-from kvtiers.core.tier import WritePolicy
+from kvtiers.core.tier import WriteRules
 from kvtiers.stack.builder import Stack as BuiltStack
 from kvtiers.stack.builder import load_stack
 from kvtiers.testing.conformance import conformance_key, conformance_payload
@@ -26,7 +26,7 @@ from kvtiers.tiers.file.manager import FileTierManager
 from tests.test_file_support import open_tier
 from tests.test_placement import CHUNK, CTX, MISS, PENDING, Stack, key
 
-THROUGH, BACK = WritePolicy(), WritePolicy("back")
+THROUGH, BACK = WriteRules(), WriteRules("back")
 
 
 @pytest.fixture
@@ -144,7 +144,7 @@ def test_no_slot_to_stage_through_drops_the_chunk_counted(stacks: list[Stack]) -
 
 
 # -- frequency admission below a handing tier -----------------------------------------
-BACK_HITS = WritePolicy("back", after_hits=1)
+BACK_HITS = WriteRules("back", after_hits=1)
 
 
 def counted_hop(slots: int = 2, above: int = 40) -> Stack:

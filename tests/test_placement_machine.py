@@ -27,7 +27,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import KeyFormat, OffloadKey, make_offload_key
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import CPULoadStoreSpec
-from kvtiers.core.tier import BuiltTier, WritePolicy
+from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.policies import load_policy
 from kvtiers.stack.composite import TieredManager
 from kvtiers.testing.doubles import (
@@ -50,7 +50,7 @@ HIT, MISS, PENDING, RETRY = (LookupResult.HIT, LookupResult.MISS, LookupResult.H
                              LookupResult.RETRY)
 #: Steps within which a pending key resolves (a demotion, then a promotion, then HIT).
 PENDING_STEPS = 3
-WRITES = (WritePolicy("back"), WritePolicy("through", after_hits=1))
+WRITES = (WriteRules("back"), WriteRules("through", after_hits=1))
 
 
 def payload(key: OffloadKey) -> bytes:
@@ -84,8 +84,8 @@ class _WatchedMover(MemoryMover):
 
 
 class PlacementMachine(RuleBasedStateMachine):
-    #: Each lower tier's write policy, capacity in chunks and whether it hands evictions.
-    writes: tuple[WritePolicy, ...] = WRITES
+    #: Each lower tier's write rules, capacity in chunks and whether it hands evictions.
+    writes: tuple[WriteRules, ...] = WRITES
     lower_chunks: tuple[int, ...] = (LOWER_CHUNKS, LOWER_CHUNKS)
     handing: tuple[bool, ...] = (False, False)
     #: Primary slots, and its eviction policy.
@@ -345,7 +345,7 @@ class SecondHopMachine(_StepsSeeEveryCopy):
     rules can run next must not depend on thread timing: on a loaded machine Hypothesis
     found it did)."""
 
-    writes = (WritePolicy("through"), WritePolicy("back"))
+    writes = (WriteRules("through"), WriteRules("back"))
     lower_chunks = (3, LOWER_CHUNKS)
     handing = (True, False)
 
@@ -361,7 +361,7 @@ class CountedSecondHopMachine(SecondHopMachine):
     chunks): a chunk loaded since it was stored reaches mem1 when mem0 evicts it, however
     long mem0 kept it, or is counted (unless mem1 evicted it since)."""
 
-    writes = (WritePolicy("through"), WritePolicy("back", after_hits=1))
+    writes = (WriteRules("through"), WriteRules("back", after_hits=1))
     lower_chunks = (5, 3)
     slots = 1
     keeps_used = True
@@ -403,7 +403,7 @@ class CountedFirstHopMachine(_StepsSeeEveryCopy):
     lowest tier, evicted it since): a chunk the primary evicts by itself counts as
     dropped exactly when mem0 would have been written and does not hold it."""
 
-    writes = (WritePolicy("back", after_hits=1), WritePolicy("through"))
+    writes = (WriteRules("back", after_hits=1), WriteRules("through"))
     lower_chunks = (LOWER_CHUNKS, 3)
     slots = 2
     policy = "arc"

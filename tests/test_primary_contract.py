@@ -30,7 +30,7 @@ from kvtiers.core.manager import (
 )
 from kvtiers.core.primary import DirectPrimary, HoldingPrimary, SlotState, SlottedPrimary
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
-from kvtiers.core.tier import BuiltTier, WritePolicy
+from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import FileMapper
 from kvtiers.stack.builder import load_stack, stages
@@ -367,7 +367,7 @@ class FileStack:
     """The minimal primary over a bytearray region, with a file tier below it."""
 
     def __init__(self, root: Path, chunks: int, geometry: ChunkGeometry,
-                 write: WritePolicy | None = None) -> None:
+                 write: WriteRules | None = None) -> None:
         self.region = BytearrayRegion(chunks, geometry.slot_bytes)
         self.primary = SlotPrimary(chunks)
         chunk_file = HEADER_BYTES + geometry.chunk_bytes(0)
@@ -377,7 +377,7 @@ class FileStack:
                           threads=1, bad_chunks=BadChunkHandler(disk, disk.quarantine_dir))
         self.manager = TieredManager([
             BuiltTier("mine", self.primary, region=self.region),
-            BuiltTier("file", disk, mover=mover, write=write or WritePolicy()),
+            BuiltTier("file", disk, mover=mover, write=write or WriteRules()),
         ])
         self.manager.stack = self  # type: ignore[attr-defined]
 
@@ -416,7 +416,7 @@ def test_the_minimal_primary_demotes_to_a_write_back_file_tier(tmp_path: Path) -
     # end of a step and copies the held slots below, then releases them.
     geometry = TierConformanceTests.geometry
     chunk = geometry.chunk_bytes(0)
-    stack = FileStack(tmp_path, 2, geometry, WritePolicy("back"))
+    stack = FileStack(tmp_path, 2, geometry, WriteRules("back"))
     tiered, ctx = stack.manager, ReqContext(req_id="r")
     try:
         keys = [conformance_key(i) for i in range(2)]

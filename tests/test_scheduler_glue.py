@@ -15,7 +15,7 @@ from kvtiers.core.manager import LookupResult, ReqContext
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.engine.scheduler import OffloadScheduler, TransferPlan
 from kvtiers.errors import UnknownKeyError
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 
 CONFIG = OffloadingConfig(
     groups=(

@@ -2,7 +2,7 @@
 
 They are package data, so they exist in every install (a clone, a wheel, a site-packages
 tree), and each is addressable by its name without the ``.yaml`` suffix: ``cpu``,
-``cpu-file``, ``cpu-file-s3`` (and its write policies ``cpu-file-s3-writeback`` and
+``cpu-file``, ``cpu-file-s3`` (and its write rules ``cpu-file-s3-writeback`` and
 ``cpu-file-s3-frequency``), ``cpu-slow-s3`` (cost-aware promotion), ``file-gds`` and
 ``demo`` (the stack ``kvtiers demo`` runs by default). Nothing here reads a file; callers
 do.

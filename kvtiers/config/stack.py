@@ -226,7 +226,7 @@ class StackConfig:
         return line
 
 
-# A write policy says how chunks reach a lower tier from the primary: on the primary (a
+# The write rules say how chunks reach a lower tier from the primary: on the primary (a
 # file tier with gds: true) it would have no meaning.
 _WRITE_DEFAULTS = (("write", "through"), ("write_after_hits", 0), ("write_promoted", False))
 
@@ -237,7 +237,7 @@ def _check_primary_writes(primary: TierConfig) -> None:
     for key, default in _WRITE_DEFAULTS:
         if getattr(primary, key) != default:
             raise ConfigError(
-                f"{key} is a lower tier's write policy (how chunks reach it from the "
+                f"{key} is one of a lower tier's write rules (how chunks reach it from the "
                 "primary); the first tier is the primary: remove it here, or set it on a "
                 "lower tier",
                 path=key_path(item_path("tiers", 0), key),

@@ -2,7 +2,7 @@
 
 Every tier has a ``kind``, a ``name`` (unique within a stack; the stack parser defaults it
 to its kind, or ``<kind><index>`` when the kind repeats) and an ``admission`` rule for
-chunks written to it; the kinds that can be lower tiers add their write policy
+chunks written to it; the kinds that can be lower tiers add their write rules
 (``write``, ``write_after_hits``, ``write_promoted``) and the cost model's seeds. The
 classes here only describe and check values; building a tier from them is the job of the
 kind's factory (see :mod:`kvtiers.config.kinds`). Sizes are bytes; ``*_s`` fields are
@@ -68,10 +68,10 @@ def _check_codec(codec: str) -> None:
         raise ConfigError(problem, path="codec")
 
 
-def _check_listing(config: LowerTierConfig, shared: bool) -> None:
+def _check_listing(config: LowerTierConfig) -> None:
     """The background listing of a shared namespace (docs/sharing.md, "Announcing other
     servers' chunks"): only over a shared namespace, and the summary only after listings."""
-    if config.list_interval_s is not None and not shared:
+    if config.list_interval_s is not None and not config.shared:
         raise ConfigError(
             "list_interval_s lists a namespace other servers write into, to announce their "
             "chunks; set shared: true as well, or remove list_interval_s",
@@ -95,6 +95,36 @@ def _check_load_backoff(base_s: float, max_s: float) -> None:
             "load_backoff_max_s or lower load_backoff_s",
             path="load_backoff_max_s",
         )
+
+
+#: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
+#: written without its unit (``capacity: 8`` is 8 bytes).
+MIN_CAPACITY_BYTES = 4096
+
+
+def _capacity_problem(size: int) -> str | None:
+    if size < MIN_CAPACITY_BYTES:
+        return (
+            f"{size} bytes cannot hold a single chunk (a chunk takes at least 4 KiB); a bare "
+            f"number means bytes: write the unit, e.g. {size}GiB"
+        )
+    return None
+
+
+def cpu_capacity_problem(name: str, capacity: int, slot_bytes: int) -> str | None:
+    """Why the cpu tier ``name`` cannot hold one chunk slot of ``slot_bytes``, or ``None``
+    (the build's check, which ``kvtiers validate`` makes when a ``model:`` section gives
+    the chunks)."""
+    if capacity >= slot_bytes:
+        return None
+    return (
+        f"tier {name!r}: capacity {capacity} bytes holds no chunk of {slot_bytes} bytes; "
+        f"give at least {slot_bytes} bytes"
+    )
+
+
+Capacity = Annotated[Size, Check(_capacity_problem)]
+"""A tier's capacity: a :data:`~kvtiers.config.sizes.Size` of at least one 4 KiB page."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,7 +153,10 @@ class TierConfig(Section):
 
 @dataclass(frozen=True, kw_only=True)
 class LowerTierConfig(TierConfig):
-    """Fields of the kinds that can be a lower tier (promoted from): file, s3, fsspec."""
+    """Fields of the kinds that can be a lower tier (promoted from), the persistent ones:
+    file, s3, fsspec. Building one hands its load back-off and background listing on
+    whole (:class:`kvtiers.tiers.backoff.BackoffSettings`,
+    :class:`kvtiers.tiers.listing.ListingSettings`)."""
 
     write: Literal["through", "back"] = "through"
     """When a lower tier receives a chunk. through: as soon as it is stored in the
@@ -164,36 +197,53 @@ class LowerTierConfig(TierConfig):
     """With ``list_interval_s``: after a complete listing, republish the namespace summary
     (a Bloom filter of its chunk keys beside the manifest, docs/on-disk-format.md) at most
     this often. Unset: no summary."""
+    threads: Threads = 8
+    """I/O threads (file) or concurrent requests (s3, fsspec) of the tier's mover, for
+    loads and for stores each."""
+    capacity: Capacity | None = None
+    """Bytes of chunks kept (files or objects); least recently used chunks are removed
+    beyond it. Unset: bounded only by the medium (the filesystem; on a bucket, use a
+    lifecycle rule instead)."""
+    shared: bool = False
+    """Other engines write this namespace too (a shared directory, bucket prefix or
+    location): an index miss starts a batched background existence probe (the lookup
+    answers RETRY until it resolves) instead of a miss."""
+    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
+    """Seconds a chunk whose load failed is a miss before it is tried again; doubled per
+    further failure."""
+    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
+    """Cap of that back-off; also how long a chunk forgotten as unreadable stays a miss."""
+    codec: CodecName = "none"
+    """Lossless codec of stored payloads: none, blosc2-zstd (byte shuffle + zstd per byte
+    stream: about 1.45x fewer bytes on bf16 KV, decoding at about 2 GB/s per core; on a
+    remote object store it also means fewer bytes to send and fetch) or blosc2-lz4 (bit
+    shuffle + LZ4: faster, about 1.2x). A chunk is stored encoded only when that makes it
+    smaller; every reader decodes what a chunk's header says, so chunks with and without
+    a codec share one namespace. Needs kvtiers[codec]."""
+
+    def _check(self) -> None:
+        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
+        _check_listing(self)
+        _check_codec(self.codec)
 
 
-#: No tier can hold a chunk in less than one 4 KiB page: a smaller capacity is a size
-#: written without its unit (``capacity: 8`` is 8 bytes).
-MIN_CAPACITY_BYTES = 4096
+@dataclass(frozen=True, kw_only=True)
+class ObjectTierConfig(LowerTierConfig):
+    """Fields of the object store kinds: s3, fsspec."""
 
+    threads: Threads = 16  # requests wait on the network: more than a disk's threads
+    op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
+    """Overall bound of one operation: every attempt and backoff together end by it."""
 
-def _capacity_problem(size: int) -> str | None:
-    if size < MIN_CAPACITY_BYTES:
-        return (
-            f"{size} bytes cannot hold a single chunk (a chunk takes at least 4 KiB); a bare "
-            f"number means bytes: write the unit, e.g. {size}GiB"
-        )
-    return None
-
-
-def cpu_capacity_problem(name: str, capacity: int, slot_bytes: int) -> str | None:
-    """Why the cpu tier ``name`` cannot hold one chunk slot of ``slot_bytes``, or ``None``
-    (the build's check, which ``kvtiers validate`` makes when a ``model:`` section gives
-    the chunks)."""
-    if capacity >= slot_bytes:
-        return None
-    return (
-        f"tier {name!r}: capacity {capacity} bytes holds no chunk of {slot_bytes} bytes; "
-        f"give at least {slot_bytes} bytes"
-    )
-
-
-Capacity = Annotated[Size, Check(_capacity_problem)]
-"""A tier's capacity: a :data:`~kvtiers.config.sizes.Size` of at least one 4 KiB page."""
+    def _describe(self, parts: list[str]) -> str:
+        """``parts`` (the kind and where) with the capacity, ``shared`` and the codec."""
+        if self.capacity is not None:
+            parts.append(format_size(self.capacity))
+        if self.shared:
+            parts.append("shared")
+        if self.codec != "none":
+            parts.append(f"codec={self.codec}")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -272,9 +322,6 @@ class FileTierConfig(LowerTierConfig):
     """Directory holding one namespace per cache identity (a directory of its own, not
     the filesystem root); relative paths resolve against the current directory, ``~`` is
     expanded."""
-    capacity: Capacity | None = None
-    """Bytes of chunk files kept; least recently used chunks are evicted beyond it. Unset:
-    bounded only by the filesystem."""
     capacity_scope: Literal["namespace", "root"] = "namespace"
     """What ``capacity`` bounds: this namespace, or (``root``) every namespace under the
     root together, other namespaces' chunks going first, least recently used namespace
@@ -283,14 +330,9 @@ class FileTierConfig(LowerTierConfig):
     io: Literal["auto", "posix", "kvikio"] = "auto"
     """I/O path: posix (pread/pwrite), kvikio (GPUDirect Storage), or auto (kvikio only
     when a CUDA driver loads and a probe succeeds)."""
-    threads: Threads = 8
-    """I/O threads of the tier's mover, for loads and for stores each."""
     gds: bool = False
     """Make this tier the primary, read and written by the GPU directly through kvikio
     (first tier only, no lower tiers)."""
-    shared: bool = False
-    """Other engines write this directory too: an index miss starts a batched background
-    existence probe (the lookup answers RETRY until it resolves) instead of a miss."""
     o_direct: bool = False
     """Bypass the page cache (O_DIRECT, aligned buffers) on the posix path."""
     file_mode: OctalMode = _OWNER_READ_WRITE
@@ -301,22 +343,11 @@ class FileTierConfig(LowerTierConfig):
     quarantine: bool = True
     """Move corrupt chunk files to ``<namespace>/quarantine/`` for inspection instead of
     deleting them."""
-    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
-    """Seconds a chunk whose load failed is a miss before it is tried again; doubled per
-    further failure."""
-    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
-    """Cap of that back-off; also how long a chunk forgotten as unreadable stays a miss."""
     durability: Literal["process", "power"] = "process"
     """What a stored chunk survives. process: the crash of any process (atomic publish, no
     fsync; a power cut may lose recent chunks, which then read as misses). power: a power
     cut too (a store job's chunks are flushed to disk before they count as stored: one
     syncfs per job on Linux); slower, most for small chunks."""
-    codec: CodecName = "none"
-    """Lossless codec of stored payloads: none, blosc2-zstd (byte shuffle + zstd per byte
-    stream: about 1.45x fewer bytes on bf16 KV, decoding at about 2 GB/s per core) or
-    blosc2-lz4 (bit shuffle + LZ4: faster, about 1.2x). A chunk is stored encoded only
-    when that makes it smaller; every reader decodes what a chunk's header says, so
-    chunks with and without a codec share one namespace. Needs kvtiers[codec]."""
 
     @property
     def can_be_primary(self) -> bool:
@@ -328,8 +359,13 @@ class FileTierConfig(LowerTierConfig):
         return Path(self.root).expanduser().absolute()
 
     def _check(self) -> None:
-        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
-        _check_listing(self, self.shared)
+        if self.gds and self.codec != "none":
+            raise ConfigError(
+                f"codec: {self.codec} cannot be used with gds: true (chunks go straight "
+                "between files and GPU memory, with no host copy to decode); set codec: none",
+                path="codec",
+            )
+        super()._check()
         if self.capacity_scope == "root" and self.capacity is None:
             raise ConfigError(
                 "capacity_scope: root shares the tier's capacity among the root's "
@@ -358,13 +394,6 @@ class FileTierConfig(LowerTierConfig):
                 "a directory of its own, e.g. root: /var/cache/kvtiers",
                 path="root",
             )
-        if self.gds and self.codec != "none":
-            raise ConfigError(
-                f"codec: {self.codec} cannot be used with gds: true (chunks go straight "
-                "between files and GPU memory, with no host copy to decode); set codec: none",
-                path="codec",
-            )
-        _check_codec(self.codec)
         blocker = _non_directory_on(self.root_path)
         if blocker is not None:
             raise ConfigError(
@@ -509,7 +538,7 @@ def _prefix_problem(prefix: str) -> str | None:
 
 
 @dataclass(frozen=True, kw_only=True)
-class S3TierConfig(LowerTierConfig):
+class S3TierConfig(ObjectTierConfig):
     """An S3-compatible bucket. ``endpoint_url: embedded`` starts a local test server.
 
     Requests go through botocore's ``retry_mode`` (``standard``, or ``adaptive`` which
@@ -544,14 +573,6 @@ class S3TierConfig(LowerTierConfig):
     endpoint_url: Annotated[str, Check(_endpoint_problem)] | None = None
     """An S3-compatible endpoint (MinIO, SeaweedFS, Ceph): ``http(s)://host:port``; unset:
     AWS; ``embedded``: a local moto server in this process (demos and tests)."""
-    threads: Threads = 16
-    """Concurrent requests of the tier's mover, for loads and for stores each."""
-    capacity: Capacity | None = None
-    """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
-    unbounded (use a bucket lifecycle rule instead)."""
-    shared: bool = False
-    """Other engines write this prefix too: an index miss starts a batched background
-    existence probe (RETRY until it resolves) instead of a miss."""
     retry_mode: Literal["standard", "adaptive"] = "standard"
     """botocore's retry mode: ``standard`` (back-off from 1 s on throttling, honours
     Retry-After, a retry quota) or ``adaptive`` (adds client-side rate limiting)."""
@@ -564,15 +585,8 @@ class S3TierConfig(LowerTierConfig):
     """Cap of the backoff bound; at least backoff_base_s."""
     timeout_s: Seconds = 30.0
     """Connect and read timeout of one request."""
-    op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
-    """Overall bound of one operation: every attempt and backoff together end by it."""
     delete_corrupt: bool = True
     """Delete an object that fails verification twice (it is a miss either way)."""
-    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
-    """Seconds an object whose load failed is a miss before it is tried again; doubled per
-    further failure."""
-    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
-    """Cap of that back-off; also how long an object forgotten as unreadable stays a miss."""
     conditional_writes: bool = True
     """Puts carry ``If-None-Match: *`` so racing writers never clobber; the start-up probe
     refuses an endpoint that ignores it. ``false``: no condition, the last writer wins
@@ -584,9 +598,7 @@ class S3TierConfig(LowerTierConfig):
     chunks as they are. Needs kvtiers[codec] (kvtiers[s3] includes it)."""
 
     def _check(self) -> None:
-        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
-        _check_codec(self.codec)
-        _check_listing(self, self.shared)
+        super()._check()
         if self.endpoint_url == "embedded":
             missing = missing_modules(EMBEDDED_SERVER_MODULES)
             if missing:
@@ -607,17 +619,11 @@ class S3TierConfig(LowerTierConfig):
         parts = [f"s3 {location}"]
         if self.endpoint_url is not None:
             parts.append(f"endpoint={redact_url(self.endpoint_url)}")
-        if self.capacity is not None:
-            parts.append(format_size(self.capacity))
-        if self.shared:
-            parts.append("shared")
-        if self.codec != "none":
-            parts.append(f"codec={self.codec}")
-        return ", ".join(parts)
+        return self._describe(parts)
 
 
 @dataclass(frozen=True, kw_only=True)
-class FsspecTierConfig(LowerTierConfig):
+class FsspecTierConfig(ObjectTierConfig):
     """Any fsspec URL (``gcs://``, ``az://``, ``memory://`` …) as an object tier.
 
     ``op_deadline_s`` bounds one operation (attempts and back-off together; on
@@ -634,30 +640,11 @@ class FsspecTierConfig(LowerTierConfig):
     """Where namespaces live: any fsspec URL (``gcs://bucket/kv``, ``az://container/kv``,
     ``memory://kv``) naming a directory below its filesystem's root (not ``memory://`` or
     ``file:///`` itself); the protocol's fsspec package must be installed."""
-    threads: Threads = 16
-    """Concurrent requests of the tier's mover, for loads and for stores each."""
-    capacity: Capacity | None = None
-    """Bytes of objects kept; least recently used ones are deleted beyond it. Unset:
-    unbounded."""
-    shared: bool = False
-    """Other engines write this location too: index misses are probed in the background."""
-    op_deadline_s: Seconds = DEFAULT_OP_DEADLINE_S
-    """Overall bound of one operation: every attempt and backoff together end by it."""
     storage_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     """Keyword arguments for the fsspec filesystem (credentials, project, ...)."""
-    load_backoff_s: Seconds = DEFAULT_LOAD_BACKOFF_S
-    """Seconds an object whose load failed is a miss before it is tried again; doubled per
-    further failure."""
-    load_backoff_max_s: Seconds = DEFAULT_LOAD_BACKOFF_MAX_S
-    """Cap of that back-off; also how long an object forgotten as unreadable stays a miss."""
-    codec: CodecName = "none"
-    """Lossless codec of stored payloads (see the file tier's codec); blosc2-zstd suits a
-    remote object store as it does s3. Needs kvtiers[codec]."""
 
     def _check(self) -> None:
-        _check_load_backoff(self.load_backoff_s, self.load_backoff_max_s)
-        _check_codec(self.codec)
-        _check_listing(self, self.shared)
+        super()._check()
         problem = _fsspec_root_problem(self.url) or _fsspec_protocol_problem(self.url)
         if problem is not None:
             raise ConfigError(problem, path="url")
@@ -674,11 +661,4 @@ class FsspecTierConfig(LowerTierConfig):
             )
 
     def describe(self) -> str:
-        parts = [f"fsspec {self.url}"]
-        if self.capacity is not None:
-            parts.append(format_size(self.capacity))
-        if self.shared:
-            parts.append("shared")
-        if self.codec != "none":
-            parts.append(f"codec={self.codec}")
-        return ", ".join(parts)
+        return self._describe([f"fsspec {self.url}"])

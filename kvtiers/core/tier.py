@@ -21,7 +21,7 @@ M = TypeVar("M", bound=OffloadingManager)
 
 
 @dataclass(frozen=True)
-class WritePolicy:
+class WriteRules:
     """When the composite writes a chunk into a lower tier (docs/architecture.md,
     "Placement").
 
@@ -41,7 +41,7 @@ class WritePolicy:
 
     def __post_init__(self) -> None:
         if self.after_hits < 0:
-            raise ValueError(f"WritePolicy.after_hits must be at least 0, got {self.after_hits}")
+            raise ValueError(f"WriteRules.after_hits must be at least 0, got {self.after_hits}")
 
 
 @dataclass
@@ -50,7 +50,7 @@ class BuiltTier(Generic[M]):
     (primary).
 
     ``admission`` says whether the composite writes chunks into this tier at all (``never``:
-    read-only); ``write`` says when and which (a lower tier's :class:`WritePolicy`).
+    read-only); ``write`` says when and which (a lower tier's :class:`WriteRules`).
     """
 
     name: str
@@ -59,7 +59,7 @@ class BuiltTier(Generic[M]):
     region: HostRegion | None = None
     make_worker: Callable[[KVCacheTensors], OffloadingWorker] | None = None
     admission: Literal["always", "never"] = "always"
-    write: WritePolicy = field(default_factory=WritePolicy)
+    write: WriteRules = field(default_factory=WriteRules)
 
     def shutdown(self) -> None:
         """Stop the mover (draining it), then the manager. Idempotent."""

@@ -229,7 +229,7 @@ def render_phase(phase: PhaseResult, stack_names: Sequence[str]) -> str:
     """A plain-text summary of one phase, within 80 columns.
 
     Per tier: chunks held at the end, prompt tokens it served, chunks written into it (the
-    primary's stores; a lower tier's cascades and demotions, as its write policy decides),
+    primary's stores; a lower tier's cascades and demotions, as its write rules decide),
     bytes written into and read out of it, those bytes as an average rate over the phase's
     wall time (lower tiers work in the background, so a per-job rate would count
     queueing), and errors (corrupt chunks plus failed transfers). The GPU ⇄ primary

@@ -2,7 +2,7 @@
 composite's write admission as one object, the predicate with its bookkeeping.
 
 Owns: whether a lower tier is written at all (``admission: never`` makes it read-only),
-when (its :class:`~kvtiers.core.tier.WritePolicy`'s ``mode``) and which chunks: the
+when (its :class:`~kvtiers.core.tier.WriteRules`'s ``mode``) and which chunks: the
 ``after_hits`` count with the table of references per chunk (a load from the primary, or a
 store of a chunk the primary lost and that was computed anew), and where each chunk in the
 primary was promoted from (a tier never takes a chunk promoted from below it unless its

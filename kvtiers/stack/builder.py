@@ -19,7 +19,7 @@ from kvtiers.config.tiers import LowerTierConfig
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.keys import KeyFormat
 from kvtiers.core.mover import HostRegion
-from kvtiers.core.tier import BuiltTier, WritePolicy
+from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.logs import log_started, log_stopped
@@ -212,10 +212,10 @@ def _build_tier(
         source = "" if config.source == "<mapping>" else config.source
         raise ConfigError(exc.message, path=join_path(where, exc.path), source=source) from None
     if isinstance(tier_config, LowerTierConfig):
-        # The write policy is the composite's business, the same for every kind: set here
+        # The write rules are the composite's business, the same for every kind: set here
         # rather than by each factory.
-        tier.write = WritePolicy(tier_config.write, tier_config.write_after_hits,
-                                 tier_config.write_promoted)
+        tier.write = WriteRules(tier_config.write, tier_config.write_after_hits,
+                                tier_config.write_promoted)
     return tier
 
 

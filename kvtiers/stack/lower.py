@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import OffloadingManager, ReqContext
 from kvtiers.core.primary import HandingTier
-from kvtiers.core.tier import BuiltTier, WritePolicy
+from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.tiers.jobs import JobDriver
 
 #: The context of the jobs the composite starts itself (cascades, demotions).
@@ -54,7 +54,7 @@ class Lower:
         return self.tier.manager
 
     @property
-    def write(self) -> WritePolicy:
+    def write(self) -> WriteRules:
         return self.tier.write
 
 

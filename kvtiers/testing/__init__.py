@@ -5,8 +5,8 @@
   helpers of the manager suite, a small cache identity.
 - :mod:`~kvtiers.testing.driver`: :class:`TierDriver`, stores and loads through a built
   lower tier the way the composite does.
-- :mod:`~kvtiers.testing.doubles`, :mod:`~kvtiers.testing.reference`: test doubles and
-  the reference tier.
+- :mod:`~kvtiers.testing.doubles`, :mod:`~kvtiers.testing.memory_tier`: test doubles and
+  the in-memory tier.
 - :mod:`~kvtiers.testing.s3`: moto servers (an address; one in a process of its own) and a
   botocore fault injector.
 - :mod:`~kvtiers.testing.seaweed`: SeaweedFS as a second, real S3 server (one process or

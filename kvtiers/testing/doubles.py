@@ -24,7 +24,7 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import Locality, LookupResult, Medium, ReqContext, TierCapabilities
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec, ObjectLoadStoreSpec
 from kvtiers.errors import CorruptChunkError, UnknownKeyError
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 from kvtiers.tiers.fanout import ChunkCopy, FanOutJob, FanOutMover, plan_chunks
 
 

@@ -36,8 +36,12 @@ import queue
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtiers.core.keys import OffloadKey
+
+if TYPE_CHECKING:
+    from kvtiers.config.tiers import LowerTierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +66,24 @@ def lasting_os_error(error: BaseException) -> bool:
     """Whether ``error`` says the chunk's path itself cannot be read (trying again fails
     the same way) rather than that the medium failed this time."""
     return isinstance(error, OSError) and error.errno in LASTING_ERRNOS
+
+
+@dataclass(frozen=True)
+class BackoffSettings:
+    """A lower tier's ``load_backoff_s`` and ``load_backoff_max_s``: the first back-off
+    of a key whose load failed, and the cap (see the module docstring)."""
+
+    base_s: float = DEFAULT_LOAD_BACKOFF_S
+    max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S
+
+    @classmethod
+    def from_config(cls, config: LowerTierConfig) -> BackoffSettings:
+        """The back-off a lower tier's section asks for."""
+        return cls(config.load_backoff_s, config.load_backoff_max_s)
+
+
+#: The back-off of a tier whose section leaves both keys at their defaults.
+DEFAULT_BACKOFF = BackoffSettings()
 
 
 @dataclass(slots=True)

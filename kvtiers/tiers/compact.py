@@ -1,10 +1,9 @@
-"""A chunk index for millions of chunks: :class:`CompactChunkIndex`, the rules of
-:class:`~kvtiers.tiers.index.ChunkIndex` kept in packed arrays instead of one Python
-object per key.
+"""The chunk index, for millions of chunks: :class:`CompactChunkIndex`, the rules of
+:mod:`kvtiers.tiers.index` kept in packed arrays instead of one Python object per key.
 
-A ``ChunkIndex`` entry costs about 360 bytes (the key's ``bytes`` object, an
-``OrderedDict`` node, a ``ChunkEntry``); here a chunk costs its key's bytes plus about 30
-(20-byte keys: about 60 bytes a chunk). The layout, one *slot* per indexed key:
+An entry of an ordered dict of entry objects would cost about 360 bytes (the key's
+``bytes`` object, the dict's node, the entry); here a chunk costs its key's bytes plus
+about 30 (20-byte keys: about 60 bytes a chunk). The layout, one *slot* per indexed key:
 
 - the keys, each padded to the widest key seen, in one ``bytearray``, with their lengths;
 - each key's ``hash()`` (low 32 bits), its size, its state (free, ``WRITING``, ``READY``)
@@ -19,12 +18,12 @@ A ``ChunkIndex`` entry costs about 360 bytes (the key's ``bytes`` object, an
 Pins and keys waiting to be discarded are few and held in small dicts, and so are the
 slots of the keys looked up last, -1 for those absent (at most :data:`HOT_KEYS`; a key
 leaves it when its slot is freed or it is indexed): a lookup of a key the scheduler asked
-about lately costs one dict probe, as with ``ChunkIndex``. Every operation
-answers exactly as ``ChunkIndex`` does (tests/test_chunk_index.py runs one model against
-both), so eviction order, hit rate and events are the same.
+about lately costs one dict probe. Every operation answers as a plain model of the rules
+does (tests/test_chunk_index.py runs one against it), so eviction order, hit rate and
+events are those of an LRU-ordered dict of entries.
 
 :meth:`CompactChunkIndex.merge_oldest` takes in a :class:`PackedChunks` built off the
-scheduler's thread (a background rebuild, :mod:`kvtiers.tiers.rebuild`) as the least
+scheduler's thread (a background rebuild, :mod:`kvtiers.tiers.build`) as the least
 recently used entries, under everything indexed since: the scheduler's thread then does
 work in proportion to the keys it indexed meanwhile, not to the chunks found.
 """
@@ -168,9 +167,14 @@ class _Keys(Collection[OffloadKey]):
 
 
 class CompactChunkIndex:
-    """:class:`~kvtiers.tiers.index.ChunkIndex`'s contract over packed arrays; see the
-    module docstring. :meth:`get` and :meth:`items` answer with new
-    :class:`~kvtiers.tiers.index.ChunkEntry` objects (copies)."""
+    """The bookkeeping of one tier: :mod:`kvtiers.tiers.index`'s rules over packed arrays
+    (see the module docstring). :meth:`get` and :meth:`items` answer with new
+    :class:`~kvtiers.tiers.index.ChunkEntry` objects (copies).
+
+    ``capacity`` ``None`` means unbounded. ``tier`` names the tier in error messages (for
+    example ``"the file tier at /mnt/kv/ns"``); ``medium`` and ``locality`` label the
+    events it records.
+    """
 
     def __init__(
         self,
@@ -414,7 +418,11 @@ class CompactChunkIndex:
 
     # -- store ----------------------------------------------------------------------
     def reserve(self, keys: Collection[OffloadKey], size: int) -> IndexChange | None:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.reserve`."""
+        """Reserve ``size`` for each key of ``keys`` not yet indexed, as ``WRITING``.
+
+        The answer's ``keys`` are the reserved keys (first occurrence order, possibly
+        none); its ``victims`` were evicted to make room. ``None``, changing nothing, when
+        not enough ``READY``, unpinned keys outside ``keys`` can be evicted."""
         accepted = list(dict.fromkeys(key for key in keys if self._find(key) < 0))
         need = len(accepted) * size
         victims: list[OffloadKey] = []
@@ -433,7 +441,9 @@ class CompactChunkIndex:
         return IndexChange(accepted, victims)
 
     def finish(self, keys: Iterable[OffloadKey], success: bool) -> list[OffloadKey]:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.finish`."""
+        """End the stores of ``keys``: ready (most recent) on success, dropped otherwise.
+
+        Keys that are not ``WRITING`` are ignored; returns the keys that were, each once."""
         done = []
         slots = []
         for key in dict.fromkeys(keys):
@@ -458,7 +468,9 @@ class CompactChunkIndex:
 
     # -- load -----------------------------------------------------------------------
     def pin(self, keys: Collection[OffloadKey]) -> None:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.pin`."""
+        """Pin each occurrence of ``keys`` (most recent first in LRU order). Raises
+        :class:`~kvtiers.errors.UnknownKeyError`, changing nothing, unless every key is
+        ``READY``."""
         slots = []
         for key in keys:
             slot = self._find(key)
@@ -475,7 +487,9 @@ class CompactChunkIndex:
         self._counters["loads"] += len(keys)
 
     def unpin(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.unpin`."""
+        """Drop one pin per occurrence of each key; returns the keys a :meth:`discard`
+        was waiting on, now dropped. Raises :class:`~kvtiers.errors.UnknownKeyError`,
+        changing nothing, when a key would drop more pins than it holds."""
         drops = Counter(keys)
         pins = self._pins
         slots = {}
@@ -504,7 +518,8 @@ class CompactChunkIndex:
         return freed
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.touch`."""
+        """Make ``READY`` keys the most recently used, the last one most; others are
+        ignored."""
         for key in keys:
             slot = self._find(key)
             if slot >= 0 and self._states[slot] == _READY:
@@ -512,7 +527,13 @@ class CompactChunkIndex:
 
     # -- entries found outside the scheduler's own stores ----------------------------
     def add_ready(self, found: Iterable[tuple[OffloadKey, int]]) -> IndexChange:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.add_ready`."""
+        """Index already-stored chunks ``(key, size)`` (a rebuild, oldest first, or probe
+        hits) as ``READY`` and most recent, skipping keys already indexed; with a
+        capacity, evict least recently used ``READY``, unpinned keys (the new ones too,
+        if need be) until ``usage`` is within it. What this leaves indexed of the added
+        keys is announced stored (one event), like a finished store: what a tier holds is
+        announced however it came to hold it; the evicted keys that were indexed before
+        are announced removed, those just added and evicted at once not at all."""
         added = []
         for key, size in found:
             if self._find(key) >= 0:
@@ -577,7 +598,7 @@ class CompactChunkIndex:
 
     def _settle(self, added: list[OffloadKey], *, owned: bool = False) -> IndexChange:
         """Evict back within the capacity after ``added`` came in; announce (see
-        :meth:`~kvtiers.tiers.index.ChunkIndex.add_ready`). ``owned``: nothing else
+        :meth:`add_ready`). ``owned``: nothing else
         changes ``added``, so the announcement may hold it uncopied."""
         picked: list[tuple[OffloadKey, int]] = []
         capacity = self.capacity
@@ -600,7 +621,9 @@ class CompactChunkIndex:
         return IndexChange(added, victims)
 
     def evict_lru(self, nbytes: int) -> list[OffloadKey]:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.evict_lru`."""
+        """Evict least recently used ``READY``, unpinned keys freeing at least ``nbytes``
+        of usage, or every such key when they free less (the medium itself is full, so
+        the owner frees room below its capacity); returns them, oldest first."""
         picked = self._pick_victims(nbytes, ())
         if picked is None:
             picked = self._evictable()
@@ -608,7 +631,9 @@ class CompactChunkIndex:
         return [key for key, _ in picked]
 
     def discard(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.discard`."""
+        """Drop ``READY`` keys whose chunks were reported bad or gone (an event records
+        it); a pinned one is dropped at its last :meth:`unpin`. Keys being written or not
+        indexed are ignored. Returns the keys dropped now."""
         now = []
         for key in dict.fromkeys(keys):
             slot = self._find(key)
@@ -623,7 +648,8 @@ class CompactChunkIndex:
         return [key for key, _ in now]
 
     def clear_ready(self) -> list[OffloadKey]:
-        """:meth:`~kvtiers.tiers.index.ChunkIndex.clear_ready`."""
+        """Drop every ``READY``, unpinned key (a non-persistent tier's reset); returns
+        them. Not counted as evictions."""
         picked = self._evictable()
         for _, slot in picked:
             self._remove(slot)
@@ -660,7 +686,8 @@ class CompactChunkIndex:
         return events
 
     def stats(self) -> Mapping[str, int]:
-        """As :meth:`~kvtiers.tiers.index.ChunkIndex.stats`. O(1)."""
+        """``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``, ``loads``,
+        ``discarded`` and ``chunks`` (``READY`` entries). O(1)."""
         return {**self._counters, "chunks": self.ready_count}
 
     def resident_bytes(self) -> int:

@@ -44,11 +44,15 @@ import time
 from collections.abc import Callable, Container, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import Locality, Medium, OffloadingEvent
 from kvtiers.filemapper.summary import NamespaceSummary
 from kvtiers.tiers.iopool import IOPool
+
+if TYPE_CHECKING:
+    from kvtiers.config.tiers import LowerTierConfig
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +60,47 @@ logger = logging.getLogger(__name__)
 KEYS_PER_STEP = 4096
 #: Default bound of one listing, in chunks (the ``list_max_chunks`` YAML key's default).
 DEFAULT_LIST_MAX_CHUNKS = 1_000_000
+
+
+@dataclass(frozen=True)
+class ListingSettings:
+    """A tier's background listing, as its ``list_interval_s``, ``list_max_chunks`` and
+    ``summary_interval_s`` keys give it: list at most once per ``interval_s``, stop a
+    listing after ``max_chunks`` chunks, and (``summary_interval_s`` set) republish the
+    namespace summary after a complete listing at most that often. A tier without a
+    listing has no settings (``None``), so a summary without a listing cannot be asked
+    for."""
+
+    interval_s: float
+    max_chunks: int = DEFAULT_LIST_MAX_CHUNKS
+    summary_interval_s: float | None = None
+
+    @classmethod
+    def from_config(cls, config: LowerTierConfig) -> ListingSettings | None:
+        """The listing a lower tier's section asks for; ``None`` without
+        ``list_interval_s`` (the section's check refuses a summary without it)."""
+        if config.list_interval_s is None:
+            return None
+        return cls(config.list_interval_s, config.list_max_chunks, config.summary_interval_s)
+
+    def start(
+        self,
+        list_keys: ListKeys,
+        *,
+        publish_summary: Callable[[bytes], None],
+        namespace_digest: bytes,
+        medium: Medium,
+        where: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> SharedListing:
+        """The tier's :class:`SharedListing` over ``list_keys``, with its
+        :class:`SummaryWriter` over ``publish_summary`` when a summary is asked for."""
+        summary = None
+        if self.summary_interval_s is not None:
+            summary = SummaryWriter(publish_summary, namespace_digest=namespace_digest,
+                                    interval_s=self.summary_interval_s, clock=clock)
+        return SharedListing(list_keys, interval_s=self.interval_s, max_chunks=self.max_chunks,
+                             medium=medium, where=where, summary=summary, clock=clock)
 #: Seconds shutdown waits for a listing in progress before abandoning its thread.
 CLOSE_TIMEOUT_S = 5.0
 
@@ -82,9 +127,6 @@ class Listing:
 #: Lists a namespace's chunk keys, in any order; the listing thread stops taking them
 #: after the bound it was given.
 ListKeys = Callable[[], Iterator[OffloadKey]]
-#: Called on the listing thread after each complete listing, with it, to republish the
-#: namespace summary (:class:`SummaryWriter`); an exception is logged and counted.
-AfterListing = Callable[[Listing], None]
 
 
 class SharedListing:
@@ -103,7 +145,7 @@ class SharedListing:
         max_chunks: int,
         medium: Medium,
         where: str,
-        summary: AfterListing | None = None,
+        summary: SummaryWriter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if interval_s <= 0 or max_chunks < 1:
@@ -208,11 +250,13 @@ class SharedListing:
     def stats(self) -> Mapping[str, float]:
         """``listings`` (complete ones), ``listings_incomplete``, ``listed_chunks`` (by
         the last listing), ``listing_s`` (its duration), ``announced_chunks`` (listed
-        announcements live now) and ``summary_failures`` (summaries not written)."""
+        announcements live now), ``summary_failures`` (summaries not written) and
+        ``summaries`` (written)."""
         return {
             **self._stats,
             "listing_s": self.last_listing_s,
             "announced_chunks": len(self.announced),
+            "summaries": 0 if self._summary is None else self._summary.written,
         }
 
     def close(self) -> None:
@@ -333,7 +377,8 @@ class SharedListing:
 
 class SummaryWriter:
     """Republishes a namespace's summary after a complete listing, at most once per
-    ``interval_s`` of ``clock``: an :data:`AfterListing` for :class:`SharedListing`.
+    ``interval_s`` of ``clock``. :class:`SharedListing` calls it on the listing thread
+    after each complete listing; an exception is logged and counted there.
     ``publish`` writes the encoded summary in one atomic step (the tier's own way)."""
 
     def __init__(

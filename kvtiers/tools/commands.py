@@ -348,7 +348,7 @@ def _verify_chunk(location: Location, name: str, digest: bytes, key: bytes) -> N
 
 
 @dataclass(frozen=True)
-class GcPolicy:
+class GcRules:
     """What ``gc`` removes. Temp files older than ``temp_age_s`` always go."""
 
     namespaces: tuple[str, ...] = ()
@@ -361,16 +361,16 @@ class GcPolicy:
     quarantine_older_than_days: float | None = None
 
 
-def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
-    """Remove what ``policy`` names; print one line per namespace touched and a closing
+def gc(location: Location, rules: GcRules, out: TextIO) -> int:
+    """Remove what ``rules`` name; print one line per namespace touched and a closing
     total of what went (a whole namespace's bytes included, its quarantine too). A
     named namespace that does not exist is a :class:`LocationError` (nothing is
     removed then)."""
     now = time.time()
-    verb = "would remove" if policy.dry_run else "removed"
-    act: Callable[[str], None] = (lambda name: None) if policy.dry_run else location.delete
+    verb = "would remove" if rules.dry_run else "removed"
+    act: Callable[[str], None] = (lambda name: None) if rules.dry_run else location.delete
     existing = require_namespaces(location)
-    unknown = [n for n in policy.namespaces if n not in existing]
+    unknown = [n for n in rules.namespaces if n not in existing]
     if unknown:
         raise LocationError(
             f"no namespace {', '.join(map(repr, unknown))} under {location.describe()}; "
@@ -381,36 +381,36 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
     for namespace in existing:
         census = _Census.of(location.entries(namespace))
         newest = max((e.mtime for e in census.chunks), default=_created(location, namespace))
-        stale = policy.stale_days is not None and now - newest > policy.stale_days * DAY_S
-        if namespace in policy.namespaces or stale:
-            why = "named" if namespace in policy.namespaces else (
+        stale = rules.stale_days is not None and now - newest > rules.stale_days * DAY_S
+        if namespace in rules.namespaces or stale:
+            why = "named" if namespace in rules.namespaces else (
                 f"newest chunk {age(newest, now)} old")
             quarantined = list(location.quarantined(namespace))
             size = sum(e.size for e in (*census.chunks, *census.temps, *census.other,
                                         *quarantined))
             count = (len(census.chunks) + len(census.temps) + len(census.other)
                      + len(quarantined) + 1
-                     if policy.dry_run else location.remove_namespace(namespace))
+                     if rules.dry_run else location.remove_namespace(namespace))
             say(out, f"{namespace}: {verb} the namespace ({why}; {count} entries, "
                      f"{format_size(size)})")
             namespaces_gone += 1
             freed += size
             continue
-        doomed = [e for e in census.temps if now - e.mtime > policy.temp_age_s]
-        if policy.quarantine_older_than_days is not None:
-            cutoff = now - policy.quarantine_older_than_days * DAY_S
+        doomed = [e for e in census.temps if now - e.mtime > rules.temp_age_s]
+        if rules.quarantine_older_than_days is not None:
+            cutoff = now - rules.quarantine_older_than_days * DAY_S
             doomed += [e for e in location.quarantined(namespace)
                        if e.mtime < cutoff and e.irregular is None]
         keep = sorted(census.chunks, key=lambda e: e.mtime, reverse=True)
-        if policy.older_than_days is not None:
-            cutoff = now - policy.older_than_days * DAY_S
+        if rules.older_than_days is not None:
+            cutoff = now - rules.older_than_days * DAY_S
             doomed += [e for e in keep if e.mtime < cutoff]
             keep = [e for e in keep if e.mtime >= cutoff]
-        if policy.max_bytes is not None:
+        if rules.max_bytes is not None:
             total = 0
             for index, entry in enumerate(keep):
                 total += entry.size
-                if total > policy.max_bytes:
+                if total > rules.max_bytes:
                     doomed += keep[index:]
                     break
         for entry in doomed:
@@ -425,7 +425,7 @@ def gc(location: Location, policy: GcPolicy, out: TextIO) -> int:
                   f"({format_size(freed)}) of {len(existing)} namespace(s)")
     else:
         say(out, f"gc: nothing to remove in {len(existing)} namespace(s) (temp files older "
-                  f"than {policy.temp_age_s:g} s always go; --namespace, --stale-days, "
+                  f"than {rules.temp_age_s:g} s always go; --namespace, --stale-days, "
                   "--older-than-days, --max-bytes and --quarantine-older-than-days "
                   "choose more)")
     return 0

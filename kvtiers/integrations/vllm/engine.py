@@ -95,20 +95,31 @@ def find_engine_configs() -> EngineConfigs | None:
         from vllm.v1.kv_cache_interface import KVCacheConfig
     except ImportError:
         return None
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            break
-        if str(frame.f_globals.get("__name__", "")).startswith("vllm."):
-            found = frame.f_locals.get("vllm_config")
-            if isinstance(found, VllmConfig):
-                kv_cache = frame.f_locals.get("kv_cache_config")
-                return EngineConfigs(
-                    vllm=found,
-                    kv_cache=kv_cache if isinstance(kv_cache, KVCacheConfig) else None,
-                )
-        frame = frame.f_back
+    for local in vllm_frame_locals(sys._getframe(1), MAX_FRAMES):
+        found = local.get("vllm_config")
+        if isinstance(found, VllmConfig):
+            kv_cache = local.get("kv_cache_config")
+            return EngineConfigs(
+                vllm=found,
+                kv_cache=kv_cache if isinstance(kv_cache, KVCacheConfig) else None,
+            )
     return None
+
+
+def vllm_frame_locals(
+    frame: FrameType | None, max_frames: int, *, function: str | None = None
+) -> Iterator[Mapping[str, Any]]:
+    """The local variables of ``frame`` and the frames that called it, ``max_frames`` in
+    all, of those in the ``vllm`` package only (and, given ``function``, only of calls of
+    a function of that name): the one way kvtiers reads what vLLM holds up the stack.
+    Frames of modules outside vLLM are never read."""
+    for _ in range(max_frames):
+        if frame is None:
+            return
+        if ((function is None or frame.f_code.co_name == function)
+                and str(frame.f_globals.get("__name__", "")).startswith("vllm.")):
+            yield frame.f_locals
+        frame = frame.f_back
 
 
 def layout_name(name: str, path: str) -> str:

@@ -22,12 +22,12 @@ import dataclasses
 import logging
 import sys
 from collections.abc import Mapping
-from types import FrameType
 from typing import Any
 
 from kvtiers.config import StackConfig, load_stack_config
 from kvtiers.config.tiers import CPUTierConfig
 from kvtiers.errors import ConfigError
+from kvtiers.integrations.vllm.engine import vllm_frame_locals
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +85,9 @@ def _extra_config_being_checked() -> Mapping[str, Any] | None:
         from vllm.config import KVTransferConfig
     except ImportError:
         return None
-    frame: FrameType | None = sys._getframe(1)
-    for _ in range(MAX_FRAMES):
-        if frame is None:
-            return None
-        if (frame.f_code.co_name == LOOK_UP
-                and str(frame.f_globals.get("__name__", "")).startswith("vllm.")):
-            found = frame.f_locals.get("kv_transfer_config")
-            if isinstance(found, KVTransferConfig):
-                extra = found.kv_connector_extra_config
-                return extra if isinstance(extra, Mapping) else None
-        frame = frame.f_back
+    for local in vllm_frame_locals(sys._getframe(1), MAX_FRAMES, function=LOOK_UP):
+        found = local.get("kv_transfer_config")
+        if isinstance(found, KVTransferConfig):
+            extra = found.kv_connector_extra_config
+            return extra if isinstance(extra, Mapping) else None
     return None

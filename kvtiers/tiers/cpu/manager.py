@@ -152,7 +152,7 @@ class CpuTierManager(OffloadingManager):
     that are stored already are ignored, and a key named twice counts once; a key neither
     reserved, stored nor fenced raises.
 
-    The rules are those of :class:`~kvtiers.tiers.index.ChunkIndex`, which the other
+    The rules are those of the chunk index (:mod:`kvtiers.tiers.index`), which the other
     tiers use (this tier keeps its own arrays for its pluggable policies; see
     docs/architecture.md): releasing more pins than held raises, changing nothing;
     ``touch`` of a key being written is ignored (the policy tracks ready keys only);

@@ -24,11 +24,13 @@ from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
+from kvtiers.tiers.backoff import BackoffSettings
 from kvtiers.tiers.file import space as space_module
 from kvtiers.tiers.file.io import PublishSettings, select_backend
 from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.mover import BadChunkHandler, FileMover
 from kvtiers.tiers.file.space import SpaceLatch
+from kvtiers.tiers.listing import ListingSettings
 
 
 def build_tier(
@@ -77,12 +79,9 @@ def build_tier(
         io_backend=backend.code,
         io_backend_name=backend.name,
         space=space,
-        load_backoff_s=config.load_backoff_s,
-        load_backoff_max_s=config.load_backoff_max_s,
+        load_backoff=BackoffSettings.from_config(config),
         capacity_scope=config.capacity_scope,
-        list_interval_s=config.list_interval_s,
-        list_max_chunks=config.list_max_chunks,
-        summary_interval_s=config.summary_interval_s,
+        listing=ListingSettings.from_config(config),
     )
     settings = PublishSettings(
         file_mode=config.file_mode,

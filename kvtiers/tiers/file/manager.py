@@ -87,13 +87,9 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import (
     Locality,
     LookupResult,
-    Medium,
     OffloadingEvent,
-    OffloadingManager,
     ReqContext,
-    RequestOffloadingContext,
     ScheduleEndContext,
-    TierCapabilities,
 )
 from kvtiers.core.publish import DEFAULT_DIR_MODE, DEFAULT_FILE_MODE, publish_bytes
 from kvtiers.core.specs import FileLoadStoreSpec
@@ -106,12 +102,7 @@ from kvtiers.filemapper import (
 )
 from kvtiers.filemapper.manifest import MANIFEST_NAME
 from kvtiers.filemapper.summary import SUMMARY_NAME
-from kvtiers.tiers.backoff import (
-    DEFAULT_LOAD_BACKOFF_MAX_S,
-    DEFAULT_LOAD_BACKOFF_S,
-    LoadBackoff,
-    MoverReports,
-)
+from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
 from kvtiers.tiers.file.io import IO_POSIX
@@ -124,7 +115,8 @@ from kvtiers.tiers.file.snapshot import (
 from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
 from kvtiers.tiers.iopool import background_initializer
-from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
+from kvtiers.tiers.listing import ListingSettings
+from kvtiers.tiers.persistent import PersistentTierManager
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
 logger = logging.getLogger(__name__)
@@ -352,7 +344,7 @@ def _chunk_files(namespace_dir: str) -> tuple[list[tuple[float, str, int]], OSEr
     return found, None
 
 
-class FileTierManager(OffloadingManager):
+class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     """Bookkeeping of the chunk files of one namespace; see the module docstring.
 
     ``capacity_bytes`` ``None`` means bounded only by the filesystem. ``shared``: other
@@ -361,11 +353,11 @@ class FileTierManager(OffloadingManager):
     ``negative_ttl_s``). ``io_backend`` is the numeric code of the I/O path in use
     (reported in stats). ``clock`` is injectable for tests.
     ``space`` (:class:`~kvtiers.tiers.file.space.SpaceLatch`): while it does not admit
-    (read-only root, full disk) ``prepare_store`` answers ``None``. ``load_backoff_s`` and
-    ``load_backoff_max_s``: how long a key whose load failed is a miss (see
-    :mod:`kvtiers.tiers.backoff`). ``capacity_scope``: ``"namespace"`` (the capacity is this
-    namespace's) or ``"root"`` (one budget for every namespace under the root; see the
-    module docstring), which needs a ``capacity_bytes``.
+    (read-only root, full disk) ``prepare_store`` answers ``None``. ``load_backoff``: how
+    long a key whose load failed is a miss (see :mod:`kvtiers.tiers.backoff`).
+    ``capacity_scope``: ``"namespace"`` (the capacity is this namespace's) or ``"root"``
+    (one budget for every namespace under the root; see the module docstring), which
+    needs a ``capacity_bytes``.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
@@ -373,12 +365,10 @@ class FileTierManager(OffloadingManager):
     (failed loads reported by movers), ``unreadable_chunks`` (keys forgotten after lasting
     load failures), ``backing_off`` (keys with a failure record), ``probes`` and
     ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
-    codes; the name is in :attr:`io_backend_name`); with ``list_interval_s`` also the
-    listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
+    codes; the name is in :attr:`io_backend_name`); with a ``listing`` also the
+    listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`).
     """
 
-    capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
-    medium = Medium.STORAGE
     locality = Locality.LOCAL
 
     def __init__(
@@ -395,12 +385,9 @@ class FileTierManager(OffloadingManager):
         negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         space: SpaceLatch | None = None,
-        load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
-        load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
+        load_backoff: BackoffSettings = DEFAULT_BACKOFF,
         capacity_scope: Literal["namespace", "root"] = "namespace",
-        list_interval_s: float | None = None,
-        list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
-        summary_interval_s: float | None = None,
+        listing: ListingSettings | None = None,
         background_index: bool = False,
         walk_threads: int = DEFAULT_WALK_THREADS,
         snapshot: bool = True,
@@ -414,11 +401,8 @@ class FileTierManager(OffloadingManager):
             )
         if capacity_scope == "root" and capacity_bytes is None:
             raise ValueError("capacity_scope 'root' shares a capacity; give capacity_bytes")
-        if list_interval_s is not None and not shared:
+        if listing is not None and not shared:
             raise ValueError("a namespace listing is for shared directories; set shared")
-        if summary_interval_s is not None and list_interval_s is None:
-            raise ValueError("the namespace summary is written after listings; set "
-                             "list_interval_s")
         self.mapper = mapper
         self.geometry = geometry
         self.capacity_bytes = capacity_bytes
@@ -436,8 +420,8 @@ class FileTierManager(OffloadingManager):
             locality=self.locality,
         )
         self.backoff = LoadBackoff(
-            tier=f"file tier at {self.namespace_dir}", base_s=load_backoff_s,
-            max_s=load_backoff_max_s, clock=clock,
+            tier=f"file tier at {self.namespace_dir}", base_s=load_backoff.base_s,
+            max_s=load_backoff.max_s, clock=clock,
         )
         self._reports = MoverReports(self.backoff)
         self._reported_lock = threading.Lock()
@@ -496,19 +480,8 @@ class FileTierManager(OffloadingManager):
             self._poll_build()
         self.rebuild_s = time.perf_counter() - start
         self._file_mode, self._dir_mode = file_mode, dir_mode
-        self.summary: SummaryWriter | None = None
-        self.listing: SharedListing | None = None
-        if list_interval_s is not None:
-            if summary_interval_s is not None:
-                self.summary = SummaryWriter(
-                    self._publish_summary, namespace_digest=mapper.identity.digest,
-                    interval_s=summary_interval_s, clock=clock,
-                )
-            self.listing = SharedListing(
-                self._listed_keys, interval_s=list_interval_s, max_chunks=list_max_chunks,
-                medium=self.medium, where=f"file tier {self.namespace_dir}",
-                summary=self.summary, clock=clock,
-            )
+        self._start_listing(listing, namespace_digest=mapper.identity.digest,
+                            where=f"file tier {self.namespace_dir}", clock=clock)
 
     @property
     def usage_bytes(self) -> int:
@@ -516,11 +489,6 @@ class FileTierManager(OffloadingManager):
         return self.index.usage
 
     # -- start-up -------------------------------------------------------------------
-    @property
-    def index_complete(self) -> bool:
-        """Whether every chunk found at start is indexed (the build was merged)."""
-        return self._complete
-
     def _find_chunks(
         self,
         build: IndexBuild[tuple[Walked, _Foreign | None]],
@@ -548,22 +516,11 @@ class FileTierManager(OffloadingManager):
             foreign = _Foreign(self.mapper.root, self.namespace_dir.name)
         return walked, foreign
 
-    def _poll_build(self) -> None:
-        """Merge the build once it is done (scheduler's thread; O(1) until then)."""
-        build = self._build
-        if build is None or not build.done.is_set():
-            return
-        self._build = None
+    def _merge_build(
+        self, result: tuple[Walked, _Foreign | None], gone: set[OffloadKey]
+    ) -> None:
+        walked, foreign = result
         index = self.index
-        gone = index.removed or set()
-        index.removed = None
-        if build.error is not None or build.result is None:
-            logger.error(
-                "file tier %s: the index could not be built (%s); index misses stay probed",
-                self.namespace_dir, build.error,
-            )
-            return
-        walked, foreign = build.result
         if self._cleared:
             # Cleared while the walk ran: what it found goes, except what was stored since.
             self._delete([key for key in walked.packed.keys if key not in index])
@@ -574,8 +531,6 @@ class FileTierManager(OffloadingManager):
         self.unindexed_entries = walked.unindexed
         if foreign is not None and self.capacity_bytes is not None:
             self._share_root(self.capacity_bytes, foreign)
-        self._complete = True
-        self.index_build_s = build.elapsed_s
         if walked.removed_temps:
             logger.info("file tier %s: removed %d stale temp files", self.namespace_dir,
                         walked.removed_temps)
@@ -588,15 +543,8 @@ class FileTierManager(OffloadingManager):
         logger.info(
             "file tier %s: %d chunks (%d bytes) indexed from a %s in %.3f s",
             self.namespace_dir, len(walked.packed), self.index.usage, self.index_source,
-            build.elapsed_s or 0.0,
+            self.index_build_s or 0.0,
         )
-
-    def wait_index(self) -> None:
-        """Block until the index is built, then merge it. For tests and tools: the
-        scheduler never blocks (its calls merge the build once it is done)."""
-        if self._build is not None:
-            self._build.done.wait()
-            self._poll_build()
 
     def _share_root(self, capacity: int, foreign: _Foreign) -> None:
         """Given the other namespaces under the root (measured by the build), trim them
@@ -681,13 +629,6 @@ class FileTierManager(OffloadingManager):
         with self._reported_lock:
             self._reported["corrupt_chunks" if corrupt else "vanished_chunks"] += len(keys)
         self._reports.forget(keys)
-
-    def load_failed(
-        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
-    ) -> None:
-        """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
-        taken in on the next scheduler-thread call."""
-        self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain_forgotten(self) -> None:
         if self._build is not None:
@@ -920,13 +861,7 @@ class FileTierManager(OffloadingManager):
         path = self.mapper.path
         return FileLoadStoreSpec([str(path(key)) for key in keys], list(keys))
 
-    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        self.index.touch(keys)
-
     # -- the rest of the contract ---------------------------------------------------
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
-
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()
         return events if self.listing is None else self.listing.observe(events)
@@ -961,11 +896,6 @@ class FileTierManager(OffloadingManager):
     def has_pending_work(self) -> bool:
         return self._probes.pending or self._prober.busy
 
-    def reset_cache(self) -> None:
-        """Persistent: stored chunks stay. Only queued probes and remembered probe
-        misses are dropped."""
-        self._probes.reset()
-
     def clear(self) -> int:
         """Delete every chunk file of this namespace that no job is writing or reading
         (an operator's wipe, such as SGLang's ``clear``); returns how many indexed ones.
@@ -980,33 +910,15 @@ class FileTierManager(OffloadingManager):
 
     def get_stats(self) -> Mapping[str, float]:
         self._drain_forgotten()
-        stats: dict[str, float] = dict(self.index.stats())
-        del stats["discarded"]
+        stats = self._shared_stats()
         with self._reported_lock:
             stats.update(self._reported)
-        stats["load_failures"] = self.backoff.failures
-        stats["unreadable_chunks"] = self.backoff.forgotten
-        stats["backing_off"] = len(self.backoff)
-        stats["probes"] = self._probes.probes
         stats["probe_hits"] = self._probe_hits
-        stats["usage_bytes"] = self.index.usage
-        stats["capacity_bytes"] = self.capacity_bytes or 0
         stats["io_backend"] = self.io_backend
-        if self.listing is not None:
-            stats.update(self.listing.stats())
-            stats["summaries"] = 0 if self.summary is None else self.summary.written
         return stats
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._build is not None:
-            self._build.stop()
-            self._build = None
+    def _close(self) -> None:
         self._prober.close()
-        if self.listing is not None:
-            self.listing.close()
         # Handed over and never released: nobody reads them any more.
         self._deleter.delete(self._handed.values())
         self._handed.clear()

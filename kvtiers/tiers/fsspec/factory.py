@@ -24,12 +24,6 @@ def build_tier(
     region = lower_tier_region("an fsspec", name, primary_region)
     store = FsspecStore(config.url, config.storage_options)
     return build_object_tier(
-        store, offloading, name=name, primary_region=region,
+        store, config, offloading, name=name, primary_region=region,
         retrier=Retrier(store.is_transient, deadline_s=config.op_deadline_s),
-        threads=config.threads, capacity_bytes=config.capacity, shared=config.shared,
-        admission=config.admission,
-        load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
-        codec=config.codec,
-        list_interval_s=config.list_interval_s, list_max_chunks=config.list_max_chunks,
-        summary_interval_s=config.summary_interval_s,
     )

@@ -8,8 +8,7 @@ its backend) when building fails, so a failed build leaves no connections open.
 
 from __future__ import annotations
 
-from typing import Literal
-
+from kvtiers.config.tiers import ObjectTierConfig
 from kvtiers.core.codec import make_codec
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
@@ -17,8 +16,8 @@ from kvtiers.core.mover import HostRegion
 from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
 from kvtiers.filemapper import NamespaceIdentity
-from kvtiers.tiers.backoff import DEFAULT_LOAD_BACKOFF_MAX_S, DEFAULT_LOAD_BACKOFF_S
-from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS
+from kvtiers.tiers.backoff import BackoffSettings
+from kvtiers.tiers.listing import ListingSettings
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.manager import ObjectTierManager
 from kvtiers.tiers.object.mover import ObjectMover
@@ -40,50 +39,37 @@ def lower_tier_region(kind: str, name: str, primary_region: HostRegion | None) -
 
 def build_object_tier(
     store: ObjectStore,
+    config: ObjectTierConfig,
     offloading: OffloadingConfig,
     *,
     name: str,
     primary_region: HostRegion,
     retrier: Retrier,
-    threads: int,
-    capacity_bytes: int | None,
-    shared: bool,
-    admission: Literal["always", "never"],
     prefix: str = "",
     delete_corrupt: bool = True,
-    load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
-    load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
-    codec: str = "none",
-    list_interval_s: float | None = None,
-    list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
-    summary_interval_s: float | None = None,
 ) -> BuiltTier:
-    """The object tier ``name`` over ``store``; opening the namespace (checking or
-    publishing its manifest) happens here, and any failure closes the store. A key whose
-    load failed is a miss for ``load_backoff_s``, doubled per failure up to
-    ``load_backoff_max_s``. ``codec`` (a ``codec:`` setting) encodes stored payloads; the
-    ``list_*`` and ``summary_interval_s`` settings are the background listing's
-    (:mod:`kvtiers.tiers.listing`)."""
+    """The object tier ``name`` over ``store``, as its section ``config`` sets it (threads,
+    capacity, ``shared``, admission, codec, load back-off, background listing); ``prefix``
+    and ``delete_corrupt`` are those of the kinds that have them (s3). Opening the
+    namespace (checking or publishing its manifest) happens here, and any failure closes
+    the store."""
     backend = ObjectBackend(
         store,
         NamespaceIdentity.from_config(offloading),
         prefix=prefix,
-        threads=threads,
+        threads=config.threads,
         retrier=retrier,
     )
     geometry = ChunkGeometry.from_config(offloading)
     try:
-        encoder = make_codec(codec, kv_dtype=offloading.model.dtype)
+        encoder = make_codec(config.codec, kv_dtype=offloading.model.dtype)
         manager = ObjectTierManager(
             backend,
             max_chunk_bytes=geometry.max_chunk_bytes,
-            capacity_bytes=capacity_bytes,
-            shared=shared,
-            load_backoff_s=load_backoff_s,
-            load_backoff_max_s=load_backoff_max_s,
-            list_interval_s=list_interval_s,
-            list_max_chunks=list_max_chunks,
-            summary_interval_s=summary_interval_s,
+            capacity_bytes=config.capacity,
+            shared=config.shared,
+            load_backoff=BackoffSettings.from_config(config),
+            listing=ListingSettings.from_config(config),
         )
     except BaseException:
         backend.close()
@@ -92,4 +78,4 @@ def build_object_tier(
         backend, primary_region, geometry, delete_corrupt=delete_corrupt, reporter=manager,
         codec=encoder,
     )
-    return BuiltTier(name=name, manager=manager, mover=mover, admission=admission)
+    return BuiltTier(name=name, manager=manager, mover=mover, admission=config.admission)

@@ -49,26 +49,18 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import (
     Locality,
     LookupResult,
-    Medium,
     OffloadingEvent,
-    OffloadingManager,
     ReqContext,
-    RequestOffloadingContext,
     ScheduleEndContext,
-    TierCapabilities,
 )
 from kvtiers.core.specs import ObjectLoadStoreSpec
 from kvtiers.filemapper.summary import SUMMARY_NAME
-from kvtiers.tiers.backoff import (
-    DEFAULT_LOAD_BACKOFF_MAX_S,
-    DEFAULT_LOAD_BACKOFF_S,
-    LoadBackoff,
-    MoverReports,
-)
+from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
-from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
+from kvtiers.tiers.listing import ListingSettings
 from kvtiers.tiers.object.backend import ObjectBackend
+from kvtiers.tiers.persistent import PersistentTierManager
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
 
 logger = logging.getLogger(__name__)
@@ -77,7 +69,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIST_THREADS = 8
 
 
-class ObjectTierManager(OffloadingManager):
+class ObjectTierManager(PersistentTierManager[PackedChunks]):
     """Bookkeeping of one namespace of an object store. See the module docstring.
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
@@ -85,12 +77,10 @@ class ObjectTierManager(OffloadingManager):
     ``vanished_chunks`` (reported missing), ``chunks``, ``usage_bytes``,
     ``capacity_bytes`` (0 when unbounded), ``corrupt_chunks``, ``retries``,
     ``load_failures``, ``unreadable_chunks`` and ``backing_off`` (see
-    :mod:`kvtiers.tiers.backoff`); with ``list_interval_s`` also the listing's
-    (:meth:`~kvtiers.tiers.listing.SharedListing.stats`) and ``summaries``.
+    :mod:`kvtiers.tiers.backoff`, as ``load_backoff`` sets it); with a ``listing`` also
+    the listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`).
     """
 
-    capabilities = TierCapabilities(persistent=True, evicts=True, recency=True, events=True)
-    medium = Medium.STORAGE
     locality = Locality.REMOTE
 
     def __init__(
@@ -102,20 +92,14 @@ class ObjectTierManager(OffloadingManager):
         shared: bool = False,
         negative_ttl_s: float = DEFAULT_NEGATIVE_TTL_S,
         clock: Callable[[], float] = time.monotonic,
-        load_backoff_s: float = DEFAULT_LOAD_BACKOFF_S,
-        load_backoff_max_s: float = DEFAULT_LOAD_BACKOFF_MAX_S,
-        list_interval_s: float | None = None,
-        list_max_chunks: int = DEFAULT_LIST_MAX_CHUNKS,
-        summary_interval_s: float | None = None,
+        load_backoff: BackoffSettings = DEFAULT_BACKOFF,
+        listing: ListingSettings | None = None,
         background_index: bool = False,
         list_threads: int = DEFAULT_LIST_THREADS,
         before_list_part: Callable[[int], None] | None = None,
     ) -> None:
-        if list_interval_s is not None and not shared:
+        if listing is not None and not shared:
             raise ValueError("a namespace listing is for shared namespaces; set shared")
-        if summary_interval_s is not None and list_interval_s is None:
-            raise ValueError("the namespace summary is written after listings; set "
-                             "list_interval_s")
         self.backend = backend
         self.reserve_bytes = HEADER_BYTES + max_chunk_bytes
         self.capacity_bytes = capacity_bytes
@@ -128,7 +112,7 @@ class ObjectTierManager(OffloadingManager):
         # Index misses are probed in a shared namespace, and in any while the index is built.
         self._probes = ProbeBook(negative_ttl_s=negative_ttl_s, clock=clock)
         self.backoff = LoadBackoff(
-            tier=f"object tier at {where}", base_s=load_backoff_s, max_s=load_backoff_max_s,
+            tier=f"object tier at {where}", base_s=load_backoff.base_s, max_s=load_backoff.max_s,
             clock=clock,
         )
         self._reports = MoverReports(self.backoff)
@@ -151,29 +135,13 @@ class ObjectTierManager(OffloadingManager):
         if not background_index:
             self._build.done.wait()
             self._poll_build()
-        self.summary: SummaryWriter | None = None
-        self.listing: SharedListing | None = None
-        if list_interval_s is not None:
-            if summary_interval_s is not None:
-                self.summary = SummaryWriter(
-                    self._publish_summary, namespace_digest=backend.identity.digest,
-                    interval_s=summary_interval_s, clock=clock,
-                )
-            self.listing = SharedListing(
-                self._listed_keys, interval_s=list_interval_s, max_chunks=list_max_chunks,
-                medium=self.medium, where=f"object tier at {where}", summary=self.summary,
-                clock=clock,
-            )
+        self._start_listing(listing, namespace_digest=backend.identity.digest,
+                            where=f"object tier at {where}", clock=clock)
 
     @property
     def negative_ttl_s(self) -> float | None:
         """How long a probe's negative answer is trusted; ``None`` unless ``shared``."""
         return self._probes.negative_ttl_s if self.shared else None
-
-    @property
-    def index_complete(self) -> bool:
-        """Whether every chunk listed at start is indexed (the build was merged)."""
-        return self._complete
 
     # -- start-up -------------------------------------------------------------------
     def _list_chunks(
@@ -207,29 +175,9 @@ class ObjectTierManager(OffloadingManager):
         found.sort()
         return PackedChunks.pack([key for _, _, key, _ in found], [size for *_, size in found])
 
-    def _poll_build(self) -> None:
-        """Merge the build once it is done (scheduler's thread; O(1) until then)."""
-        build = self._build
-        if build is None or not build.done.is_set():
-            return
-        self._build = None
-        index = self.index
-        gone = index.removed or set()
-        index.removed = None
-        if build.error is not None or build.result is None:
-            logger.error("%s: the index could not be built (%s); index misses stay probed",
-                         index.tier, build.error)
-            return
+    def _merge_build(self, result: PackedChunks, gone: set[OffloadKey]) -> None:
         # Listed chunks are least recently used, by mtime; beyond capacity the oldest go.
-        self._delete(index.merge_oldest(build.result, gone).victims)
-        self._complete = True
-        self.index_build_s = build.elapsed_s
-
-    def wait_index(self) -> None:
-        """Block until the index is built, then merge it. For tests and tools."""
-        if self._build is not None:
-            self._build.done.wait()
-            self._poll_build()
+        self._delete(self.index.merge_oldest(result, gone).victims)
 
     # -- messages from I/O threads --------------------------------------------------
     def forget(self, keys: Collection[OffloadKey], *, corrupt: bool) -> None:
@@ -240,13 +188,6 @@ class ObjectTierManager(OffloadingManager):
             with self._vanished_lock:
                 self._vanished += len(keys)
         self._reports.forget(keys)
-
-    def load_failed(
-        self, key: OffloadKey, where: str, error: BaseException, *, lasting: bool
-    ) -> None:
-        """Thread-safe: a load of ``key`` failed (see :class:`~kvtiers.core.mover.ChunkReporter`);
-        taken in on the next scheduler-thread call."""
-        self._reports.load_failed(key, where, error, lasting=lasting)
 
     def _drain(self) -> None:
         if self._build is not None:
@@ -335,9 +276,6 @@ class ObjectTierManager(OffloadingManager):
             self.backend.store.bucket, [self.backend.object_key(k) for k in keys], list(keys)
         )
 
-    def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        self.index.touch(keys)
-
     def complete_store(
         self,
         keys: Collection[OffloadKey],
@@ -355,9 +293,6 @@ class ObjectTierManager(OffloadingManager):
     ) -> None:
         self.index.unpin(keys)
         self._drain()
-
-    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
-        return RequestOffloadingContext()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._drain()
@@ -418,11 +353,6 @@ class ObjectTierManager(OffloadingManager):
         return self._probes.pending
 
     # -- the rest -------------------------------------------------------------------
-    def reset_cache(self) -> None:
-        """Persistent: the chunks stay; only queued probes and remembered probe misses
-        are dropped."""
-        self._probes.reset()
-
     def clear(self) -> int:
         """Delete every stored object of this namespace that no job is writing or
         reading (an operator's wipe, such as SGLang's ``clear``); returns how many. Not
@@ -434,31 +364,13 @@ class ObjectTierManager(OffloadingManager):
 
     def get_stats(self) -> Mapping[str, float]:
         self._drain()
-        stats: dict[str, float] = dict(self.index.stats())
-        stats["forgotten"] = stats.pop("discarded")
-        stats["probes"] = self._probes.probes
+        stats = self._shared_stats()
+        stats["forgotten"] = self.index.stats()["discarded"]
         with self._vanished_lock:
             stats["vanished_chunks"] = self._vanished
-        stats["usage_bytes"] = self.index.usage
-        # 0 = no capacity limit (bounded only by the store).
-        stats["capacity_bytes"] = self.capacity_bytes or 0
         stats["corrupt_chunks"] = self.backend.corrupt_chunks
         stats["retries"] = self.backend.retries
-        stats["load_failures"] = self.backoff.failures
-        stats["unreadable_chunks"] = self.backoff.forgotten
-        stats["backing_off"] = len(self.backoff)
-        if self.listing is not None:
-            stats.update(self.listing.stats())
-            stats["summaries"] = 0 if self.summary is None else self.summary.written
         return stats
 
-    def shutdown(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._build is not None:
-            self._build.stop()
-            self._build = None
-        if self.listing is not None:
-            self.listing.close()
+    def _close(self) -> None:
         self.backend.close()

@@ -78,12 +78,6 @@ def build_tier(
         deadline_s=config.op_deadline_s,
     )
     return build_object_tier(
-        store, offloading, name=name, primary_region=region, retrier=retrier,
-        threads=config.threads, capacity_bytes=config.capacity, shared=config.shared,
-        admission=config.admission, prefix=config.prefix,
-        delete_corrupt=config.delete_corrupt,
-        load_backoff_s=config.load_backoff_s, load_backoff_max_s=config.load_backoff_max_s,
-        codec=config.codec,
-        list_interval_s=config.list_interval_s, list_max_chunks=config.list_max_chunks,
-        summary_interval_s=config.summary_interval_s,
+        store, config, offloading, name=name, primary_region=region, retrier=retrier,
+        prefix=config.prefix, delete_corrupt=config.delete_corrupt,
     )

@@ -1,4 +1,4 @@
-"""A tiny in-memory reference tier: the manager contract in its plainest form.
+"""A tiny in-memory tier: the manager contract in its plainest form.
 
 It exists to prove the conformance suite before real tiers arrive, and as a test double
 for code built on top of managers. Chunks live in a bytes dict addressed by slot ids; the
@@ -20,13 +20,13 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
-from kvtiers.tiers.index import ChunkIndex
+from kvtiers.tiers.compact import CompactChunkIndex
 
 
 class InMemoryTier(OffloadingManager):
     """An LRU tier of ``capacity_chunks`` slots; ``data[slot]`` holds each chunk's bytes.
 
-    Its :class:`~kvtiers.tiers.index.ChunkIndex` (``index``) counts chunks: each key has
+    Its :class:`~kvtiers.tiers.compact.CompactChunkIndex` (``index``) counts chunks: each key has
     size 1 and the capacity is ``capacity_chunks``."""
 
     capabilities = TierCapabilities(persistent=False, evicts=True, recency=True, events=True)
@@ -37,7 +37,7 @@ class InMemoryTier(OffloadingManager):
             raise ValueError("capacity_chunks must be positive")
         self.capacity_chunks = capacity_chunks
         self.data: dict[int, bytes] = {}
-        self.index = ChunkIndex(
+        self.index = CompactChunkIndex(
             capacity_chunks, tier=f"the {type(self).__name__} tier", medium=self.medium,
             locality=self.locality,
         )

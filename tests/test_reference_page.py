@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from kvtiers.config import TIER_KINDS
-from kvtiers.config.reference import missing_meanings, render_reference
+from kvtiers.config.reference_page import missing_meanings, render_reference
 from kvtiers.config.schema import field_specs
 
 PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -16,7 +16,7 @@ PAGE = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 def test_the_page_is_current() -> None:
     assert PAGE.read_text() == render_reference(), (
         "docs/configuration.md is stale; regenerate it with "
-        "`python -m kvtiers.config.reference > docs/configuration.md`"
+        "`python -m kvtiers.config.reference_page > docs/configuration.md`"
     )
 
 
@@ -33,12 +33,12 @@ def test_every_key_of_every_tier_kind_is_a_row() -> None:
 
 
 def test_a_new_undocumented_key_is_reported() -> None:
-    from kvtiers.config import reference
+    from kvtiers.config import reference_page
     from kvtiers.config.tiers import CPUTierConfig
 
     @dataclasses.dataclass(frozen=True, kw_only=True)
     class Extended(CPUTierConfig):
         op_deadline_s: float = 5.0
 
-    assert reference.meaning(Extended, "capacity")
-    assert reference.meaning(Extended, "op_deadline_s") == ""
+    assert reference_page.meaning(Extended, "capacity")
+    assert reference_page.meaning(Extended, "op_deadline_s") == ""

@@ -1,11 +1,11 @@
-"""The in-memory reference tier passes the shared conformance suite (proving the suite)."""
+"""The in-memory tier passes the shared conformance suite (proving the suite)."""
 
 from __future__ import annotations
 
 from kvtiers.core.manager import OffloadingManager
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvtiers.testing.conformance import TierConformanceTests
-from kvtiers.testing.reference import InMemoryTier
+from kvtiers.testing.memory_tier import InMemoryTier
 
 
 class TestReferenceTierConformance(TierConformanceTests):
