@@ -125,6 +125,7 @@ class KVTiersDirectManager(KVTiersManager):
         ctx.keep.clear()
         if request is not None:
             request.found.clear()
+            request.loaded = True
         return spec
 
     def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
@@ -192,7 +193,7 @@ class KVTiersDirectManager(KVTiersManager):
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
         ctx.keep.clear()
         self._cpu.on_request_finished(ctx)
-        self._requests.pop(req_id, None)
+        self._count_finished(self._requests.pop(req_id, None))
         self._found.pop(req_id, None)
 
     def take_events(self) -> Iterable[Any]:
