@@ -61,3 +61,31 @@ def test_requests_and_chunks_are_counted_in_their_own_series(lower: bool,
         assert counts(scraped, CHUNKS) == (3, 1)
     finally:
         manager.shutdown()
+
+
+def test_an_idle_engines_scrape_reads_what_the_stack_holds(tmp_path: Path) -> None:
+    """A step's end refreshes the exporter's snapshot at most every ``refresh_s`` (an
+    hour here); when vLLM, with no request left, asks whether the connector has pending
+    work before it stops stepping, the answer takes the last snapshot."""
+    tiers: list[dict[str, Any]] = [
+        {"kind": "cpu", "capacity": 8 * SLOT_BYTES},
+        {"kind": "file", "root": str(tmp_path / "kv"), "io": "posix"},
+    ]
+    config = route1_config(tiers)
+    stack = {"tiers": tiers, "metrics": {"port": 0, "refresh_s": 3600}}
+    config = dataclasses.replace(config, extra_config={**config.extra_config, "kvtiers": stack})
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        url = f"http://127.0.0.1:{manager.stack.metrics.port}/metrics"
+        chunks = 'kvtiers_tier_chunks{tier="cpu"}'
+        store(manager, "writer", prefix(1, 3))
+        manager.stack.manager.wait_idle()  # the cascades to the file tier ran...
+        manager.on_schedule_end(SimpleNamespace(new_req_ids=[], preempted_req_ids=[]))
+        # ...and this step took them in, but its end did not refresh within refresh_s.
+        assert scrape(url)[chunks] == 0
+        assert not manager.has_pending_work()
+        scraped = scrape(url)
+        assert scraped[chunks] == 3
+        assert scraped['kvtiers_stack_cascades_total{outcome="done"}'] == 3
+    finally:
+        manager.shutdown()

@@ -413,8 +413,17 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def has_pending_work(self) -> bool:
         """Also while a reset's grace steps run: an idle engine steps on, so the flush
-        reaches its workers and the fenced slots come back."""
-        return self._fence_steps is not None or self._tiered.has_pending_work()
+        reaches its workers and the fenced slots come back.
+
+        vLLM asks only when no request is left (its connector's liveness check), and
+        stops stepping on ``False``: the metrics snapshot, taken at most every
+        ``refresh_s`` at a step's end, is then taken here one last time, so a scrape of
+        an idle engine reads what the stack holds, not the last throttled snapshot
+        (nothing changes the stack's state until the next step)."""
+        pending = self._fence_steps is not None or self._tiered.has_pending_work()
+        if not pending and self._tiered.stats_refresh_s is not None:
+            self._tiered.refresh_stats_snapshot()
+        return pending
 
     def reset_cache(self) -> None:
         """vLLM drops the completions of jobs in flight now: their keys are forgotten and
