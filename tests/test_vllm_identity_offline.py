@@ -59,15 +59,15 @@ def test_a_transfer_config_without_kvtiers_is_refused(model_dir: Path,  # noqa: 
         offline.identity_of(config, kv_cache_config(engine))
 
 
-def test_serve_arguments_parse_as_vllm_parses_them() -> None:
+def test_serve_arguments_parse_as_vllm_parses_them(model_dir: Path) -> None:  # noqa: F811
     from vllm.platforms import current_platform
 
     if not current_platform.device_type:
         pytest.skip("vLLM's argument parser needs a platform (make e2e runs this)")
-    args = offline.engine_args(["org/model", "--block-size", "32", "--port", "8001",
-                                "--dtype", "float16", "--revision", "abc"])
-    assert (args.model, args.block_size, args.dtype, args.revision) == (
-        "org/model", 32, "float16", "abc")
+    args = offline.engine_args([str(model_dir), "--block-size", "32", "--port", "8001",
+                                "--dtype", "float16", "--seed", "3"])
+    assert (args.model, args.block_size, args.dtype, args.seed) == (
+        str(model_dir), 32, "float16", 3)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -104,3 +104,12 @@ def test_the_stack_files_transfer_config_is_added(tmp_path: Path) -> None:
     assert argv[:2] == ["org/model", "--kv-transfer-config"]
     extra = json.loads(argv[2])["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["kvtiers_config"]) == (offline.SPEC_NAME, str(stack))
+
+
+def test_arguments_vllm_refuses_are_one_config_error(tmp_path: Path) -> None:
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:
+        pytest.skip("vLLM's engine config needs a platform (make e2e runs this)")
+    with pytest.raises(ConfigError, match="vLLM refuses these arguments"):
+        offline.identity_from_args([str(tmp_path / "no-such-model")])

@@ -134,6 +134,15 @@ def identity_of(vllm_config: Any, kv_cache: Any) -> OffloadingConfig:
 
     from kvtiers.integrations.vllm.spec import KVTiersOffloadingSpec
 
+    _require_kvtiers(vllm_config)
+    with handing(EngineConfigs(vllm=vllm_config, kv_cache=kv_cache)):
+        spec = OffloadingSpecFactory.create_spec(build_offloading_config(vllm_config, kv_cache))
+    assert isinstance(spec, KVTiersOffloadingSpec)
+    return spec.offloading
+
+
+def _require_kvtiers(vllm_config: Any) -> None:
+    """A :class:`ConfigError` unless ``vllm_config``'s transfer config is route 1's."""
     transfer = vllm_config.kv_transfer_config
     extra = {} if transfer is None else dict(transfer.kv_connector_extra_config or {})
     if extra.get("spec_name") != SPEC_NAME:
@@ -142,15 +151,18 @@ def identity_of(vllm_config: Any, kv_cache: Any) -> OffloadingConfig:
             "`kvtiers vllm-config STACK` prints it (spec_name KVTiersOffloadingSpec)",
             path="kv_transfer_config",
         )
-    with handing(EngineConfigs(vllm=vllm_config, kv_cache=kv_cache)):
-        spec = OffloadingSpecFactory.create_spec(build_offloading_config(vllm_config, kv_cache))
-    assert isinstance(spec, KVTiersOffloadingSpec)
-    return spec.offloading
 
 
 def identity_from_args(argv: Sequence[str]) -> OffloadingConfig:
-    """The cache identity ``vllm serve ARGV`` would use (see the module docstring)."""
-    vllm_config = engine_args(argv).create_engine_config()
+    """The cache identity ``vllm serve ARGV`` would use (see the module docstring). What
+    vLLM refuses in the arguments (a model it cannot find, a bad value) is one
+    :class:`ConfigError` line, as ``vllm serve`` would refuse it."""
+    try:
+        vllm_config = engine_args(argv).create_engine_config()
+    except (ValueError, TypeError, OSError) as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__
+        raise ConfigError(f"vLLM refuses these arguments: {message}", path="vllm") from None
+    _require_kvtiers(vllm_config)
     if vllm_config.parallel_config.world_size > 1:
         raise ConfigError(
             f"an engine of {vllm_config.parallel_config.world_size} ranks (tensor or "
