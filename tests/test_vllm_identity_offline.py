@@ -12,6 +12,8 @@ real ``vllm serve``.
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,20 @@ from tests.test_vllm_identity import (
     v1_model_runner,  # noqa: F401 (a fixture)
     vllm_config,
 )
+
+
+@pytest.fixture(autouse=True)
+def vllm_logging_stream() -> Iterator[None]:
+    # `kvtiers identity --vllm` points vLLM's log at stderr through the environment; the
+    # tests that run the command in this process leave it as it was (later tests' vLLM
+    # subprocesses inherit it).
+    saved = os.environ.get("VLLM_LOGGING_STREAM")
+    yield
+    if saved is None:
+        os.environ.pop("VLLM_LOGGING_STREAM", None)
+    else:
+        os.environ["VLLM_LOGGING_STREAM"] = saved
+
 
 ENGINES: dict[str, dict[str, Any]] = {
     "plain": {},
