@@ -373,25 +373,70 @@ def _run_status(args: argparse.Namespace) -> int:
 
 
 def _configure_identity(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", metavar="FILE",
-                        help="a stack file with a model: section")
+    parser.description = (
+        "Print the cache identity (every field, the digest and the namespace) that a "
+        "stack file's model: section gives, or with --vllm the one `vllm serve` would use "
+        "for the arguments after --vllm (read through vLLM's own configuration classes, "
+        "on this machine's platform; --kv-transfer-config as `kvtiers vllm-config` prints "
+        "it, or give the stack FILE and it is added)."
+    )
+    parser.add_argument("config", metavar="FILE", nargs="?",
+                        help="a stack file (with a model: section unless --vllm is given)")
     _add_json(parser, "print one JSON document (namespace, digest, identity)")
+    parser.add_argument("--vllm", nargs=argparse.REMAINDER, metavar="ARG",
+                        help="the arguments of `vllm serve` (model first), to the end of "
+                             "the line")
+
+
+def _vllm_arguments(args: argparse.Namespace) -> list[str]:
+    """``--vllm``'s arguments, with the stack FILE's ``--kv-transfer-config`` added when a
+    FILE is given (giving both is a usage error)."""
+    argv = list(args.vllm)
+    given = any(arg == "--kv-transfer-config" or arg.startswith("--kv-transfer-config=")
+                for arg in argv)
+    if args.config is None:
+        return argv
+    if given:
+        raise ConfigError(f"{args.config}: give the stack FILE or --kv-transfer-config "
+                          "among the vLLM arguments, not both")
+    from kvtiers.tools.vllm_config import transfer_config_json
+
+    return [*argv, "--kv-transfer-config", transfer_config_json(args.config)]
 
 
 def _run_identity(args: argparse.Namespace) -> int:
-    """Print the identity (fields, digest, namespace) a stack file's model gives."""
-    from kvtiers.config import load_stack_config
-    from kvtiers.config.examples import example_path
+    """Print the identity (fields, digest, namespace) a stack file's model gives, or
+    vLLM's arguments give (``--vllm``)."""
     from kvtiers.filemapper import NamespaceIdentity
     from kvtiers.tools.identity import print_identity
 
-    stack = load_stack_config(example_path(str(args.config)) or args.config)
-    if stack.model is None:
-        raise ConfigError(
-            f"{args.config}: no model: section, so no cache identity to show; add one "
-            "(see kvtiers/configs/demo.yaml, or run `kvtiers identity demo`)"
-        )
-    identity = NamespaceIdentity.from_config(stack.model.to_offloading_config())
+    if args.vllm is not None:
+        if not args.vllm:
+            raise ConfigError("--vllm needs the arguments of `vllm serve`, model first")
+        if not _vllm_present():
+            raise ConfigError("--vllm reads vLLM's configuration classes: install vLLM "
+                              "(pip install 'kvtiers[vllm]') where the server runs")
+        # vLLM logs to stdout unless told otherwise; the report (and --json) owns stdout.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+        from kvtiers.integrations.vllm.offline import identity_from_args
+
+        offloading = identity_from_args(_vllm_arguments(args))
+    else:
+        from kvtiers.config import load_stack_config
+        from kvtiers.config.examples import example_path
+
+        if args.config is None:
+            raise ConfigError("give a stack FILE with a model: section, or --vllm and the "
+                              "arguments of `vllm serve`")
+        stack = load_stack_config(example_path(str(args.config)) or args.config)
+        if stack.model is None:
+            raise ConfigError(
+                f"{args.config}: no model: section, so no cache identity to show; add one "
+                "(see kvtiers/configs/demo.yaml, run `kvtiers identity demo`, or give the "
+                "server's arguments: `kvtiers identity FILE --vllm MODEL ...`)"
+            )
+        offloading = stack.model.to_offloading_config()
+    identity = NamespaceIdentity.from_config(offloading)
     if args.json:
         import json
 
@@ -401,6 +446,12 @@ def _run_identity(args: argparse.Namespace) -> int:
     else:
         print_identity(identity, sys.stdout)
     return EXIT_OK
+
+
+def _vllm_present() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("vllm") is not None
 
 
 def _configure_diff(parser: argparse.ArgumentParser) -> None:
@@ -518,7 +569,8 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(
         name="identity",
-        help="print the cache identity and namespace a stack file's model: section gives",
+        help="print the cache identity and namespace a stack file's model: section (or "
+             "vLLM's serve arguments) gives",
         configure=_configure_identity,
         run=_run_identity,
     ),

@@ -8,7 +8,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from kvtiers.stack.metrics_catalog import HISTOGRAMS, STACK, TIER
+from kvtiers.stack.metrics_catalog import ENGINE, HISTOGRAMS, STACK, TIER
 from kvtiers.tools.identity import differ_heading
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,7 +18,7 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 def _families() -> dict[str, dict[str, set[str]]]:
     """Exported family name → label → the values the catalogue gives it."""
     families: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
-    for spec in (*STACK.values(), *TIER.values()):
+    for spec in (*STACK.values(), *ENGINE.values(), *TIER.values()):
         labels = families[spec.family]
         for name, value in spec.labels.items():
             labels[name].add(value)

@@ -397,3 +397,101 @@ def test_another_servers_objects_become_events_and_a_summary(
         mover.shutdown()
         writer_manager.shutdown()
         reader.shutdown()
+
+
+# -- this tier's own evictions are never announced as another server's chunks -------------
+def compare_listing(manager: object, clock: Clock) -> list[OffloadingEvent]:
+    """One interval on: a listing starts, runs and is compared in full; the events."""
+    clock.now += INTERVAL_S
+    manager.on_schedule_end(END)  # type: ignore[attr-defined]
+    listing: SharedListing = manager.listing  # type: ignore[attr-defined]
+    listing.wait()
+    while listing.busy:
+        manager.on_schedule_end(END)  # type: ignore[attr-defined]
+    return list(manager.take_events())  # type: ignore[attr-defined]
+
+
+def test_a_file_chunk_evicted_in_the_step_its_listing_is_compared_is_not_announced(
+    tmp_path: Path, clock: Clock
+) -> None:
+    tier = open_tier(tmp_path, capacity_chunks=2, shared=True, list_interval_s=INTERVAL_S,
+                     clock=clock)
+    manager = tier.manager
+    try:
+        assert tier.store(range(2)) == keys(range(2))
+        list(manager.take_events())
+        clock.now += INTERVAL_S
+        manager.on_schedule_end(END)  # a listing starts...
+        assert manager.listing is not None
+        manager.listing.wait()  # ...and finds chunks 0 and 1
+        assert tier.store([2]) == keys([2])  # this step evicts chunk 0...
+        manager.wait_deletions()  # ...and unlinks its file
+        manager.on_schedule_end(END)  # the listing is compared
+        events = list(manager.take_events())
+        assert own(events, removed=True) == keys([0])
+        assert listed(events, removed=False) == []
+    finally:
+        tier.close()
+
+
+def test_a_file_chunk_whose_unlink_is_queued_or_just_ran_is_not_announced(
+    tmp_path: Path, clock: Clock
+) -> None:
+    tier = open_tier(tmp_path, capacity_chunks=2, shared=True, list_interval_s=INTERVAL_S,
+                     clock=clock)
+    manager = tier.manager
+    try:
+        assert tier.store(range(2)) == keys(range(2))
+        manager.deletions_gate.clear()  # evicted files' unlinks wait
+        assert tier.store([2]) == keys([2])  # evicts chunk 0; its file stays for now
+        assert own(list(manager.take_events()), removed=True) == keys([0])
+        announced = [key for _ in range(3) for key in
+                     listed(compare_listing(manager, clock), removed=False)]
+        assert announced == []
+        # One more listing finds the file; the unlink runs before it is compared.
+        clock.now += INTERVAL_S
+        manager.on_schedule_end(END)
+        assert manager.listing is not None
+        manager.listing.wait()
+        manager.deletions_gate.set()
+        manager.wait_deletions()
+        while manager.listing.busy:
+            manager.on_schedule_end(END)
+        assert listed(list(manager.take_events()), removed=False) == []
+    finally:
+        manager.deletions_gate.set()
+        tier.close()
+
+
+def test_an_object_evicted_in_the_step_its_listing_is_compared_is_not_announced(
+    clock: Clock,
+) -> None:
+    config = offloading_config()
+    identity = NamespaceIdentity.from_config(config)
+    geometry = ChunkGeometry.from_config(config)
+    backend = ObjectBackend(FsspecStore(f"memory://kvtiers-{uuid.uuid4().hex}/cache"),
+                            identity, prefix="kv", threads=2)
+    manager = ObjectTierManager(backend, max_chunk_bytes=geometry.max_chunk_bytes,
+                                capacity_bytes=2 * (geometry.max_chunk_bytes + 4096),
+                                shared=True, clock=clock, list_interval_s=INTERVAL_S)
+    region = BytearrayRegion(8, geometry.slot_bytes)
+    mover = ObjectMover(backend, region, geometry, reporter=manager)
+    driver = TierDriver(BuiltTier(name="o", manager=manager, mover=mover), region, geometry)
+    try:
+        payloads = {conformance_key(i): conformance_payload(i, 8192) for i in range(3)}
+        first_two = dict(list(payloads.items())[:2])
+        assert driver.store(first_two).success
+        list(manager.take_events())
+        clock.now += INTERVAL_S
+        manager.on_schedule_end(END)  # a listing starts...
+        assert manager.listing is not None
+        manager.listing.wait()  # ...and finds chunks 0 and 1
+        assert driver.store({conformance_key(2): payloads[conformance_key(2)]}).success
+        manager.wait_background()  # chunk 0 was evicted and its object deleted
+        manager.on_schedule_end(END)  # the listing is compared
+        events = list(manager.take_events())
+        assert own(events, removed=True) == keys([0])
+        assert listed(events, removed=False) == []
+    finally:
+        mover.shutdown()
+        manager.shutdown()

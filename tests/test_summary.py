@@ -196,3 +196,21 @@ def test_inspect_reports_a_damaged_summary_in_one_line(
     text = " ".join(capsys.readouterr().out.split())
     assert ("summary: unreadable (payload checksum check failed); the next complete "
             "listing rewrites it") in text
+
+
+#: docs/sharing.md's Python example's root and namespace, replaced to run it here.
+DOC_ROOT, DOC_NAMESPACE = "/var/cache/kvtiers", "Qwen__Qwen3-8B-1a2b3c4d5e6f7a8b"
+
+
+def test_read_summary_takes_a_path_or_url_as_the_docs_show_it(root: Path) -> None:
+    from kvtiers.tools.summary import read_summary
+
+    keys = [conformance_key(i) for i in (0, 1, 99)]
+    assert read_summary(str(root), IDENTITY.namespace).leading(keys) == 2
+    text = (Path(__file__).resolve().parent.parent / "docs" / "sharing.md").read_text()
+    (block,) = [b.split("\n", 1)[1] for b in text.split("```")[1::2]
+                if b.startswith("python") and "read_summary" in b]
+    assert DOC_ROOT in block and DOC_NAMESPACE in block
+    scope: dict[str, object] = {"keys": keys}
+    exec(block.replace(DOC_ROOT, str(root)).replace(DOC_NAMESPACE, IDENTITY.namespace), scope)
+    assert scope["held"] == 2

@@ -271,3 +271,88 @@ def test_verify_fix_on_s3_reads_and_moves_a_huge_object_in_bounded_memory(
         assert keys[f"fleet/{namespace}/quarantine/{NOT_A_CHUNK}"] == size
     finally:
         moto.stop()
+
+
+def _corrupt_then_vanish(monkeypatch: pytest.MonkeyPatch, remove: Any) -> list[str]:
+    """Make every chunk verify finds corrupt vanish right after its check, as when a
+    running engine evicts or quarantines it between verify's check and its quarantine
+    (``remove(name)`` deletes it); the names it removed."""
+    from kvtiers.errors import CorruptChunkError
+    from kvtiers.tools import commands
+
+    checked = commands._verify_chunk
+    removed: list[str] = []
+
+    def check_then_lose(location: Any, name: str, digest: bytes, key: bytes) -> None:
+        try:
+            checked(location, name, digest, key)
+        except CorruptChunkError:
+            remove(name)
+            removed.append(name)
+            raise
+
+    monkeypatch.setattr(commands, "_verify_chunk", check_then_lose)
+    return removed
+
+
+def test_verify_fix_goes_on_when_a_corrupt_chunk_vanishes_before_its_quarantine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtiers.tools.commands import verify
+    from kvtiers.tools.locations import open_location
+
+    _fill([{"kind": "file", "root": str(tmp_path)}], "team/model-a")
+    _fill([{"kind": "file", "root": str(tmp_path)}], "team/model-b")
+    first, second = sorted(p for p in tmp_path.iterdir() if p.is_dir())
+    for namespace in (first, second):
+        victim = _chunks(namespace)[0]
+        body = bytearray(victim.read_bytes())
+        body[-1] ^= 0xFF
+        victim.write_bytes(bytes(body))
+    removed = _corrupt_then_vanish(monkeypatch, lambda name: (tmp_path / name).unlink())
+    out = io.StringIO()
+    location = open_location(str(tmp_path))
+    try:
+        assert verify(location, out, fix=True) == 0
+    finally:
+        location.close()
+    text = _flat(out.getvalue())
+    assert len(removed) == 2
+    for namespace, name in zip((first, second), removed, strict=True):
+        assert f"{namespace.name}: " in text, "a namespace's report is missing"
+        assert ("corrupt (payload checksum check failed; gone before its quarantine): "
+                f"{name}") in text
+    assert not list(tmp_path.rglob("quarantine/*"))
+
+
+def test_verify_fix_on_s3_goes_on_when_a_corrupt_object_vanishes(
+    s3_endpoint: MotoServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+
+    from kvtiers.tools.commands import verify
+    from kvtiers.tools.locations import open_location
+
+    _fill([{"kind": "s3", "bucket": BUCKET, "prefix": "vanish",
+            "endpoint_url": s3_endpoint.endpoint_url}], "team/model-s3")
+    client = boto3.client("s3", endpoint_url=s3_endpoint.endpoint_url)
+    listed = client.list_objects_v2(Bucket=BUCKET, Prefix="vanish/")["Contents"]
+    victim = next(o["Key"] for o in listed if o["Key"].endswith(".kvc"))
+    body = bytearray(client.get_object(Bucket=BUCKET, Key=victim)["Body"].read())
+    body[-1] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=victim, Body=bytes(body))
+    removed = _corrupt_then_vanish(
+        monkeypatch, lambda name: client.delete_object(Bucket=BUCKET, Key=f"vanish/{name}"))
+    location = open_location(f"s3://{BUCKET}/vanish", endpoint_url=s3_endpoint.endpoint_url)
+    out = io.StringIO()
+    try:
+        assert verify(location, out, fix=True, as_json=True) == 0
+    finally:
+        location.close()
+    import json
+
+    (report,) = json.loads(out.getvalue())["namespaces"]
+    assert report["corrupt"] == [{"name": victim.removeprefix("vanish/"),
+                                  "check": "payload checksum", "quarantined": False,
+                                  "vanished": True}]
+    assert removed == [victim.removeprefix("vanish/")]

@@ -19,12 +19,13 @@ a scraper on another host or pod) and ``port`` (default
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from kvtiers.errors import ConfigError
 from kvtiers.stack.composite import TieredManager
 from kvtiers.stack.metrics_catalog import (
+    ENGINE,
     HISTOGRAMS,
     IO_BACKENDS,
     STACK,
@@ -68,10 +69,16 @@ def _build_info() -> Any:
     return family
 
 
+#: A source of stats beside the composite's: called on the exporter's thread at each
+#: scrape, so it must only read numbers another thread writes (no tier state).
+StatsSource = Callable[[], Mapping[str, float]]
+
+
 class _StatsCollector:
     def __init__(self, manager: TieredManager, latency: LatencyHistograms | None) -> None:
         self.manager = manager
         self.latency = latency
+        self.sources: list[StatsSource] = []
 
     def collect(self) -> Iterator[Any]:
         # name → (spec, label names, samples of (label values, value))
@@ -87,11 +94,17 @@ class _StatsCollector:
         for stat in STACK:
             # Every stack series from the first scrape, zero until counted.
             snapshot.setdefault(stat, 0.0)
+        for source in self.sources:
+            counts = dict(source())
+            for stat in ENGINE:
+                counts.setdefault(stat, 0.0)
+            snapshot.update(counts)
         for full_name, value in snapshot.items():
             tier, _, stat = full_name.rpartition(".")
             if not tier:
-                spec = STACK.get(stat) or tier_fallback(stat)
-                add(spec, {} if stat in STACK else {"tier": "stack"}, float(value))
+                known = STACK.get(stat) or ENGINE.get(stat)
+                add(known or tier_fallback(stat), {} if known else {"tier": "stack"},
+                    float(value))
             elif stat == "io_backend":
                 backend = IO_BACKENDS.get(int(value), f"code{int(value)}")
                 add(TIER[stat], {"tier": tier, "backend": backend}, 1.0)
@@ -131,9 +144,16 @@ class _StatsCollector:
 class MetricsServer:
     """A running exporter; :meth:`close` stops it."""
 
-    def __init__(self, server: Any, port: int) -> None:
+    def __init__(self, server: Any, port: int, collector: _StatsCollector) -> None:
         self._server = server
         self.port = port
+        self._collector = collector
+
+    def add_source(self, source: StatsSource) -> None:
+        """Export ``source()``'s stats beside the composite's at every scrape (an engine
+        integration's counters, named in :data:`~kvtiers.stack.metrics_catalog.ENGINE`;
+        those it does not return are exported as zero)."""
+        self._collector.sources.append(source)
 
     def close(self) -> None:
         self._server.shutdown()
@@ -152,7 +172,8 @@ def serve_metrics(
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
-    registry.register(_StatsCollector(manager, latency))
+    collector = _StatsCollector(manager, latency)
+    registry.register(collector)
     try:
         server, _thread = start_http_server(port, addr=addr, registry=registry)
     except OSError as exc:
@@ -161,4 +182,4 @@ def serve_metrics(
             "choose another metrics.port (0 picks a free one) or metrics.addr",
             path="metrics.port",
         ) from None
-    return MetricsServer(server, server.server_address[1])
+    return MetricsServer(server, server.server_address[1], collector)

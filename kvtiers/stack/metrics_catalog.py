@@ -51,10 +51,14 @@ def _g(name: str, help_text: str) -> MetricSpec:
     return MetricSpec(name, "gauge", help_text)
 
 
-_LOOKUPS = ("Lookups answered, by result: hit, one per chunk found (ready or being "
-            "promoted); miss, one per prefix scan that stopped at a chunk not held. Hits "
-            "count chunks and misses scans, so hit / (hit + miss) is no hit ratio: use "
-            "vLLM's external prefix cache counters for that.")
+_LOOKUPS = ("Chunks looked up, by result: hit, a chunk found (ready or being promoted); "
+            "miss, the chunk a prefix scan stopped at, not held (a scan asks no further, "
+            "so there is at most one miss per scan). Requests are counted in "
+            "kvtiers_stack_request_lookups_total.")
+_REQUEST_LOOKUPS = ("Requests the engine finished, by whether kvtiers served part of their "
+                    "prefix: hit, at least one chunk loaded from the stack; miss, none "
+                    "(counted by the vLLM integration when the request finishes; "
+                    "hit / (hit + miss) is the share of requests kvtiers served).")
 _PROMOTIONS = ("Chunks copied up from a lower tier into the primary, by outcome (done, "
                "failed, refused: no primary slot free, so the lookup missed; abandoned: "
                "still in flight when the request's wait bound ran out, so the lookup "
@@ -99,6 +103,14 @@ STACK: Mapping[str, MetricSpec] = MappingProxyType({
                       "published."),
 })
 """The composite's own stats (no ``tier.`` prefix)."""
+
+ENGINE: Mapping[str, MetricSpec] = MappingProxyType({
+    "request_hits": _c("kvtiers_stack_request_lookups", _REQUEST_LOOKUPS, result="hit"),
+    "request_misses": _c("kvtiers_stack_request_lookups", _REQUEST_LOOKUPS, result="miss"),
+})
+"""Stats an engine integration counts beside the composite (no ``tier.`` prefix), exported
+when it adds its counts to the exporter (:meth:`~kvtiers.stack.metrics.MetricsServer.
+add_source`): from the first scrape, zero until counted."""
 
 _TIER_LOOKUPS = "Lookups this tier answered, by result."
 _LISTINGS = ("Background listings of a shared namespace, by outcome (complete; incomplete: "

@@ -166,14 +166,18 @@ class VllmServer:
         except OSError:
             return "(no log)"
 
-    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
-        """SIGINT the server and wait for it; after ``timeout_s`` kill its process group
-        (the server, its engine core and workers). Its exit status; idempotent."""
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S, *, group: bool = False) -> int | None:
+        """SIGINT the server (with ``group``, its whole process group, as Ctrl-C in a
+        terminal signals the server, its engine core and workers at once) and wait for
+        it; after ``timeout_s`` kill its process group. Its exit status; idempotent."""
         process, self._process = self._process, None
         if process is None:
             return None
         with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGINT)
+            if group:
+                os.killpg(process.pid, signal.SIGINT)
+            else:
+                process.send_signal(signal.SIGINT)
         try:
             return process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

@@ -33,8 +33,13 @@ walks a whole key set in one step.
 
 A chunk the index removed during the current listing or the one before is not announced
 by it: its file or object may have been listed just before this server's own delete
-removed it. Removals by other servers of chunks this tier's index holds are not noticed
-here; a load finds them gone (``vanished_chunks``).
+removed it. A tier therefore passes its index's events through :meth:`SharedListing.
+observe` before the step's comparison (a chunk evicted in that very step is known as
+removed), counts the chunks it is still deleting among those it holds, and reports each
+delete that finished (:meth:`SharedListing.deleted`): a delete queued behind others may
+run listings after the eviction, once a listing has seen the chunk. Removals by other
+servers of chunks this tier's index holds are not noticed here; a load finds them gone
+(``vanished_chunks``).
 """
 
 from __future__ import annotations
@@ -210,6 +215,11 @@ class SharedListing:
             out.extend(self._events)
             self._events = []
         return out
+
+    def deleted(self, keys: Iterable[OffloadKey]) -> None:
+        """This tier's deletes of ``keys`` finished (on the scheduler thread): a listing
+        under way, or the next one, may have listed them before they went."""
+        self._removed_now.update(keys)
 
     def on_schedule_end(self, held: Sequence[Container[OffloadKey]]) -> None:
         """Take in a finished listing, compare up to :data:`KEYS_PER_STEP` of its keys

@@ -263,12 +263,20 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
                 unreadable.append((entry, exc.strerror or str(exc)))
         ok = len(census.chunks) - len(bad) - len(unreadable) - len(undecodable)
         unreadable += [(e, f"{e.irregular}, not a regular file") for e in census.irregular]
+        # Corrupt chunks a running engine evicted or quarantined since their check: gone,
+        # so nothing is left to set aside (and nothing wrong is left to report).
+        vanished: set[str] = set()
         for entry, _check in bad:
             if fix:
-                location.quarantine(namespace, entry.name)
+                try:
+                    location.quarantine(namespace, entry.name)
+                except (FileNotFoundError, ObjectMissing):
+                    vanished.add(entry.name)
         entry_report: dict[str, Any] = {
             "namespace": namespace, "manifest_readable": True, "ok": ok,
-            "corrupt": [{"name": e.name, "check": check, "quarantined": fix}
+            "corrupt": [{"name": e.name, "check": check,
+                         "quarantined": fix and e.name not in vanished}
+                        | ({"vanished": True} if e.name in vanished else {})
                         for e, check in bad],
             "unreadable": [{"name": e.name, "why": why} for e, why in unreadable],
         }
@@ -283,8 +291,9 @@ def verify(location: Location, out: TextIO, *, fix: bool = False,
             # The reason first, the name last: a long name then wraps onto a line of its
             # own and stays whole (copyable).
             for entry, check in bad:
-                say(out, f"  corrupt ({check} check failed"
-                          + ("; quarantined" if fix else "") + f"): {entry.name}")
+                done = ("; gone before its quarantine" if entry.name in vanished
+                        else "; quarantined" if fix else "")
+                say(out, f"  corrupt ({check} check failed{done}): {entry.name}")
             for entry, why in unreadable:
                 say(out, f"  unreadable ({why}; not a chunk any tier loads, remove it): "
                           f"{entry.name}")

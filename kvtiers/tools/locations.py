@@ -249,8 +249,15 @@ class S3Location(Location):
             body.close()
 
     def _move(self, source: str, target: str) -> None:
+        import botocore.exceptions
+
         bucket = self.store.bucket
-        self.store.client().copy({"Bucket": bucket, "Key": source}, bucket, target)
+        try:
+            self.store.client().copy({"Bucket": bucket, "Key": source}, bucket, target)
+        except botocore.exceptions.ClientError:
+            if self.store.head(source) is None:  # gone since the listing
+                raise ObjectMissing(source) from None
+            raise
         self.store.delete(source)
 
 

@@ -3,12 +3,14 @@
 The summary (:mod:`kvtiers.filemapper.summary`) lets a router ask whether a shared file
 root or bucket holds a prefix's chunks without listing the namespace. In Python::
 
-    from kvtiers.tools.locations import open_location
     from kvtiers.tools.summary import read_summary
 
-    location = open_location("s3://kv-cache/prod")
-    summary = read_summary(location, "org__model-0123456789abcdef")
+    summary = read_summary("s3://kv-cache/prod", "org__model-0123456789abcdef")
     summary.leading(chunk_keys)  # how many of a prefix's chunks, from the first, it holds
+
+The location is what ``kvtiers has`` takes (a file tier's root, ``s3://bucket/prefix``, an
+fsspec URL) or a :class:`~kvtiers.tools.locations.Location` already open
+(:func:`~kvtiers.tools.locations.open_location`), which a caller asking often keeps.
 
 A chunk key is the chunk's block hash followed by its 4-byte big-endian KV-cache group,
 the bytes a chunk's file name spells in hex (``<hash hex>_g<group>.kvc``).
@@ -17,7 +19,9 @@ the bytes a chunk's file name spells in hex (``<hash hex>_g<group>.kvc``).
 from __future__ import annotations
 
 import json
+import os
 import time
+from os import PathLike
 from typing import Any, TextIO
 
 from kvtiers.config.sizes import format_size
@@ -26,14 +30,22 @@ from kvtiers.errors import ConfigError, LocationError, SummaryError
 from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.summary import MAX_SUMMARY_BYTES, SUMMARY_NAME, NamespaceSummary
 from kvtiers.tiers.object.store import ObjectMissing
-from kvtiers.tools.locations import Location
+from kvtiers.tools.locations import Location, open_location
 from kvtiers.tools.text import age, say
 
 
-def read_summary(location: Location, namespace: str) -> NamespaceSummary:
-    """The summary of ``namespace`` at ``location``, checked. A namespace without one, or
-    with one that cannot be read or fails a check, is a
+def read_summary(location: Location | str | PathLike[str], namespace: str) -> NamespaceSummary:
+    """The summary of ``namespace`` at ``location``, checked. ``location`` is an open
+    :class:`Location` or what :func:`~kvtiers.tools.locations.open_location` takes (a path,
+    ``s3://bucket/prefix``, an fsspec URL), then opened and closed here. A namespace
+    without a summary, or with one that cannot be read or fails a check, is a
     :class:`~kvtiers.errors.LocationError` saying so."""
+    if not isinstance(location, Location):
+        opened = open_location(os.fspath(location))
+        try:
+            return read_summary(opened, namespace)
+        finally:
+            opened.close()
     where = f"{location.describe()}/{namespace}"
     try:
         summary = _read(location, namespace)

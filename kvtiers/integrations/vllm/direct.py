@@ -129,6 +129,7 @@ class KVTiersDirectManager(KVTiersManager):
         ctx.keep.clear()
         if request is not None:
             request.found.clear()
+            request.loaded = True
         return spec
 
     def complete_load(self, keys: Collection[Any], req_context: Any) -> None:
@@ -196,7 +197,7 @@ class KVTiersDirectManager(KVTiersManager):
         ctx = request.ctx if request is not None else kvtiers_context(req_context)
         ctx.keep.clear()
         self._primary.on_request_finished(ctx)
-        self._requests.pop(req_id, None)
+        self._count_finished(self._requests.pop(req_id, None))
         self._found.pop(req_id, None)
 
     def take_events(self) -> Iterable[Any]:

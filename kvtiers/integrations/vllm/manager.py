@@ -109,6 +109,8 @@ class _Request:
     ctx: ReqContext
     sources: dict[Any, CacheHitSource] = field(default_factory=dict)
     found: list[OffloadKey] = field(default_factory=list)
+    #: Whether vLLM loaded any of its chunks from the stack (a request-level hit).
+    loaded: bool = False
 
 
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
@@ -191,6 +193,25 @@ class KVTiersManager(vbase.OffloadingManager):
                     path="tiers[0].kind",
                 )
             self._slotted = self._primary
+        #: Finished requests by whether the stack served part of their prefix (read by the
+        #: exporter's thread: plain integers, written on the scheduler thread only).
+        self.request_hits = 0
+        self.request_misses = 0
+        if stack.metrics is not None:
+            stack.metrics.add_source(self.request_lookups)
+
+    def request_lookups(self) -> dict[str, float]:
+        """The request-level lookup counts (``kvtiers_stack_request_lookups_total``)."""
+        return {"request_hits": self.request_hits, "request_misses": self.request_misses}
+
+    def _count_finished(self, request: _Request | None) -> None:
+        """Count a finished announced request once, as a hit when it loaded anything."""
+        if request is None:
+            return
+        if request.loaded:
+            self.request_hits += 1
+        else:
+            self.request_misses += 1
 
     def _ctx(self, ctx: Any) -> ReqContext:
         known = self._requests.get(ctx.req_id)
@@ -261,6 +282,7 @@ class KVTiersManager(vbase.OffloadingManager):
             self._tiered.prepare_load(ours, request.ctx)
             # Pinned now, as the composite cleared ctx.keep for.
             request.found.clear()
+            request.loaded = True
         return self._spec(ours)
 
     def touch(self, keys: Collection[Any], req_context: Any) -> None:
@@ -377,7 +399,7 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def on_request_finished(self, req_context: Any) -> None:
         self._tiered.on_request_finished(self._ctx(req_context))
-        self._requests.pop(req_context.req_id, None)
+        self._count_finished(self._requests.pop(req_context.req_id, None))
 
     def take_events(self) -> Iterable[Any]:
         """The events since the last call, oldest first, at most
@@ -403,8 +425,17 @@ class KVTiersManager(vbase.OffloadingManager):
 
     def has_pending_work(self) -> bool:
         """Also while a reset's grace steps run: an idle engine steps on, so the flush
-        reaches its workers and the fenced slots come back."""
-        return self._fence_steps is not None or self._tiered.has_pending_work()
+        reaches its workers and the fenced slots come back.
+
+        vLLM asks only when no request is left (its connector's liveness check), and
+        stops stepping on ``False``: the metrics snapshot, taken at most every
+        ``refresh_s`` at a step's end, is then taken here one last time, so a scrape of
+        an idle engine reads what the stack holds, not the last throttled snapshot
+        (nothing changes the stack's state until the next step)."""
+        pending = self._fence_steps is not None or self._tiered.has_pending_work()
+        if not pending and self._tiered.stats_refresh_s is not None:
+            self._tiered.refresh_stats_snapshot()
+        return pending
 
     def reset_cache(self) -> None:
         """vLLM drops the completions of jobs in flight now: their keys are forgotten and

@@ -97,6 +97,7 @@ from kvtiers.errors import UnknownKeyError
 from kvtiers.filemapper import (
     QUARANTINE_DIR,
     FileMapper,
+    key_from_chunk_name,
     open_namespace,
     scan_namespace,
 )
@@ -145,6 +146,10 @@ class _Deleter:
         # Queued unlinks per path; a cancelled path's count is dropped, so they skip it.
         self._pending: dict[Path, int] = {}
         self._running: Path | None = None
+        #: With ``record`` set, the paths unlinked since the owner last took them
+        #: (:meth:`take_unlinked`; a shared namespace's listing needs them).
+        self.record = False
+        self._unlinked: list[Path] = []
         #: Unlinks that failed (their files stay, unindexed: a snapshot would lose them).
         self.failures = 0
         self._futures: list[Future[bool]] = []
@@ -191,6 +196,17 @@ class _Deleter:
         """Block until every queued unlink has run."""
         wait(list(self._futures))
 
+    def queued(self, path: Path) -> bool:
+        """Whether an unlink of ``path`` is queued or running."""
+        with self._lock:
+            return path in self._pending or self._running == path
+
+    def take_unlinked(self) -> list[Path]:
+        """The paths unlinked (or found gone) since the last call, with ``record`` set."""
+        with self._lock:
+            taken, self._unlinked = self._unlinked, []
+        return taken
+
     def close(self) -> None:
         """Run the queued unlinks and stop the executor. Idempotent."""
         self.gate.set()
@@ -208,6 +224,7 @@ class _Deleter:
                 self._pending[path] = count - 1
             # Taken with the pending count, so cancel() either skipped it or sees it.
             self._running = path
+        gone = True
         try:
             self._unlink(path)
         except FileNotFoundError:
@@ -215,11 +232,25 @@ class _Deleter:
         except OSError as exc:
             logger.warning("file tier: could not remove evicted chunk %s: %s", path, exc)
             self.failures += 1
-            return False
+            gone = False
         finally:
             with self._lock:
                 self._running = None
-        return True
+                if self.record and gone:
+                    self._unlinked.append(path)
+        return gone
+
+
+class _Unlinking:
+    """The keys whose files a file tier is unlinking, as a container the listing tests."""
+
+    __slots__ = ("_manager",)
+
+    def __init__(self, manager: FileTierManager) -> None:
+        self._manager = manager
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, bytes) and self._manager.unlinking(OffloadKey(key))
 
 
 class _Prober:
@@ -482,6 +513,10 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         self._file_mode, self._dir_mode = file_mode, dir_mode
         self._start_listing(listing, namespace_digest=mapper.identity.digest,
                             where=f"file tier {self.namespace_dir}", clock=clock)
+        if self.listing is not None:
+            self._deleter.record = True
+        # Events the listing observed before a comparison, for the next take_events.
+        self._observed: list[OffloadingEvent] = []
 
     @property
     def usage_bytes(self) -> int:
@@ -864,7 +899,11 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     # -- the rest of the contract ---------------------------------------------------
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()
-        return events if self.listing is None else self.listing.observe(events)
+        if self.listing is None:
+            return events
+        observed, self._observed = self._observed, []
+        observed.extend(self.listing.observe(events))
+        return observed
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain_forgotten()
@@ -872,11 +911,27 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         if self._foreign is not None:
             self._keep_budget()
         if self.listing is not None and self._complete:
-            # This tier's keys: indexed, or evicted and kept for the composite. While the
+            # This step's removals and the unlinks finished since reach the listing before
+            # it compares (the events wait for take_events); then this tier's keys:
+            # indexed, evicted and kept for the composite, or being unlinked. While the
             # index is built the keys it lacks are not others' news.
-            self.listing.on_schedule_end((self.index.keys(), self._handed))
+            listing = self.listing
+            self._observed.extend(listing.observe(self.index.take_events()))
+            unlinked = self._deleter.take_unlinked()
+            if unlinked:
+                listing.deleted(key for key in map(self._own_key, unlinked) if key is not None)
+            listing.on_schedule_end((self.index.keys(), self._handed, _Unlinking(self)))
 
     # -- the background listing (shared directories, kvtiers.tiers.listing) ----------
+    def _own_key(self, path: Path) -> OffloadKey | None:
+        """The key of a chunk file of this namespace; ``None`` for another's."""
+        key = key_from_chunk_name(path.name)
+        return key if key is not None and self.mapper.path(key) == path else None
+
+    def unlinking(self, key: OffloadKey) -> bool:
+        """Whether ``key``'s file is queued for unlinking or being unlinked."""
+        return self._deleter.queued(self.mapper.path(key))
+
     def _listed_keys(self) -> Iterator[OffloadKey]:
         """The chunk files of the namespace (listing thread; names only, no ``stat``
         where the directory entry tells a regular file)."""

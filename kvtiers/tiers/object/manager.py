@@ -137,6 +137,8 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
             self._poll_build()
         self._start_listing(listing, namespace_digest=backend.identity.digest,
                             where=f"object tier at {where}", clock=clock)
+        # Events the listing observed before a comparison, for the next take_events.
+        self._observed: list[OffloadingEvent] = []
 
     @property
     def negative_ttl_s(self) -> float | None:
@@ -193,7 +195,10 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
         if self._build is not None:
             self._poll_build()
         while not self._deleted.empty():
-            self._deleting.discard(self._deleted.get())
+            key = self._deleted.get()
+            self._deleting.discard(key)
+            if self.listing is not None:
+                self.listing.deleted((key,))
         reported = self._reports.drain()
         if reported:
             self.index.discard(reported)
@@ -297,14 +302,20 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._drain()
         events = self.index.take_events()
-        return events if self.listing is None else self.listing.observe(events)
+        if self.listing is None:
+            return events
+        observed, self._observed = self._observed, []
+        observed.extend(self.listing.observe(events))
+        return observed
 
     # -- shared namespaces: batched existence probes --------------------------------
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain()
         self._background = [f for f in self._background if not f.done()]
         if self.listing is not None and not self._closed and self._complete:
-            # This tier's keys: indexed, or being deleted by it.
+            # This step's removals reach the listing before it compares (their events
+            # wait for take_events), then this tier's keys: indexed, or being deleted.
+            self._observed.extend(self.listing.observe(self.index.take_events()))
             self.listing.on_schedule_end((self.index.keys(), self._deleting))
         if self._closed:
             return
