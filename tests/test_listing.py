@@ -414,7 +414,7 @@ def compare_listing(manager: object, clock: Clock) -> list[OffloadingEvent]:
 def test_a_file_chunk_evicted_in_the_step_its_listing_is_compared_is_not_announced(
     tmp_path: Path, clock: Clock
 ) -> None:
-    tier = open_tier(tmp_path, capacity_chunks=2, shared=True, list_interval_s=INTERVAL_S,
+    tier = open_tier(tmp_path, capacity_chunks=2, shared=True, listing=ListingSettings(INTERVAL_S),
                      clock=clock)
     manager = tier.manager
     try:
@@ -437,7 +437,7 @@ def test_a_file_chunk_evicted_in_the_step_its_listing_is_compared_is_not_announc
 def test_a_file_chunk_whose_unlink_is_queued_or_just_ran_is_not_announced(
     tmp_path: Path, clock: Clock
 ) -> None:
-    tier = open_tier(tmp_path, capacity_chunks=2, shared=True, list_interval_s=INTERVAL_S,
+    tier = open_tier(tmp_path, capacity_chunks=2, shared=True, listing=ListingSettings(INTERVAL_S),
                      clock=clock)
     manager = tier.manager
     try:
@@ -473,7 +473,7 @@ def test_an_object_evicted_in_the_step_its_listing_is_compared_is_not_announced(
                             identity, prefix="kv", threads=2)
     manager = ObjectTierManager(backend, max_chunk_bytes=geometry.max_chunk_bytes,
                                 capacity_bytes=2 * (geometry.max_chunk_bytes + 4096),
-                                shared=True, clock=clock, list_interval_s=INTERVAL_S)
+                                shared=True, clock=clock, listing=ListingSettings(INTERVAL_S))
     region = BytearrayRegion(8, geometry.slot_bytes)
     mover = ObjectMover(backend, region, geometry, reporter=manager)
     driver = TierDriver(BuiltTier(name="o", manager=manager, mover=mover), region, geometry)
