@@ -19,8 +19,10 @@ import pytest
 from kvtiers.core.keys import OffloadKey, get_offload_block_hash
 from kvtiers.core.manager import LookupResult, ScheduleEndContext
 from kvtiers.filemapper import FileMapper, NamespaceIdentity
+from kvtiers.stack.builder import load_stack
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET
 from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME
 from kvtiers.tiers.object.backend import ObjectBackend
@@ -30,6 +32,7 @@ from kvtiers.tiers.object.manager import ObjectTierManager
 from .test_file_support import CTX, GEOMETRY, IDENTITY, Tier, chunk_files, open_tier
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+HIT_PENDING = LookupResult.HIT_PENDING
 END = ScheduleEndContext()
 
 
@@ -220,6 +223,43 @@ def test_an_object_tier_serves_while_its_listings_are_partway(
     finally:
         gate.release()
         manager.shutdown()
+
+
+# -- tiers built from a stack file ------------------------------------------------------
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_a_stack_file_tier_serves_a_warm_restart_before_its_index_is_built(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kind == "file":
+        lower: dict[str, Any] = {"kind": "file", "root": str(tmp_path), "io": "posix",
+                                 "threads": 2}
+    else:
+        endpoint = request.getfixturevalue("s3_endpoint").endpoint_url
+        lower = {"kind": "s3", "bucket": BUCKET, "prefix": "start", "endpoint_url": endpoint,
+                 "threads": 2}
+    description = {"tiers": [{"kind": "cpu", "capacity": 4 * 8192}, lower]}
+    keys = [conformance_key(i) for i in range(3)]
+    with load_stack(description, offloading_config()) as first:
+        assert first.manager.prepare_store(keys, CTX) == keys
+        first.manager.complete_store(keys, CTX)
+        first.manager.wait_idle()  # cascaded into the lower tier
+    go = request.getfixturevalue("held_builds")
+    # The stack is built while its lower tier's index build is held: nothing waits for it.
+    with load_stack(description, offloading_config()) as stack:
+        manager, tier = stack.manager, stack.tiers[1].manager
+        assert not tier.index_complete
+        absent = conformance_key(100)
+        asked = [*keys, absent]
+        assert [manager.lookup(key, CTX) for key in asked] == [RETRY] * 4
+        manager.on_schedule_end(END)  # the existence probe goes out
+        if kind == "file":
+            tier.wait_probes()
+        else:
+            tier.wait_background()
+        assert [manager.lookup(key, CTX) for key in asked] == [HIT_PENDING] * 3 + [MISS]
+        go.set()
+        stack.wait_index()
+        assert tier.index_complete and tier.get_stats()["chunks"] == 3
 
 
 # -- the snapshot -----------------------------------------------------------------------

@@ -74,6 +74,7 @@ def build_tier(
         list_interval_s=config.list_interval_s,
         list_max_chunks=config.list_max_chunks,
         summary_interval_s=config.summary_interval_s,
+        background_index=True,
     )
     settings = PublishSettings(
         file_mode=config.file_mode,

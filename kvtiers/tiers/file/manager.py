@@ -7,8 +7,10 @@ at a time (:mod:`kvtiers.tiers.file.walk`), that both removes stale temp files o
 interrupted publishes (older than this opening) and finds the chunks — names and places
 parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
 (never opening a file), recency seeded from mtimes. The constructor waits for it unless
-``background_index``; until it is merged, index misses are probed as in a shared
-directory, and keys dropped meanwhile stay dropped (docs/architecture.md).
+``background_index`` (and then still when the namespace has no fan-out directory, so
+nothing to find, and ``capacity_scope`` is the namespace's); until it is merged, index
+misses are probed as in a shared directory, and keys dropped meanwhile stay dropped
+(docs/architecture.md).
 
 The index is a :class:`~kvtiers.tiers.compact.CompactChunkIndex` (size, state, pins in LRU
 order, packed) and probes are booked in a :class:`~kvtiers.tiers.probe.ProbeBook`.
@@ -352,6 +354,15 @@ def _chunk_files(namespace_dir: str) -> tuple[list[tuple[float, str, int]], OSEr
     return found, None
 
 
+def _has_subdirectory(directory: Path) -> bool:
+    """Whether ``directory`` holds a directory (or cannot be listed: assume it does)."""
+    try:
+        with os.scandir(directory) as it:
+            return any(entry.is_dir(follow_symlinks=False) for entry in it)
+    except OSError:
+        return True
+
+
 class FileTierManager(OffloadingManager):
     """Bookkeeping of the chunk files of one namespace; see the module docstring.
 
@@ -491,7 +502,10 @@ class FileTierManager(OffloadingManager):
             lambda build: self._find_chunks(build, temp_cutoff, walk_threads, before_walk_part),
             name="kvtiers-file-index",
         )
-        if not background_index:
+        if not background_index or (capacity_scope == "namespace"
+                                    and not _has_subdirectory(self.namespace_dir)):
+            # Without a fan-out directory there is no chunk to find: a new namespace's
+            # tier answers from its first lookup instead of probing.
             self._build.done.wait()
             self._poll_build()
         self.rebuild_s = time.perf_counter() - start

@@ -84,6 +84,7 @@ def build_object_tier(
             list_interval_s=list_interval_s,
             list_max_chunks=list_max_chunks,
             summary_interval_s=summary_interval_s,
+            background_index=True,
         )
     except BaseException:
         backend.close()
