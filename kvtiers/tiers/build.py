@@ -11,8 +11,10 @@ namespace answers one (docs/architecture.md, "Start-up").
 
 Invariants: ``work`` runs once, on the build's thread, and its result or its exception is
 kept (never raised on that thread); :attr:`done` is set after either; ``stop`` asks the
-work to end early (it checks :attr:`stopping` between parts) and waits for the thread a
-bounded time (a walk stuck in a filesystem call is left behind, a daemon thread).
+work to end early (it checks :attr:`stopping` between parts, and the actions it gave
+:meth:`IndexBuild.on_stop` run, such as killing a child process it waits on) and waits
+for the thread a bounded time (a walk stuck in a filesystem call is left behind, a daemon
+thread).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class IndexBuild(Generic[_T]):
         self.elapsed_s: float | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._on_stop: list[Callable[[], None]] = []
         self._work = work
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -59,9 +62,22 @@ class IndexBuild(Generic[_T]):
         """Whether :meth:`stop` was called (the work ends at its next part)."""
         return self._stop.is_set()
 
+    def on_stop(self, action: Callable[[], None]) -> None:
+        """Run ``action`` when :meth:`stop` is called, or now if it was: for work that
+        waits outside Python (a child process), which ``stopping`` cannot reach."""
+        with self._lock:
+            if not self._stop.is_set():
+                self._on_stop.append(action)
+                return
+        action()
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask the work to end and wait for it, at most ``timeout_s``."""
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            actions, self._on_stop = self._on_stop, []
+        for action in actions:
+            action()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("%s: still running %g s after it was asked to stop; left behind",

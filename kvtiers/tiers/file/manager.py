@@ -3,7 +3,8 @@
 At start the namespace's manifest is checked (or created), then the index is built on a
 thread of its own (:mod:`kvtiers.tiers.build`): from a trusted snapshot
 (:mod:`kvtiers.tiers.file.snapshot`), else by one walk of the fan-out directories, several
-at a time (:mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
+at a time, in a child process (``walk_processes``; its per-entry objects never enter this
+process, :mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
 interrupted publishes (older than this opening) and finds the chunks — names and places
 parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
 (never opening a file), recency seeded from mtimes. The constructor waits for it unless
@@ -124,7 +125,13 @@ from kvtiers.tiers.file.snapshot import (
     write_snapshot,
 )
 from kvtiers.tiers.file.space import SpaceLatch
-from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
+from kvtiers.tiers.file.walk import (
+    DEFAULT_WALK_PROCESSES,
+    DEFAULT_WALK_THREADS,
+    Walked,
+    walk_in_children,
+    walk_namespace,
+)
 from kvtiers.tiers.iopool import background_initializer
 from kvtiers.tiers.listing import DEFAULT_LIST_MAX_CHUNKS, SharedListing, SummaryWriter
 from kvtiers.tiers.probe import DEFAULT_NEGATIVE_TTL_S, ProbeBook
@@ -414,6 +421,7 @@ class FileTierManager(OffloadingManager):
         summary_interval_s: float | None = None,
         background_index: bool = False,
         walk_threads: int = DEFAULT_WALK_THREADS,
+        walk_processes: int = DEFAULT_WALK_PROCESSES,
         snapshot: bool = True,
         before_walk_part: Callable[[int], None] | None = None,
     ) -> None:
@@ -499,7 +507,9 @@ class FileTierManager(OffloadingManager):
         self.index.removed = set()
         temp_cutoff = opened_at - SHARED_TEMP_AGE_S if shared else opened_at
         self._build: IndexBuild[tuple[Walked, _Foreign | None]] | None = IndexBuild(
-            lambda build: self._find_chunks(build, temp_cutoff, walk_threads, before_walk_part),
+            lambda build: self._find_chunks(
+                build, temp_cutoff, walk_threads, walk_processes, before_walk_part
+            ),
             name="kvtiers-file-index",
         )
         if not background_index or (capacity_scope == "namespace"
@@ -540,10 +550,13 @@ class FileTierManager(OffloadingManager):
         build: IndexBuild[tuple[Walked, _Foreign | None]],
         temp_cutoff: float,
         threads: int,
+        processes: int,
         before_part: Callable[[int], None] | None,
     ) -> tuple[Walked, _Foreign | None]:
         """The build's work (its own thread): the chunks of a trusted snapshot, else of a
-        walk; with ``capacity_scope="root"`` the other namespaces measured."""
+        walk — in ``processes`` child processes, or in this one when that is 0, when a
+        ``before_part`` hook is given (tests) or when the children fail; with
+        ``capacity_scope="root"`` the other namespaces measured."""
         walked = None
         if self._generation is not None:
             found = read_snapshot(
@@ -552,6 +565,14 @@ class FileTierManager(OffloadingManager):
             if found is not None:
                 walked = Walked(found)
                 self.index_source = "snapshot"
+        if walked is None and processes > 0 and before_part is None:
+            walked = walk_in_children(
+                self.namespace_dir, build, temp_cutoff=temp_cutoff, threads=threads,
+                processes=processes,
+            )
+            if walked is None and not build.stopping:
+                logger.warning("file tier %s: walking in this process instead",
+                               self.namespace_dir)
         if walked is None:
             walked = walk_namespace(
                 self.namespace_dir, build, temp_cutoff=temp_cutoff, threads=threads,
