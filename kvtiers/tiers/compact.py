@@ -84,26 +84,24 @@ def _iota(count: int) -> array:
 
 def build_table(hashes: np.ndarray, slots: np.ndarray, size: int) -> array:
     """A linear-probing table of ``size`` cells (a power of two) holding ``slots`` under
-    their ``hashes``, vectorised: each round places, for every free cell wanted, the first
-    slot that wants it, and moves every slot left on by one cell. A slot only moves past
-    an occupied cell and cells never empty, so each slot's probe from its home cell meets
-    no empty cell before it, as a lookup needs."""
+    their ``hashes``, vectorised. Taken in home-cell order, each slot sits in the first
+    cell at or after its home cell that the slots before it left free: ``max(home,
+    previous cell + 1)``, a running maximum; so every cell between a slot's home cell and
+    its own is occupied, as a lookup's probe needs. Slots whose run passes the last cell
+    wrap to the first free cells from cell 0, in order (the table is at most half full:
+    they are few), which keeps that true across the wrap."""
     table = np.full(size, _EMPTY, dtype=np.int32)
-    mask = size - 1
-    place = (hashes.astype(np.int64) & mask)
-    waiting = np.arange(len(slots))
-    while waiting.size:
-        cells = place[waiting]
-        free = table[cells] == _EMPTY
-        cells_free = cells[free]
-        if cells_free.size:
-            taken, first = np.unique(cells_free, return_index=True)
-            winners = waiting[free][first]
-            table[taken] = slots[winners]
-            placed = np.zeros(len(place), dtype=bool)
-            placed[winners] = True
-            waiting = waiting[~placed[waiting]]
-        place[waiting] = (place[waiting] + 1) & mask
+    count = len(slots)
+    if count:
+        home = hashes.astype(np.int64) & (size - 1)
+        order = np.argsort(home, kind="stable")
+        steps = np.arange(count, dtype=np.int64)
+        cells = np.maximum.accumulate(home[order] - steps) + steps
+        inside = cells < size
+        table[cells[inside]] = slots[order[inside]]
+        wrapped = order[~inside]
+        if wrapped.size:
+            table[np.flatnonzero(table == _EMPTY)[:wrapped.size]] = slots[wrapped]
     out = array("i")
     out.frombytes(table.tobytes())
     return out
