@@ -16,7 +16,9 @@ and keys that are not, until the index is complete. Recorded:
 - ``index_bytes``: the packed arrays' allocation a chunk
   (:meth:`~kvtiers.tiers.compact.CompactChunkIndex.resident_bytes`), and ``rss_bytes``:
   the process's resident set growth a chunk from before the constructor to after the
-  merge (announcement taken, garbage collected);
+  merge (announcement taken, garbage collected), and ``peak_rss_bytes``: the peak
+  resident set's growth a chunk over the same span (the walk runs in a child process
+  unless ``--walk-processes 0``);
 - ``hit_ns`` / ``miss_ns``: the manager's ``lookup`` per call once the index is complete.
 
 The index alone (``ChunkIndex`` against ``CompactChunkIndex``, N keys added, in a process
@@ -69,6 +71,7 @@ from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import LookupResult, Medium, ReqContext, ScheduleEndContext
 from kvtiers.filemapper import FileMapper, NamespaceIdentity, open_namespace
 from kvtiers.tiers.file.manager import FileTierManager
+from kvtiers.tiers.file.walk import DEFAULT_WALK_PROCESSES
 
 #: How this bench's flat results dict maps onto the result schema's sections
 #: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
@@ -168,7 +171,14 @@ def per_call_ns(lookup: Callable[[OffloadKey], LookupResult], keys: list[Offload
     return (time.perf_counter() - start) / (rounds * len(keys)) * 1e9
 
 
-def one_file(root: Path, n: int) -> dict[str, Any]:
+def peak_rss() -> int:
+    """The process's peak resident set so far, in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def one_file(root: Path, n: int, walk_processes: int) -> dict[str, Any]:
     """One start of the file tier over ``root`` (a subprocess's work)."""
     rng = random.Random(n)
     present = [key_of(rng.randrange(n)) for _ in range(SAMPLE)]
@@ -179,7 +189,8 @@ def one_file(root: Path, n: int) -> dict[str, Any]:
     gc.collect()
     before = rss()
     start = time.perf_counter()
-    manager = FileTierManager(mapper, geometry, background_index=True)
+    manager = FileTierManager(mapper, geometry, background_index=True,
+                              walk_processes=walk_processes)
     ctor_s = time.perf_counter() - start
     out = serve_during_build(
         lambda key: manager.lookup(key, CTX), lambda: manager.on_schedule_end(END),
@@ -192,6 +203,8 @@ def one_file(root: Path, n: int) -> dict[str, Any]:
     gc.collect()
     out["index_bytes"] = manager.index.resident_bytes() / n
     out["rss_bytes"] = (rss() - before) / n
+    out["peak_rss_bytes"] = (peak_rss() - before) / n
+    out["walk_processes"] = walk_processes
     out["hit_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), present)
     out["miss_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), absent)
     start = time.perf_counter()
@@ -257,7 +270,7 @@ def subprocess_json(*args: str, env: Path | None = None) -> dict[str, Any]:
     return dict(json.loads(run.stdout.strip().splitlines()[-1]))
 
 
-def bench_file(data: Path, n: int, baseline: Path | None) -> dict[str, Any]:
+def bench_file(data: Path, n: int, baseline: Path | None, walk_processes: int) -> dict[str, Any]:
     root = data / f"n{n}"
     made = time.perf_counter()
     make_tree(root, n)
@@ -269,8 +282,9 @@ def bench_file(data: Path, n: int, baseline: Path | None) -> dict[str, Any]:
     row: dict[str, Any] = {"n": n, "make_s": made_s}
     if baseline is not None:
         row["before"] = subprocess_json("--one-before", str(root), str(n), env=baseline)
-    row["walk"] = subprocess_json("--one-file", str(root), str(n))
-    row["snapshot"] = subprocess_json("--one-file", str(root), str(n))
+    processes = ("--walk-processes", str(walk_processes))
+    row["walk"] = subprocess_json("--one-file", str(root), str(n), *processes)
+    row["snapshot"] = subprocess_json("--one-file", str(root), str(n), *processes)
     return row
 
 
@@ -436,6 +450,8 @@ def main() -> int:
     parser.add_argument("--one-file", nargs=2, metavar=("ROOT", "N"))
     parser.add_argument("--one-index", nargs=2, metavar=("KIND", "N"))
     parser.add_argument("--one-before", nargs=2, metavar=("ROOT", "N"))
+    parser.add_argument("--walk-processes", type=int, default=DEFAULT_WALK_PROCESSES,
+                        help="the file tier's walk_processes (0: the walk in its process)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout from before the background index, measured too")
     parser.add_argument("--reuse", type=Path, default=None,
@@ -443,7 +459,8 @@ def main() -> int:
                              "kept where this run does not measure them")
     args = parser.parse_args()
     if args.one_file:
-        print(json.dumps(one_file(Path(args.one_file[0]), int(args.one_file[1]))))
+        print(json.dumps(one_file(Path(args.one_file[0]), int(args.one_file[1]),
+                                  args.walk_processes)))
         return 0
     if args.one_before:
         print(json.dumps(one_before(Path(args.one_before[0]), int(args.one_before[1]))))
@@ -458,7 +475,7 @@ def main() -> int:
     report: dict[str, Any] = {"file": [], "index": []}
     earlier = from_document(read_result(args.reuse)) if args.reuse else None
     for n in (int(s) for s in sizes.split(",") if s):
-        row = bench_file(data, n, args.baseline)
+        row = bench_file(data, n, args.baseline, args.walk_processes)
         if earlier is not None and "before" not in row:
             old = [r["before"] for r in earlier["file"] if r["n"] == n and "before" in r]
             if old:

@@ -13,6 +13,8 @@
 - ``aws_env`` (per test): only the dummy AWS environment, for a test that starts its own
   server.
 - ``faults``: a fresh :class:`~kvtiers.testing.s3.FaultInjector`.
+- ``held_builds``: an event every persistent tier's background index build started
+  afterwards waits for (set it to let them run); set again at teardown.
 
 Helper classes live in :mod:`kvtiers.testing` (shipped); test modules import them from
 there, never from this file.
@@ -20,7 +22,8 @@ there, never from this file.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -33,6 +36,7 @@ from kvtiers.testing.s3 import (
     MotoServer,
     S3Server,
 )
+from kvtiers.tiers.build import IndexBuild
 
 
 @pytest.fixture(scope="session")
@@ -110,3 +114,22 @@ def any_s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> S
 @pytest.fixture
 def faults() -> FaultInjector:
     return FaultInjector()
+
+
+@pytest.fixture
+def held_builds(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """Every index build started from now on waits until the event is set."""
+    go = threading.Event()
+    original = IndexBuild.__init__
+
+    def held(self: IndexBuild[Any], work: Callable[[IndexBuild[Any]], Any], *,
+             name: str) -> None:
+        def after_go(build: IndexBuild[Any]) -> Any:
+            go.wait()
+            return work(build)
+
+        original(self, after_go, name=name)
+
+    monkeypatch.setattr(IndexBuild, "__init__", held)
+    yield go
+    go.set()  # a failing test must not leave a build waiting

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -20,7 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import UnknownKeyError
-from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
+from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks, build_table
 from kvtiers.tiers.index import ChunkState, IndexChange
 
 KEYS = [make_offload_key(bytes([i]) * 16, 0) for i in range(6)]
@@ -372,3 +373,24 @@ def test_compact_index_grows_past_its_table() -> None:
     assert order == keys[1::2] + keys[::2]
     assert index.evict_lru(2500) == keys[1::2]
     assert list(index.keys()) == keys[::2]
+
+
+@pytest.mark.parametrize("clustered", [False, True])
+def test_a_built_table_reaches_every_slot_from_its_home_cell(clustered: bool) -> None:
+    """Every slot is found by probing from its home cell without meeting an empty cell,
+    also where runs wrap past the last cell (hashes clustered at the end)."""
+    rng = np.random.default_rng(7)
+    for _ in range(100):
+        size = 2 ** int(rng.integers(4, 11))
+        count = int(rng.integers(0, size // 2 + 1))
+        hashes = rng.integers(0, 2**32, count, dtype=np.uint64).astype(np.uint32)
+        if clustered:
+            hashes = (hashes % 4 + size - 3).astype(np.uint32)
+        table = np.frombuffer(
+            build_table(hashes, np.arange(count, dtype=np.int32), size), dtype=np.int32)
+        assert sorted(table[table >= 0].tolist()) == list(range(count))
+        for slot in range(count):
+            cell = int(hashes[slot]) & (size - 1)
+            while table[cell] != slot:
+                assert table[cell] >= 0, "an empty cell before the slot"
+                cell = (cell + 1) & (size - 1)

@@ -69,6 +69,7 @@ class Bench:
         }
         built = load_stack(description)
         self.stacks.append(built)
+        built.wait_index()  # a warm restart's chunks are indexed before the fault starts
         built.tiers[1].manager.backoff.clock = self.clock
         return built
 

@@ -173,6 +173,7 @@ def test_route1_a_fault_resolves_backs_off_and_heals(bench: Bench, fault_name: s
     engine = _route1(bench, kv)
     try:
         stack = engine.manager.stack
+        stack.wait_index()  # the restart's chunks are indexed before the fault starts
         lower = stack.tiers[1].manager
         lower.backoff.clock = bench.clock
         fault = make(bench, stack, engine.spec.keys.to_kvtiers(bad))
@@ -254,6 +255,7 @@ def test_route2_a_fault_resolves_backs_off_and_heals(bench: Bench, fault_name: s
     warm = tiering_manager(config)
     try:
         tier = warm.secondary_tiers[0]
+        tier.manager.wait_index()  # the restart's chunks are indexed before the fault
         tier.manager.backoff.clock = bench.clock
         fault = make(bench, _as_stack(tier.tier), tier._keys.to_kvtiers(bad))
         fault.start()
@@ -311,6 +313,7 @@ def test_route2_a_lasting_failure_is_forgotten_after_repeated_tries(
     warm = tiering_manager(config)
     try:
         tier = warm.secondary_tiers[0]
+        tier.manager.wait_index()  # the restart's chunks are indexed before the fault
         tier.manager.backoff.clock = bench.clock
         make(bench, _as_stack(tier.tier), tier._keys.to_kvtiers(bad)).start()
         request = vbase.ReqContext(req_id="lasting")

@@ -47,13 +47,16 @@ HYBRID = {
 
 
 def build(root: Path, slots: int, model: dict[str, Any] = ONE_GROUP) -> Stack:
-    return load_stack({
+    """A cpu → file stack over ``root``, the chunks already there indexed."""
+    stack = load_stack({
         "tiers": [
             {"kind": "cpu", "capacity": f"{slots * 4}KiB"},
             {"kind": "file", "root": str(root), "io": "posix", "threads": 2},
         ],
         "model": model,
     })
+    stack.wait_index()
+    return stack
 
 
 def prompt(chunks_of_16: int) -> list[int]:

@@ -181,6 +181,7 @@ def test_chunk_written_by_the_worker_reads_back_through_a_mover(tmp_path: Path) 
         FileTierConfig(name="disk", root=str(tmp_path)), offloading,
         primary_region=region, name="disk",
     )
+    lower.manager.wait_index()
     try:
         lower.manager.prepare_load([key], CTX)
         from kvtiers.core.specs import CPULoadStoreSpec

@@ -767,6 +767,7 @@ def test_cpu_and_file_stack_cascades_then_promotes_after_restart(tmp_path: Path)
                         primary_region=None, name="cpu", staging=True)
         disk = build_file(FileTierConfig(name="disk", root=str(tmp_path)), offloading,
                           primary_region=cpu.region, name="disk")
+        disk.manager.wait_index()
         return TieredManager([cpu, disk])
 
     ids = range(3)

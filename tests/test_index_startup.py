@@ -9,6 +9,9 @@ in step. The snapshot tests check when a snapshot is trusted and when the tier w
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,11 +21,17 @@ import pytest
 
 from kvtiers.core.keys import OffloadKey, get_offload_block_hash
 from kvtiers.core.manager import LookupResult, ScheduleEndContext
+from kvtiers.core.publish import TEMP_SUFFIX
 from kvtiers.filemapper import FileMapper, NamespaceIdentity
+from kvtiers.stack.builder import load_stack
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET
+from kvtiers.tiers.build import IndexBuild
+from kvtiers.tiers.file import walk as walk_module
 from kvtiers.tiers.file.manager import FileTierManager
 from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME
+from kvtiers.tiers.file.walk import Walked, walk_in_children, walk_namespace
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.local import LocalStore
 from kvtiers.tiers.object.manager import ObjectTierManager
@@ -30,6 +39,7 @@ from kvtiers.tiers.object.manager import ObjectTierManager
 from .test_file_support import CTX, GEOMETRY, IDENTITY, Tier, chunk_files, open_tier
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+HIT_PENDING = LookupResult.HIT_PENDING
 END = ScheduleEndContext()
 
 
@@ -254,6 +264,43 @@ def test_a_failed_build_leaves_both_tiers_probing(
         objects.shutdown()
 
 
+# -- tiers built from a stack file ------------------------------------------------------
+@pytest.mark.parametrize("kind", ["file", "s3"])
+def test_a_stack_file_tier_serves_a_warm_restart_before_its_index_is_built(
+    kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if kind == "file":
+        lower: dict[str, Any] = {"kind": "file", "root": str(tmp_path), "io": "posix",
+                                 "threads": 2}
+    else:
+        endpoint = request.getfixturevalue("s3_endpoint").endpoint_url
+        lower = {"kind": "s3", "bucket": BUCKET, "prefix": "start", "endpoint_url": endpoint,
+                 "threads": 2}
+    description = {"tiers": [{"kind": "cpu", "capacity": 4 * 8192}, lower]}
+    keys = [conformance_key(i) for i in range(3)]
+    with load_stack(description, offloading_config()) as first:
+        assert first.manager.prepare_store(keys, CTX) == keys
+        first.manager.complete_store(keys, CTX)
+        first.manager.wait_idle()  # cascaded into the lower tier
+    go = request.getfixturevalue("held_builds")
+    # The stack is built while its lower tier's index build is held: nothing waits for it.
+    with load_stack(description, offloading_config()) as stack:
+        manager, tier = stack.manager, stack.tiers[1].manager
+        assert not tier.index_complete
+        absent = conformance_key(100)
+        asked = [*keys, absent]
+        assert [manager.lookup(key, CTX) for key in asked] == [RETRY] * 4
+        manager.on_schedule_end(END)  # the existence probe goes out
+        if kind == "file":
+            tier.wait_probes()
+        else:
+            tier.wait_background()
+        assert [manager.lookup(key, CTX) for key in asked] == [HIT_PENDING] * 3 + [MISS]
+        go.set()
+        stack.wait_index()
+        assert tier.index_complete and tier.get_stats()["chunks"] == 3
+
+
 # -- the snapshot -----------------------------------------------------------------------
 def reopened(root: Path, **kwargs: Any) -> Tier:
     tier = open_tier(root, **kwargs)
@@ -333,3 +380,104 @@ def test_no_snapshot_while_a_store_is_in_flight(tmp_path: Path) -> None:
     assert tier.manager.prepare_store([conformance_key(1)], CTX) == [conformance_key(1)]
     tier.close()
     assert not (tier.manager.namespace_dir / SNAPSHOT_NAME).exists()
+
+
+# -- the walk in child processes --------------------------------------------------------
+def messy_namespace(root: Path) -> Path:
+    """A namespace of 30 chunks with distinct mtimes, a stale temp file, a FIFO under a
+    chunk's name, a chunk name in the wrong place and a stray file."""
+    stored_tier(root, range(30), slots=30)
+    namespace_dir = FileMapper(root, IDENTITY).namespace_dir
+    mapper = FileMapper(root, IDENTITY)
+    for i in range(30):
+        os.utime(mapper.path(conformance_key(i)), ns=(10**18 + i, 10**18 + (i * 7) % 30))
+    leaf = mapper.path(conformance_key(0)).parent
+    (leaf / STALE).write_bytes(b"x")
+    os.utime(leaf / STALE, (0, 0))
+    fifo = mapper.path(conformance_key(40))
+    fifo.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(fifo)
+    misplaced = mapper.path(conformance_key(41))
+    (leaf / misplaced.name).write_bytes(b"y")
+    (namespace_dir / "stray.txt").write_bytes(b"z")
+    return namespace_dir
+
+
+STALE = f".stale.kvc.abcdef{TEMP_SUFFIX}"
+
+
+class _Build:
+    """The part of :class:`IndexBuild` a walk uses."""
+
+    stopping = False
+    parts = 0
+
+    def part_done(self) -> None:
+        self.parts += 1
+
+    def on_stop(self, action: Callable[[], None]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("processes", [1, 3])
+def test_a_walk_in_child_processes_finds_what_the_walk_in_process_finds(
+    tmp_path: Path, processes: int
+) -> None:
+    namespace_dir = messy_namespace(tmp_path / "a")
+    twin = messy_namespace(tmp_path / "b")
+    build, twin_build = _Build(), _Build()
+    inside = walk_namespace(twin, twin_build, temp_cutoff=1.0)  # type: ignore[arg-type]
+    children = walk_in_children(namespace_dir, build, temp_cutoff=1.0,  # type: ignore[arg-type]
+                                processes=processes)
+    assert children is not None
+    assert children.packed.keys == inside.packed.keys  # the same chunks, oldest first
+    assert len(children.packed) == 30
+    assert bytes(children.packed.key_bytes) == bytes(inside.packed.key_bytes)
+    assert list(children.packed.sizes) == list(inside.packed.sizes)
+    assert list(children.packed.table) == list(inside.packed.table)
+    assert (children.removed_temps, children.unindexed) == (1, 1)
+    assert (inside.removed_temps, inside.unindexed) == (1, 1)
+    assert build.parts == twin_build.parts > 0
+    assert not list(namespace_dir.rglob(STALE))
+
+
+def test_a_failed_walk_process_falls_back_to_the_walk_in_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    stored_tier(tmp_path, range(5))
+    monkeypatch.setattr(walk_module.sys, "executable", str(tmp_path / "no-python"))
+    tier = reopened(tmp_path, snapshot=False)
+    try:
+        assert tier.manager.get_stats()["chunks"] == 5
+        assert "could not start the walk's process" in caplog.text
+        assert "walking in this process instead" in caplog.text
+    finally:
+        tier.close()
+
+
+def test_stopping_a_build_kills_its_walk_process(tmp_path: Path) -> None:
+    namespace_dir = messy_namespace(tmp_path)
+    started: list[subprocess.Popen[bytes]] = []
+    running = threading.Event()
+    real = subprocess.Popen
+
+    def stuck(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        # A child that never answers stands in for a walk stuck on a dead filesystem.
+        child = real([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                     **{**kwargs, "stdin": subprocess.PIPE})
+        started.append(child)
+        running.set()
+        return child
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(walk_module.subprocess, "Popen", stuck)
+        build: IndexBuild[Walked | None] = IndexBuild(
+            lambda b: walk_in_children(namespace_dir, b, temp_cutoff=0.0, processes=1),
+            name="test-walk",
+        )
+        assert running.wait(30), "the build never started its child"
+        build.stop()
+    assert build.done.is_set() and build.result is None
+    assert started[0].poll() is not None  # killed, and reaped
+    assert started[0].stdin is not None
+    started[0].stdin.close()

@@ -106,9 +106,12 @@ def test_a_full_disk_pauses_admission_with_one_warning_until_space_returns(
 
 
 def _built(root: Path) -> BuiltTier:
+    """The file tier at ``root`` as a stack builds it, once its index is built."""
     config = FileTierConfig(name="file", root=str(root), io="posix")
-    return build_tier(config, offloading_config(),
-                      primary_region=BytearrayRegion(4, GEOMETRY.slot_bytes), name="file")
+    built = build_tier(config, offloading_config(),
+                       primary_region=BytearrayRegion(4, GEOMETRY.slot_bytes), name="file")
+    built.manager.wait_index()
+    return built
 
 
 def _fill_and_leave_a_temp(root: Path) -> Path:

@@ -34,6 +34,7 @@ def build(made: list[Stack], endpoint: str) -> Stack:
     ]}
     stack = load_stack(description, offloading_config())
     made.append(stack)
+    stack.wait_index()
     return stack
 
 

@@ -34,6 +34,7 @@ from sglang.srt.mem_cache.hicache_storage import (  # noqa: E402
 
 from kvtiers import cli  # noqa: E402
 from kvtiers.core.chunkformat import HEADER_BYTES  # noqa: E402
+from kvtiers.integrations.sglang import KVTiersHiCacheStorage  # noqa: E402
 from kvtiers.testing.sglang import (  # noqa: E402
     MHATokenToKVPoolHost,
     StatePoolHost,
@@ -197,6 +198,8 @@ def test_inspect_verify_diff_and_gc_work_on_the_backend_namespaces(tmp_path: Pat
     assert _cli("verify", str(root), "--fix")[0] == 0  # quarantined: fixed
     assert _cli("verify", str(root))[0] == 0
     again = build_backend(file_tier(root), mha(), tp_size=2, tp_rank=0)
+    assert isinstance(again, KVTiersHiCacheStorage)
+    again.wait_index()
     try:
         assert again.batch_exists(keys) == 1  # the page whose part was quarantined is gone
     finally:

@@ -162,6 +162,7 @@ def test_pages_round_trip_through_s3(tmp_path: Path, s3_tier: list[dict[str, Any
     # A restart over the bucket: the index is rebuilt from its listing.
     pool.zero()
     again = backend(s3_tier, pool)
+    again.wait_index()
     try:
         assert again.batch_exists(keys) == 5
         assert again.batch_get_v1(keys, page_indices([5, 6, 7, 8, 9], PAGE)) == [True] * 5
@@ -182,6 +183,7 @@ def test_a_file_tier_above_s3_serves_what_either_holds(
     finally:
         only_s3.close()
     store = backend(file_tier(tmp_path) + s3_tier, pool)
+    store.wait_index()
     try:
         assert store.batch_set_v1(keys[:2], page_indices([0, 1], PAGE)) == [True, True]
         assert store.batch_exists(keys) == 4
@@ -230,6 +232,7 @@ def test_a_restart_finds_every_page(tmp_path: Path) -> None:
     fresh = mha()
     fresh.zero()
     second = backend(file_tier(tmp_path), fresh)
+    second.wait_index()
     try:
         assert second.batch_exists(keys) == 20
         assert second.batch_get_v1(keys, page_indices(list(range(20)), PAGE)) == [True] * 20

@@ -155,6 +155,7 @@ def test_route1_spreads_a_large_announcement_over_steps_in_order(
 
     monkeypatch.setattr(manager_module, "MAX_EVENT_KEYS_PER_CALL", 3)
     manager = OffloadingSpecFactory.create_spec(vllm_config(root)).get_manager()
+    manager.stack.wait_index()  # the restart's chunks are found, to be announced
     try:
         batches = [list(manager.take_events()) for _ in range(3)]
         assert [sum(len(e.keys) for e in batch) for batch in batches] == [3, 1, 0]

@@ -434,6 +434,7 @@ def lookup_after_restart(engine: Engine, route: str, root: Path) -> Any:
     )
     try:
         tier = file_tier(connector, route)
+        tier.manager.wait_index()
         return tier.manager.lookup(KEY, None)
     finally:
         connector.shutdown()

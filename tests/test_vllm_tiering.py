@@ -147,6 +147,7 @@ def test_cascade_then_warm_promotion_in_a_new_engine(tier: dict[str, Any]) -> No
         cold.shutdown()
 
     warm = tiering_manager(tier)
+    warm.secondary_tiers[0].manager.wait_index()  # the cold engine's chunks are indexed
     try:
         ctx = vbase.ReqContext(req_id="warm")
         warm.on_new_request(ctx)

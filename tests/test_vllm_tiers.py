@@ -10,6 +10,7 @@ synchronisation point, as in vLLM's ``reset_cache``.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
 from kvtiers.integrations.vllm.compat import EVENT_CARRIES_REQ_CONTEXT, JOB_RESULT_DEFERS_RELEASE
 from kvtiers.testing.s3 import BUCKET, MotoServer
+from kvtiers.tiers.file.manager import FileTierManager
 from tests.test_vllm_tiering import BlockedLoads
 
 F = 2
@@ -126,7 +128,10 @@ def tier_config(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any
 
 
 def build(config: dict[str, Any], primary: Primary, spec: _Spec, **more: Any) -> Any:
-    return SecondaryTierFactory.create_secondary_tier({**config, **more}, primary.view, spec)
+    """The tier as vLLM's factory builds it, once it has indexed what its medium held."""
+    tier = SecondaryTierFactory.create_secondary_tier({**config, **more}, primary.view, spec)
+    tier.manager.wait_index()
+    return tier
 
 
 @pytest.fixture
@@ -217,6 +222,45 @@ def test_a_new_tier_over_the_same_storage_hits_warm(
         assert [second.row(c) for c in (5, 6, 7)] == payloads
     finally:
         tier.shutdown()
+
+
+def test_a_restarted_tier_answers_retry_then_hit_or_miss_before_its_index_is_built(
+    tier_config: dict[str, Any], spec: _Spec, held_builds: threading.Event
+) -> None:
+    ks = keys(12, 3)
+    first = Primary()
+    for chunk in range(3):
+        first.fill(chunk, seed=20 + chunk)
+    held_builds.set()
+    tier = build(tier_config, first, spec)
+    tier.submit_store(job(1, ks, [0, 1, 2], promotion=False))
+    assert [r.success for r in finished(tier)] == [True]
+    tier.shutdown()
+
+    held_builds.clear()  # the restarted tier's index build waits
+    tier = SecondaryTierFactory.create_secondary_tier(tier_config, Primary().view, spec)
+    try:
+        ctx = vbase.ReqContext("r")
+        asked = [*ks, keys(13, 1)[0]]
+        assert [tier.lookup(key, ctx) for key in asked] == [vbase.LookupResult.RETRY] * 4
+        # vLLM steps again while the tier has work: the existence probes.
+        assert tier.has_pending_work()
+        tier.on_schedule_end(vbase.ScheduleEndContext(new_req_ids=(), preempted_req_ids=()))
+        settle_probes(tier.manager)
+        assert [tier.lookup(key, ctx) for key in asked] == (
+            [vbase.LookupResult.HIT] * 3 + [vbase.LookupResult.MISS])
+        assert not tier.manager.index_complete
+    finally:
+        held_builds.set()
+        tier.shutdown()
+
+
+def settle_probes(manager: Any) -> None:
+    """Block until the manager's existence probes in flight have answered."""
+    if isinstance(manager, FileTierManager):
+        manager.wait_probes()
+    else:
+        manager.wait_background()  # the object tiers
 
 
 def test_chunks_are_named_apart_from_the_spec_route(tmp_path: Path, spec: _Spec) -> None:

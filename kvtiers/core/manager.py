@@ -289,5 +289,12 @@ class OffloadingManager(ABC):
         """Counters and gauges; names are documented in the README."""
         return {}
 
+    def wait_index(self) -> None:
+        """Block until the chunks the medium held at start are indexed (a persistent tier
+        builds that index in the background and answers ``RETRY`` for a key it has not
+        found yet; docs/architecture.md, "Start-up"). For tests and tools that need a
+        warm restart's answers at once; the scheduler never calls it. Returns at once
+        for a tier without such an index."""
+
     def shutdown(self) -> None:
         """Release resources. Idempotent."""

@@ -60,6 +60,13 @@ class Stack:
             return TimedWorker(worker, self.manager.latency)
         return worker
 
+    def wait_index(self) -> None:
+        """Block until every tier has indexed what its medium held at start
+        (:meth:`~kvtiers.core.manager.OffloadingManager.wait_index`): a warm restart's
+        lookups then answer at once instead of ``RETRY``. For tests and tools."""
+        for tier in self.tiers:
+            tier.manager.wait_index()
+
     def shutdown(self) -> None:
         """Drain movers and release every tier, then log what each tier did (one line
         each: :func:`~kvtiers.logs.log_stopped`). Idempotent."""

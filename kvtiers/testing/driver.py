@@ -23,10 +23,13 @@ from kvtiers.tiers.jobs import FinishedJob, JobDriver, LoadHold
 class TierDriver(Generic[M]):
     """Drives a built lower tier over a bytearray region the test owns: ``store`` fills
     slots and copies them down, ``load`` copies them back. ``manager`` is the built
-    tier's own manager (typed as the tier built it)."""
+    tier's own manager (typed as the tier built it). The driver starts once the tier has
+    indexed what its medium held (``wait_index``), so a reopened tier answers at once;
+    ``wait_index=False`` drives it while its index is being built."""
 
     def __init__(
-        self, built: BuiltTier[M], region: BytearrayRegion, geometry: ChunkGeometry
+        self, built: BuiltTier[M], region: BytearrayRegion, geometry: ChunkGeometry,
+        *, wait_index: bool = True,
     ) -> None:
         if built.mover is None:
             raise ValueError(
@@ -43,6 +46,8 @@ class TierDriver(Generic[M]):
             self.manager, self.mover, self._finished.append, ctx=self.ctx
         )
         self._job = 0
+        if wait_index:
+            self.manager.wait_index()
 
     def _result(self, copied: list[OffloadKey] | None) -> MoverResult:
         """The mover's result of the job just started (an empty one when nothing was

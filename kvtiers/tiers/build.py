@@ -11,17 +11,20 @@ namespace answers one (docs/architecture.md, "Start-up").
 
 Invariants: ``work`` runs once, on the build's thread, and its result or its exception is
 kept (never raised on that thread); :attr:`done` is set after either; ``stop`` asks the
-work to end early (it checks :attr:`stopping` between parts) and waits for the thread a
-bounded time (a walk stuck in a filesystem call is left behind, a daemon thread).
+work to end early (it checks :attr:`stopping` between parts, and the actions it gave
+:meth:`IndexBuild.on_stop` run, such as killing a child process it waits on) and waits
+for the thread a bounded time (a walk stuck in a filesystem call is left behind, a daemon
+thread).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Generic, TypeVar, cast
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +48,7 @@ class IndexBuild(Generic[_T]):
         self.elapsed_s: float | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
+        self._on_stop: list[Callable[[], None]] = []
         self._work = work
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -59,9 +63,22 @@ class IndexBuild(Generic[_T]):
         """Whether :meth:`stop` was called (the work ends at its next part)."""
         return self._stop.is_set()
 
+    def on_stop(self, action: Callable[[], None]) -> None:
+        """Run ``action`` when :meth:`stop` is called, or now if it was: for work that
+        waits outside Python (a child process), which ``stopping`` cannot reach."""
+        with self._lock:
+            if not self._stop.is_set():
+                self._on_stop.append(action)
+                return
+        action()
+
     def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
         """Ask the work to end and wait for it, at most ``timeout_s``."""
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            actions, self._on_stop = self._on_stop, []
+        for action in actions:
+            action()
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             logger.warning("%s: still running %g s after it was asked to stop; left behind",
@@ -74,4 +91,25 @@ class IndexBuild(Generic[_T]):
             self.error = exc
         finally:
             self.elapsed_s = time.perf_counter() - self.started
+            release_free_memory()
             self.done.set()
+
+
+def release_free_memory() -> None:
+    """Hand the C allocator's free memory back to the system (glibc's ``malloc_trim``;
+    nothing elsewhere). A build frees arrays of tens of megabytes that glibc keeps in its
+    heaps once its mmap threshold has grown; without this the tier's process keeps about
+    100 bytes a chunk it no longer uses (benchmarks/results/scale.md)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        import ctypes
+
+        return cast("Callable[[int], int]", ctypes.CDLL(None).malloc_trim)
+    except (OSError, AttributeError):  # not glibc
+        return None

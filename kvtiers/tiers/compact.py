@@ -64,6 +64,16 @@ def _table_size(count: int) -> int:
     return size
 
 
+def _hashes(keys: Sequence[OffloadKey]) -> array:
+    """Each key's ``hash()``, low 32 bits (as :func:`_hash32`), in one C-level pass."""
+    out = array("I")
+    out.frombytes(
+        np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).astype(np.uint32)
+        .tobytes()
+    )
+    return out
+
+
 def _iota(count: int) -> array:
     """``array("i", range(count))``, built in one step."""
     out = array("i")
@@ -73,26 +83,24 @@ def _iota(count: int) -> array:
 
 def build_table(hashes: np.ndarray, slots: np.ndarray, size: int) -> array:
     """A linear-probing table of ``size`` cells (a power of two) holding ``slots`` under
-    their ``hashes``, vectorised: each round places, for every free cell wanted, the first
-    slot that wants it, and moves every slot left on by one cell. A slot only moves past
-    an occupied cell and cells never empty, so each slot's probe from its home cell meets
-    no empty cell before it, as a lookup needs."""
+    their ``hashes``, vectorised. Taken in home-cell order, each slot sits in the first
+    cell at or after its home cell that the slots before it left free: ``max(home,
+    previous cell + 1)``, a running maximum; so every cell between a slot's home cell and
+    its own is occupied, as a lookup's probe needs. Slots whose run passes the last cell
+    wrap to the first free cells from cell 0, in order (the table is at most half full:
+    they are few), which keeps that true across the wrap."""
     table = np.full(size, _EMPTY, dtype=np.int32)
-    mask = size - 1
-    place = (hashes.astype(np.int64) & mask)
-    waiting = np.arange(len(slots))
-    while waiting.size:
-        cells = place[waiting]
-        free = table[cells] == _EMPTY
-        cells_free = cells[free]
-        if cells_free.size:
-            taken, first = np.unique(cells_free, return_index=True)
-            winners = waiting[free][first]
-            table[taken] = slots[winners]
-            placed = np.zeros(len(place), dtype=bool)
-            placed[winners] = True
-            waiting = waiting[~placed[waiting]]
-        place[waiting] = (place[waiting] + 1) & mask
+    count = len(slots)
+    if count:
+        home = hashes.astype(np.int64) & (size - 1)
+        order = np.argsort(home, kind="stable")
+        steps = np.arange(count, dtype=np.int64)
+        cells = np.maximum.accumulate(home[order] - steps) + steps
+        inside = cells < size
+        table[cells[inside]] = slots[order[inside]]
+        wrapped = order[~inside]
+        if wrapped.size:
+            table[np.flatnonzero(table == _EMPTY)[:wrapped.size]] = slots[wrapped]
     out = array("i")
     out.frombytes(table.tobytes())
     return out
@@ -121,7 +129,7 @@ class PackedChunks:
         else:
             key_bytes = bytearray(b"".join(key.ljust(width, b"\0") for key in keys))
         lengths = array("H", [len(key) for key in keys]) if keys else array("H")
-        hashes = array("I", [hash(key) & _HASH_MASK for key in keys])
+        hashes = _hashes(keys)
         packed_sizes = array("q", sizes)
         count = len(keys)
         table = build_table(
@@ -137,7 +145,7 @@ class PackedChunks:
     ) -> PackedChunks:
         """Pack chunks already laid out (a snapshot): ``keys`` as ``bytes`` too (their
         hashes are taken from them)."""
-        hashes = array("I", [hash(key) & _HASH_MASK for key in keys])
+        hashes = _hashes(keys)
         count = len(keys)
         table = build_table(
             np.frombuffer(hashes, dtype=np.uint32) if count else np.zeros(0, np.uint32),

@@ -802,6 +802,15 @@ class KVTiersHiCacheStorage(HiCacheStorage):
                 self._build()
             return list(self._namespaces)
 
+    def wait_index(self) -> None:
+        """Build the tiers if they are not yet, and block until each has indexed the pages
+        its medium held at start: until then a restart's page is found once the tier's
+        existence probe answers (an ``exists`` call or two later). For tests and tools."""
+        with self._lock:
+            for shelf in self._build():
+                for tier in shelf.tiers:
+                    tier.built.manager.wait_index()
+
     def close(self) -> None:
         """Stop every tier (each mover drained, bounded by its shutdown timeout).
         Idempotent; SGLang calls it when it detaches the backend."""

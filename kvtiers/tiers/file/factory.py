@@ -82,6 +82,7 @@ def build_tier(
         load_backoff=BackoffSettings.from_config(config),
         capacity_scope=config.capacity_scope,
         listing=ListingSettings.from_config(config),
+        background_index=True,
     )
     settings = PublishSettings(
         file_mode=config.file_mode,

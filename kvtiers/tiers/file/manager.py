@@ -3,12 +3,15 @@
 At start the namespace's manifest is checked (or created), then the index is built on a
 thread of its own (:mod:`kvtiers.tiers.build`): from a trusted snapshot
 (:mod:`kvtiers.tiers.file.snapshot`), else by one walk of the fan-out directories, several
-at a time (:mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
+at a time, in a child process (``walk_processes``; its per-entry objects never enter this
+process, :mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
 interrupted publishes (older than this opening) and finds the chunks — names and places
 parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
 (never opening a file), recency seeded from mtimes. The constructor waits for it unless
-``background_index``; until it is merged, index misses are probed as in a shared
-directory, and keys dropped meanwhile stay dropped (docs/architecture.md).
+``background_index`` (and then still when the namespace has no fan-out directory, so
+nothing to find, and ``capacity_scope`` is the namespace's); until it is merged, index
+misses are probed as in a shared directory, and keys dropped meanwhile stay dropped
+(docs/architecture.md).
 
 The index is a :class:`~kvtiers.tiers.compact.CompactChunkIndex` (size, state, pins in LRU
 order, packed) and probes are booked in a :class:`~kvtiers.tiers.probe.ProbeBook`.
@@ -114,7 +117,13 @@ from kvtiers.tiers.file.snapshot import (
     write_snapshot,
 )
 from kvtiers.tiers.file.space import SpaceLatch
-from kvtiers.tiers.file.walk import DEFAULT_WALK_THREADS, Walked, walk_namespace
+from kvtiers.tiers.file.walk import (
+    DEFAULT_WALK_PROCESSES,
+    DEFAULT_WALK_THREADS,
+    Walked,
+    walk_in_children,
+    walk_namespace,
+)
 from kvtiers.tiers.iopool import background_initializer
 from kvtiers.tiers.listing import ListingSettings
 from kvtiers.tiers.persistent import PersistentTierManager
@@ -375,6 +384,15 @@ def _chunk_files(namespace_dir: str) -> tuple[list[tuple[float, str, int]], OSEr
     return found, None
 
 
+def _has_subdirectory(directory: Path) -> bool:
+    """Whether ``directory`` holds a directory (or cannot be listed: assume it does)."""
+    try:
+        with os.scandir(directory) as it:
+            return any(entry.is_dir(follow_symlinks=False) for entry in it)
+    except OSError:
+        return True
+
+
 class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     """Bookkeeping of the chunk files of one namespace; see the module docstring.
 
@@ -421,6 +439,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         listing: ListingSettings | None = None,
         background_index: bool = False,
         walk_threads: int = DEFAULT_WALK_THREADS,
+        walk_processes: int = DEFAULT_WALK_PROCESSES,
         snapshot: bool = True,
         before_walk_part: Callable[[int], None] | None = None,
     ) -> None:
@@ -503,10 +522,15 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         self.index.removed = set()
         temp_cutoff = opened_at - SHARED_TEMP_AGE_S if shared else opened_at
         self._build: IndexBuild[tuple[Walked, _Foreign | None]] | None = IndexBuild(
-            lambda build: self._find_chunks(build, temp_cutoff, walk_threads, before_walk_part),
+            lambda build: self._find_chunks(
+                build, temp_cutoff, walk_threads, walk_processes, before_walk_part
+            ),
             name="kvtiers-file-index",
         )
-        if not background_index:
+        if not background_index or (capacity_scope == "namespace"
+                                    and not _has_subdirectory(self.namespace_dir)):
+            # Without a fan-out directory there is no chunk to find: a new namespace's
+            # tier answers from its first lookup instead of probing.
             self._build.done.wait()
             self._poll_build()
         self.rebuild_s = time.perf_counter() - start
@@ -529,10 +553,13 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         build: IndexBuild[tuple[Walked, _Foreign | None]],
         temp_cutoff: float,
         threads: int,
+        processes: int,
         before_part: Callable[[int], None] | None,
     ) -> tuple[Walked, _Foreign | None]:
         """The build's work (its own thread): the chunks of a trusted snapshot, else of a
-        walk; with ``capacity_scope="root"`` the other namespaces measured."""
+        walk — in ``processes`` child processes, or in this one when that is 0, when a
+        ``before_part`` hook is given (tests) or when the children fail; with
+        ``capacity_scope="root"`` the other namespaces measured."""
         walked = None
         if self._generation is not None:
             found = read_snapshot(
@@ -541,6 +568,14 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             if found is not None:
                 walked = Walked(found)
                 self.index_source = "snapshot"
+        if walked is None and processes > 0 and before_part is None:
+            walked = walk_in_children(
+                self.namespace_dir, build, temp_cutoff=temp_cutoff, threads=threads,
+                processes=processes,
+            )
+            if walked is None and not build.stopping:
+                logger.warning("file tier %s: walking in this process instead",
+                               self.namespace_dir)
         if walked is None:
             walked = walk_namespace(
                 self.namespace_dir, build, temp_cutoff=temp_cutoff, threads=threads,

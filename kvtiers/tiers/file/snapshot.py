@@ -40,6 +40,7 @@ import struct
 from array import array
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from kvtiers.core.keys import OffloadKey
@@ -174,7 +175,7 @@ def read_snapshot(namespace_dir: Path, digest: bytes, generation: int) -> Packed
     sizes.frombytes(data[at:at + 8 * count])
     at += 8 * count
     key_bytes = bytearray(data[at:at + count * width])
-    if all(n == width for n in lengths):
+    if bool((np.frombuffer(lengths, dtype=np.uint16) == width).all()):
         keys = [OffloadKey(data[i:i + width]) for i in range(at, at + count * width, width)]
     else:
         keys = [

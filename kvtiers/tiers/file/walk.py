@@ -8,17 +8,33 @@ Each top-level directory is one part, walked by one of ``threads`` threads (``st
 ``scandir`` release the GIL: on a network filesystem their latencies overlap);
 ``before_part(i)`` runs on the walking thread before part ``i`` (parts in name order),
 and a build that is stopping skips the parts not yet begun.
+
+:func:`walk_in_children` runs the same walk in child processes (``python -m
+kvtiers.tiers.file.walk``), each over a contiguous block of the parts: the per-entry
+objects (names, ``stat`` results, keys) live and die there, so the tier's process keeps
+only the packed arrays they send back (its allocator never holds the walk's garbage), and
+the walk's Python work runs beside the scheduler's, not under its GIL. A child writes one
+byte a part (progress; a parent that died ends it with ``EPIPE``), then ``=``, a header and
+its chunks' key lengths, sizes, mtimes and padded keys, unsorted; on an error ``!`` and
+the message. The parent merges the blocks in part order and sorts by mtime (stable), as
+the walk in this process does, so both give the same :class:`Walked`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
-from collections.abc import Callable
+import struct
+import subprocess
+import sys
+import threading
+from array import array
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
@@ -28,8 +44,14 @@ from kvtiers.filemapper.scan import ScannedEntry
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import PackedChunks
 
-#: Threads walking fan-out directories at once.
+logger = logging.getLogger(__name__)
+
+#: Threads walking fan-out directories at once (in each walking process).
 DEFAULT_WALK_THREADS = 4
+#: Child processes walking blocks of fan-out directories (0: the tier's own process).
+DEFAULT_WALK_PROCESSES = 1
+# A child's result: chunk count, key width, temp files removed, entries not indexed.
+_RESULT = struct.Struct("<QHQQ")
 
 
 @dataclass
@@ -71,16 +93,9 @@ class _Part:
         self.mtimes.append(st.st_mtime_ns)
 
 
-def walk_namespace(
-    namespace_dir: Path,
-    build: IndexBuild[Any],
-    *,
-    temp_cutoff: float,
-    threads: int = DEFAULT_WALK_THREADS,
-    before_part: Callable[[int], None] | None = None,
-) -> Walked:
-    """Index ``namespace_dir``'s chunk files and remove its temp files modified before
-    ``temp_cutoff`` (seconds since the epoch); see the module docstring."""
+def _list_parts(namespace_dir: Path, temp_cutoff: float) -> tuple[_Part, list[tuple[str, str]]]:
+    """The namespace directory's own entries taken (temp files removed), and its
+    fan-out directories as ``(path, name prefix)`` in name order."""
     top = _Part()
     parts: list[tuple[str, str]] = []
     try:
@@ -94,30 +109,261 @@ def walk_namespace(
                 parts.append((entry.path, f"{entry.name}/"))
             continue
         top.take(ScannedEntry(entry.name, entry), temp_cutoff)
+    return top, parts
+
+
+def _walk_parts(
+    parts: Sequence[tuple[str, str]], temp_cutoff: float, threads: int,
+    before: Callable[[int], bool],
+) -> list[_Part]:
+    """Walk ``parts``, ``threads`` at a time; ``before(i)`` runs first on the walking
+    thread and returns False to skip part ``i``."""
 
     def walk(i: int) -> _Part:
         part = _Part()
-        if build.stopping:
+        if not before(i):
             return part
-        if before_part is not None:
-            before_part(i)
         path, prefix = parts[i]
         for item in scan_namespace(Path(path), prefix=prefix):
             part.take(item, temp_cutoff)
-        build.part_done()
         return part
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtiers-file-walk") as pool:
-        done = [top, *pool.map(walk, range(len(parts)))]
+        return list(pool.map(walk, range(len(parts))))
+
+
+def _pack(keys: list[OffloadKey], sizes: list[int], mtimes: np.ndarray) -> PackedChunks:
+    """``keys`` with their ``sizes`` packed oldest first (stable by ``mtimes``)."""
+    order = np.argsort(mtimes, kind="stable").tolist()
+    return PackedChunks.pack([keys[i] for i in order], [sizes[i] for i in order])
+
+
+def walk_namespace(
+    namespace_dir: Path,
+    build: IndexBuild[Any],
+    *,
+    temp_cutoff: float,
+    threads: int = DEFAULT_WALK_THREADS,
+    before_part: Callable[[int], None] | None = None,
+) -> Walked:
+    """Index ``namespace_dir``'s chunk files and remove its temp files modified before
+    ``temp_cutoff`` (seconds since the epoch), in this process; see the module
+    docstring."""
+    top, parts = _list_parts(namespace_dir, temp_cutoff)
+
+    def before(i: int) -> bool:
+        if build.stopping:
+            return False
+        if before_part is not None:
+            before_part(i)
+        return True
+
+    def counted(i: int) -> bool:
+        # Counted when the part is begun: its walk follows on this thread.
+        if not before(i):
+            return False
+        build.part_done()
+        return True
+
+    done = [top, *_walk_parts(parts, temp_cutoff, threads, counted)]
     keys = [key for part in done for key in part.keys]
     mtimes = np.fromiter((m for part in done for m in part.mtimes), dtype=np.int64,
                          count=len(keys))
     sizes = [size for part in done for size in part.sizes]
-    order = np.argsort(mtimes, kind="stable")
-    keys = [keys[i] for i in order.tolist()]
-    sizes = [sizes[i] for i in order.tolist()]
     return Walked(
-        PackedChunks.pack(keys, sizes),
+        _pack(keys, sizes, mtimes),
         removed_temps=sum(part.removed_temps for part in done),
         unindexed=sum(part.unindexed for part in done),
     )
+
+
+@dataclass
+class _Block:
+    """What one child found, unsorted: arrays as it sent them."""
+
+    width: int
+    lengths: np.ndarray
+    sizes: np.ndarray
+    mtimes: np.ndarray
+    keys: np.ndarray  # (count, width) uint8
+    removed_temps: int
+    unindexed: int
+
+
+def walk_in_children(
+    namespace_dir: Path,
+    build: IndexBuild[Any],
+    *,
+    temp_cutoff: float,
+    threads: int = DEFAULT_WALK_THREADS,
+    processes: int = DEFAULT_WALK_PROCESSES,
+) -> Walked | None:
+    """:func:`walk_namespace` with the fan-out directories walked by ``processes`` child
+    processes (module docstring); ``None`` when a child could not be started or did not
+    answer (logged) or the build was stopped: the caller walks in its own process or
+    gives up. ``build.stop()`` kills the children."""
+    top, parts = _list_parts(namespace_dir, temp_cutoff)
+    count = max(1, min(processes, len(parts)))
+    bounds = [len(parts) * i // count for i in range(count + 1)]
+    blocks = [parts[bounds[i]:bounds[i + 1]] for i in range(count)]
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
+    children: list[subprocess.Popen[bytes]] = []
+    lock = threading.Lock()
+
+    def kill_all() -> None:
+        with lock:
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+
+    build.on_stop(kill_all)
+    try:
+        for block in blocks:
+            if not block:
+                continue
+            args = [repr(temp_cutoff), str(threads)]
+            for path, _ in block:
+                args.append(path)
+            with lock:
+                if build.stopping:
+                    return None
+                children.append(subprocess.Popen(
+                    [sys.executable, "-m", __name__, *args], stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ,
+                ))
+    except OSError as exc:
+        kill_all()
+        logger.warning("file tier %s: could not start the walk's process (%s)",
+                       namespace_dir, exc)
+        return None
+    try:
+        with ThreadPoolExecutor(max(1, len(children)),
+                                thread_name_prefix="kvtiers-file-walk-read") as pool:
+            got = list(pool.map(lambda child: _read_child(child, build), children))
+    finally:
+        kill_all()
+        for child in children:
+            if child.stdout is not None:
+                child.stdout.close()
+            child.wait()
+    if build.stopping:
+        return None
+    found: list[_Block] = []
+    for child, answer in zip(children, got, strict=True):
+        if isinstance(answer, str):
+            logger.warning("file tier %s: the walk's process failed (%s; exit status %s)",
+                           namespace_dir, answer, child.returncode)
+            return None
+        found.append(answer)
+    return _merge(top, found)
+
+
+def _read_exact(stream: IO[bytes], nbytes: int) -> bytes:
+    data = stream.read(nbytes)
+    if len(data) != nbytes:
+        raise EOFError(f"the answer ended after {len(data)} of {nbytes} bytes")
+    return data
+
+
+def _read_child(child: subprocess.Popen[bytes], build: IndexBuild[Any]) -> _Block | str:
+    """One child's answer, or why there is none."""
+    stream = child.stdout
+    assert stream is not None
+    try:
+        while True:
+            mark = stream.read(1)
+            if mark == b".":
+                build.part_done()
+            elif mark == b"=":
+                break
+            elif mark == b"!":
+                return stream.read().decode(errors="replace").strip() or "an error"
+            else:
+                return "it ended without an answer"
+        count, width, removed, unindexed = _RESULT.unpack(_read_exact(stream, _RESULT.size))
+        lengths = np.frombuffer(_read_exact(stream, 2 * count), dtype="<u2")
+        sizes = np.frombuffer(_read_exact(stream, 8 * count), dtype="<i8")
+        mtimes = np.frombuffer(_read_exact(stream, 8 * count), dtype="<i8")
+        keys = np.frombuffer(_read_exact(stream, width * count), dtype=np.uint8)
+    except (OSError, EOFError, struct.error) as exc:
+        return f"its answer could not be read: {exc}"
+    return _Block(width, lengths, sizes, mtimes, keys.reshape(count, width), removed,
+                  unindexed)
+
+
+def _merge(top: _Part, blocks: list[_Block]) -> Walked:
+    """The top part and the children's blocks, in part order, packed oldest first."""
+    width = max([block.width for block in blocks] + [len(key) for key in top.keys], default=0)
+    total = len(top.keys) + sum(len(block.lengths) for block in blocks)
+    matrix = np.zeros((total, width), dtype=np.uint8)
+    lengths = np.empty(total, dtype=np.uint16)
+    sizes = np.empty(total, dtype=np.int64)
+    mtimes = np.empty(total, dtype=np.int64)
+    at = 0
+    for key, size, mtime in zip(top.keys, top.sizes, top.mtimes, strict=True):
+        matrix[at, :len(key)] = np.frombuffer(key, dtype=np.uint8)
+        lengths[at], sizes[at], mtimes[at] = len(key), size, mtime
+        at += 1
+    for block in blocks:
+        n = len(block.lengths)
+        matrix[at:at + n, :block.width] = block.keys
+        lengths[at:at + n], sizes[at:at + n], mtimes[at:at + n] = (
+            block.lengths, block.sizes, block.mtimes)
+        at += n
+    order = np.argsort(mtimes, kind="stable")
+    matrix, lengths, sizes = matrix[order], lengths[order], sizes[order]
+    data = matrix.tobytes()
+    if total and bool((lengths == width).all()):
+        keys = [OffloadKey(data[i:i + width]) for i in range(0, total * width, width)]
+    else:
+        keys = [OffloadKey(data[i * width:i * width + int(n)]) for i, n in enumerate(lengths)]
+    packed = PackedChunks.from_arrays(
+        width, bytearray(data), array("H", lengths.tobytes()), array("q", sizes.tobytes()),
+        keys,
+    )
+    return Walked(
+        packed,
+        removed_temps=top.removed_temps + sum(block.removed_temps for block in blocks),
+        unindexed=top.unindexed + sum(block.unindexed for block in blocks),
+    )
+
+
+def _child(argv: list[str]) -> int:
+    """A walking child (module docstring): ``CUTOFF THREADS DIR...``."""
+    out = sys.stdout.buffer
+    lock = threading.Lock()
+    try:
+        temp_cutoff, threads = float(argv[0]), int(argv[1])
+        parts = [(path, f"{os.path.basename(path)}/") for path in argv[2:]]
+
+        def progress(i: int) -> bool:
+            with lock:
+                out.write(b".")
+                out.flush()
+            return True
+
+        done = _walk_parts(parts, temp_cutoff, threads, progress)
+        keys = [key for part in done for key in part.keys]
+        width = max((len(key) for key in keys), default=0)
+        padded = b"".join(keys) if all(len(k) == width for k in keys) else b"".join(
+            key.ljust(width, b"\0") for key in keys)
+        out.write(b"=" + _RESULT.pack(
+            len(keys), width, sum(p.removed_temps for p in done), sum(p.unindexed for p in done)
+        ))
+        out.write(np.array([len(key) for key in keys], dtype="<u2").tobytes())
+        out.write(np.array([size for part in done for size in part.sizes], dtype="<i8").tobytes())
+        out.write(np.array([m for part in done for m in part.mtimes], dtype="<i8").tobytes())
+        out.write(padded)
+        out.flush()
+    except BrokenPipeError:
+        return 1  # the tier's process is gone or stopped the build
+    except Exception as exc:  # reported to the parent, which walks in its own process
+        out.write(f"!{type(exc).__name__}: {exc}".encode())
+        out.flush()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(sys.argv[1:]))

@@ -70,6 +70,7 @@ def build_object_tier(
             shared=config.shared,
             load_backoff=BackoffSettings.from_config(config),
             listing=ListingSettings.from_config(config),
+            background_index=True,
         )
     except BaseException:
         backend.close()
