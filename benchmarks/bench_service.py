@@ -19,15 +19,12 @@ included) and the median per key (stored + looked-up keys), and the service's ad
 (its p99 minus route 1's) against the targets of issue 41: p99 added ≤ 1 ms a step at
 256 requests, and per key at most 2x route 1.
 
-Run: ``.venv/bin/python benchmarks/bench_service.py [--steps N] [--no-write]``. Writes
-``benchmarks/results/service.md`` and ``service.json``.
+Run: ``.venv/bin/python benchmarks/bench_service.py [--steps N] [--quick] [--out DIR]``.
+Writes ``service.md`` and ``service.json`` (the harness's schema) under ``--out``.
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
 import os
 import statistics
 import subprocess
@@ -39,10 +36,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from machine import cores, cpu_model, load_average
+from harness import (
+    bench_parser,
+    finish_note,
+    machine_note,
+    machine_sentence,
+    percentile,
+    to_document,
+    write_result,
+)
 from route1 import SLOT_BYTES, job_keys
 
-RESULTS = Path(__file__).parent / "results"
+LAYOUT: dict[str, tuple[str, ...]] = {
+    "parameters": ("command", "steps"),
+    "tables": ("rows",),
+}
 RUNNING = (1, 64, 256)
 PREFIX_KEYS = 16
 CHUNKS = 20_000
@@ -162,16 +170,12 @@ def round_trips(sock: Path, count: int) -> dict[str, float]:
         client.call([p.Lookup(client.next_seq(), client.ns, [b"k" * 20])])
         values.append(time.perf_counter() - start)
     client.close()
-    return {"p50": statistics.median(values) * 1e6, "p99": percentile(values, 0.99) * 1e6}
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+    return {"p50": statistics.median(values) * 1e6, "p99": percentile(values, 99) * 1e6}
 
 
 def run(steps: int) -> dict[str, Any]:
-    results: dict[str, Any] = {"rows": []}
+    note = machine_note(steps=steps)
+    results: dict[str, Any] = {"rows": [], "steps": steps}
     with tempfile.TemporaryDirectory() as tmp:
         proc, sock, pool = start_service(Path(tmp))
         try:
@@ -203,7 +207,7 @@ def run(steps: int) -> dict[str, Any]:
                         "running": count,
                         "side": side.name,
                         "step_p50_us": statistics.median(values) * 1e6,
-                        "step_p99_us": percentile(values, 0.99) * 1e6,
+                        "step_p99_us": percentile(values, 99) * 1e6,
                         "per_key_us": statistics.median(values) * 1e6 / keys_per_step,
                     })
                     side.close()
@@ -211,10 +215,7 @@ def run(steps: int) -> dict[str, Any]:
             proc.terminate()
             proc.wait()
             Path("/dev/shm", pool).unlink(missing_ok=True)
-    results["machine"] = {"cpu": cpu_model(), "cores": cores(), "load": load_average(),
-                          "python": sys.version.split()[0], "steps": steps,
-                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                              timespec="seconds")}
+    results["machine"] = finish_note(note)
     return results
 
 
@@ -250,24 +251,21 @@ def render(results: dict[str, Any]) -> str:
               "service waits for one round trip per prepare_load (its Pin) and one more "
               "when the step's stores outrun the lease; the step's Commit/Unpin/Lease at "
               "on_schedule_end is a write whose replies are read at the next step."]
-    m = results["machine"]
-    lines += ["", f"Machine: {m['cpu']}, {m['cores']}, load {m['load']}, Python {m['python']}, "
-              f"{m['steps']} steps per row, {m['date']}."]
+    lines += ["", f"Machine: {machine_sentence(results['machine'])}; "
+              f"{results['steps']} steps per row."]
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = bench_parser(__doc__, quick="10 steps a row, nothing written")
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
-    results = run(args.steps)
+    results = run(10 if args.quick else args.steps)
+    results["command"] = " ".join(sys.argv)
     text = render(results)
     print(text)
-    if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        (RESULTS / "service.md").write_text(text)
-        (RESULTS / "service.json").write_text(json.dumps(results, indent=2) + "\n")
+    if not (args.quick or args.no_write):
+        write_result(to_document("service", results, **LAYOUT), args.out, "service", text)
 
 
 if __name__ == "__main__":
