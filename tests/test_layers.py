@@ -253,7 +253,9 @@ def concrete_tiers(root: Path) -> set[str]:
     for path in sorted(tiers.rglob("*.py")):
         module = module_name(path, root)
         classes[module] = [
-            (node.name, [ast.unparse(base).rsplit(".", 1)[-1] for base in node.bases])
+            # A generic base (``Base[T]``) counts as ``Base``.
+            (node.name, [ast.unparse(base.value if isinstance(base, ast.Subscript) else base)
+                         .rsplit(".", 1)[-1] for base in node.bases])
             for node in ast.walk(ast.parse(path.read_text(), str(path)))
             if isinstance(node, ast.ClassDef)
         ]
