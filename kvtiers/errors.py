@@ -57,24 +57,30 @@ class NamespaceMismatchError(KVTiersError):
         )
 
 
-class CorruptChunkError(KVTiersError):
+class _CheckFailed(KVTiersError):
+    """Some stored bytes failed verification; ``check`` names the check that failed and
+    ``detail`` (may be empty) says more. Each subclass names what was checked in
+    ``_subject``, the start of its message."""
+
+    _subject = ""
+
+    def __init__(self, check: str, detail: str = "") -> None:
+        self.check = check
+        self.detail = detail
+        suffix = f" ({detail})" if detail else ""
+        super().__init__(f"{self._subject}: {check} check failed{suffix}")
+
+
+class CorruptChunkError(_CheckFailed):
     """A stored chunk failed verification; ``check`` names the check that failed."""
 
-    def __init__(self, check: str, detail: str = "") -> None:
-        self.check = check
-        self.detail = detail
-        suffix = f" ({detail})" if detail else ""
-        super().__init__(f"corrupt chunk: {check} check failed{suffix}")
+    _subject = "corrupt chunk"
 
 
-class SummaryError(KVTiersError):
+class SummaryError(_CheckFailed):
     """A namespace summary failed verification; ``check`` names the check that failed."""
 
-    def __init__(self, check: str, detail: str = "") -> None:
-        self.check = check
-        self.detail = detail
-        suffix = f" ({detail})" if detail else ""
-        super().__init__(f"unreadable namespace summary: {check} check failed{suffix}")
+    _subject = "unreadable namespace summary"
 
 
 class UnknownKeyError(KVTiersError, KeyError):

@@ -931,3 +931,14 @@ def test_tier_names_default_to_the_kind_and_number_repeats() -> None:
         {"kind": "s3", "bucket": "kv-cache"},
     ]})
     assert [tier.name for tier in stack.tiers] == ["cpu", "file1", "file2", "s3"]
+
+
+def test_sglang_tier_list_refuses_a_repeated_name() -> None:
+    """SGLang's tier list follows the stack's rule for names (one function holds it)."""
+    from kvtiers.integrations.sglang.config import parse_tiers
+
+    tiers = [{"kind": "file", "name": "a", "root": "/d1"}, {"kind": "file", "name": "a",
+                                                            "root": "/d2"}]
+    with pytest.raises(ConfigError, match=r"'a' is already used by tiers\[0\]") as info:
+        parse_tiers({"tiers": tiers})
+    assert info.value.path == "tiers[1].name"

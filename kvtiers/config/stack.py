@@ -131,13 +131,7 @@ class StackConfig:
                     path=key_path(where, "load_latency_s" if tier.load_latency_s is not None
                                   else "load_bytes_per_s"),
                 )
-            if tier.name in first_use:
-                raise ConfigError(
-                    f"tier name {tier.name!r} is already used by tiers[{first_use[tier.name]}]; "
-                    "give each tier its own name",
-                    path=key_path(where, "name"),
-                )
-            first_use[tier.name] = idx
+            claim_tier_name(first_use, tier.name, idx, where)
             missing = missing_modules(get_kind(tier.kind).requires)
             if missing:
                 raise ConfigError(not_installed(tier.kind, missing[0]),
@@ -242,6 +236,19 @@ def _check_primary_writes(primary: TierConfig) -> None:
                 "lower tier",
                 path=key_path(item_path("tiers", 0), key),
             )
+
+
+def claim_tier_name(first_use: dict[str, int], name: str, idx: int, where: str) -> None:
+    """Record that ``tiers[idx]`` (at ``where``) is named ``name`` in ``first_use`` (name →
+    index of the tier that has it); :class:`ConfigError` if an earlier tier has it already.
+    Every stack's tiers, kvtiers' own or SGLang's, follow this one rule."""
+    if name in first_use:
+        raise ConfigError(
+            f"tier name {name!r} is already used by tiers[{first_use[name]}]; "
+            "give each tier its own name",
+            path=key_path(where, "name"),
+        )
+    first_use[name] = idx
 
 
 def _place(tier: TierConfig) -> tuple[tuple[str, ...], str]:

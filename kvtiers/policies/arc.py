@@ -22,39 +22,27 @@ paper's in ``benchmarks/results/hit_rate.md``):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable
 from typing import Any
 
 from kvtiers.policies.base import EvictionPolicy
-from kvtiers.policies.slots import FIRST, SECOND, UNTRACKED, SlotLists
+from kvtiers.policies.slots import FIRST, SECOND, UNTRACKED, TwoSlotLists
 
 
-class SlotARC(SlotLists):
+class SlotARC(TwoSlotLists):
     """:class:`~kvtiers.policies.arc.ARCPolicy` over slots: ``T1`` and ``T2`` are lists of
     slots; the ghost lists ``B1``/``B2`` keep keys (their slots hold other chunks now)."""
 
     shields_request_head = True
-    _lists = 2
 
-    def __init__(
-        self,
-        num_slots: int,
-        keys: Sequence[Any],
-        slot_of: Callable[[Any], int | None],
-    ) -> None:
-        super().__init__(num_slots, keys, slot_of)
-        self._h1, self._h2 = self._heads
-        self._len1 = 0
-        self._len2 = 0
+    def _start(self) -> None:
+        super()._start()
         self._b1: OrderedDict[Any, None] = OrderedDict()
         self._b2: OrderedDict[Any, None] = OrderedDict()
         self._p = 0
         # Whether p has grown / shrunk in this eviction round.
         self._grown = False
         self._shrunk = False
-
-    def __len__(self) -> int:
-        return self._len1 + self._len2
 
     def insert(self, slot: int) -> None:
         b1 = self._b1
@@ -114,16 +102,6 @@ class SlotARC(SlotLists):
         prev[slot] = last
         nxt[slot] = head
         prev[head] = slot
-
-    def remove(self, slot: int) -> None:
-        where = self._where[slot]
-        if where:
-            self._unlink(slot)
-            self._where[slot] = UNTRACKED
-            if where == FIRST:
-                self._len1 -= 1
-            else:
-                self._len2 -= 1
 
     def evict(
         self, n: int, protected: Collection[Any] = (), shielded: Collection[Any] = ()

@@ -4,7 +4,7 @@ touched, oldest first, skipping protected keys."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable
 from typing import Any
 
 from kvtiers.policies.base import EvictionPolicy
@@ -17,13 +17,7 @@ class SlotLRU(SlotLists):
     recency = True
     shields_request_head = True
 
-    def __init__(
-        self,
-        num_slots: int,
-        keys: Sequence[Any],
-        slot_of: Callable[[Any], int | None],
-    ) -> None:
-        super().__init__(num_slots, keys, slot_of)
+    def _start(self) -> None:
         (self._head,) = self._heads
         self._len = 0
 

@@ -11,38 +11,28 @@ moved to the tail of the main queue with their frequency intact.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable
 from typing import Any
 
 from kvtiers.policies.base import EvictionPolicy
-from kvtiers.policies.slots import FIRST, SECOND, UNTRACKED, SlotLists
+from kvtiers.policies.slots import FIRST, SECOND, UNTRACKED, TwoSlotLists
 
 _MAX_FREQ = 3
 _SMALL_FRACTION = 0.1
 
 
-class SlotS3FIFO(SlotLists):
+class SlotS3FIFO(TwoSlotLists):
     """:class:`~kvtiers.policies.s3fifo.S3FIFOPolicy` over slots: the small and main
-    queues are lists of slots with a 2-bit frequency per slot; the ghost queue keeps keys."""
+    queues are lists of slots with a 2-bit frequency per slot (the small queue is
+    ``FIRST``, counted in ``_len1``; the main queue ``SECOND``, in ``_len2``); the ghost
+    queue keeps keys."""
 
-    _lists = 2
-
-    def __init__(
-        self,
-        num_slots: int,
-        keys: Sequence[Any],
-        slot_of: Callable[[Any], int | None],
-    ) -> None:
-        super().__init__(num_slots, keys, slot_of)
-        self._small, self._main = self._heads
-        self._small_len = 0
-        self._main_len = 0
-        self._freq = bytearray(num_slots)
+    def _start(self) -> None:
+        super()._start()
+        self._small, self._main = self._h1, self._h2
+        self._freq = bytearray(self.capacity)
         self._ghost: OrderedDict[Any, None] = OrderedDict()
-        self._small_target = max(1, int(num_slots * _SMALL_FRACTION))
-
-    def __len__(self) -> int:
-        return self._small_len + self._main_len
+        self._small_target = max(1, int(self.capacity * _SMALL_FRACTION))
 
     def insert(self, slot: int) -> None:
         key = self._keys[slot]
@@ -53,7 +43,7 @@ class SlotS3FIFO(SlotLists):
         else:
             self._append(slot, self._small)
             self._where[slot] = FIRST
-            self._small_len += 1
+            self._len1 += 1
 
     def touch(self, slot: int) -> None:
         if self._where[slot]:
@@ -62,20 +52,10 @@ class SlotS3FIFO(SlotLists):
     def refresh(self, slot: int) -> None:
         """A FIFO has no recency to move."""
 
-    def remove(self, slot: int) -> None:
-        where = self._where[slot]
-        if where:
-            self._unlink(slot)
-            self._where[slot] = UNTRACKED
-            if where == FIRST:
-                self._small_len -= 1
-            else:
-                self._main_len -= 1
-
     def _to_main(self, slot: int) -> None:
         self._append(slot, self._main)
         self._where[slot] = SECOND
-        self._main_len += 1
+        self._len2 += 1
 
     def _pop(self, head: int) -> int:
         """Unlink and return the oldest slot of ``head``'s list (not empty)."""
@@ -83,9 +63,9 @@ class SlotS3FIFO(SlotLists):
         self._unlink(slot)
         self._where[slot] = UNTRACKED
         if head is self._small:
-            self._small_len -= 1
+            self._len1 -= 1
         else:
-            self._main_len -= 1
+            self._len2 -= 1
         return slot
 
     def _evict(self, n: int, protected: Collection[Any]) -> list[int]:
@@ -96,10 +76,10 @@ class SlotS3FIFO(SlotLists):
         # protected, only the small queue can yield a victim.
         main_skips = 0
         while len(victims) < n:
-            use_small = self._small_len and (
-                self._small_len >= self._small_target
-                or not self._main_len
-                or main_skips >= self._main_len
+            use_small = self._len1 and (
+                self._len1 >= self._small_target
+                or not self._len2
+                or main_skips >= self._len2
             )
             if use_small:
                 slot = self._pop(self._small)

@@ -118,7 +118,10 @@ class SlotOrder(ABC):
 class SlotLists(SlotOrder):
     """Doubly linked lists of slots through shared ``prev``/``next`` arrays, one sentinel
     id per list past the last slot (``num_slots``, ``num_slots + 1``, …), oldest first
-    after the sentinel. ``_where[slot]`` names the list a slot is on (``UNTRACKED``: none)."""
+    after the sentinel. ``_where[slot]`` names the list a slot is on (``UNTRACKED``: none).
+
+    A twin is built as every slot order is (``num_slots``, ``keys``, ``slot_of``) and sets
+    up its own state in :meth:`_start`, so the constructor is written once."""
 
     _lists = 1
 
@@ -138,6 +141,11 @@ class SlotLists(SlotOrder):
         for head in self._heads:
             self._prev[head] = self._next[head] = head
         self._where = bytearray(size)
+        self._start()
+
+    def _start(self) -> None:
+        """Set up the twin's own state (list heads from ``_heads``, counts, ghosts); called
+        once, last in the constructor."""
 
     def tracks(self, key: Any) -> bool:
         slot = self._slot_of(key)
@@ -159,6 +167,31 @@ class SlotLists(SlotOrder):
         after = nxt[slot]
         nxt[before] = after
         prev[after] = before
+
+
+class TwoSlotLists(SlotLists):
+    """Two counted lists, ``FIRST`` and ``SECOND`` (``_len1`` and ``_len2`` slots): the
+    bookkeeping ARC's ``T1``/``T2`` and S3-FIFO's small/main queues share."""
+
+    _lists = 2
+
+    def _start(self) -> None:
+        self._h1, self._h2 = self._heads
+        self._len1 = 0
+        self._len2 = 0
+
+    def __len__(self) -> int:
+        return self._len1 + self._len2
+
+    def remove(self, slot: int) -> None:
+        where = self._where[slot]
+        if where:
+            self._unlink(slot)
+            self._where[slot] = UNTRACKED
+            if where == FIRST:
+                self._len1 -= 1
+            else:
+                self._len2 -= 1
 
 
 class KeyOrder(SlotOrder):

@@ -167,26 +167,23 @@ class ServiceClient:
 
     def receive(self, requests: Sequence[p.Request]) -> list[p.Reply]:
         """The replies to ``requests``, sent earlier by :meth:`send`, in order."""
-        sock = self.sock
-        if sock is None:
+        if self.sock is None:
             raise ServiceDown("the service is down")
-        try:
-            replies = [self._read_reply(sock) for _ in requests]
-        except (OSError, p.ProtocolError, msgspec.MsgspecError) as exc:
-            self._down()
-            raise ServiceDown(str(exc)) from None
-        self._check(requests, replies)
-        return replies
+        return self._round_trip(requests, send=False)
 
     def next_seq(self) -> int:
         self._seq += 1
         return self._seq
 
-    def _round_trip(self, requests: Sequence[p.Request]) -> list[p.Reply]:
+    def _round_trip(self, requests: Sequence[p.Request], *, send: bool = True) -> list[p.Reply]:
+        """Send ``requests`` (unless ``send`` is false: :meth:`send` did) and read and
+        check their replies; any failure marks the client down and raises
+        :class:`ServiceDown`. The socket must be attached."""
         sock = self.sock
         assert sock is not None
         try:
-            sock.sendall(b"".join(p.frame(r) for r in requests))
+            if send:
+                sock.sendall(b"".join(p.frame(r) for r in requests))
             replies = [self._read_reply(sock) for _ in requests]
         except (OSError, p.ProtocolError, msgspec.MsgspecError) as exc:
             self._down()

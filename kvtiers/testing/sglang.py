@@ -158,8 +158,18 @@ class _HostPool:
 
     kv_buffer: torch.Tensor
 
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+    def _page_view(self, index: int) -> torch.Tensor:
+        """The page at token index ``index`` as a view into ``kv_buffer`` (the layout's
+        own shape); each pool lays its buffer out differently."""
         raise NotImplementedError
+
+    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
+        page = self._page_view(index)
+        return page.flatten() if flat else page
+
+    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
+        target = self._page_view(index)
+        target.copy_(data_page.reshape(target.shape))
 
 
 class MHATokenToKVPoolHost(_HostPool):
@@ -190,14 +200,6 @@ class MHATokenToKVPoolHost(_HostPool):
             return self.kv_buffer[:, index : index + self.page_size]
         page = index // self.page_size
         return self.kv_buffer[:, page : page + 1]
-
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self._page_view(index)
-        return page.flatten() if flat else page
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        target = self._page_view(index)
-        target.copy_(data_page.reshape(target.shape))
 
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         assert len(indices) % self.page_size == 0
@@ -241,14 +243,6 @@ class MLATokenToKVPoolHost(_HostPool):
             return self.kv_buffer[:, index : index + self.page_size]
         return self.kv_buffer[index : index + self.page_size]
 
-    def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
-        page = self._page_view(index)
-        return page.flatten() if flat else page
-
-    def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
-        target = self._page_view(index)
-        target.copy_(data_page.reshape(target.shape))
-
     def get_page_buffer_meta(self, indices: torch.Tensor) -> tuple[list[int], list[int]]:
         assert len(indices) % self.page_size == 0
         item = self.dtype.itemsize
@@ -289,9 +283,6 @@ class StatePoolHost(_HostPool):
     def get_data_page(self, index: int, flat: bool = True) -> torch.Tensor:
         page = index // self.page_size
         return torch.cat([self.conv[page].flatten(), self.temporal[page].flatten()])
-
-    def get_dummy_flat_data_page(self) -> torch.Tensor:
-        return torch.zeros(self.get_data_page(0).numel(), dtype=self.dtype)
 
     def set_from_flat_data_page(self, index: int, data_page: torch.Tensor) -> None:
         page = index // self.page_size

@@ -30,7 +30,7 @@ from typing import Any
 from kvtiers.config.kinds import get_kind
 from kvtiers.config.paths import item_path, join_path, key_path
 from kvtiers.config.schema import parse_section, suggestion
-from kvtiers.config.stack import _place
+from kvtiers.config.stack import _place, claim_tier_name
 from kvtiers.config.tiers import FileTierConfig, LowerTierConfig
 from kvtiers.config.yamlfile import YamlDocument, read_yaml
 from kvtiers.errors import ConfigError
@@ -172,13 +172,7 @@ def parse_tiers(data: object) -> tuple[LowerTierConfig, ...]:
                     "SGLang every tier is written when SGLang stores a page: remove it",
                     path=key_path(where, key),
                 )
-        if tier.name in names:
-            raise ConfigError(
-                f"tier name {tier.name!r} is already used by tiers[{names[tier.name]}]; give "
-                "each tier its own name",
-                path=key_path(where, "name"),
-            )
-        names[tier.name] = idx
+        claim_tier_name(names, tier.name, idx, where)
         place, field_name = _place(tier)
         if place and place in places:
             raise ConfigError(

@@ -366,6 +366,29 @@ class KVTiersHiCacheStorage(HiCacheStorage):
         """The registered pool ``name`` whose pages are stored (none: registered late)."""
         return self._pools.get(name) if name in self._route or self._shelves is None else None
 
+    def _host_pages(
+        self, pool_name: str, keys: Sequence[str], host_indices: torch.Tensor, *, load: bool,
+    ) -> tuple[PagePool, list[int], torch.Tensor | None, list[list[memoryview]]] | None:
+        """Where SGLang's host pages for ``keys`` are: the pool, each page's first host
+        index, a staging tensor (a load from a flat pool, else ``None``) and each page's
+        buffers to load into (``load``) or store from. ``None`` (warned once when the
+        indices or buffers do not fit the pool): nothing to move, every key fails."""
+        pool = self._pool(pool_name)
+        if pool is None or not keys:
+            return None
+        pages = len(keys)
+        try:
+            starts = pool.page_starts(host_indices, pages)
+            if pool.zero_copy:
+                return pool, starts, None, pool.memory_views(host_indices, pages)
+            if load:
+                stage, views = pool.staging(pages)
+                return pool, starts, stage, views
+            return pool, starts, None, pool.gather(starts)
+        except ValueError as exc:
+            warn_once(f"kvtiers: cannot address SGLang's host pages: {exc}")
+            return None
+
     # -- lookups ------------------------------------------------------------------------
     def _present(self, chunks: Sequence[_Chunk]) -> list[bool]:
         """Per chunk: ready in some tier (lock held)."""
@@ -459,18 +482,10 @@ class KVTiersHiCacheStorage(HiCacheStorage):
     def _get_pool(
         self, pool_name: str, keys: Sequence[str], host_indices: torch.Tensor, *, prefetch: bool,
     ) -> list[bool]:
-        pool = self._pool(pool_name)
-        if pool is None or not keys:
+        addressed = self._host_pages(pool_name, keys, host_indices, load=True)
+        if addressed is None:
             return [False] * len(keys)
-        try:
-            starts = pool.page_starts(host_indices, len(keys))
-            if pool.zero_copy:
-                stage, views = None, pool.memory_views(host_indices, len(keys))
-            else:
-                stage, views = pool.staging(len(keys))
-        except ValueError as exc:
-            warn_once(f"kvtiers: cannot address SGLang's host pages: {exc}")
-            return [False] * len(keys)
+        pool, starts, stage, views = addressed
         loaded = self._load(pool_name, keys, views, prefetch=prefetch)
         if stage is not None:
             pool.scatter(stage, starts, loaded)
@@ -572,17 +587,10 @@ class KVTiersHiCacheStorage(HiCacheStorage):
     def _set_pool(
         self, pool_name: str, keys: Sequence[str], host_indices: torch.Tensor, *, backup: bool,
     ) -> list[bool]:
-        pool = self._pool(pool_name)
-        if pool is None or not keys:
+        addressed = self._host_pages(pool_name, keys, host_indices, load=False)
+        if addressed is None:
             return [False] * len(keys)
-        try:
-            starts = pool.page_starts(host_indices, len(keys))
-            views = (pool.memory_views(host_indices, len(keys)) if pool.zero_copy
-                     else pool.gather(starts))
-        except ValueError as exc:
-            warn_once(f"kvtiers: cannot address SGLang's host pages: {exc}")
-            return [False] * len(keys)
-        return self._store(pool_name, keys, views, backup=backup)
+        return self._store(pool_name, keys, addressed[3], backup=backup)
 
     def batch_set(
         self,
