@@ -16,7 +16,9 @@ keeps what was measured) and ``engines``, each a mapping:
   ``KVTiersConnector`` (from ``kvtiers.integrations.vllm``);
 * ``load_format``, ``hf_config_path``, ``kv_cache_dtype`` (optional) — vLLM's
   ``--load-format``, ``--hf-config-path`` and ``--kv-cache-dtype``;
-* ``prompts`` — token-id lists, generated greedily (``max_tokens`` each) in one batch;
+* ``prompts`` — token-id lists, generated greedily (``max_tokens`` each) in one batch, or
+  one after another when ``one_at_a_time`` is set (for models whose outputs on the CPU
+  build depend on what else is in the batch);
 * ``reset_after_steps`` (optional) — instead, submit the prompts, step the engine that
   many times, call ``reset_prefix_cache(reset_connector=True)`` and step on until every
   request finished or ``reset_max_steps`` steps passed;
@@ -110,12 +112,18 @@ def _sampling(max_tokens: int) -> Any:
 
 
 def _generate(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
-    """The prompts in one batch: tokens and cached prompt tokens per request."""
-    results = llm.generate(
-        [{"prompt_token_ids": ids} for ids in run["prompts"]],
-        _sampling(run["max_tokens"]),
-        use_tqdm=False,
-    )
+    """The prompts in one batch (or one at a time): tokens and cached prompt tokens per
+    request."""
+    batches = [[ids] for ids in run["prompts"]] if run.get("one_at_a_time") else [run["prompts"]]
+    results = [
+        output
+        for batch in batches
+        for output in llm.generate(
+            [{"prompt_token_ids": ids} for ids in batch],
+            _sampling(run["max_tokens"]),
+            use_tqdm=False,
+        )
+    ]
     return {
         "tokens": [list(r.outputs[0].token_ids) for r in results],
         "num_cached_tokens": [r.num_cached_tokens for r in results],

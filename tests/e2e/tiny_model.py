@@ -29,6 +29,7 @@ __all__ = [
     "TINY",
     "VOCAB",
     "make_tiny_gemma3",
+    "make_tiny_lfm2",
     "make_tiny_llama",
     "word",
 ]
@@ -90,6 +91,42 @@ def make_tiny_gemma3(out: Path, *, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model: Any = Gemma3ForCausalLM(config)
+    model = model.to(torch.float32)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer_files(out, TINY)
+    return out
+
+
+def make_tiny_lfm2(out: Path, *, seed: int = 0) -> Path:
+    """Write a tiny random LFM2 into ``out``: a short-convolution layer (a state vLLM keeps
+    per request, its ``MambaSpec`` group) and a full-attention layer, the shape of
+    :data:`TINY` otherwise, the output embedding untied; the same word-level tokenizer.
+    vLLM reads ``conv_dim``, ``conv_dim_out`` and ``block_dim`` from the config, which
+    transformers' ``Lfm2Config`` does not write: they are set to the hidden size."""
+    import torch
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    config = Lfm2Config(
+        vocab_size=VOCAB,
+        hidden_size=TINY.hidden,
+        intermediate_size=TINY.intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=TINY.heads,
+        num_key_value_heads=TINY.kv_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        layer_types=["conv", "full_attention"],
+        block_auto_adjust_ff_dim=False,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        dtype="float32",
+    )
+    config.conv_dim = config.conv_dim_out = config.block_dim = TINY.hidden
+    torch.manual_seed(seed)
+    model: Any = Lfm2ForCausalLM(config)
     model = model.to(torch.float32)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer_files(out, TINY)
