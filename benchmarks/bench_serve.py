@@ -9,7 +9,9 @@ workload, three groups of requests:
 * ``prefix-<L>``: vLLM's ``prefix_repetition`` dataset, prefixes of L tokens (2,048 and
   8,192) each followed by a few prompts with their own suffix, one request at a time;
   the first request of each prefix is the one that loads it (or recomputes it);
-* ``ladder``: prompts of 64 to 2,048 tokens, one at a time: the break-even table;
+* ``ladder``: prompts of 512 to 16,384 tokens (doubling), one at a time: the curve
+  (``serve-curve.png``: TTFT against length, recomputing and loading from each tier),
+  the break-even length per tier and its restore rate (GB/s);
 * ``multiturn``: a multi-turn conversation trace (conversations sharing a system prompt,
   each turn's prompt the whole conversation so far), replayed with vLLM's ``TimedTrace``
   dataset at its own timestamps, so requests decode while others prefill and store: its
@@ -97,12 +99,13 @@ BUCKET = "kvtiers-bench-serve"
 #: The benchmark's model: 8 layers, hidden 512, 8 heads over 4 KV heads, float32: KV
 #: 16 KiB per token, a 2,048-token prefill above 1 s on 2 cores.
 SHAPE = dict(layers=8, hidden=512, intermediate=1536, heads=8, kv_heads=4, vocab=1024,
-             max_positions=10240)
+             max_positions=16896)
 #: KV bytes per token of that model (8 x 2 x 4 x 64 x 4 B); the GIL rows' chunk is one
 #: block of it, as kvtiers stores it.
 LLAMA_KV_BYTES_PER_TOKEN = 16384
 BLOCK = 64
-MAX_MODEL_LEN = 10240
+#: Room for the ladder's longest prompt (16,384 tokens, 16 of its own, 2 generated).
+MAX_MODEL_LEN = 16896
 #: No model hub: the servers' environment with the benchmark's own model.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 #: Environment of every server: vLLM's CPU build settings (ignored on a GPU), the dev
@@ -153,7 +156,8 @@ class Plan:
 
 
 FULL = Plan(rounds=3, prefixes=((2048, 4, 2), (8192, 2, 2)), suffix=256, output=16,
-            ladder=(64, 128, 256, 512, 1024, 2048), ladder_each=1, conversations=3, turns=3,
+            ladder=(512, 1024, 2048, 4096, 8192, 16384), ladder_each=1, conversations=3,
+            turns=3,
             multiturn_output=32)
 QUICK = Plan(rounds=1, prefixes=((2048, 1, 2),), suffix=128, output=4,
              ladder=(256, 2048), ladder_each=1, conversations=2, turns=2,
@@ -957,15 +961,20 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
                   "followed by 16 tokens of its own), recomputed (baseline restart) and "
                   "loaded from each tier (the kvtiers phase whose hits come from it); "
                   "*break-even* is the shortest length from which loading is faster at every "
-                  "longer one.", "",
-                  "| tier | " + " | ".join(str(n) for n in lengths) + " | break-even |",
-                  "|---|" + "---|" * (len(lengths) + 1),
+                  "longer one; *restore GB/s* is the KV of the longest prompt over its TTFT "
+                  "when loaded (a lower bound on the tier's restore rate through the "
+                  "server).", "",
+                  "| tier | " + " | ".join(str(n) for n in lengths)
+                  + f" | break-even | restore GB/s at {lengths[-1]:,} |",
+                  "|---|" + "---|" * (len(lengths) + 2),
                   "| recompute | " + " | ".join(f"{be['recompute'][n]:.0f}" for n in lengths)
-                  + " | |"]
+                  + " | | |"]
+        rates = restore_rates(summary, results.get("kv_bytes_per_token",
+                                                   LLAMA_KV_BYTES_PER_TOKEN))
         for tier, row in be["tiers"].items():
             cells = " | ".join(f"{row['load'].get(n, float('nan')):.0f}" for n in lengths)
             even = "never" if row["break_even"] is None else f"{row['break_even']} tokens"
-            lines.append(f"| {tier} | {cells} | {even} |")
+            lines.append(f"| {tier} | {cells} | {even} | {rates.get(tier, float('nan')):.2f} |")
         seeds = promotion_seeds(be, results.get("kv_bytes_per_token",
                                                 LLAMA_KV_BYTES_PER_TOKEN))
         fixed_r, per_token_r = be["recompute_fit"]
@@ -1083,6 +1092,55 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def plot_curve(summary: dict[str, Any], path: Path) -> bool:
+    """The curve: the ladder's TTFT against prompt length, one line for recomputing and
+    one per tier (loads from the tier named, :data:`TIER_PHASES`), log-log, break-even
+    lengths marked. ``False`` (nothing written) without matplotlib or a ladder."""
+    be = summary["break_even"]
+    if not be["tiers"] or not be["recompute"]:
+        return False
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("bench_serve: matplotlib is not installed; no curve (pip install matplotlib)")
+        return False
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    lengths = list(be["recompute"])
+    ax.plot(lengths, [be["recompute"][n] for n in lengths], "k-o", label="recompute")
+    for tier, row in be["tiers"].items():
+        points = sorted(row["load"].items())
+        even = "never" if row["break_even"] is None else f"from {row['break_even']:,}"
+        ax.plot([n for n, _ in points], [t for _, t in points], "-o",
+                label=f"load from {tier} (break-even {even})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+    ax.set_xlabel("prompt length, tokens (the prefix loaded or recomputed)")
+    ax.set_ylabel("TTFT, ms (median over rounds)")
+    ax.set_title("TTFT against prefix length: loading from each tier vs recomputing")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def restore_rates(summary: dict[str, Any], kv_bytes_per_token: int) -> dict[str, float]:
+    """Per tier, the restore rate at the ladder's longest length: the KV bytes of that
+    prompt over its TTFT when loaded (GB/s; a lower bound: the TTFT also holds the
+    request's own tokens, scheduling and the first token)."""
+    rates: dict[str, float] = {}
+    for tier, row in summary["break_even"]["tiers"].items():
+        if row["load"]:
+            length, ttft_ms = max(row["load"].items())
+            rates[tier] = length * kv_bytes_per_token / (ttft_ms / 1000) / 1e9
+    return rates
 
 
 def machine_note() -> dict[str, Any]:
@@ -1254,9 +1312,15 @@ def write(results: dict[str, Any], out: Path) -> None:
         results["noreuse"] = {**results["noreuse"], "notes": NOREUSE_NOTES}
     out.mkdir(parents=True, exist_ok=True)
     plotted = plot(results, summary, out / "serve.png")
+    curve = plot_curve(summary, out / "serve-curve.png")
     text = render(results, summary)
     if plotted:
         text = text.replace("## Targets", "![TTFT per phase](serve.png)\n\n## Targets", 1)
+    if curve:
+        text = text.replace(
+            "## Break-even: loading vs recomputing, through the server\n",
+            "## Break-even: loading vs recomputing, through the server\n\n"
+            "![TTFT against prefix length per tier](serve-curve.png)\n", 1)
     write_result(to_document("serve", results, **LAYOUT), out, "serve", text)
 
 
@@ -1269,7 +1333,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--block-size", type=int, default=BLOCK)
     parser.add_argument("--max-model-len", type=int, default=MAX_MODEL_LEN)
-    parser.add_argument("--cpu-capacity", default="1GiB", help="kvtiers' CPU tier")
+    parser.add_argument("--cpu-capacity", default="2GiB",
+                        help="kvtiers' CPU tier (default 2GiB: every prompt of a full run, "
+                             "about 1 GiB of KV, stays in it, so the cpu phase's loads all "
+                             "come from it)")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="one more argument for every server (repeat it)")
     parser.add_argument("--scratch", type=Path, help="keep servers' logs and tiers here")

@@ -122,6 +122,31 @@ def test_break_even_is_where_loading_stays_faster() -> None:
     assert "cpu" not in be["tiers"], "no cpu phase ran"
 
 
+def test_restore_rate_is_the_longest_prompts_kv_over_its_load_ttft() -> None:
+    summary = bench.summarize(_results())
+    rates = bench.restore_rates(summary, 16384)
+    # file: 2,048 tokens x 16 KiB in 300 ms (median over rounds); SeaweedFS in 500 ms.
+    assert rates["file"] == pytest.approx(2048 * 16384 / 0.3 / 1e9)
+    assert rates["s3 (SeaweedFS)"] == pytest.approx(2048 * 16384 / 0.5 / 1e9)
+    results = {**_results(), "plan": {**bench.QUICK.__dict__},
+               "machine": {"cpu": "cpu", "cores": "2", "python": "3", "vllm": "0.32.0",
+                           "torch": "2", "load": "1", "date": "now"},
+               "model": "m", "command": "c", "runtime_s": 60}
+    text = bench.render(results, summary)
+    assert "| break-even | restore GB/s at 2,048 |" in text
+    assert f"| file | 150 | 200 | 300 | 256 tokens | {rates['file']:.2f} |" in text
+
+
+def test_the_curve_has_a_line_per_tier_and_needs_a_ladder(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    summary = bench.summarize(_results())
+    assert bench.plot_curve(summary, tmp_path / "curve.png")
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty: dict[str, Any] = {"break_even": {"recompute": {}, "tiers": {}}}
+    assert not bench.plot_curve(empty, tmp_path / "none.png")
+    assert not (tmp_path / "none.png").exists()
+
+
 def test_gil_categories_split_the_holders(tmp_path: Path) -> None:
     raw = tmp_path / "spy.txt"
     raw.write_text(

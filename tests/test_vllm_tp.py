@@ -67,7 +67,9 @@ def rank_config(config: OffloadingConfig, rank: int) -> OffloadingConfig:
 
 def _serve(conn: Connection, config: OffloadingConfig) -> None:
     """A rank process: build the worker side, then run the parent's commands."""
-    kv = rank_kv(config.parallel.rank)
+    # Replicated KV (MLA's latent): every rank holds rank 0's bytes.
+    replicated = config.extra_config.get("kvtiers_replicated_kv", False)
+    kv = rank_kv(0 if replicated else config.parallel.rank)
     originals = [t.clone() for t in kv]
     worker = OffloadingSpecFactory.create_spec(config).get_worker(canonical_kv(kv))
     conn.send(("ok", None))
@@ -257,6 +259,70 @@ def test_two_ranks_store_cascade_restart_promote_and_load_byte_exact(
         started.remove(ranks)
     finally:
         manager.shutdown()
+
+
+def test_replicated_kv_is_stored_once_and_every_rank_loads_that_copy(
+    tmp_path: Path, started: list[Ranks]
+) -> None:
+    """MLA's latent is the same on every tensor-parallel rank: a chunk holds one copy
+    (rank 0 writes it), and every rank loads it byte-exact, from the CPU tier and after a
+    restart from the file tier."""
+    root = tmp_path / "kv"
+    req = make_request(5, first_block=0)
+    config = vllm_config(root, world_size=RANKS, kvtiers_replicated_kv=True)
+    spec = OffloadingSpecFactory.create_spec(config)
+    manager = spec.get_manager()
+    ranks = Ranks(config)
+    started.append(ranks)
+    keys = store_on_ranks(manager, ranks, req, [range(0, 2), range(0, 1)], job_id=1)
+    assert manager.torn_chunks == 0
+    load_on_ranks(manager, ranks, req, job_id=2)
+    manager.stack.manager.wait_idle()
+    # One copy per chunk: header + 2 layers x F pages (a sharded chunk holds RANKS times).
+    files = _chunk_files(root)
+    assert len(files) == 3
+    assert {f.stat().st_size for f in files} == {HEADER_BYTES + 2 * F * PAGE_BYTES}
+    ranks.stop()
+    started.remove(ranks)
+    manager.shutdown()
+
+    config = vllm_config(root, world_size=RANKS, kvtiers_replicated_kv=True)
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        assert [manager.lookup(k, ctx()) for k in keys] == [vbase.LookupResult.HIT_PENDING] * 3
+        _step(manager)
+        ranks = Ranks(config)
+        started.append(ranks)
+        load_on_ranks(manager, ranks, req, job_id=1)
+        ranks.stop()
+        started.remove(ranks)
+    finally:
+        manager.shutdown()
+
+
+def test_replicated_kv_is_chosen_for_mla_and_refused_beside_other_sharding() -> None:
+    from types import SimpleNamespace
+
+    from kvtiers.errors import ConfigError
+    from kvtiers.integrations.vllm.spec import replicated_kv
+
+    tp2 = SimpleNamespace(world_size=2, pp_size=1, dcp_size=1, pcp_size=1)
+    mla = SimpleNamespace(vllm=SimpleNamespace(model_config=SimpleNamespace(use_mla=True)))
+    gqa = SimpleNamespace(vllm=SimpleNamespace(model_config=SimpleNamespace(use_mla=False)))
+    assert replicated_kv({}, mla, tp2)
+    assert not replicated_kv({}, gqa, tp2)
+    assert not replicated_kv({}, None, tp2)
+    assert not replicated_kv({"kvtiers_replicated_kv": False}, mla, tp2)
+    assert replicated_kv({"kvtiers_replicated_kv": True}, None, tp2)
+    one = SimpleNamespace(world_size=1, pp_size=1, dcp_size=1, pcp_size=1)
+    assert not replicated_kv({}, mla, one)
+    for other in ({"pp_size": 2}, {"dcp_size": 2}):
+        par = SimpleNamespace(**{**vars(tp2), **other})
+        assert not replicated_kv({}, mla, par)
+        with pytest.raises(ConfigError, match="tensor parallelism alone"):
+            replicated_kv({"kvtiers_replicated_kv": True}, None, par)
+    with pytest.raises(ConfigError, match="true or false"):
+        replicated_kv({"kvtiers_replicated_kv": "yes"}, None, tp2)
 
 
 def test_one_ranks_failed_store_publishes_no_chunk(

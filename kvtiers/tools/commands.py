@@ -32,6 +32,7 @@ from kvtiers.config.sizes import format_size
 from kvtiers.core.bounded import load_json
 from kvtiers.core.chunkformat import HEADER_BYTES, ChunkHeader, decode_header, finish_load
 from kvtiers.core.codec import CODEC_NONE, CodecUnavailableError, Scratch
+from kvtiers.core.keys import get_offload_group_idx
 from kvtiers.errors import CorruptChunkError, LocationError
 from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
@@ -57,19 +58,44 @@ def _manifest(location: Location, namespace: str) -> dict[str, Any] | None:
     return document if isinstance(document, dict) else None
 
 
-def _manifest_lines(manifest: dict[str, Any]) -> list[list[str]]:
-    """What :func:`inspect` prints of a manifest: lines of fields, each field kept whole
-    when a line wraps; :class:`_Malformed` names the first field that is not what kvtiers
-    writes."""
+def _group_report(manifest: dict[str, Any], chunks: list[Entry]) -> list[dict[str, Any]]:
+    """Each KV-cache group of the identity: its attention kind (``full``,
+    ``sliding_window:N`` ...; ``None`` where the manifest does not say), layer count and
+    the chunks stored for it. :class:`_Malformed` names the first field that is not what
+    kvtiers writes."""
     ident = _typed(manifest, "identity", dict)
+    counts: dict[int, int] = {}
+    for entry in chunks:
+        key = key_from_chunk_name(entry.base)
+        if key is not None:
+            group = get_offload_group_idx(key)
+            counts[group] = counts.get(group, 0) + 1
     groups = []
     for index, group in enumerate(_typed(ident, "groups", list)):
         if not isinstance(group, dict):
             raise _Malformed(f"identity.groups[{index}] is not a mapping")
-        size = _typed(group, "bytes_per_block", int, f"identity.groups[{index}]")
         layers = _typed(group, "layer_names", list, f"identity.groups[{index}]")
-        groups.append(f"{group.get('tokens_per_block')} tok/block x {len(layers)} "
-                      f"layers ({format_size(size)}/block)")
+        attention = group.get("attention")
+        groups.append({"attention": attention if isinstance(attention, str) else None,
+                       "layers": len(layers), "chunks": counts.get(index, 0)})
+    return groups
+
+
+def _manifest_lines(manifest: dict[str, Any], chunks: list[Entry]) -> list[list[str]]:
+    """What :func:`inspect` prints of a manifest: lines of fields, each field kept whole
+    when a line wraps (one line per KV-cache group, with the chunks stored for it);
+    :class:`_Malformed` names the first field that is not what kvtiers writes."""
+    ident = _typed(manifest, "identity", dict)
+    groups = []
+    for index, (group, report) in enumerate(
+        zip(ident["groups"], _group_report(manifest, chunks), strict=True)
+    ):
+        size = _typed(group, "bytes_per_block", int, f"identity.groups[{index}]")
+        kind = f" {report['attention']}" if report["attention"] else ""
+        groups.append([f"group {index}{kind}",
+                       f"{group.get('tokens_per_block')} tok/block x {report['layers']} "
+                       f"layers ({format_size(size)}/block)",
+                       f"{report['chunks']:,} chunks"])
     parallel = ident.get("parallel")
     layout = "parallelism-agnostic"
     if isinstance(parallel, dict):
@@ -86,7 +112,8 @@ def _manifest_lines(manifest: dict[str, Any]) -> list[list[str]]:
          f"hash {ident.get('hash_algorithm')}"],
         [f"tokens_per_hash {ident.get('tokens_per_hash')}",
          f"blocks_per_chunk {ident.get('blocks_per_chunk')}",
-         "groups: " + "; ".join(groups)],
+         f"groups {len(groups)}:"],
+        *groups,
         [f"parallel: {layout}", f"created {manifest.get('created_at')}",
          f"format {manifest.get('format_version')}/{manifest.get('chunk_format_version')}"],
     ]
@@ -152,15 +179,17 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
     for namespace in namespaces:
         census = _Census.of(location.entries(namespace))
         manifest = _manifest(location, namespace)
+        chunks = census.chunks
         lines: list[list[str]]
+        groups: list[dict[str, Any]] | None = None
         if manifest is None:
             lines = [["manifest: unreadable (every chunk here reads as a miss)"]]
         else:
             try:
-                lines = _manifest_lines(manifest)
+                lines = _manifest_lines(manifest, chunks)
+                groups = _group_report(manifest, chunks)
             except _Malformed as exc:
                 lines = [[f"manifest: malformed ({exc}; every chunk here reads as a miss)"]]
-        chunks = census.chunks
         quarantined = list(location.quarantined(namespace))
         summary, summary_line = summary_report(location, namespace)
         if summary_line:
@@ -168,6 +197,7 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
         report.append({
             "namespace": namespace,
             "manifest": manifest,
+            "groups": groups,
             "chunks": len(chunks),
             "chunk_bytes": sum(e.size for e in chunks),
             "newest_mtime": max((e.mtime for e in chunks), default=None),

@@ -10,16 +10,25 @@ keeps what was measured) and ``engines``, each a mapping:
 * ``name``; ``model``, ``revision``, ``dtype``, ``block_size``, ``max_model_len`` — the
   engine's model and cache geometry; ``stack`` — a kvtiers stack mapping run through
   ``KVTiersOffloadingSpec``, or ``null`` for no offloading;
+* ``extra_config`` (optional) — more ``kv_connector_extra_config`` entries (e.g.
+  ``kvtiers_group_bytes_per_block``);
 * ``connector`` (optional, default ``OffloadingConnector``) — vLLM's own connector, or
   ``KVTiersConnector`` (from ``kvtiers.integrations.vllm``);
-* ``load_format``, ``hf_config_path`` (optional) — vLLM's ``--load-format`` and
-  ``--hf-config-path``;
-* ``prompts`` — token-id lists, generated greedily (``max_tokens`` each) in one batch;
+* ``load_format``, ``hf_config_path``, ``kv_cache_dtype`` (optional) — vLLM's
+  ``--load-format``, ``--hf-config-path`` and ``--kv-cache-dtype``;
+* ``prompts`` — token-id lists, generated greedily (``max_tokens`` each) in one batch, or
+  one after another when ``one_at_a_time`` is set (for models whose outputs on the CPU
+  build depend on what else is in the batch);
 * ``reset_after_steps`` (optional) — instead, submit the prompts, step the engine that
   many times, call ``reset_prefix_cache(reset_connector=True)`` and step on until every
   request finished or ``reset_max_steps`` steps passed;
 * ``tensor_parallel_size`` (optional, default 1) — ranks, each a worker process of
-  vLLM's multiprocessing executor.
+  vLLM's multiprocessing executor;
+* ``record_transfers`` (optional) — record, per prompt and KV-cache group, the chunk
+  positions (0 = the prompt's first chunk) the connector loaded and stored: result
+  ``transfers`` = ``{"loads": [...], "stores": [...], "keys": [...]}``, one list per
+  prompt of per-group position lists (``keys``: per group, each stored position's key in
+  hex).
 
 Each result (``out[name]``): generated tokens, the prompt tokens vLLM counted as cached
 per request, vLLM's counters and the kvtiers stack's counters (read at the end), and for
@@ -53,6 +62,49 @@ def _kvtiers_manager(llm: Any) -> Any:
     return core.scheduler.connector.connector_scheduler.manager
 
 
+def _record_transfers(llm: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Record the chunk positions of every load and store the connector prepares, per
+    prompt and KV-cache group, by wrapping the scheduler's manager (see the module
+    docstring). A key's position is its index in the request's offload keys of its group
+    (vLLM's scheduler state: this is a test harness, not kvtiers)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.connector_scheduler
+    manager = scheduler.manager
+    groups = len(scheduler.config.kv_group_configs)
+    record: dict[str, Any] = {
+        kind: [[[] for _ in range(groups)] for _ in prompts] for kind in ("loads", "stores")
+    }
+    record["keys"] = [[{} for _ in range(groups)] for _ in prompts]
+    by_prompt = {tuple(ids): i for i, ids in enumerate(prompts)}
+
+    def note(kind: str, keys: Any, req_context: Any) -> None:
+        status = scheduler._req_status[req_context.req_id]
+        prompt = by_prompt[tuple(status.req.prompt_token_ids)]
+        for group, state in enumerate(status.group_states):
+            index = {key: i for i, key in enumerate(state.offload_keys)}
+            positions = [index[key] for key in keys if key in index]
+            record[kind][prompt][group].extend(positions)
+            if kind == "stores":
+                for position in positions:
+                    record["keys"][prompt][group][position] = bytes(
+                        state.offload_keys[position]
+                    ).hex()
+
+    prepare_load, prepare_store = manager.prepare_load, manager.prepare_store
+
+    def load(keys: Any, req_context: Any) -> Any:
+        note("loads", keys, req_context)
+        return prepare_load(keys, req_context)
+
+    def store(keys: Any, req_context: Any) -> Any:
+        output = prepare_store(keys, req_context)
+        if output is not None:
+            note("stores", output.keys_to_store, req_context)
+        return output
+
+    manager.prepare_load, manager.prepare_store = load, store
+    return record
+
+
 def _sampling(max_tokens: int) -> Any:
     from vllm import SamplingParams
 
@@ -60,12 +112,18 @@ def _sampling(max_tokens: int) -> Any:
 
 
 def _generate(llm: Any, run: dict[str, Any]) -> dict[str, Any]:
-    """The prompts in one batch: tokens and cached prompt tokens per request."""
-    results = llm.generate(
-        [{"prompt_token_ids": ids} for ids in run["prompts"]],
-        _sampling(run["max_tokens"]),
-        use_tqdm=False,
-    )
+    """The prompts in one batch (or one at a time): tokens and cached prompt tokens per
+    request."""
+    batches = [[ids] for ids in run["prompts"]] if run.get("one_at_a_time") else [run["prompts"]]
+    results = [
+        output
+        for batch in batches
+        for output in llm.generate(
+            [{"prompt_token_ids": ids} for ids in batch],
+            _sampling(run["max_tokens"]),
+            use_tqdm=False,
+        )
+    ]
     return {
         "tokens": [list(r.outputs[0].token_ids) for r in results],
         "num_cached_tokens": [r.num_cached_tokens for r in results],
@@ -135,13 +193,14 @@ def run_engine(run: dict[str, Any]) -> dict[str, Any]:
                 "spec_name": "KVTiersOffloadingSpec",
                 "spec_module_path": "kvtiers.integrations.vllm",
                 "kvtiers": run["stack"],
+                **run.get("extra_config", {}),
             },
         }
     ranks = run.get("tensor_parallel_size", 1)
     if ranks > 1:
         kwargs["tensor_parallel_size"] = ranks
         kwargs["distributed_executor_backend"] = "mp"
-    for name in ("load_format", "hf_config_path"):
+    for name in ("load_format", "hf_config_path", "kv_cache_dtype"):
         if run.get(name) is not None:
             kwargs[name] = run[name]
     started = time.monotonic()
@@ -159,6 +218,8 @@ def run_engine(run: dict[str, Any]) -> dict[str, Any]:
         **kwargs,
     )
     result: dict[str, Any] = {"start_s": time.monotonic() - started}
+    if run.get("record_transfers") and run["stack"] is not None:
+        result["transfers"] = _record_transfers(llm, run["prompts"])
     if run.get("reset_after_steps") is None:
         result.update(_generate(llm, run))
     else:

@@ -106,6 +106,31 @@ def _read_stack(extra_config: Any) -> StackConfig:
     return load_stack_config(path if path is not None else inline)
 
 
+def replicated_kv(extra_config: dict[str, Any], engine: Any, parallel: Any) -> bool:
+    """Whether every rank of a sharded engine holds the same KV, so a chunk holds it once
+    (written by rank 0, loaded by every rank) instead of once per rank: an MLA model's
+    latent, which tensor-parallel ranks replicate. ``kvtiers_replicated_kv`` (a bool)
+    decides when given, else whether the engine's model uses MLA. Never with pipeline
+    stages (they hold different layers) or context parallelism (it shards tokens)."""
+    where = f"{EXTRA_CONFIG}.kvtiers_replicated_kv"
+    given = extra_config.get("kvtiers_replicated_kv")
+    if given is not None and not isinstance(given, bool):
+        raise ConfigError(f"expected true or false, got {given!r}", path=where)
+    sharded_otherwise = parallel.pp_size > 1 or parallel.dcp_size > 1 or parallel.pcp_size > 1
+    if parallel.world_size == 1 or given is False:
+        return False
+    if given and sharded_otherwise:
+        raise ConfigError(
+            "kvtiers_replicated_kv needs tensor parallelism alone: pipeline stages hold "
+            "different layers and context parallelism shards tokens",
+            path=where,
+        )
+    if given:
+        return True
+    model = getattr(engine.vllm, "model_config", None) if engine is not None else None
+    return bool(getattr(model, "use_mla", False)) and not sharded_otherwise
+
+
 class KVTiersOffloadingSpec(vbase.OffloadingSpec):
     """vLLM's offloading spec for a kvtiers stack.
 
@@ -115,7 +140,8 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
     cannot be read; it must agree when it can), ``kvtiers_identity`` (see
     :func:`~kvtiers.integrations.vllm.translate.identity_source`),
     ``kvtiers_group_bytes_per_block`` (see
-    :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`) and
+    :func:`~kvtiers.integrations.vllm.translate.derived_group_bytes`),
+    ``kvtiers_replicated_kv`` (see :func:`replicated_kv`) and
     ``self_describing_kv_events`` (default true here). Every other identity
     input is read from the configs of the vLLM connector building the spec (see
     :mod:`kvtiers.integrations.vllm.engine`).
@@ -145,14 +171,18 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         self.hash_algorithm = block_hash_algorithm(self.extra_config, engine)
         #: One rank's bytes per block of each group (what its KV tensors hold).
         self.rank_group_bytes = derived_group_bytes(config)
+        #: Every rank holds the same KV (MLA): a chunk holds one rank's copy.
+        self.replicated = replicated_kv(self.extra_config, engine, par)
+        copies = 1 if self.replicated else self.ranks
         stack_config = _read_stack(self.extra_config)
         persistent = any(get_kind(tier.kind).persistent for tier in stack_config.tiers)
         self.offloading: OffloadingConfig = translate_config(
             config,
             engine=engine,
-            # A chunk holds every rank's pages; pipeline stages hold different layers, so
-            # their chunks are never those of another layout.
-            group_bytes_per_block=[n * self.ranks for n in self.rank_group_bytes],
+            # A chunk holds every rank's pages (one copy when they are the same); pipeline
+            # stages hold different layers, so their chunks are never those of another
+            # layout.
+            group_bytes_per_block=[n * copies for n in self.rank_group_bytes],
             hash_algorithm=self.hash_algorithm,
             layout_agnostic=par.is_parallelism_agnostic and par.pp_size == 1,
             persistent=persistent,
@@ -231,7 +261,10 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         ledger: ShardLedger | None = None
         try:
             ledger = self._ledger(region)
-            worker = CpuWorker(kv, region, geometry, shard=(rank, self.ranks))
+            if self.replicated:  # one copy in each slot, written by rank 0
+                worker = CpuWorker(kv, region, geometry, writes=rank == 0)
+            else:
+                worker = CpuWorker(kv, region, geometry, shard=(rank, self.ranks))
         except BaseException:
             if ledger is not None:
                 ledger.close()

@@ -117,7 +117,9 @@ class CpuWorker(QueuedWorker):
     GPU), ``False`` keeps the torch path. ``copy_threads`` caps the kernel's threads
     (default: torch's intra-op thread count, at most ``MAX_COPY_THREADS``).
     ``shard=(rank, ranks)``: this worker is rank ``rank`` of ``ranks`` whose pages share
-    each slot (see the module docstring); ``geometry`` is then one rank's.
+    each slot (see the module docstring); ``geometry`` is then one rank's. ``writes=False``:
+    a store job copies nothing and succeeds (KV every rank holds the same of, stored once
+    by the rank that writes; loads still copy).
     """
 
     thread_name = "kvtiers-cpu-worker"
@@ -132,6 +134,7 @@ class CpuWorker(QueuedWorker):
         kernel: bool | None = None,
         copy_threads: int | None = None,
         shard: tuple[int, int] = (0, 1),
+        writes: bool = True,
     ) -> None:
         import torch
 
@@ -142,6 +145,7 @@ class CpuWorker(QueuedWorker):
                 path="shard",
             )
         self._rank, self._ranks = rank, ranks
+        self._writes = writes
         self._check(kv, region, geometry, ranks)
         self.geometry = geometry
         self._blocks_per_chunk = geometry.blocks_per_chunk
@@ -302,6 +306,8 @@ class CpuWorker(QueuedWorker):
         torch.set_num_threads(self._intra_op_threads)
 
     def _execute(self, job: QueuedJob) -> int:
+        if job.store and not self._writes:
+            return 0
         if self._copier is not None:
             return self._execute_fused(job, self._copier)
         if job.ready is not None:
