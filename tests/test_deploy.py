@@ -214,3 +214,45 @@ def test_the_s3_policy_grants_only_what_a_tier_uses() -> None:
     assert actions == {"s3:ListBucket", "s3:GetObject", "s3:PutObject", "s3:DeleteObject"}
     assert all(statement["Effect"] == "Allow" and "*" not in statement["Resource"].split(":::")[1]
                .split("/")[0] for statement in policy["Statement"])
+
+
+def test_the_node_service_daemonset_shares_its_socket_and_pool_with_the_engines() -> None:
+    documents = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "kvtiers-service.yaml")
+                                        .read_text()))
+    kinds = {d["kind"]: d for d in documents}
+    assert set(kinds) == {"ConfigMap", "DaemonSet", "Deployment"}
+    from kvtiers.config import load_stack_config
+
+    data = kinds["ConfigMap"]["data"]
+    served = load_stack_config(yaml.safe_load(data["serve.yaml"]))
+    engine = load_stack_config(yaml.safe_load(data["stack.yaml"]))
+    assert served.tiers[0].kind == "cpu" and served.model is not None
+    (tier,) = engine.tiers
+    assert tier.kind == "service"
+    socket = str(tier.socket)  # type: ignore[attr-defined]
+    service = kinds["DaemonSet"]["spec"]["template"]["spec"]
+    engines = kinds["Deployment"]["spec"]["template"]["spec"]
+    (serve,) = service["containers"]
+    command = serve["command"]
+    assert command[:2] == ["kvtiers", "serve"]
+    assert command[command.index("--socket") + 1] == socket
+    assert command[command.index("--config") + 1] == "/etc/kvtiers/serve.yaml"
+
+    def host_paths(pod: dict[str, object], container: dict[str, object]) -> dict[str, str]:
+        """mount path -> the host path behind it (hostPath volumes only)."""
+        volumes = {v["name"]: v for v in pod["volumes"]}  # type: ignore[attr-defined]
+        return {m["mountPath"]: volumes[m["name"]]["hostPath"]["path"]
+                for m in container["volumeMounts"]  # type: ignore[attr-defined]
+                if "hostPath" in volumes[m["name"]]}
+
+    (vllm,) = engines["containers"]
+    served_paths, engine_paths = host_paths(service, serve), host_paths(engines, vllm)
+    # The socket's directory and the pool's /dev/shm are the same host paths in both
+    # pods, so they outlive either; both run as one uid (the socket and pool are 0600).
+    shared = {str(Path(socket).parent), "/dev/shm"}
+    assert shared <= set(served_paths) and shared <= set(engine_paths)
+    assert all(served_paths[p] == engine_paths[p] for p in shared)
+    assert service["securityContext"] == engines["securityContext"]
+    assert {"name": "KVTIERS_STACK", "value": "/etc/kvtiers/stack.yaml"} in vllm["env"]
+    port = int(command[command.index("--metrics-port") + 1])
+    assert {"name": "kvtiers-metrics", "containerPort": port} in serve["ports"]
