@@ -132,7 +132,7 @@ class TierConfig(Section):
     """Fields every tier has. ``kind`` is fixed by each subclass."""
 
     kind: str
-    """The tier kind: cpu, file, s3 or fsspec."""
+    """The tier kind: cpu, file, s3, fsspec or service."""
     name: Annotated[str, SIMPLE_NAME]
     """Unique within the stack; names the tier in stats, metrics and messages. Default:
     the kind, or ``<kind><index>`` when the kind repeats."""
