@@ -45,6 +45,7 @@ def test_an_unreadable_chunk_resolves_to_miss_and_heals(
 
     spec = OffloadingSpecFactory.create_spec(vllm_config(root))
     manager = spec.get_manager()
+    manager.stack.wait_index()  # the restart's index is built in the background
     try:
         file_tier = manager.stack.tiers[1].manager
         clock = FakeClock()

@@ -288,6 +288,7 @@ def test_replicated_kv_is_stored_once_and_every_rank_loads_that_copy(
 
     config = vllm_config(root, world_size=RANKS, kvtiers_replicated_kv=True)
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    manager.stack.wait_index()  # the restart's index is built in the background
     try:
         assert [manager.lookup(k, ctx()) for k in keys] == [vbase.LookupResult.HIT_PENDING] * 3
         _step(manager)
@@ -454,6 +455,7 @@ def test_with_the_opt_in_one_rank_loads_what_two_ranks_stored(tmp_path: Path) ->
         group_data_refs=[[vbase.CanonicalKVCacheRef(i, 2 * PAGE_BYTES) for i in range(2)]] * 2,
     )
     manager = tp1.get_manager()
+    manager.stack.wait_index()  # the restart's index is built in the background
     worker = tp1.get_worker(kv)
     try:
         assert [manager.lookup(k, ctx()) for k in keys] == [vbase.LookupResult.HIT_PENDING] * 2

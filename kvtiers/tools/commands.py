@@ -71,7 +71,7 @@ def _group_report(manifest: dict[str, Any], chunks: list[Entry]) -> list[dict[st
             group = get_offload_group_idx(key)
             counts[group] = counts.get(group, 0) + 1
     groups = []
-    for index, group in enumerate(_typed(ident, "groups", list)):
+    for index, group in enumerate(_typed(ident, "groups", list, "identity")):
         if not isinstance(group, dict):
             raise _Malformed(f"identity.groups[{index}] is not a mapping")
         layers = _typed(group, "layer_names", list, f"identity.groups[{index}]")
@@ -85,11 +85,11 @@ def _manifest_lines(manifest: dict[str, Any], chunks: list[Entry]) -> list[list[
     """What :func:`inspect` prints of a manifest: lines of fields, each field kept whole
     when a line wraps (one line per KV-cache group, with the chunks stored for it);
     :class:`_Malformed` names the first field that is not what kvtiers writes."""
-    ident = _typed(manifest, "identity", dict)
+    # The report checks the groups' fields first (a malformed one is named, not a KeyError).
+    reports = _group_report(manifest, chunks)
+    ident = manifest["identity"]
     groups = []
-    for index, (group, report) in enumerate(
-        zip(ident["groups"], _group_report(manifest, chunks), strict=True)
-    ):
+    for index, (group, report) in enumerate(zip(ident["groups"], reports, strict=True)):
         size = _typed(group, "bytes_per_block", int, f"identity.groups[{index}]")
         kind = f" {report['attention']}" if report["attention"] else ""
         groups.append([f"group {index}{kind}",
