@@ -1,10 +1,10 @@
-"""Chunks written per tier and tokens reused under each lower-tier write policy.
+"""Chunks written per tier and tokens reused under each lower tier's write rules.
 
 The demo's stack (``kvtiers/configs/demo.yaml``: 16 MiB CPU tier, 32 MiB file tier, S3 on
 the embedded local server) runs the demo's traces (``kvtiers/engine/workload.py``: multi-
 turn conversations sharing system prompts) through the simulated engine twice, as
 ``kvtiers demo`` does: phase 1 from cold, phase 2 after a restart (the CPU tier empty,
-the file tier and the bucket kept). Only the S3 tier's write policy changes between runs
+the file tier and the bucket kept). Only the S3 tier's write rules change between runs
 (the file tier writes through):
 
 * ``through`` — every stored chunk is written (the baseline);
@@ -120,7 +120,7 @@ def run_policy(stack: str, policy: str, spec: WorkloadSpec, scratch: Path) -> Ro
 
 def render(rows: list[Row], spec: WorkloadSpec, note: dict[str, str]) -> str:
     lines = [
-        "# Write policies: chunks written per tier vs tokens reused",
+        "# Write rules: chunks written per tier vs tokens reused",
         "",
         f"Machine: {note['cpu']}, {note['cores']} cores, Python {note['python']}, load "
         f"average {note['load']} at the start; {note['date']}; `{note['command']}`. Counts, "
@@ -130,7 +130,7 @@ def render(rows: list[Row], spec: WorkloadSpec, note: dict[str, str]) -> str:
         "The demo's stack (cpu 16 MiB arc, file writing through, s3 on the embedded "
         f"server) and traces ({spec.conversations} conversations of {spec.turns} turns over "
         f"{spec.system_prompts} system prompts), run twice as `kvtiers demo` does: cold, "
-        "then after a restart. Only the s3 tier's write policy changes. Writes: chunks "
+        "then after a restart. Only the s3 tier's write rules change. Writes: chunks "
         "written into the tier (cascaded + demoted), in the cold phase (the trace once) "
         "and over both phases (the restart replays the trace, so every chunk is "
         "referenced again there). `fewer`: the baseline's s3 writes over this policy's. "
