@@ -248,6 +248,7 @@ def test_two_ranks_store_cascade_restart_promote_and_load_byte_exact(
 
     config = vllm_config(root, world_size=RANKS)  # a new engine id: new primary memory
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    manager.stack.wait_index()  # the restart's index is built in the background
     try:
         assert [manager.lookup(k, ctx()) for k in keys] == [vbase.LookupResult.HIT_PENDING] * 3
         _step(manager)  # the promotions from the file tier land
