@@ -205,6 +205,10 @@ def run_engine(run: dict[str, Any]) -> dict[str, Any]:
                 aside.rename(path)
             elif do != "idle":
                 raise ValueError(f"unknown phase action {do!r}")
+            # A restart's tiers index what they hold in the background: a phase ends once
+            # they have, and the flush's step below takes the index in and announces it.
+            for tier in stack.tiers:
+                tier.manager.wait_index()
             stack.wait_idle()
             _generate(llm, FLUSH)
             record["held"] = _held(stack)
