@@ -284,6 +284,7 @@ def test_a_new_engine_over_the_same_root_hits_warm(
 
     config = vllm_config(root)  # a new engine id: new primary memory
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    manager.stack.wait_index()  # the restart's index is built in the background
     worker = OffloadingSpecFactory.create_spec(config).get_worker(canonical_kv(kv))
     try:
         keys = req.keys[0][:2] + req.keys[1][:1]
