@@ -56,6 +56,7 @@ class ServiceClient:
         self.sock: socket.socket | None = None
         self.ns = -1
         self.epoch = 0
+        self.lower = 0
         #: One more at each successful attach.
         self.session = 0
         self.pool: PoolView | None = None
@@ -98,6 +99,8 @@ class ServiceClient:
             return False
         self.ns = reply.ns
         self.epoch = reply.epoch
+        #: Tiers the service runs below the pool for this namespace (0: none to probe).
+        self.lower = reply.lower
         self.session += 1
         if self.session > 1:
             self.reattaches += 1

@@ -3,7 +3,8 @@
 The service's configuration is a stack file: its first tier must be ``kind: cpu``, whose
 ``capacity`` sizes the pool and ``shared_memory_name`` names it (``kvtiers-serve`` when
 unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB, or
-``--slot-bytes``. Tiers below the pool are refused: the service does not run them yet.
+``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through``) are the
+service's own: built per namespace, under it (:mod:`kvtiers.service.lower`).
 """
 
 from __future__ import annotations
@@ -53,11 +54,9 @@ def pool_settings(config_path: str, slot_bytes: int | None) -> tuple[str, int, i
         raise ConfigError("kvtiers serve needs a cpu tier first: its capacity sizes the pool",
                           path="tiers[0]", source=config.source)
     if len(config.tiers) > 1:
-        raise ConfigError(
-            "kvtiers serve does not run tiers below the pool yet (docs/service.md, "
-            "'Not built yet'); keep only the cpu tier in the service's stack file",
-            path="tiers[1]", source=config.source,
-        )
+        from kvtiers.service.lower import check_lower_tiers
+
+        check_lower_tiers(config)
     if slot_bytes is None:
         if config.model is None:
             raise ConfigError("give --slot-bytes or a model: section (its chunk size sets "
@@ -89,7 +88,7 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
     if gid is not None:
         os.chown(pool.path, -1, gid)
     try:
-        service = Service(pool, path, group=gid)
+        service = Service(pool, path, group=gid, lower=load_stack_config(config_path))
         exporter = None
         if metrics_port is not None:
             from kvtiers.service.metrics import start_exporter
@@ -128,4 +127,16 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
     for engine in state["engines"]:
         print(f"engine pid {engine['pid']} ({engine['engine'] or 'no name'}): namespaces "
               f"{engine['namespaces']}, {engine['pins']} pins")
-    print("lower tiers: none (the service runs the pool only)")
+    lowers = state.get("lower_tiers", [])
+    if not lowers:
+        print("lower tiers: none (the service runs the pool only)")
+    for entry in lowers:
+        print(f"namespace {entry['namespace']}: {entry['promotions']} promoted, "
+              f"{entry['cascades']} cascaded ({entry['promotion_failures']} and "
+              f"{entry['cascade_failures']} failed)")
+        for tier in entry["tiers"]:
+            indexed = "indexed" if tier["indexed"] else "indexing"
+            print(f"  lower tier {tier['name']}: {tier['chunks']} chunks ({indexed}), "
+                  f"{tier['cascaded']} cascaded, {tier['promoted']} promoted")
+    for index, why in state.get("lower_tiers_refused", {}).items():
+        print(f"namespace {index}: no lower tiers ({why})")

@@ -86,11 +86,21 @@ class Lookup(_Msg):
     keys: list[bytes]
 
 
+class Probe(_Msg):
+    """Ask the tiers below the pool for ``keys`` that missed the pool's mirror; the
+    reply's ``slots[i]``: 3 in the pool now, 1 being promoted (or written) into it, 2 ask
+    again (a lower tier is still indexing), 0 held nowhere. A lower-tier hit starts its
+    promotion into the pool."""
+
+    ns: int
+    keys: list[bytes]
+
+
 class Status(_Msg):
     """The service's state (as ``kvtiers status`` shows it)."""
 
 
-Request = Union[Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Status]  # noqa: UP007
+Request = Union[Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Probe, Status]  # noqa: UP007
 
 
 class Attached(_Msg):
@@ -101,11 +111,15 @@ class Attached(_Msg):
     num_slots: int
     slot_bytes: int
     epoch: int
+    #: How many tiers the service runs below the pool for this namespace (0: a lookup
+    #: that misses the pool is a miss; else the engine probes them, :class:`Probe`).
+    lower: int = 0
 
 
 class Slots(_Msg):
     """Reply to :class:`Reserve`, :class:`Lease`, :class:`Pin`, :class:`Lookup`: one slot
-    per key (-1: none); to :class:`Commit`: one outcome per key."""
+    per key (-1: none); to :class:`Commit`: one outcome per key; to :class:`Probe`: one
+    answer per key."""
 
     slots: list[int]
 

@@ -9,6 +9,13 @@ the bound, is closed. A request that does not decode, or names a namespace the
 connection did not attach, a slot it did not reserve or a pin it does not hold, gets an
 :class:`~kvtiers.service.protocol.Error` reply and the connection is closed; the others
 are not affected. Closing a connection drops its pins and frees its reservations.
+
+With tiers below the pool (``lower``: the service's stack file) each namespace gets its
+own :class:`~kvtiers.service.lower.LowerTiers` when an engine first attaches it: the
+loop hands them each commit (cascaded, write-behind), answers :class:`~kvtiers.service.
+protocol.Probe` from them (a lower-tier hit is promoted into the pool), and polls their
+movers while copies are in flight (every ``POLL_S``; it waits for sockets only when none
+is).
 """
 
 from __future__ import annotations
@@ -26,10 +33,14 @@ import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtiers.service import protocol as p
 from kvtiers.service.pool import MAX_KEY, Adoption, Pool
+
+if TYPE_CHECKING:
+    from kvtiers.config import StackConfig
+    from kvtiers.service.lower import LowerTiers
 
 log = logging.getLogger("kvtiers.service")
 
@@ -41,6 +52,9 @@ _PEERCRED = struct.Struct("3i")
 #: (``PRESENT``) or when no slot could be freed (``NO_ROOM``).
 PRESENT = -1
 NO_ROOM = -2
+#: How often the loop takes in the lower tiers' finished copies while some are in
+#: flight, seconds (the movers' threads do not wake the loop).
+POLL_S = 0.002
 
 
 class Refused(Exception):
@@ -130,6 +144,7 @@ class Service:
         max_frame: int = p.MAX_FRAME,
         max_output: int = MAX_OUTPUT,
         max_lease: int = 4096,
+        lower: StackConfig | None = None,
     ) -> None:
         self.pool = pool
         self.socket_path = socket_path
@@ -165,6 +180,11 @@ class Service:
         # Snapshots asked for by other threads (metrics): answered on the loop's thread.
         self._asked: list[tuple[threading.Event, list[dict[str, Any]]]] = []
         self._listener = self._listen(socket_path)
+        #: The stack file whose tiers below the first run under the pool (``None``: none).
+        self.lower = lower if lower is not None and len(lower.tiers) > 1 else None
+        self._lowers: dict[int, LowerTiers] = {}
+        #: Namespaces whose lower tiers could not be built: why.
+        self._lower_refused: dict[int, str] = {}
 
     # -- set-up ---------------------------------------------------------------------
     def _adopt(self) -> Adoption:
@@ -245,7 +265,11 @@ class Service:
                  self.socket_path, self.pool.path, self.pool.num_slots, self.pool.slot_bytes)
         try:
             while not self._stopping:
-                for key, events in self._selector.select():
+                busy = False
+                for lowers in self._lowers.values():
+                    lowers.step()
+                    busy = busy or lowers.busy
+                for key, events in self._selector.select(POLL_S if busy else None):
                     sock = key.fileobj
                     if sock is self._listener:
                         self._accept()
@@ -272,6 +296,13 @@ class Service:
             done.set()
 
     def _shutdown(self) -> None:
+        for index, lowers in self._lowers.items():
+            try:
+                lowers.wait_idle()
+                lowers.shutdown()
+            except Exception:  # one namespace's tiers must not keep the others open
+                log.exception("kvtiers serve: stopping the lower tiers of namespace %d",
+                              index)
         for conn in list(self._conns.values()):
             if conn.outbuf:
                 with contextlib.suppress(OSError):
@@ -426,6 +457,8 @@ class Service:
         if isinstance(request, p.Unpin):
             self._unpin(conn, ns, request.keys)
             return p.Done(request.seq)
+        if isinstance(request, p.Probe):
+            return p.Slots(request.seq, self._probe(ns, request.keys))
         assert isinstance(request, p.Lookup)
         return p.Slots(request.seq, [ns.ready.get(key, PRESENT) for key in request.keys])
 
@@ -450,8 +483,82 @@ class Service:
         conn.engine = request.engine[:200]
         log.info("kvtiers serve: pid %d (%s) attached namespace %s", conn.pid, conn.engine,
                  ns.name)
+        lowers = self._lowers_of(ns, request.identity)
         return p.Attached(request.seq, index, str(self.pool.path), self.pool.num_slots,
-                          self.pool.slot_bytes, self.epoch)
+                          self.pool.slot_bytes, self.epoch,
+                          0 if lowers is None else len(lowers.tiers) - 1)
+
+    def _lowers_of(self, ns: _Namespace, identity: bytes) -> LowerTiers | None:
+        """``ns``'s lower tiers, built at its first attach (their indexes are built in the
+        background from then on); ``None`` without lower tiers, or when they cannot be
+        built for this identity (logged once; the namespace is then the pool's alone)."""
+        if self.lower is None or ns.index in self._lower_refused:
+            return None
+        lowers = self._lowers.get(ns.index)
+        if lowers is not None:
+            return lowers
+        from kvtiers.service.lower import LowerTiers, identity_config
+
+        try:
+            offloading = identity_config(identity)
+            lowers = LowerTiers(self.lower, offloading, self.pool, self, ns.index)
+        except Exception as exc:  # this namespace goes without; the others are served
+            self._lower_refused[ns.index] = f"{type(exc).__name__}: {exc}"
+            log.warning("kvtiers serve: no lower tiers for namespace %s: %s", ns.name, exc)
+            return None
+        self._lowers[ns.index] = lowers
+        log.info("kvtiers serve: namespace %s: %d lower tiers (%s)", ns.name,
+                 len(lowers.tiers) - 1, ", ".join(t.name for t in lowers.tiers[1:]))
+        return lowers
+
+    def _probe(self, ns: _Namespace, keys: list[bytes]) -> list[int]:
+        """Answer a :class:`~kvtiers.service.protocol.Probe` (see there)."""
+        from kvtiers.service.lower import PROBE_HIT, PROBE_MISS, PROBE_PENDING
+
+        lowers = self._lowers.get(ns.index)
+        if lowers is not None:
+            self.counters["probes"] += len(keys)
+            return lowers.probe(keys)
+        return [PROBE_HIT if key in ns.ready else PROBE_PENDING if key in ns.writing
+                else PROBE_MISS for key in keys]
+
+    # -- the pool as the lower tiers' primary (kvtiers.service.lower.PoolKeeper) -----
+    def ready_slot(self, ns: int, key: bytes) -> int | None:
+        return self._namespaces[ns].ready.get(key)
+
+    def writing_slot(self, ns: int, key: bytes) -> int | None:
+        return self._namespaces[ns].writing.get(key)
+
+    def reserve_promotion(self, ns: int, key: bytes) -> int | None:
+        slot = self._take_slot({key})
+        if slot < 0:
+            return None
+        namespace = self._namespaces[ns]
+        self.pool.set_writing(slot)
+        namespace.writing[key] = slot
+        self._owner[slot] = (ns, key)
+        return slot
+
+    def end_promotion(self, ns: int, key: bytes, slot: int, length: int) -> None:
+        namespace = self._namespaces[ns]
+        del namespace.writing[key]
+        if length:
+            self._publish(namespace, key, slot, length)
+            self.counters["promoted"] += 1
+        else:
+            self._release(slot)
+            self.counters["promotions_failed"] += 1
+
+    def pin_slot(self, slot: int) -> None:
+        self._pins[slot] += 1
+
+    def unpin_slot(self, slot: int) -> None:
+        self._pins[slot] -= 1
+        if self._pins[slot] <= 0:
+            del self._pins[slot]
+
+    def free_slot_count(self) -> int:
+        return len(self._free)
 
     def _take_slot(self, batch: set[bytes]) -> int:
         """A free slot, evicting the least recently used unpinned ready chunk not in
@@ -547,15 +654,24 @@ class Service:
                     self._release(slot)
                     outcome.append(-1)
                     continue
-            tag = self.pool.set_ready(slot, ns.index, ns.digest, key, length)
-            if not self.pool.mirror_add(tag, slot):
-                self.counters["mirror_full"] += 1
-            ns.ready[key] = slot
-            ns.lengths[slot] = length
+            self._publish(ns, key, slot, length)
             ns.stored += 1
-            self._lru[slot] = None
             outcome.append(1)
+        lowers = self._lowers.get(ns.index)
+        if lowers is not None:
+            # Write-behind: the lower tiers' movers copy them on their background threads.
+            lowers.committed([key for key, done in zip(request.keys, outcome, strict=True)
+                              if done == 1])
         return outcome
+
+    def _publish(self, ns: _Namespace, key: bytes, slot: int, length: int) -> None:
+        """Checksum ``slot`` and make it ``key``'s ready chunk (header, mirror, LRU)."""
+        tag = self.pool.set_ready(slot, ns.index, ns.digest, key, length)
+        if not self.pool.mirror_add(tag, slot):
+            self.counters["mirror_full"] += 1
+        ns.ready[key] = slot
+        ns.lengths[slot] = length
+        self._lru[slot] = None
 
     def _release(self, slot: int) -> None:
         self._owner[slot] = None
@@ -633,5 +749,9 @@ class Service:
                 for conn in self._conns.values()
                 if conn.attached
             ],
-            "lower_tiers": [],
+            "lower_tiers": [
+                {"namespace": index, "tiers": lowers.state(), **lowers.counters()}
+                for index, lowers in self._lowers.items()
+            ],
+            "lower_tiers_refused": {str(k): v for k, v in self._lower_refused.items()},
         }

@@ -7,6 +7,11 @@ answering as the CPU tier does, with the pool in another process:
 - ``prepare_store`` and ``prepare_load`` are one round trip each (``Reserve``, ``Pin``);
 - ``complete_store`` and ``complete_load`` queue ``Commit``/``Unpin``, sent pipelined with
   the next round trip or at ``on_schedule_end`` (at most one round trip a step);
+- with tiers below the pool in the service, a lookup that misses the mirror answers
+  ``RETRY`` and queues the key for a ``Probe`` sent with the step's end write: the service
+  promotes a lower-tier hit into the pool, and the key is a ``HIT`` once the mirror shows
+  it; a key held nowhere, or not in the pool within ``probe_steps`` steps of its first
+  lookup (a lower tier failing, a promotion still running), is a ``MISS`` (recomputed);
 - while the service is down every lookup is a ``MISS``, ``prepare_store`` returns
   ``None``, and the keys of ``prepare_load`` get an out-of-range slot in ``get_spec`` so
   the worker fails their job (vLLM recomputes) — never a slot the service may reuse.
@@ -47,6 +52,14 @@ if TYPE_CHECKING:
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
+_RETRY = LookupResult.RETRY
+#: Steps a key that missed the pool may answer ``RETRY`` while the service looks for it
+#: below the pool; then it is a ``MISS`` (and stays one for ``PROBE_FORGET`` x as many).
+PROBE_STEPS = 16
+PROBE_FORGET = 4
+#: A probe's answer not read yet (the service's answers: :mod:`kvtiers.service.lower`).
+_ASKED = -1
+_PROBE_HIT, _PROBE_PENDING, _PROBE_MISS, _PROBE_RETRY = 3, 1, 0, 2
 #: How often (seconds) a lookup polls the socket for the service's death: a dead service
 #: is noticed within this bound and a step of lookups costs one poll at most.
 LIVENESS_S = 0.001
@@ -67,7 +80,7 @@ class ServiceTierManager(OffloadingManager):
     capabilities = TierCapabilities(persistent=False, evicts=True, recency=True, events=False)
 
     def __init__(self, client: ServiceClient, *, liveness_s: float = LIVENESS_S,
-                 lease_slots: int = DEFAULT_LEASE) -> None:
+                 lease_slots: int = DEFAULT_LEASE, probe_steps: int = PROBE_STEPS) -> None:
         import time
 
         self._clock = time.monotonic
@@ -101,8 +114,15 @@ class ServiceTierManager(OffloadingManager):
         self._failed: list[tuple[bytes, int]] = []
         self._unpins: list[bytes] = []
         self._session = client.session
+        #: Probes of keys that missed the pool (see the module docstring): the steps
+        #: counted by on_schedule_end, the keys to send, and key → [first step, answer].
+        self._probe_steps = probe_steps
+        self._step = 0
+        self._probe_queue: list[bytes] = []
+        self._probing: dict[OffloadKey, list[int]] = {}
         self.stats = {"lookups": 0, "hits": 0, "round_trips": 0, "lost_loads": 0,
-                      "down_lookups": 0, "duplicate_stores": 0}
+                      "down_lookups": 0, "duplicate_stores": 0, "probes": 0,
+                      "probes_given_up": 0}
         if lease_slots:
             self.flush(wait=True)
 
@@ -131,6 +151,8 @@ class ServiceTierManager(OffloadingManager):
         self._leasing = 0
         self._failed.clear()
         self._unpins.clear()
+        self._probe_queue.clear()
+        self._probing.clear()
 
     def _queued(self, lease: bool) -> list[p.Request]:
         """The queued commits and unpins, and a lease top-up, as requests (taken from
@@ -154,6 +176,10 @@ class ServiceTierManager(OffloadingManager):
             queued.append(p.Unpin(client.next_seq(), client.ns,
                                   self._unpins[at : at + COMMIT_BATCH]))
         self._unpins = []
+        for at in range(0, len(self._probe_queue), COMMIT_BATCH):
+            queued.append(p.Probe(client.next_seq(), client.ns,
+                                  self._probe_queue[at : at + COMMIT_BATCH]))
+        self._probe_queue = []
         if self._lease_min and lease:
             target = min(self._lease_cap,
                          max(self._lease_min, 2 * self._stored_since_flush))
@@ -210,6 +236,12 @@ class ServiceTierManager(OffloadingManager):
                 assert isinstance(reply, p.Slots)
                 self._leasing -= request.count
                 self._lease.extend(reply.slots)
+            elif isinstance(request, p.Probe):
+                assert isinstance(reply, p.Slots)
+                for key, answer in zip(request.keys, reply.slots, strict=True):
+                    entry = self._probing.get(OffloadKey(key))
+                    if entry is not None:
+                        entry[1] = answer
 
     def _call(self, request: p.Request) -> p.Reply | None:
         # Alone: the step's commits wait for its end, so the service answers this first.
@@ -232,7 +264,32 @@ class ServiceTierManager(OffloadingManager):
         if self.client.pool.find(tag_of(self._digest, key)) >= 0:
             self.stats["hits"] += 1
             return _HIT
-        return _MISS
+        return self._probe(key) if self.client.lower else _MISS
+
+    def _probe(self, key: OffloadKey) -> LookupResult:
+        """A key that missed the mirror, with tiers below the pool: ``RETRY`` while the
+        service looks for it (re-asked each step until it answers for good), ``MISS`` once
+        it is held nowhere, in the pool yet not in the mirror, or past ``probe_steps``."""
+        entry = self._probing.get(key)
+        if entry is None:
+            self._probing[key] = [self._step, _ASKED]
+            self._probe_queue.append(bytes(key))
+            self.stats["probes"] += 1
+            return _RETRY
+        answer = entry[1]
+        if answer in (_PROBE_MISS, _PROBE_HIT):
+            return _MISS
+        if self._step - entry[0] >= self._probe_steps:
+            if answer != _PROBE_MISS:
+                entry[1] = _PROBE_MISS
+                self.stats["probes_given_up"] += 1
+            return _MISS
+        if answer != _ASKED:
+            # Pending or "ask again": ask again with this step's end write (a promotion
+            # that failed is then answered as held nowhere).
+            entry[1] = _ASKED
+            self._probe_queue.append(bytes(key))
+        return _RETRY
 
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
@@ -345,6 +402,15 @@ class ServiceTierManager(OffloadingManager):
         return ()
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        self._step += 1
+        if self._probing:
+            # First steps are in insertion order: the oldest entries are at the front.
+            horizon = self._step - PROBE_FORGET * self._probe_steps
+            while self._probing:
+                oldest = next(iter(self._probing))
+                if self._probing[oldest][0] > horizon:
+                    break
+                del self._probing[oldest]
         self.flush()
         self._refilled = False
 

@@ -203,6 +203,15 @@ def stages(config: StackConfig) -> bool:
     )
 
 
+def build_tier_at(
+    config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None
+) -> BuiltTier:
+    """Tier ``index`` of ``config`` for ``identity``, copying through ``primary_region``
+    (``None``: the primary), with its write rules from the file: what ``kvtiers serve``
+    builds below its own pool."""
+    return _build_tier(config, index, identity, primary_region)
+
+
 def _build_tier(
     config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None
 ) -> BuiltTier:

@@ -1,0 +1,350 @@
+"""The tiers below the service's pool: one composite stack per namespace, the pool its
+primary.
+
+The service's stack file may name tiers below its ``cpu`` pool (file, s3, fsspec). For
+each namespace an engine attaches with a parseable cache identity, the service builds
+those tiers with that identity (so each namespace's chunks land in the lower tiers under
+the identity's own namespace, as in process) and puts them under a
+:class:`~kvtiers.stack.composite.TieredManager` whose primary is :class:`PoolPrimary`:
+the pool's slots of that namespace, kept by the service. Everything between the pool and
+the lower tiers is then the composite's own machinery, unchanged: cascades to ``through``
+tiers when a store is committed (the slot pinned while the mover reads it), promotions on
+a lookup that misses the pool and hits below, the lower tiers' background index, their
+movers' two classes of work (a promotion's read on the foreground pool, every store,
+listing and deletion on the background one, below it: a read never queues behind a
+write).
+
+Owns: :class:`PoolPrimary`, :class:`LowerTiers` (one namespace's stack, its probes and
+its status), :func:`identity_config` (a namespace identity's JSON back to the
+:class:`~kvtiers.core.config.OffloadingConfig` the tier factories take; refused unless it
+gives back the very same identity), and :func:`check_lower_tiers` (what the service
+accepts below its pool: no ``write: back`` tier, since the pool cannot hold an evicted
+slot for a copy).
+
+Probe answers (:data:`PROBE_HIT` and the others) are what the engine's
+``kind: service`` tier turns into ``HIT``/``RETRY``/``MISS``. Everything here runs on the
+service's loop thread; only the movers' copies run elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, Protocol
+
+from kvtiers.config import StackConfig
+from kvtiers.config.tiers import LowerTierConfig
+from kvtiers.core.config import (
+    OffloadingCacheConfig,
+    OffloadingConfig,
+    OffloadingGroupConfig,
+    OffloadingModelConfig,
+    OffloadingParallelConfig,
+)
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.keys import KeyFormat, OffloadKey
+from kvtiers.core.manager import (
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+    TierCapabilities,
+)
+from kvtiers.core.mover import HostRegion
+from kvtiers.core.primary import SlotState
+from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.core.tier import BuiltTier
+from kvtiers.errors import ConfigError, UnknownKeyError
+from kvtiers.filemapper import NamespaceIdentity
+from kvtiers.stack.builder import build_tier_at
+from kvtiers.stack.composite import TieredManager
+
+log = logging.getLogger("kvtiers.service")
+
+#: A probe's answer per key: in the pool now; being promoted (or written) into it; held
+#: by no tier (recompute); ask again (a lower tier is still indexing or probing).
+PROBE_HIT, PROBE_PENDING, PROBE_MISS, PROBE_RETRY = 3, 1, 0, 2
+_ANSWER = {
+    LookupResult.HIT: PROBE_HIT,
+    LookupResult.HIT_PENDING: PROBE_PENDING,
+    LookupResult.MISS: PROBE_MISS,
+    LookupResult.RETRY: PROBE_RETRY,
+}
+_STEP = ScheduleEndContext()
+
+
+class PoolKeeper(Protocol):
+    """What :class:`PoolPrimary` asks of the service that keeps the pool's bookkeeping
+    (``ns`` is a namespace's index in the pool's table)."""
+
+    def ready_slot(self, ns: int, key: bytes) -> int | None:
+        """The slot holding ``key``'s chunk ready, or ``None``."""
+        ...
+
+    def writing_slot(self, ns: int, key: bytes) -> int | None:
+        """The slot ``key`` is being written into (by an engine or a promotion)."""
+        ...
+
+    def reserve_promotion(self, ns: int, key: bytes) -> int | None:
+        """A slot for ``key`` (marked being written, evicting the least recently used
+        unpinned chunk if none is free), or ``None`` when none can be freed."""
+        ...
+
+    def end_promotion(self, ns: int, key: bytes, slot: int, length: int) -> None:
+        """``key``'s promotion into ``slot`` ended: publish its first ``length`` bytes
+        (checksummed), or free the slot (``length`` 0: the bytes did not arrive)."""
+        ...
+
+    def pin_slot(self, slot: int) -> None: ...
+
+    def unpin_slot(self, slot: int) -> None: ...
+
+    def free_slot_count(self) -> int: ...
+
+
+class PoolPrimary(OffloadingManager):
+    """One namespace's part of the pool as a composite's primary (a
+    :class:`~kvtiers.core.primary.SlottedPrimary`; it does not hold evicted slots, so no
+    ``write: back`` tier goes below it).
+
+    ``prepare_store``/``complete_store`` are a promotion's: a slot reserved by the service,
+    published with its checksum when the bytes arrived. A key the engines store is
+    published by the service at its ``Commit``; the composite's ``complete_store`` of it
+    (which cascades it) reaches here as a key this primary did not reserve, and is left
+    alone. ``prepare_load``/``complete_load`` pin a ready chunk's slot while a cascade
+    reads it (the service never evicts a pinned slot)."""
+
+    medium = Medium.CPU
+    capabilities = TierCapabilities(persistent=False, evicts=True, recency=True, events=False)
+
+    def __init__(self, keeper: PoolKeeper, ns: int, length: int) -> None:
+        self._keeper = keeper
+        self._ns = ns
+        #: The length a promoted chunk is published with (the engines commit this too).
+        self._length = length
+        #: Promotions in flight: key → slot.
+        self._promoting: dict[OffloadKey, int] = {}
+        #: Cascades reading: key → [slot, pins].
+        self._reading: dict[OffloadKey, list[int]] = {}
+
+    # -- SlottedPrimary ---------------------------------------------------------------
+    @property
+    def free_slots(self) -> int:
+        return self._keeper.free_slot_count()
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        slot = self._keeper.ready_slot(self._ns, key)
+        return slot if slot is not None else self._keeper.writing_slot(self._ns, key)
+
+    def slot_state(self, key: OffloadKey) -> SlotState:
+        if self._keeper.ready_slot(self._ns, key) is not None:
+            return SlotState.READY
+        if self._keeper.writing_slot(self._ns, key) is not None:
+            return SlotState.WRITING
+        return SlotState.FREE
+
+    # -- the manager contract -----------------------------------------------------------
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        state = self.slot_state(key)
+        if state is SlotState.READY:
+            return LookupResult.HIT
+        return LookupResult.HIT_PENDING if state is SlotState.WRITING else LookupResult.MISS
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> list[OffloadKey] | None:
+        accepted: list[OffloadKey] = []
+        for key in dict.fromkeys(keys):
+            if self.slot_state(key) is not SlotState.FREE:
+                continue
+            slot = self._keeper.reserve_promotion(self._ns, key)
+            if slot is None:
+                return accepted or None
+            self._promoting[key] = slot
+            accepted.append(key)
+        return accepted
+
+    def complete_store(self, keys: Collection[OffloadKey], ctx: ReqContext,
+                       success: bool = True, *, generation: int | None = None) -> None:
+        for key in keys:
+            slot = self._promoting.pop(key, None)
+            if slot is not None:
+                self._keeper.end_promotion(self._ns, key, slot,
+                                           self._length if success else 0)
+
+    def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        slots = []
+        for key in keys:
+            slot = self._keeper.ready_slot(self._ns, key)
+            if slot is None:
+                raise UnknownKeyError("prepare_load: a key the pool does not hold ready")
+            slots.append(slot)
+        for key, slot in zip(keys, slots, strict=True):
+            self._keeper.pin_slot(slot)
+            entry = self._reading.setdefault(key, [slot, 0])
+            entry[1] += 1
+
+    def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
+        ids = []
+        for key in keys:
+            slot = self._promoting.get(key)
+            if slot is None:
+                entry = self._reading.get(key)
+                if entry is None:
+                    raise UnknownKeyError("get_spec: a key neither promoted nor pinned here")
+                slot = entry[0]
+            ids.append(slot)
+        return CPULoadStoreSpec(ids)
+
+    def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext, *,
+                      generation: int | None = None) -> None:
+        for key in keys:
+            entry = self._reading.get(key)
+            if entry is None:
+                raise UnknownKeyError("complete_load: a key this primary has not pinned")
+            self._keeper.unpin_slot(entry[0])
+            entry[1] -= 1
+            if entry[1] <= 0:
+                del self._reading[key]
+
+    def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        return ()
+
+    def get_stats(self) -> Mapping[str, float]:
+        return {"promoting": len(self._promoting), "reading": len(self._reading)}
+
+
+def identity_config(identity: bytes) -> OffloadingConfig:
+    """The :class:`OffloadingConfig` whose namespace identity is the canonical JSON
+    ``identity`` (what an engine attaches with); :class:`ConfigError` when it does not
+    parse or does not give back the same bytes (the lower tiers would then file this
+    namespace's chunks under another one)."""
+    try:
+        data = json.loads(identity)
+    except ValueError as exc:
+        raise ConfigError(f"the identity is not JSON: {exc}", path="identity") from None
+    parsed = NamespaceIdentity.from_dict(data)
+    par = parsed.parallel
+    config = OffloadingConfig(
+        groups=tuple(OffloadingGroupConfig(g.tokens_per_block, g.layer_names,
+                                           g.bytes_per_block, g.attention)
+                     for g in parsed.groups),
+        model=OffloadingModelConfig(
+            parsed.model_name, parsed.model_revision, parsed.kv_dtype, parsed.kv_layout,
+            parsed.model_fingerprint, parsed.compute_dtype, parsed.quantization,
+            parsed.kv_scales, parsed.model_overrides, parsed.draft_model,
+            parsed.canonical_format, parsed.load_format, parsed.model_config,
+        ),
+        cache=OffloadingCacheConfig(parsed.tokens_per_hash, parsed.blocks_per_chunk,
+                                    parsed.hash_algorithm),
+        parallel=OffloadingParallelConfig(is_parallelism_agnostic=True) if par is None
+        else OffloadingParallelConfig(world_size=par.world_size, tp_size=par.tp_size,
+                                      pp_size=par.pp_size, pcp_size=par.pcp_size,
+                                      dcp_size=par.dcp_size),
+        engine=parsed.engine,
+        salt=parsed.salt,
+        identity_source=parsed.identity_source,
+    )
+    if NamespaceIdentity.from_config(config).canonical_json() != identity:
+        raise ConfigError("the identity does not round-trip (another chunk format or "
+                          "schema version than this service's)", path="identity")
+    return config
+
+
+def check_lower_tiers(config: StackConfig) -> None:
+    """Refuse what the service cannot run below its pool: a ``write: back`` tier (the pool
+    cannot hold an evicted chunk's slot while it is copied down)."""
+    for index, tier in enumerate(config.tiers[1:], start=1):
+        if isinstance(tier, LowerTierConfig) and tier.write == "back":
+            raise ConfigError(
+                f"tier {tier.name!r}: kvtiers serve cascades to its lower tiers with "
+                "write: through only (the pool cannot hold an evicted slot for a "
+                "write: back copy)",
+                path=f"tiers[{index}].write", source=config.source,
+            )
+
+
+class LowerTiers:
+    """One namespace's lower tiers under the pool (see the module docstring)."""
+
+    def __init__(self, config: StackConfig, offloading: OffloadingConfig, region: HostRegion,
+                 keeper: PoolKeeper, ns: int) -> None:
+        geometry = ChunkGeometry.from_config(offloading)
+        self.primary = PoolPrimary(keeper, ns, geometry.max_chunk_bytes)
+        head = config.tiers[0]
+        tiers: list[BuiltTier] = [BuiltTier(name=head.name, manager=self.primary,
+                                            region=region)]
+        try:
+            for index in range(1, len(config.tiers)):
+                tiers.append(build_tier_at(config, index, offloading, region))
+            self.manager = TieredManager(tiers, keys=KeyFormat.for_algorithm(
+                len(offloading.groups), offloading.cache.hash_algorithm))
+        except BaseException:
+            for tier in reversed(tiers[1:]):
+                tier.shutdown()
+            raise
+        self.tiers = tiers
+        self._probes = 0
+
+    def probe(self, keys: list[bytes]) -> list[int]:
+        """Each key's :data:`PROBE_HIT`/... answer; a lower-tier hit starts its promotion
+        (submitted at the next :meth:`step`)."""
+        self._probes += 1
+        ctx = ReqContext(req_id=f"kvtiers-probe-{self._probes}")
+        try:
+            return [_ANSWER[self.manager.lookup(OffloadKey(key), ctx)] for key in keys]
+        finally:
+            self.manager.on_request_finished(ctx)
+
+    def committed(self, keys: list[bytes]) -> None:
+        """Engines committed ``keys`` into the pool: cascade them (write-behind)."""
+        if keys:
+            self.manager.complete_store([OffloadKey(k) for k in keys],
+                                        ReqContext(req_id="kvtiers-commit"))
+
+    def step(self) -> None:
+        """Submit the promotions held and take in the movers' finished jobs."""
+        self.manager.on_schedule_end(_STEP)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a copy is in flight or a lower tier still works on its own (an index
+        being built): the loop then polls."""
+        return self.manager.has_pending_work()
+
+    def state(self) -> list[dict[str, Any]]:
+        """What ``kvtiers status`` shows of each lower tier."""
+        stats = self.manager.get_stats()
+        rows = []
+        for tier in self.tiers[1:]:
+            manager = tier.manager
+            index = getattr(manager, "index", None)
+            rows.append({
+                "name": tier.name,
+                "chunks": len(index) if index is not None else None,
+                "indexed": bool(getattr(manager, "index_complete", True)),
+                "cascaded": stats.get(f"{tier.name}.cascaded", 0),
+                "promoted": stats.get(f"{tier.name}.promoted", 0),
+            })
+        return rows
+
+    def counters(self) -> dict[str, float]:
+        """The composite's own counters (promotions, cascades, failures)."""
+        stats = self.manager.get_stats()
+        return {name: stats[name] for name in (
+            "promotions", "promotion_failures", "promotions_refused", "cascades",
+            "cascade_failures", "cascades_refused", "corrupt_chunks")}
+
+    def wait_idle(self) -> None:
+        """Finish every copy in flight (at a graceful stop)."""
+        self.manager.wait_idle()
+
+    def shutdown(self) -> None:
+        self.manager.shutdown()

@@ -1,0 +1,341 @@
+"""``kvtiers serve`` with tiers below its pool (docs/service.md, "Lower tiers").
+
+The service runs in its own process (but for the priority check, which blocks the file
+tier's store path inside the service and so runs the service on a thread here), over a
+real file root or moto S3. Each wait is on the service's own state (its status, an
+engine's lookup answered), bounded by a deadline that only a defect reaches; no sleeps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("msgspec")
+
+from kvtiers.config import load_stack_config
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.filemapper import NamespaceIdentity
+from kvtiers.service.client import ServiceClient, read_status
+from kvtiers.service.lower import identity_config
+from kvtiers.service.pool import Layout, Pool
+from kvtiers.service.server import Service
+from kvtiers.service.tier import ServiceTierManager
+from kvtiers.stack.builder import load_stack
+from kvtiers.testing.conformance import conformance_key, conformance_payload
+from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET, MotoServer
+from kvtiers.testing.service import ServiceProcess
+
+CHUNK = 4096
+SLOTS = 32
+OFFLOADING = offloading_config((CHUNK,))
+IDENTITY = NamespaceIdentity.from_config(OFFLOADING).canonical_json()
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+#: A bound on waits that only a defect reaches (the machine may be loaded).
+DEADLINE_S = 60.0
+
+
+def key(i: int) -> OffloadKey:
+    return conformance_key(i)
+
+
+def payload(k: OffloadKey) -> bytes:
+    return conformance_payload(int.from_bytes(k[:4], "little"), CHUNK)
+
+
+def stack_yaml(pool_name: str, lower: str) -> str:
+    return (f"tiers:\n  - kind: cpu\n    capacity: {SLOTS * CHUNK}\n"
+            f"    shared_memory_name: {pool_name}\n{lower}")
+
+
+def file_tier(root: Path) -> str:
+    return f"  - kind: file\n    root: {root}\n"
+
+
+def s3_tier(endpoint: str) -> str:
+    return (f"  - kind: s3\n    bucket: {BUCKET}\n    prefix: served\n"
+            f"    endpoint_url: {endpoint}\n")
+
+
+@pytest.fixture
+def pool_name(tmp_path: Path) -> Iterator[str]:
+    name = f"kvtiers-test-{os.getpid()}-{tmp_path.name}"
+    yield name
+    Path("/dev/shm", name).unlink(missing_ok=True)
+
+
+def start(tmp_path: Path, pool_name: str, lower: str) -> ServiceProcess:
+    config = tmp_path / "serve.yaml"
+    config.write_text(stack_yaml(pool_name, lower))
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=CHUNK)
+    proc.start(fresh=True)
+    return proc
+
+
+def engine(socket: Path, *, probe_steps: int = 10**6) -> ServiceTierManager:
+    """An engine's tier reserving by round trip; ``probe_steps`` as large as a test that
+    waits for the service's own answer needs."""
+    client = ServiceClient(socket, IDENTITY, CHUNK, timeout_s=5.0, retry_s=0.0)
+    return ServiceTierManager(client, liveness_s=0.0, lease_slots=0, probe_steps=probe_steps)
+
+
+def store(manager: ServiceTierManager, wanted: list[OffloadKey], *,
+          settle: Path | None = None) -> None:
+    """Store ``wanted`` (a connection holds an eighth of the pool at once: batches); with
+    ``settle`` (the socket), each batch's cascades end before the next batch, whose
+    slots may only be evicted then (a slot a cascade reads is pinned)."""
+    ctx = ReqContext("store")
+    for at in range(0, len(wanted), SLOTS // 8):
+        batch = wanted[at : at + SLOTS // 8]
+        done = 0.0 if settle is None else lower_counter(read_status(settle), "cascades")
+        accepted = manager.prepare_store(batch, ctx)
+        assert accepted == batch
+        for k, slot in zip(batch, manager.get_spec(batch).block_ids, strict=True):
+            manager.region.view(int(slot))[:CHUNK] = payload(k)
+        manager.complete_store(batch, ctx)
+        manager.flush(wait=True)
+        if settle is not None:
+            wait_status(settle, functools.partial(cascaded, done + len(batch)))
+
+
+def read_exact(manager: ServiceTierManager, k: OffloadKey) -> bool:
+    ctx = ReqContext("load")
+    manager.prepare_load([k], ctx)
+    slot = int(manager.get_spec([k]).block_ids[0])
+    exact = bytes(manager.region.view(slot)[:CHUNK]) == payload(k)
+    manager.complete_load([k], ctx)
+    manager.flush(wait=True)
+    return exact
+
+
+def step(manager: ServiceTierManager) -> None:
+    """An engine step's end: the queued probes go out, their answers are read."""
+    manager.on_schedule_end(ScheduleEndContext())
+    manager.flush(wait=True)
+
+
+def resolve(manager: ServiceTierManager, k: OffloadKey) -> tuple[LookupResult, int]:
+    """Look ``k`` up step after step until it is no longer ``RETRY``: the answer and the
+    steps it took."""
+    ctx = ReqContext("lookup")
+    steps = 0
+    end = time.monotonic() + DEADLINE_S
+    while (result := manager.lookup(k, ctx)) is RETRY:
+        assert time.monotonic() < end, f"lookup still RETRY after {steps} steps"
+        step(manager)
+        steps += 1
+    return result, steps
+
+
+def wait_status(socket: Path, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    end = time.monotonic() + DEADLINE_S
+    while not done(state := read_status(socket)):
+        assert time.monotonic() < end, f"the service never reached the state: {state}"
+    return state
+
+
+def lower_counter(state: dict[str, Any], name: str) -> float:
+    return sum(entry[name] for entry in state["lower_tiers"])
+
+
+def cascaded(count: float, state: dict[str, Any]) -> bool:
+    return lower_counter(state, "cascades") >= count
+
+
+def test_identity_round_trips_to_the_config_the_tiers_take() -> None:
+    config = identity_config(IDENTITY)
+    assert NamespaceIdentity.from_config(config).canonical_json() == IDENTITY
+    with pytest.raises(Exception, match="JSON"):
+        identity_config(b"{")
+
+
+def test_a_write_back_tier_below_the_pool_is_refused(tmp_path: Path, pool_name: str) -> None:
+    from kvtiers.errors import ConfigError
+    from kvtiers.service.main import pool_settings
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(stack_yaml(pool_name, file_tier(tmp_path) + "    write: back\n"))
+    with pytest.raises(ConfigError, match="write: through"):
+        pool_settings(str(config), CHUNK)
+
+
+@pytest.fixture(params=["file", "s3"])
+def lower(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "file":
+        return file_tier(tmp_path / "root")
+    moto: MotoServer = request.getfixturevalue("s3_endpoint")
+    return s3_tier(moto.endpoint_url)
+
+
+def test_stored_cascaded_evicted_promoted_and_found_again_after_kill_9(
+    tmp_path: Path, pool_name: str, lower: str
+) -> None:
+    service = start(tmp_path, pool_name, lower)
+    try:
+        a = engine(service.socket)
+        wanted = [key(i) for i in range(8)]
+        store(a, wanted, settle=service.socket)
+        # In the pool at once; below it after write-behind.
+        assert all(a.lookup(k, ReqContext("a")) is HIT for k in wanted)
+        wait_status(service.socket, lambda s: lower_counter(s, "cascades") >= 8)
+        if "kind: file" in lower:
+            # On the file root, under this identity's namespace: an in-process stack
+            # over the same root finds every chunk, byte-exact.
+            root = tmp_path / "root"
+            with load_stack({"tiers": [{"kind": "cpu", "capacity": 4 * CHUNK},
+                                       {"kind": "file", "root": str(root)}]},
+                            OFFLOADING) as check:
+                check.wait_index()
+                assert all(k in check.tiers[1].manager.index for k in wanted)
+        # Evict them from the pool: fillers (cascaded too) take every slot.
+        store(a, [key(100 + i) for i in range(SLOTS)], settle=service.socket)
+        assert all(a.lookup(k, ReqContext("a")) is not HIT for k in wanted[:4])
+        wait_status(service.socket, lambda s: lower_counter(s, "cascades") >= 8 + SLOTS)
+
+        # Another engine's lookup misses the pool, the service promotes from below.
+        b = engine(service.socket)
+        result, _ = resolve(b, wanted[0])
+        assert result is HIT
+        assert read_exact(b, wanted[0])
+        state = read_status(service.socket)
+        assert state["counters"]["promoted"] >= 1
+        assert lower_counter(state, "promotions") >= 1
+
+        # kill -9: the restarted service re-adopts its pool and rebuilds the lower
+        # tiers' indexes; the chunks evicted before are promoted again, byte-exact.
+        service.kill()
+        service.start()
+        c = engine(service.socket)
+        for k in wanted[1:4]:
+            result, _ = resolve(c, k)
+            assert result is HIT
+            assert read_exact(c, k)
+        assert resolve(c, wanted[0]) == (HIT, 0)  # re-adopted from the pool itself
+        assert resolve(c, key(999))[0] is MISS  # held nowhere
+        for manager in (a, b, c):
+            manager.shutdown()
+    finally:
+        service.stop()
+
+
+def test_a_failing_lower_tier_resolves_to_a_miss(tmp_path: Path, pool_name: str,
+                                                  lower: str) -> None:
+    service = start(tmp_path, pool_name, lower)
+    try:
+        a = engine(service.socket)
+        wanted = [key(i) for i in range(4)]
+        store(a, wanted, settle=service.socket)
+        store(a, [key(100 + i) for i in range(SLOTS)], settle=service.socket)
+        wait_status(service.socket, lambda s: lower_counter(s, "cascades") >= 4 + SLOTS)
+        if "kind: file" in lower:
+            # Each chunk file of ``wanted`` becomes unreadable: a directory in its place.
+            names = {k[:16].hex() for k in wanted}
+            chunks = [path for path in (tmp_path / "root").rglob("*.kvc")
+                      if path.name.split("_")[0] in names]
+            assert len(chunks) == len(wanted)
+            for path in chunks:
+                path.unlink()
+                path.mkdir()
+        else:
+            MotoServer(lower.split("endpoint_url: ")[1].strip()).reset()
+        # The service's answer makes it a MISS (the engine's own bound is far away).
+        for k in wanted:
+            result, steps = resolve(a, k)
+            assert result is MISS
+            assert steps < 1000
+        state = read_status(service.socket)
+        assert state["counters"].get("promoted", 0) == 0
+        # The pool keeps serving.
+        store(a, [key(200)])
+        assert a.lookup(key(200), ReqContext("a")) is HIT
+        a.shutdown()
+    finally:
+        service.stop()
+
+
+def test_a_dead_service_and_an_unanswered_probe_are_misses_within_the_bound(
+    tmp_path: Path, pool_name: str
+) -> None:
+    service = start(tmp_path, pool_name, file_tier(tmp_path / "root"))
+    a = engine(service.socket, probe_steps=3)
+    ctx = ReqContext("a")
+    try:
+        # Held nowhere: the service's answer, within the bound.
+        assert resolve(a, key(1))[0] is MISS
+        service.kill()
+        assert a.lookup(key(2), ctx) is MISS  # dead: a miss at once, never RETRY
+    finally:
+        if service.proc is not None and service.proc.poll() is None:
+            service.stop()
+    a.shutdown()
+
+
+# -- priority: a promotion is served while the cascades ahead of it are blocked --------
+@pytest.fixture
+def blocked_stores(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
+    """The file tier's store path blocked until the event is set (it starts set)."""
+    from kvtiers.tiers.file.mover import FileMover
+
+    gate = threading.Event()
+    gate.set()
+    store_one = FileMover._store_one
+
+    def gated(self: FileMover, job: Any, chunk: Any) -> int:
+        assert gate.wait(DEADLINE_S), "the store path stayed blocked"
+        return store_one(self, job, chunk)
+
+    monkeypatch.setattr(FileMover, "_store_one", gated)
+    yield gate
+    gate.set()
+
+
+def test_a_promotion_is_served_ahead_of_the_cascades_queued_before_it(
+    tmp_path: Path, pool_name: str, blocked_stores: threading.Event
+) -> None:
+    config = tmp_path / "serve.yaml"
+    # One store thread: the first cascade blocks it, the others queue behind.
+    config.write_text(stack_yaml(pool_name, file_tier(tmp_path / "root") + "    threads: 1\n"))
+    pool = Pool(Path("/dev/shm", pool_name), Layout(SLOTS, CHUNK), fresh=True)
+    socket = tmp_path / "local.sock"
+    svc = Service(pool, socket, lower=load_stack_config(config))
+    thread = threading.Thread(target=svc.serve)
+    thread.start()
+    try:
+        a = engine(socket)
+        target = key(1)
+        store(a, [target], settle=socket)
+        store(a, [key(100 + i) for i in range(SLOTS)], settle=socket)  # evicts the target
+        wait_status(socket, lambda s: lower_counter(s, "cascades") >= 1 + SLOTS)
+        assert a.lookup(target, ReqContext("a")) is not HIT
+
+        blocked_stores.clear()
+        queued = [key(300 + i) for i in range(SLOTS // 2)]
+        store(a, queued)  # their cascades queue on the blocked store path
+        before = lower_counter(read_status(socket), "cascades")
+
+        b = engine(socket)
+        result, _ = resolve(b, target)
+        assert result is HIT
+        assert read_exact(b, target)
+        state = read_status(socket)
+        # Served while every cascade queued before it is still waiting.
+        assert lower_counter(state, "cascades") == before
+        assert not blocked_stores.is_set()
+        blocked_stores.set()
+        wait_status(socket, lambda s: lower_counter(s, "cascades") >= before + len(queued))
+        a.shutdown()
+        b.shutdown()
+    finally:
+        blocked_stores.set()
+        svc.stop()
+        thread.join()
+        pool.close()
