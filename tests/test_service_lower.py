@@ -26,6 +26,7 @@ from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.service.client import ServiceClient, read_status
 from kvtiers.service.lower import identity_config
+from kvtiers.service.main import print_status
 from kvtiers.service.pool import Layout, Pool
 from kvtiers.service.server import Service
 from kvtiers.service.tier import ServiceTierManager
@@ -177,7 +178,7 @@ def lower(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_stored_cascaded_evicted_promoted_and_found_again_after_kill_9(
-    tmp_path: Path, pool_name: str, lower: str
+    tmp_path: Path, pool_name: str, lower: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     service = start(tmp_path, pool_name, lower)
     try:
@@ -209,6 +210,10 @@ def test_stored_cascaded_evicted_promoted_and_found_again_after_kill_9(
         state = read_status(service.socket)
         assert state["counters"]["promoted"] >= 1
         assert lower_counter(state, "promotions") >= 1
+        print_status(state, as_json=False)
+        shown = capsys.readouterr().out
+        assert f"lower tier {state['lower_tiers'][0]['tiers'][0]['name']}:" in shown
+        assert "indexed" in shown
 
         # kill -9: the restarted service re-adopts its pool and rebuilds the lower
         # tiers' indexes; the chunks evicted before are promoted again, byte-exact.
