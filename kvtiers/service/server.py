@@ -30,7 +30,7 @@ import stat
 import struct
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,6 +185,13 @@ class Service:
         self._lowers: dict[int, LowerTiers] = {}
         #: Namespaces whose lower tiers could not be built: why.
         self._lower_refused: dict[int, str] = {}
+        #: Builds under way (namespace → thread), and what they handed over (the loop
+        #: takes it in when woken): the lower tiers, or why they could not be built.
+        self._building: dict[int, threading.Thread] = {}
+        self._built: deque[tuple[int, LowerTiers | str]] = deque()
+        #: Keys committed while their namespace's build was under way: cascaded once it
+        #: ends (those still in the pool then).
+        self._uncascaded: dict[int, dict[bytes, None]] = {}
 
     # -- set-up ---------------------------------------------------------------------
     def _adopt(self) -> Adoption:
@@ -294,8 +301,14 @@ class Service:
             done, box = self._asked.pop()
             box.append(self.state())
             done.set()
+        while self._built:
+            self._take_built(*self._built.popleft())
 
     def _shutdown(self) -> None:
+        for thread in list(self._building.values()):
+            thread.join()
+        while self._built:
+            self._take_built(*self._built.popleft())
         for index, lowers in self._lowers.items():
             try:
                 lowers.wait_idle()
@@ -483,44 +496,66 @@ class Service:
         conn.engine = request.engine[:200]
         log.info("kvtiers serve: pid %d (%s) attached namespace %s", conn.pid, conn.engine,
                  ns.name)
-        lowers = self._lowers_of(ns, request.identity)
         return p.Attached(request.seq, index, str(self.pool.path), self.pool.num_slots,
-                          self.pool.slot_bytes, self.epoch,
-                          0 if lowers is None else len(lowers.tiers) - 1)
+                          self.pool.slot_bytes, self.epoch, self._lower_count(ns, request))
 
-    def _lowers_of(self, ns: _Namespace, identity: bytes) -> LowerTiers | None:
-        """``ns``'s lower tiers, built at its first attach (their indexes are built in the
-        background from then on); ``None`` without lower tiers, or when they cannot be
-        built for this identity (logged once; the namespace is then the pool's alone)."""
+    def _lower_count(self, ns: _Namespace, request: p.Attach) -> int:
+        """How many tiers run below the pool for ``ns``; at its first attach their build
+        starts on a thread of its own (a tier's medium may be slow to open: the loop does
+        not wait for it, and probes meanwhile are answered "ask again")."""
         if self.lower is None or ns.index in self._lower_refused:
-            return None
-        lowers = self._lowers.get(ns.index)
-        if lowers is not None:
-            return lowers
+            return 0
+        if ns.index not in self._lowers and ns.index not in self._building:
+            thread = threading.Thread(target=self._build_lowers,
+                                      args=(ns.index, ns.name, request.identity),
+                                      name=f"kvtiers-serve-lower-{ns.index}", daemon=True)
+            self._building[ns.index] = thread
+            self._uncascaded[ns.index] = {}
+            thread.start()
+        return len(self.lower.tiers) - 1
+
+    def _build_lowers(self, index: int, name: str, identity: bytes) -> None:
+        """On its own thread: build namespace ``index``'s lower tiers and hand them (or
+        why not) to the loop."""
         from kvtiers.service.lower import LowerTiers, identity_config
 
+        assert self.lower is not None
+        built: LowerTiers | str
         try:
-            offloading = identity_config(identity)
-            lowers = LowerTiers(self.lower, offloading, self.pool, self, ns.index)
+            built = LowerTiers(self.lower, identity_config(identity), self.pool, self, index)
         except Exception as exc:  # this namespace goes without; the others are served
-            self._lower_refused[ns.index] = f"{type(exc).__name__}: {exc}"
-            log.warning("kvtiers serve: no lower tiers for namespace %s: %s", ns.name, exc)
-            return None
-        self._lowers[ns.index] = lowers
-        log.info("kvtiers serve: namespace %s: %d lower tiers (%s)", ns.name,
-                 len(lowers.tiers) - 1, ", ".join(t.name for t in lowers.tiers[1:]))
-        return lowers
+            built = f"{type(exc).__name__}: {exc}"
+            log.warning("kvtiers serve: no lower tiers for namespace %s: %s", name, exc)
+        self._built.append((index, built))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"l")
+
+    def _take_built(self, index: int, built: LowerTiers | str) -> None:
+        """On the loop: a build ended (see :meth:`_build_lowers`)."""
+        self._building.pop(index, None)
+        waiting = self._uncascaded.pop(index, {})
+        if isinstance(built, str):
+            self._lower_refused[index] = built
+            return
+        self._lowers[index] = built
+        ready = self._namespaces[index].ready
+        built.committed([key for key in waiting if key in ready])
+        log.info("kvtiers serve: namespace %s: %d lower tiers (%s)",
+                 self._namespaces[index].name, len(built.tiers) - 1,
+                 ", ".join(t.name for t in built.tiers[1:]))
 
     def _probe(self, ns: _Namespace, keys: list[bytes]) -> list[int]:
         """Answer a :class:`~kvtiers.service.protocol.Probe` (see there)."""
-        from kvtiers.service.lower import PROBE_HIT, PROBE_MISS, PROBE_PENDING
+        from kvtiers.service.lower import PROBE_HIT, PROBE_MISS, PROBE_PENDING, PROBE_RETRY
 
         lowers = self._lowers.get(ns.index)
         if lowers is not None:
             self.counters["probes"] += len(keys)
             return lowers.probe(keys)
+        # Without lower tiers (yet: a build under way is asked again).
+        absent = PROBE_RETRY if ns.index in self._building else PROBE_MISS
         return [PROBE_HIT if key in ns.ready else PROBE_PENDING if key in ns.writing
-                else PROBE_MISS for key in keys]
+                else absent for key in keys]
 
     # -- the pool as the lower tiers' primary (kvtiers.service.lower.PoolKeeper) -----
     def ready_slot(self, ns: int, key: bytes) -> int | None:
@@ -657,11 +692,13 @@ class Service:
             self._publish(ns, key, slot, length)
             ns.stored += 1
             outcome.append(1)
+        stored = [key for key, done in zip(request.keys, outcome, strict=True) if done == 1]
         lowers = self._lowers.get(ns.index)
         if lowers is not None:
             # Write-behind: the lower tiers' movers copy them on their background threads.
-            lowers.committed([key for key, done in zip(request.keys, outcome, strict=True)
-                              if done == 1])
+            lowers.committed(stored)
+        elif ns.index in self._uncascaded:
+            self._uncascaded[ns.index].update(dict.fromkeys(stored))
         return outcome
 
     def _publish(self, ns: _Namespace, key: bytes, slot: int, length: int) -> None:
