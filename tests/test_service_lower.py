@@ -345,3 +345,38 @@ def test_a_promotion_is_served_ahead_of_the_cascades_queued_before_it(
         svc.stop()
         thread.join()
         pool.close()
+
+
+@pytest.mark.usefixtures("aws_env")
+def test_a_dead_s3_resolves_to_a_miss_and_the_pool_keeps_serving(
+    tmp_path: Path, pool_name: str
+) -> None:
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    running = True
+    host, port = moto.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
+    service = start(tmp_path, pool_name, s3_tier(endpoint) + (
+        "    max_attempts: 1\n    timeout_s: 1\n    op_deadline_s: 2\n"))
+    try:
+        a = engine(service.socket)
+        wanted = [key(i) for i in range(4)]
+        store(a, wanted, settle=service.socket)
+        store(a, [key(100 + i) for i in range(SLOTS)], settle=service.socket)
+        moto.stop()  # S3 dead: every request is refused
+        running = False
+        for k in wanted:
+            result, _ = resolve(a, k)
+            assert result is MISS
+        assert read_status(service.socket)["counters"]["promotions_failed"] >= 1
+        store(a, [key(200)])
+        assert a.lookup(key(200), ReqContext("a")) is HIT
+        a.shutdown()
+    finally:
+        service.kill()
+        if running:
+            moto.stop()
