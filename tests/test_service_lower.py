@@ -380,3 +380,28 @@ def test_a_dead_s3_resolves_to_a_miss_and_the_pool_keeps_serving(
         service.kill()
         if running:
             moto.stop()
+
+
+def test_a_probe_or_commit_of_a_key_not_this_caches_is_refused(tmp_path: Path,
+                                                                 pool_name: str) -> None:
+    from kvtiers.service import protocol as p
+    from kvtiers.service.client import ServiceDown
+
+    service = start(tmp_path, pool_name, file_tier(tmp_path / "root"))
+    try:
+        a = engine(service.socket)
+        wait_status(service.socket, lambda s: bool(s["lower_tiers"]))
+        for bad in (p.Probe(1, a.client.ns, [b"short"]),
+                    p.Commit(1, a.client.ns, [b"short"], [0], [CHUNK])):
+            hostile = ServiceClient(service.socket, IDENTITY, CHUNK, timeout_s=5.0)
+            bad.ns = hostile.ns
+            with pytest.raises(ServiceDown, match="refused a request"):
+                hostile.call([bad])
+            hostile.close()
+        # The engine beside them is served.
+        store(a, [key(1)])
+        assert a.lookup(key(1), ReqContext("a")) is HIT
+        assert read_status(service.socket)["counters"]["bad_messages"] == 2
+        a.shutdown()
+    finally:
+        service.stop()

@@ -461,6 +461,14 @@ class Service:
         for key in request.keys:
             if not 0 < len(key) <= MAX_KEY:
                 raise Refused(f"a key of {len(key)} bytes (1 to {MAX_KEY} expected)")
+        lowers = self._lowers.get(ns.index)
+        if lowers is not None and isinstance(request, (p.Commit, p.Probe)):
+            # Keys the lower tiers are handed must be this cache's, checked before the
+            # pool changes.
+            try:
+                lowers.manager.key_format.check_all(request.keys, type(request).__name__)
+            except ValueError as exc:
+                raise Refused(str(exc)) from None
         if isinstance(request, p.Reserve):
             return p.Slots(request.seq, self._reserve(conn, ns, request.keys))
         if isinstance(request, p.Commit):
