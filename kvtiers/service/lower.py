@@ -303,6 +303,18 @@ class LowerTiers:
         finally:
             self.manager.on_request_finished(ctx)
 
+    def valid(self, keys: Iterable[bytes]) -> list[bytes]:
+        """The ``keys`` that are this cache's (the composite's door refuses the others)."""
+        key_format = self.manager.key_format
+        kept = []
+        for key in keys:
+            try:
+                key_format.check_all([key], "committed")
+            except ValueError:
+                continue
+            kept.append(key)
+        return kept
+
     def committed(self, keys: list[bytes]) -> None:
         """Engines committed ``keys`` into the pool: cascade them (write-behind)."""
         if keys:

@@ -272,10 +272,7 @@ class Service:
                  self.socket_path, self.pool.path, self.pool.num_slots, self.pool.slot_bytes)
         try:
             while not self._stopping:
-                busy = False
-                for lowers in self._lowers.values():
-                    lowers.step()
-                    busy = busy or lowers.busy
+                busy = self._step_lowers()
                 for key, events in self._selector.select(POLL_S if busy else None):
                     sock = key.fileobj
                     if sock is self._listener:
@@ -290,6 +287,25 @@ class Service:
                             self._flush(conn)
         finally:
             self._shutdown()
+
+    def _step_lowers(self) -> bool:
+        """Take in the lower tiers' finished copies and submit held promotions; whether
+        any copy is in flight. A namespace whose tiers fail here loses them (logged; its
+        pool is served on), never the loop."""
+        busy = False
+        for index, lowers in list(self._lowers.items()):
+            try:
+                lowers.step()
+                busy = busy or lowers.busy
+            except Exception as exc:
+                log.exception("kvtiers serve: the lower tiers of namespace %d failed; "
+                              "it keeps the pool alone", index)
+                self.counters["internal_errors"] += 1
+                del self._lowers[index]
+                self._lower_refused[index] = f"failed: {type(exc).__name__}: {exc}"
+                with contextlib.suppress(Exception):
+                    lowers.shutdown()
+        return busy
 
     def _drain_wake(self) -> None:
         try:
@@ -547,7 +563,8 @@ class Service:
             return
         self._lowers[index] = built
         ready = self._namespaces[index].ready
-        built.committed([key for key in waiting if key in ready])
+        # Committed before the door below the pool existed: keys it refuses stay out.
+        built.committed(built.valid(key for key in waiting if key in ready))
         log.info("kvtiers serve: namespace %s: %d lower tiers (%s)",
                  self._namespaces[index].name, len(built.tiers) - 1,
                  ", ".join(t.name for t in built.tiers[1:]))
