@@ -21,9 +21,11 @@ gives back the very same identity), and :func:`check_lower_tiers` (what the serv
 accepts below its pool: no ``write: back`` tier, since the pool cannot hold an evicted
 slot for a copy).
 
-Probe answers (:data:`PROBE_HIT` and the others) are what the engine's
-``kind: service`` tier turns into ``HIT``/``RETRY``/``MISS``. Everything here runs on the
-service's loop thread; only the movers' copies run elsewhere.
+Probe answers (:data:`~kvtiers.service.protocol.PROBE_HIT` and the others) are what the
+engine's ``kind: service`` tier turns into ``HIT``/``RETRY``/``MISS``. A
+:class:`LowerTiers` is built on a thread of its own (opening a medium may take requests)
+and from then on used on the service's loop thread alone; only the movers' copies (and
+the tiers' index builds and listings) run elsewhere.
 """
 
 from __future__ import annotations
@@ -60,14 +62,12 @@ from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError, UnknownKeyError
 from kvtiers.filemapper import NamespaceIdentity
+from kvtiers.service.protocol import PROBE_HIT, PROBE_MISS, PROBE_PENDING, PROBE_RETRY
 from kvtiers.stack.builder import build_tier_at
 from kvtiers.stack.composite import TieredManager
 
 log = logging.getLogger("kvtiers.service")
 
-#: A probe's answer per key: in the pool now; being promoted (or written) into it; held
-#: by no tier (recompute); ask again (a lower tier is still indexing or probing).
-PROBE_HIT, PROBE_PENDING, PROBE_MISS, PROBE_RETRY = 3, 1, 0, 2
 _ANSWER = {
     LookupResult.HIT: PROBE_HIT,
     LookupResult.HIT_PENDING: PROBE_PENDING,
@@ -294,8 +294,8 @@ class LowerTiers:
         self._probes = 0
 
     def probe(self, keys: list[bytes]) -> list[int]:
-        """Each key's :data:`PROBE_HIT`/... answer; a lower-tier hit starts its promotion
-        (submitted at the next :meth:`step`)."""
+        """Each key's probe answer (:data:`~kvtiers.service.protocol.PROBE_HIT`...); a
+        lower-tier hit starts its promotion (submitted at the next :meth:`step`)."""
         self._probes += 1
         ctx = ReqContext(req_id=f"kvtiers-probe-{self._probes}")
         try:

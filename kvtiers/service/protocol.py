@@ -88,12 +88,17 @@ class Lookup(_Msg):
 
 class Probe(_Msg):
     """Ask the tiers below the pool for ``keys`` that missed the pool's mirror; the
-    reply's ``slots[i]``: 3 in the pool now, 1 being promoted (or written) into it, 2 ask
-    again (a lower tier is still indexing), 0 held nowhere. A lower-tier hit starts its
-    promotion into the pool."""
+    reply's ``slots[i]``: :data:`PROBE_HIT` (in the pool now), :data:`PROBE_PENDING`
+    (being promoted or written into it), :data:`PROBE_RETRY` (ask again: a lower tier is
+    still indexing or being built), :data:`PROBE_MISS` (held nowhere). A lower-tier hit
+    starts its promotion into the pool."""
 
     ns: int
     keys: list[bytes]
+
+
+#: A :class:`Probe`'s answer per key (its reply's ``slots[i]``).
+PROBE_MISS, PROBE_PENDING, PROBE_RETRY, PROBE_HIT = 0, 1, 2, 3
 
 
 class Status(_Msg):

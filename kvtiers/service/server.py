@@ -571,15 +571,13 @@ class Service:
 
     def _probe(self, ns: _Namespace, keys: list[bytes]) -> list[int]:
         """Answer a :class:`~kvtiers.service.protocol.Probe` (see there)."""
-        from kvtiers.service.lower import PROBE_HIT, PROBE_MISS, PROBE_PENDING, PROBE_RETRY
-
         lowers = self._lowers.get(ns.index)
         if lowers is not None:
             self.counters["probes"] += len(keys)
             return lowers.probe(keys)
         # Without lower tiers (yet: a build under way is asked again).
-        absent = PROBE_RETRY if ns.index in self._building else PROBE_MISS
-        return [PROBE_HIT if key in ns.ready else PROBE_PENDING if key in ns.writing
+        absent = p.PROBE_RETRY if ns.index in self._building else p.PROBE_MISS
+        return [p.PROBE_HIT if key in ns.ready else p.PROBE_PENDING if key in ns.writing
                 else absent for key in keys]
 
     # -- the pool as the lower tiers' primary (kvtiers.service.lower.PoolKeeper) -----

@@ -57,9 +57,8 @@ _RETRY = LookupResult.RETRY
 #: below the pool; then it is a ``MISS`` (and stays one for ``PROBE_FORGET`` x as many).
 PROBE_STEPS = 16
 PROBE_FORGET = 4
-#: A probe's answer not read yet (the service's answers: :mod:`kvtiers.service.lower`).
+#: A probe's answer not read yet (the service's answers: ``protocol.PROBE_*``).
 _ASKED = -1
-_PROBE_HIT, _PROBE_PENDING, _PROBE_MISS, _PROBE_RETRY = 3, 1, 0, 2
 #: How often (seconds) a lookup polls the socket for the service's death: a dead service
 #: is noticed within this bound and a step of lookups costs one poll at most.
 LIVENESS_S = 0.001
@@ -277,12 +276,11 @@ class ServiceTierManager(OffloadingManager):
             self.stats["probes"] += 1
             return _RETRY
         answer = entry[1]
-        if answer in (_PROBE_MISS, _PROBE_HIT):
+        if answer in (p.PROBE_MISS, p.PROBE_HIT):
             return _MISS
         if self._step - entry[0] >= self._probe_steps:
-            if answer != _PROBE_MISS:
-                entry[1] = _PROBE_MISS
-                self.stats["probes_given_up"] += 1
+            entry[1] = p.PROBE_MISS
+            self.stats["probes_given_up"] += 1
             return _MISS
         if answer != _ASKED:
             # Pending or "ask again": ask again with this step's end write (a promotion
