@@ -563,8 +563,13 @@ class Service:
             return
         self._lowers[index] = built
         ready = self._namespaces[index].ready
-        # Committed before the door below the pool existed: keys it refuses stay out.
-        built.committed(built.valid(key for key in waiting if key in ready))
+        try:
+            # Committed before the door below the pool existed: keys it refuses stay out.
+            built.committed(built.valid(key for key in waiting if key in ready))
+        except Exception:  # a defect below the pool must not stop the loop
+            log.exception("kvtiers serve: cascading the chunks committed during the build "
+                          "of namespace %d", index)
+            self.counters["internal_errors"] += 1
         log.info("kvtiers serve: namespace %s: %d lower tiers (%s)",
                  self._namespaces[index].name, len(built.tiers) - 1,
                  ", ".join(t.name for t in built.tiers[1:]))
@@ -721,7 +726,11 @@ class Service:
             # Write-behind: the lower tiers' movers copy them on their background threads.
             lowers.committed(stored)
         elif ns.index in self._uncascaded:
-            self._uncascaded[ns.index].update(dict.fromkeys(stored))
+            waiting = self._uncascaded[ns.index]
+            waiting.update(dict.fromkeys(stored))
+            if len(waiting) > self.pool.num_slots:
+                # Bounded by the pool: only the chunks still in it are cascaded anyway.
+                self._uncascaded[ns.index] = {k: None for k in waiting if k in ns.ready}
         return outcome
 
     def _publish(self, ns: _Namespace, key: bytes, slot: int, length: int) -> None:
