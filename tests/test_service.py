@@ -22,7 +22,7 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.service import protocol as p
 from kvtiers.service.client import ServiceClient, ServiceDown, read_status
-from kvtiers.service.pool import SLOT_HEADER, Pool, SlotState
+from kvtiers.service.pool import SLOT_HEADER, Pool, SlotState, tag_of
 from kvtiers.service.server import Service, peer_allowed
 from kvtiers.service.tier import ServiceTierManager
 from kvtiers.testing.service import ServiceProcess, chunk_bytes_of, run_peer
@@ -318,14 +318,25 @@ def test_one_connection_holds_an_eighth_of_the_pool_at_most(service: ServiceProc
     other.shutdown()
 
 
-def test_unpin_of_a_key_not_pinned_is_refused(service: ServiceProcess) -> None:
+def test_an_unpin_drops_only_its_own_connections_pins(service: ServiceProcess) -> None:
     good = engine(service)
     stored = store(good, keys(1))
+    slot = good.region.find(tag_of(good.client.digest, stored[0]))
+    pinner = ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
+    reply = pinner.call([p.Pin(pinner.next_seq(), pinner.ns, list(stored), [slot])])[0]
+    assert isinstance(reply, p.Slots) and reply.slots == [slot]
     bad = ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
-    with pytest.raises(ServiceDown, match="not pinned"):
-        bad.call([p.Unpin(bad.next_seq(), bad.ns, list(stored))])
+    # A slot it holds no pin of is skipped (its Pin may have found the key gone)...
+    bad.call([p.Unpin(bad.next_seq(), bad.ns, [slot])])
+    assert read_status(service.socket)["pinned_slots"] == 1
+    # ...a slot out of range is refused.
+    with pytest.raises(ServiceDown, match="outside"):
+        bad.call([p.Unpin(bad.next_seq(), bad.ns, [good.num_slots])])
+    pinner.call([p.Unpin(pinner.next_seq(), pinner.ns, [slot])])
+    assert read_status(service.socket)["pinned_slots"] == 0
     assert read_exact(good, stored)
     good.shutdown()
+    pinner.close()
     bad.close()
 
 
