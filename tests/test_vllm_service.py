@@ -67,7 +67,8 @@ def test_a_chunk_stored_through_one_engine_is_a_hit_in_another(
         assert [second.stack.manager.tiers[0].manager.region.stamp(s)[0]
                 for s in checked.block_ids] == checked.generations
         assert pickle.loads(pickle.dumps(load)).groups[0].generations == checked.generations
-        assert copy.copy(checked).set_gpu_block_offset(1).generations == checked.generations
+        copied = copy.copy(checked).set_gpu_block_offset(1)
+        assert isinstance(copied, CheckedSlots) and copied.generations == checked.generations
         second.complete_load(tuple(keys), ctx)
         second.on_request_finished(ctx)
         # Present already: nothing to store again.
