@@ -111,6 +111,12 @@ class Side:
         manager.complete_store(job_keys(out.keys_to_store), prefix_ctx)
         manager.on_request_finished(prefix_ctx)
         self.end_step()
+        tiers = getattr(getattr(manager, "stack", None), "manager", None)
+        primary = tiers.tiers[0].manager if tiers is not None else None
+        if hasattr(primary, "flush"):
+            # The service: the prefix's commits went in the step's end write; wait until
+            # it has taken them in, so that the first step's lookups find the prefix.
+            primary.flush(wait=True)
 
     def key(self) -> Any:
         self.counter += 1

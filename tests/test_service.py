@@ -508,9 +508,9 @@ def test_an_engine_that_only_stores_reads_its_owed_replies(service: ServiceProce
         accepted = mine.prepare_store([key], ctx)
         assert accepted == [key]
         mine.complete_store(accepted, ctx)
-        mine.on_schedule_end(ScheduleEndContext())  # a write; the last step's replies read
-    assert len(mine._inflight) <= 2  # one step's commit and lease top-up at most
+        mine.on_schedule_end(ScheduleEndContext())  # a write; arrived replies read
     mine.flush(wait=True)
+    assert mine._inflight == []
     state = read_status(service.socket)
     assert state["counters"].get("slow_clients", 0) == 0
     assert sum(ns["stored"] for ns in state["namespaces"]) == 300
@@ -682,4 +682,35 @@ def test_a_step_with_loads_makes_no_round_trip(service: ServiceProcess) -> None:
     mine.flush(wait=True)
     assert read_status(service.socket)["pinned_slots"] == 0
     assert mine.get_stats()["pins_missed"] == 0
+    mine.shutdown()
+
+
+def test_steps_wait_for_nothing_while_the_service_is_stopped(service: ServiceProcess) -> None:
+    import signal
+
+    mine = engine(service)
+    stored = store(mine, keys(2))
+    before = mine.get_stats()["round_trips"]
+    ctx = ReqContext("r")
+    assert service.proc is not None
+    service.proc.send_signal(signal.SIGSTOP)  # the service reads and answers nothing
+    try:
+        for step in range(4):
+            fresh = keys(1, salt=60 + step)
+            assert mine.prepare_store(fresh, ctx) == fresh  # within the lease
+            mine.complete_store(fresh, ctx)
+            assert [mine.lookup(k, ctx) for k in stored] == [HIT, HIT]
+            mine.prepare_load(stored, ctx)
+            mine.complete_load(stored, ctx)
+            # A write the socket takes; no reply is waited for (a wait would time out
+            # and mark the service down).
+            mine.on_schedule_end(ScheduleEndContext())
+        assert mine.client.up and mine.get_stats()["round_trips"] == before
+        assert len(mine._inflight) >= 4
+    finally:
+        service.proc.send_signal(signal.SIGCONT)
+    mine.flush(wait=True)
+    state = read_status(service.socket)
+    assert sum(ns["stored"] for ns in state["namespaces"]) == 6
+    assert state["pinned_slots"] == 0
     mine.shutdown()

@@ -184,24 +184,27 @@ class ServiceTierManager(OffloadingManager):
     def _exchange(self, extra: list[p.Request], *, lease: bool = True, wait: bool = True,
                   queued: bool = True) -> list[p.Reply] | None:
         """Send the queued calls (:meth:`_queued`; none unless ``queued``) and ``extra``
-        in one write. Replies still owed from the last such write are read first (by
-        then the service has usually sent them: no wait). With ``wait`` the replies to
-        this write are read too (a round trip) and those to ``extra`` returned; without,
-        they are owed. ``None`` when the service is down (what was queued is dropped with
-        the session: the service frees the slots of a closed connection)."""
+        in one write. With ``wait`` the replies still owed from earlier writes and those
+        to this one are read (a round trip) and those to ``extra`` returned; without,
+        the owed replies that have arrived are taken in, nothing is waited for, and the
+        rest stay owed. ``None`` when the service is down (what was queued is dropped
+        with the session: the service frees the slots of a closed connection)."""
         if not self._live():
             return None
         sending = self._queued(lease) if queued else []
+        client = self.client
         try:
             owed, self._inflight = self._inflight, []
             if owed:
-                self._absorb(owed, self.client.receive(owed))
+                got = client.receive(owed) if wait else client.receive_ready(owed)
+                self._absorb(owed[: len(got)], got)
+                owed = owed[len(got) :]
             if sending or extra:
-                self.client.send([*sending, *extra])
+                client.send([*sending, *extra])
             if not wait:
-                self._inflight = sending
+                self._inflight = owed + sending
                 return []
-            replies = self.client.receive([*sending, *extra]) if sending or extra else []
+            replies = client.receive([*sending, *extra]) if sending or extra else []
         except ServiceDown:
             self._alive = False
             self._new_session()
@@ -238,9 +241,9 @@ class ServiceTierManager(OffloadingManager):
         return None if replies is None else replies[0]
 
     def flush(self, *, wait: bool = False) -> None:
-        """Send queued commits and unpins and top the lease up, in one write; their
-        replies are read at the next round trip (``wait``: now, so that the service has
-        taken them in when this returns)."""
+        """Send queued commits, pins and unpins and top the lease up, in one write,
+        waiting for nothing; their replies are taken in as they arrive, at later calls
+        (``wait``: now, so that the service has taken them in when this returns)."""
         self._exchange([], wait=wait)
 
     # -- the contract ---------------------------------------------------------------
