@@ -58,6 +58,9 @@ _MISS = LookupResult.MISS
 LIVENESS_S = 0.001
 #: Slots an engine keeps leased by default, so that its stores need no round trip.
 DEFAULT_LEASE = 64
+#: A lease is topped up to this many steps' worth of the last step's stores, so that a
+#: service a few steps behind in answering does not make a store wait for a round trip.
+LEASE_STEPS = 4
 #: Keys per Commit or Unpin message (a frame stays far below the service's bound).
 COMMIT_BATCH = 4096
 
@@ -173,7 +176,7 @@ class ServiceTierManager(OffloadingManager):
         self._unpins = []
         if self._lease_min and lease:
             target = min(self._lease_cap,
-                         max(self._lease_min, 2 * self._stored_since_flush))
+                         max(self._lease_min, LEASE_STEPS * self._stored_since_flush))
             want = target - len(self._lease) - self._leasing
             if want > 0:
                 queued.append(p.Lease(client.next_seq(), client.ns, want))
@@ -292,6 +295,9 @@ class ServiceTierManager(OffloadingManager):
                 continue
             if pool.find(tag_of(digest, key)) >= 0:
                 continue
+            if not self._lease and self._leasing:
+                # Top-ups asked for at earlier step ends: take in those answered already.
+                self._exchange([], wait=False, queued=False)
             if not self._lease and not self._refilled:
                 self._refilled = True
                 self._exchange([])
