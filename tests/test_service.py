@@ -714,3 +714,27 @@ def test_steps_wait_for_nothing_while_the_service_is_stopped(service: ServicePro
     assert sum(ns["stored"] for ns in state["namespaces"]) == 6
     assert state["pinned_slots"] == 0
     mine.shutdown()
+
+
+def test_a_step_end_waits_for_the_oldest_replies_past_the_bound(
+    service: ServiceProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvtiers.service.tier as tier_module
+
+    mine = engine(service)
+    ctx = ReqContext("r")
+    monkeypatch.setattr(tier_module, "MAX_OWED", 2)
+    # As if no reply had arrived by any step's end: only the bound makes it read.
+    monkeypatch.setattr(mine.client, "receive_ready", lambda requests: [])
+    for step in range(6):
+        fresh = keys(1, salt=70 + step)
+        assert mine.prepare_store(fresh, ctx) == fresh
+        mine.complete_store(fresh, ctx)
+        mine.on_schedule_end(ScheduleEndContext())
+        sent = 2  # this step's Commit and Lease top-up
+        assert len(mine._inflight) <= tier_module.MAX_OWED + sent
+    assert mine.get_stats()["owed_waits"] >= 4
+    monkeypatch.undo()
+    mine.flush(wait=True)
+    assert sum(ns["stored"] for ns in read_status(service.socket)["namespaces"]) == 6
+    mine.shutdown()

@@ -61,6 +61,9 @@ DEFAULT_LEASE = 64
 #: A lease is topped up to this many steps' worth of the last step's stores, so that a
 #: service a few steps behind in answering does not make a store wait for a round trip.
 LEASE_STEPS = 4
+#: Requests whose replies may stay owed (about eight steps' writes) before a step's end
+#: waits for the oldest.
+MAX_OWED = 32
 #: Keys per Commit or Unpin message (a frame stays far below the service's bound).
 COMMIT_BATCH = 4096
 
@@ -115,7 +118,8 @@ class ServiceTierManager(OffloadingManager):
         self._unpins: list[int] = []
         self._session = client.session
         self.stats = {"lookups": 0, "hits": 0, "round_trips": 0, "lost_loads": 0,
-                      "down_lookups": 0, "duplicate_stores": 0, "pins_missed": 0}
+                      "down_lookups": 0, "duplicate_stores": 0, "pins_missed": 0,
+                      "owed_waits": 0}
         if lease_slots:
             self.flush(wait=True)
 
@@ -189,9 +193,10 @@ class ServiceTierManager(OffloadingManager):
         """Send the queued calls (:meth:`_queued`; none unless ``queued``) and ``extra``
         in one write. With ``wait`` the replies still owed from earlier writes and those
         to this one are read (a round trip) and those to ``extra`` returned; without,
-        the owed replies that have arrived are taken in, nothing is waited for, and the
-        rest stay owed. ``None`` when the service is down (what was queued is dropped
-        with the session: the service frees the slots of a closed connection)."""
+        the owed replies that have arrived are taken in, nothing is waited for unless
+        more than ``MAX_OWED`` would stay owed, and the rest stay owed. ``None`` when the
+        service is down (what was queued is dropped with the session: the service frees
+        the slots of a closed connection)."""
         if not self._live():
             return None
         sending = self._queued(lease) if queued else []
@@ -200,6 +205,12 @@ class ServiceTierManager(OffloadingManager):
             owed, self._inflight = self._inflight, []
             if owed:
                 got = client.receive(owed) if wait else client.receive_ready(owed)
+                # A service far behind: wait for the oldest replies, so that what it
+                # has to work through before answering a round trip stays bounded.
+                excess = len(owed) - len(got) - MAX_OWED
+                if excess > 0:
+                    self.stats["owed_waits"] += 1
+                    got += client.receive(owed[len(got) : len(got) + excess])
                 self._absorb(owed[: len(got)], got)
                 owed = owed[len(got) :]
             if sending or extra:
