@@ -116,12 +116,17 @@ class Side:
             # The service: the prefix's commits went in the step's end write; wait until
             # it has taken them in, so that the first step's lookups find the prefix.
             primary.flush(wait=True)
-        self._trips = float(primary.get_stats()["round_trips"]) if primary else 0.0
+        self._waits = self.waits()
 
-    def round_trips(self) -> float:
-        """Round trips the service tier made since the steps began (0 for the others)."""
+    def waits(self) -> tuple[float, float]:
+        """The service tier's round trips and step ends that waited for owed replies, so
+        far less at the steps' start (zeros for the other sides)."""
         primary = self._primary()
-        return float(primary.get_stats()["round_trips"]) - self._trips if primary else 0.0
+        if primary is None:
+            return 0.0, 0.0
+        stats = primary.get_stats()
+        start = getattr(self, "_waits", (0.0, 0.0))
+        return stats["round_trips"] - start[0], stats["owed_waits"] - start[1]
 
     def _primary(self) -> Any:
         tiers = getattr(getattr(self.manager, "stack", None), "manager", None)
@@ -231,7 +236,8 @@ def run(steps: int) -> dict[str, Any]:
                         "per_key_us": statistics.median(values) * 1e6 / keys_per_step,
                         "cpu_p50_us": statistics.median(used) * 1e6,
                         "cpu_p99_us": percentile(used, 99) * 1e6,
-                        "round_trips": side.round_trips() / steps,
+                        "round_trips": side.waits()[0] / steps,
+                        "owed_waits": side.waits()[1] / steps,
                     })
                     side.close()
         finally:
@@ -283,9 +289,12 @@ def render(results: dict[str, Any]) -> str:
               "lookups and prepare_load read the pool's mirror and slot headers; the "
               "step's Commit/Pin/Unpin/Lease go in one write at on_schedule_end that "
               "waits for nothing, their replies taken in as they arrive."]
-    trips = {r["running"]: r["round_trips"] for r in rows if r["side"] == "service"}
-    lines += ["", "Round trips the service side made per step (its client's count), by "
-              "running requests: " + ", ".join(f"{k}: {v:.2f}" for k, v in trips.items())
+    service_rows = [r for r in rows if r["side"] == "service"]
+    lines += ["", "Per step on the service side (its client's counts), by running requests: "
+              "round trips " + ", ".join(f"{r['running']}: {r['round_trips']:.2f}"
+                                         for r in service_rows)
+              + "; step ends that waited for replies owed past the bound "
+              + ", ".join(f"{r['running']}: {r['owed_waits']:.2f}" for r in service_rows)
               + "."]
     lines += ["", f"Machine: {machine_sentence(results['machine'])}; "
               f"{results['steps']} steps per row."]
