@@ -282,9 +282,9 @@ class PoolView:
         return int(_GEN.unpack_from(self.buffer, self.header_at(slot))[0])
 
     def stamp(self, slot: int) -> tuple[int, int]:
-        """``(generation, state)`` of ``slot``'s header, read generation first (a reader
-        that compares the generation with one it saw earlier, and again after its copy,
-        knows whether the state it read is still the slot's)."""
+        """``(generation, state)`` of ``slot``'s header. A reader that finds the
+        generation it saw earlier, before its copy and again after it, knows the header
+        (and the slot's owner) did not change in between."""
         generation, state = _STAMP.unpack_from(self.buffer, self.header_at(slot))
         return int(generation), int(state)
 

@@ -8,7 +8,8 @@ answering as the CPU tier does, with the pool in another process:
   whose stores outrun the lease; with ``lease_slots: 0``, a ``Reserve`` round trip);
 - ``prepare_load`` queues an advisory ``Pin`` of each slot it found, ``complete_store``
   and ``complete_load`` queue ``Commit``/``Unpin``: all are sent in one write at
-  ``on_schedule_end`` (or pipelined with a round trip), their replies read a step later;
+  ``on_schedule_end`` (or pipelined with a round trip) that waits for nothing, their
+  replies taken in as they arrive;
 - ``get_spec`` addresses a job by :class:`~kvtiers.service.worker.CheckedSlots`: each
   slot with the header generation seen for it, which the worker checks around its copy,
   so a chunk evicted between lookup and copy fails its job (vLLM recomputes) instead of
