@@ -14,7 +14,9 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("msgspec")
 
@@ -22,9 +24,10 @@ from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.service import protocol as p
 from kvtiers.service.client import ServiceClient, ServiceDown, read_status
-from kvtiers.service.pool import SLOT_HEADER, Pool, SlotState
+from kvtiers.service.pool import SLOT_HEADER, Pool, SlotState, tag_of
 from kvtiers.service.server import Service, peer_allowed
 from kvtiers.service.tier import ServiceTierManager
+from kvtiers.service.worker import CheckedSlots, ServiceWorker
 from kvtiers.testing.service import ServiceProcess, chunk_bytes_of, run_peer
 
 IDENTITY = b'{"model_name":"test/model","x":1}'
@@ -318,14 +321,25 @@ def test_one_connection_holds_an_eighth_of_the_pool_at_most(service: ServiceProc
     other.shutdown()
 
 
-def test_unpin_of_a_key_not_pinned_is_refused(service: ServiceProcess) -> None:
+def test_an_unpin_drops_only_its_own_connections_pins(service: ServiceProcess) -> None:
     good = engine(service)
     stored = store(good, keys(1))
+    slot = good.region.find(tag_of(good.client.digest, stored[0]))
+    pinner = ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
+    reply = pinner.call([p.Pin(pinner.next_seq(), pinner.ns, list(stored), [slot])])[0]
+    assert isinstance(reply, p.Slots) and reply.slots == [slot]
     bad = ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
-    with pytest.raises(ServiceDown, match="not pinned"):
-        bad.call([p.Unpin(bad.next_seq(), bad.ns, list(stored))])
+    # A slot it holds no pin of is skipped (its Pin may have found the key gone)...
+    bad.call([p.Unpin(bad.next_seq(), bad.ns, [slot])])
+    assert read_status(service.socket)["pinned_slots"] == 1
+    # ...a slot out of range is refused.
+    with pytest.raises(ServiceDown, match="outside"):
+        bad.call([p.Unpin(bad.next_seq(), bad.ns, [good.num_slots])])
+    pinner.call([p.Unpin(pinner.next_seq(), pinner.ns, [slot])])
+    assert read_status(service.socket)["pinned_slots"] == 0
     assert read_exact(good, stored)
     good.shutdown()
+    pinner.close()
     bad.close()
 
 
@@ -494,9 +508,9 @@ def test_an_engine_that_only_stores_reads_its_owed_replies(service: ServiceProce
         accepted = mine.prepare_store([key], ctx)
         assert accepted == [key]
         mine.complete_store(accepted, ctx)
-        mine.on_schedule_end(ScheduleEndContext())  # a write; the last step's replies read
-    assert len(mine._inflight) <= 2  # one step's commit and lease top-up at most
+        mine.on_schedule_end(ScheduleEndContext())  # a write; arrived replies read
     mine.flush(wait=True)
+    assert mine._inflight == []
     state = read_status(service.socket)
     assert state["counters"].get("slow_clients", 0) == 0
     assert sum(ns["stored"] for ns in state["namespaces"]) == 300
@@ -522,3 +536,205 @@ def test_slots_being_written_at_a_stop_are_reused_last(tmp_path: Path, pool_name
         svc.stop()
         svc.serve()  # returns at once: closes the socket
         pool.close()
+
+
+def test_freed_slots_are_reused_first_in_first_out(tmp_path: Path, pool_name: str) -> None:
+    from kvtiers.service.pool import Layout
+
+    pool = Pool(Path("/dev/shm", pool_name), Layout(4, SLOT), fresh=True)
+    svc = Service(pool, tmp_path / "fifo.sock")
+    try:
+        first, second = svc._take_slot(set()), svc._take_slot(set())
+        svc._release(first)
+        # The slot freed last goes after the free slots freed before it.
+        assert [svc._take_slot(set()) for _ in range(3)] == [2, 3, first]
+        svc._release(second)
+        assert svc._take_slot(set()) == second  # the only one free
+    finally:
+        svc.stop()
+        svc.serve()
+        pool.close()
+
+
+# -- loads without a round trip: the worker checks each slot's header around its copy --------
+def service_worker(manager: ServiceTierManager) -> tuple[ServiceWorker, torch.Tensor]:
+    """A worker over the engine's mapped pool and its KV tensor of 4 one-slot blocks."""
+    from kvtiers.core.geometry import ChunkGeometry
+    from kvtiers.core.worker import KVCacheTensors, KVTensorRef
+
+    blocks = torch.zeros(4, SLOT, dtype=torch.uint8)
+    kv = KVCacheTensors([blocks], [[KVTensorRef(0, SLOT)]])
+    return ServiceWorker(kv, manager.region, ChunkGeometry(1, (SLOT,))), blocks
+
+
+def run_job(worker: ServiceWorker, job_id: int, spec: CheckedSlots, *, store: bool = False
+            ) -> bool:
+    """Whether the one-block job between block 0 and ``spec`` succeeded."""
+    from kvtiers.core.specs import GPULoadStoreSpec, GroupTransfer
+
+    transfer = [GroupTransfer(GPULoadStoreSpec(np.array([0], dtype=np.int64)), spec)]
+    submit = worker.submit_store if store else worker.submit_load
+    assert submit(job_id, transfer)
+    worker.wait({job_id})
+    [result] = worker.get_finished()
+    return result.success
+
+
+def fill_until_refilled(service: ServiceProcess, manager: ServiceTierManager, slot: int,
+                        tag: bytes, salt: int) -> None:
+    """Another engine stores until the chunk tagged ``tag`` is gone and ``slot`` holds
+    another ready chunk."""
+    other = engine(service)
+    for batch in range(40):
+        store(other, keys(16, salt=salt + batch))
+        if manager.region.find(tag) < 0 and manager.region.stamp(slot)[1] == SlotState.READY:
+            break
+    assert manager.region.find(tag) < 0
+    assert manager.region.stamp(slot)[1] == SlotState.READY
+    other.shutdown()
+
+
+def test_a_slot_evicted_and_refilled_before_the_copy_fails_the_load(
+    service: ServiceProcess,
+) -> None:
+    mine = engine(service)
+    stored = store(mine, keys(1))
+    ctx = ReqContext("load")
+    assert mine.lookup(stored[0], ctx) is HIT
+    mine.prepare_load(stored, ctx)  # its Pin waits for the step's end
+    spec = mine.get_spec(stored)
+    slot = int(spec.slot_ids[0])
+    fill_until_refilled(service, mine, slot, tag_of(mine.client.digest, stored[0]), 100)
+    worker, blocks = service_worker(mine)
+    try:
+        assert not run_job(worker, 1, spec)
+        assert not blocks.any()  # nothing of the new chunk was copied
+        # A load planned now finds the chunk that is there, byte-exact.
+        current = keys(16, salt=100)[0]
+        for k in keys(16, salt=100) + keys(16, salt=101):
+            if mine.lookup(k, ctx) is HIT:
+                current = k
+                break
+        mine.prepare_load([current], ctx)
+        assert run_job(worker, 2, mine.get_spec([current]))
+        assert bytes(blocks[0].numpy()) == chunk_bytes_of(current, SLOT)
+        mine.complete_load([*stored, current], ctx)
+    finally:
+        worker.shutdown()
+    mine.shutdown()
+
+
+def test_a_job_planned_before_a_service_restart_fails_or_reads_exact_bytes(
+    service: ServiceProcess,
+) -> None:
+    mine = engine(service)
+    stored = store(mine, keys(2))
+    ctx = ReqContext("r")
+    mine.prepare_load(stored, ctx)
+    first, second = mine.get_spec(stored[:1]), mine.get_spec(stored[1:])
+    storing = keys(1, salt=50)
+    assert mine.prepare_store(storing, ctx) == storing
+    store_spec = mine.get_spec(storing)  # a leased slot, WRITING
+    service.kill()
+    assert "adopted 2" in service.start()
+    worker, blocks = service_worker(mine)
+    try:
+        # Re-adopted after its checks, same generation: the load reads the chunk.
+        assert run_job(worker, 1, first)
+        assert bytes(blocks[0].numpy()) == chunk_bytes_of(stored[0], SLOT)
+        # The leased slot was freed by the restart (a new generation): the store fails
+        # without writing a byte into a slot the new service may hand to another engine.
+        blocks[0] = 7
+        assert not run_job(worker, 2, store_spec, store=True)
+        assert not any(mine.region.view(int(store_spec.slot_ids[0])))
+        # Once the restarted service has given the second chunk's slot to another chunk,
+        # the load planned before the restart fails.
+        slot = int(second.slot_ids[0])
+        fill_until_refilled(service, mine, slot, tag_of(mine.client.digest, stored[1]), 150)
+        blocks.zero_()
+        assert not run_job(worker, 3, second)
+        assert not blocks.any()
+    finally:
+        worker.shutdown()
+    mine.complete_load(stored, ctx)
+    mine.shutdown()
+
+
+def test_a_step_with_loads_makes_no_round_trip(service: ServiceProcess) -> None:
+    mine = engine(service)
+    stored = store(mine, keys(4))
+    before = mine.get_stats()["round_trips"]
+    ctx = ReqContext("r")
+    hits = [k for k in stored if mine.lookup(k, ctx) is HIT]
+    mine.prepare_load(hits, ctx)
+    spec = mine.get_spec(hits)
+    mine.on_schedule_end(ScheduleEndContext())  # the Pins go in the step's end write
+    assert mine.get_stats()["round_trips"] == before
+    exact = all(bytes(mine.region.view(int(s))[:SLOT]) == chunk_bytes_of(k, SLOT)
+                for k, s in zip(hits, spec.slot_ids, strict=True))
+    assert exact and len(hits) == 4
+    # Once the service has read that write, the slots are pinned; the loads' Unpins go
+    # with the next step's end.
+    mine.flush(wait=True)
+    assert read_status(service.socket)["pinned_slots"] == 4
+    mine.complete_load(hits, ctx)
+    mine.on_schedule_end(ScheduleEndContext())
+    mine.flush(wait=True)
+    assert read_status(service.socket)["pinned_slots"] == 0
+    assert mine.get_stats()["pins_missed"] == 0
+    mine.shutdown()
+
+
+def test_steps_wait_for_nothing_while_the_service_is_stopped(service: ServiceProcess) -> None:
+    import signal
+
+    mine = engine(service)
+    stored = store(mine, keys(2))
+    before = mine.get_stats()["round_trips"]
+    ctx = ReqContext("r")
+    assert service.proc is not None
+    service.proc.send_signal(signal.SIGSTOP)  # the service reads and answers nothing
+    try:
+        for step in range(4):
+            fresh = keys(1, salt=60 + step)
+            assert mine.prepare_store(fresh, ctx) == fresh  # within the lease
+            mine.complete_store(fresh, ctx)
+            assert [mine.lookup(k, ctx) for k in stored] == [HIT, HIT]
+            mine.prepare_load(stored, ctx)
+            mine.complete_load(stored, ctx)
+            # A write the socket takes; no reply is waited for (a wait would time out
+            # and mark the service down).
+            mine.on_schedule_end(ScheduleEndContext())
+        assert mine.client.up and mine.get_stats()["round_trips"] == before
+        assert len(mine._inflight) >= 4
+    finally:
+        service.proc.send_signal(signal.SIGCONT)
+    mine.flush(wait=True)
+    state = read_status(service.socket)
+    assert sum(ns["stored"] for ns in state["namespaces"]) == 6
+    assert state["pinned_slots"] == 0
+    mine.shutdown()
+
+
+def test_a_step_end_waits_for_the_oldest_replies_past_the_bound(
+    service: ServiceProcess, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvtiers.service.tier as tier_module
+
+    mine = engine(service)
+    ctx = ReqContext("r")
+    monkeypatch.setattr(tier_module, "MAX_OWED", 2)
+    # As if no reply had arrived by any step's end: only the bound makes it read.
+    monkeypatch.setattr(mine.client, "receive_ready", lambda requests: [])
+    for step in range(6):
+        fresh = keys(1, salt=70 + step)
+        assert mine.prepare_store(fresh, ctx) == fresh
+        mine.complete_store(fresh, ctx)
+        mine.on_schedule_end(ScheduleEndContext())
+        sent = 2  # this step's Commit and Lease top-up
+        assert len(mine._inflight) <= tier_module.MAX_OWED + sent
+    assert mine.get_stats()["owed_waits"] >= 4
+    monkeypatch.undo()
+    mine.flush(wait=True)
+    assert sum(ns["stored"] for ns in read_status(service.socket)["namespaces"]) == 6
+    mine.shutdown()

@@ -4,7 +4,9 @@ vLLM's connector drives them (docs/service.md)."""
 
 from __future__ import annotations
 
+import copy
 import os
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ import pytest
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from kvtiers.service.worker import CheckedSlots
 from kvtiers.testing.service import ServiceProcess
 from tests.test_vllm_contract import prefix, request, route1_config
 
@@ -57,6 +60,15 @@ def test_a_chunk_stored_through_one_engine_is_a_hit_in_another(
         assert [second.lookup(k, ctx) for k in keys] == [vbase.LookupResult.HIT] * 4
         load = second.prepare_load(keys, ctx)
         assert sorted(load.groups[0].block_ids) == slots  # the same slots
+        # No round trip: each slot's generation travels to the worker with the spec
+        # (pickled when the worker runs in another process; copied by the adapter's split).
+        checked = load.groups[0]
+        assert isinstance(checked, CheckedSlots) and len(checked.generations) == 4
+        assert [second.stack.manager.tiers[0].manager.region.stamp(s)[0]
+                for s in checked.block_ids] == checked.generations
+        assert pickle.loads(pickle.dumps(load)).groups[0].generations == checked.generations
+        copied = copy.copy(checked).set_gpu_block_offset(1)
+        assert isinstance(copied, CheckedSlots) and copied.generations == checked.generations
         second.complete_load(tuple(keys), ctx)
         second.on_request_finished(ctx)
         # Present already: nothing to store again.

@@ -7,6 +7,12 @@ gone) marks the client *down*: its socket is closed and :meth:`call` raises
 once every ``retry_s`` (the clock is read, nothing sleeps). Each attach is a new
 *session*: whatever the caller keeps about an older session (reservations, pins) is no
 longer the service's and must be dropped (:attr:`session` tells them apart).
+
+:meth:`ServiceClient.send` and :meth:`ServiceClient.receive_ready` never wait on the
+service: what the socket does not take at once is kept (up to ``max_pending`` bytes,
+past which ``send`` waits for the service to read, within ``timeout_s``) and written at
+the next call; replies are taken as far as they have arrived. A round trip writes
+everything kept first, so the service answers in the order the calls were made.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from kvtiers.service.pool import PoolView
 
 log = logging.getLogger("kvtiers.service")
 
+#: Bytes of calls an engine keeps unsent while the service is behind before it waits.
+MAX_PENDING = 4 << 20
+_RECV = 1 << 16
+
 
 class ServiceDown(Exception):
     """The service did not answer (or refused); the call was not made."""
@@ -44,7 +54,7 @@ class ServiceClient:
 
     def __init__(self, socket_path: str | Path, identity: bytes, chunk_bytes: int, *,
                  engine: str = "", timeout_s: float = 0.5, retry_s: float = 1.0,
-                 max_frame: int = p.MAX_FRAME) -> None:
+                 max_frame: int = p.MAX_FRAME, max_pending: int = MAX_PENDING) -> None:
         self.socket_path = str(socket_path)
         self.identity = identity
         self.digest = hashlib.sha256(identity).digest()
@@ -53,7 +63,11 @@ class ServiceClient:
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self.max_frame = max_frame
+        self.max_pending = max_pending
         self.sock: socket.socket | None = None
+        # Frames sent that the socket has not taken yet, and bytes read not yet parsed.
+        self._out = bytearray()
+        self._in = bytearray()
         self.ns = -1
         self.epoch = 0
         self.lower = 0
@@ -74,6 +88,8 @@ class ServiceClient:
     def _attach(self) -> bool:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
+        self._out.clear()
+        self._in.clear()
         try:
             sock.connect(self.socket_path)
             self.sock = sock
@@ -120,6 +136,8 @@ class ServiceClient:
         return (info.st_dev, info.st_ino) == self.pool.file_id
 
     def _down(self) -> None:
+        self._out.clear()
+        self._in.clear()
         if self.sock is not None:
             self.sock.close()
             self.sock = None
@@ -157,16 +175,61 @@ class ServiceClient:
         return self._round_trip(requests)
 
     def send(self, requests: Sequence[p.Request]) -> None:
-        """Send ``requests`` without reading their replies (:meth:`receive` reads them,
-        in order, before any later reply). Raises :class:`ServiceDown` as :meth:`call`."""
-        sock = self.sock
-        if sock is None:
+        """Send ``requests`` without reading their replies (:meth:`receive` or
+        :meth:`receive_ready` reads them, in order, before any later reply) and without
+        waiting, unless more than ``max_pending`` bytes are still unsent. Raises
+        :class:`ServiceDown` as :meth:`call`."""
+        if self.sock is None:
             raise ServiceDown("the service is down")
+        self._out += b"".join(p.frame(r) for r in requests)
         try:
-            sock.sendall(b"".join(p.frame(r) for r in requests))
+            self._push(wait=len(self._out) > self.max_pending)
         except OSError as exc:
             self._down()
             raise ServiceDown(str(exc)) from None
+
+    def _push(self, *, wait: bool) -> None:
+        """Write the kept frames: all of them (``wait``), or what the socket takes now."""
+        sock = self.sock
+        assert sock is not None
+        out = self._out
+        if wait:
+            if out:
+                sock.sendall(out)
+                out.clear()
+            return
+        while out and select.select([], [sock], [], 0)[1]:
+            del out[: sock.send(out)]
+
+    def receive_ready(self, requests: Sequence[p.Request]) -> list[p.Reply]:
+        """The replies to the first of ``requests`` (sent earlier, in order) that have
+        arrived, without waiting; kept frames are written as far as the socket takes
+        them. Raises :class:`ServiceDown` as :meth:`call`."""
+        sock = self.sock
+        if sock is None:
+            raise ServiceDown("the service is down")
+        replies: list[p.Reply] = []
+        buffer = self._in
+        try:
+            self._push(wait=False)
+            while select.select([sock], [], [], 0)[0]:
+                chunk = sock.recv(_RECV)
+                if not chunk:
+                    raise ConnectionResetError("the service closed the connection")
+                buffer += chunk
+            while len(replies) < len(requests) and len(buffer) >= 4:
+                (size,) = p.FRAME.unpack_from(buffer)
+                if size > self.max_frame:
+                    raise p.ProtocolError(f"a reply of {size} bytes")
+                if len(buffer) < 4 + size:
+                    break
+                replies.append(p.decode_reply(bytes(buffer[4 : 4 + size])))
+                del buffer[: 4 + size]
+        except (OSError, p.ProtocolError, msgspec.MsgspecError) as exc:
+            self._down()
+            raise ServiceDown(str(exc)) from None
+        self._check(requests[: len(replies)], replies)
+        return replies
 
     def receive(self, requests: Sequence[p.Request]) -> list[p.Reply]:
         """The replies to ``requests``, sent earlier by :meth:`send`, in order."""
@@ -186,7 +249,8 @@ class ServiceClient:
         assert sock is not None
         try:
             if send:
-                sock.sendall(b"".join(p.frame(r) for r in requests))
+                self._out += b"".join(p.frame(r) for r in requests)
+            self._push(wait=True)  # the replies come after those to every kept frame
             replies = [self._read_reply(sock) for _ in requests]
         except (OSError, p.ProtocolError, msgspec.MsgspecError) as exc:
             self._down()
@@ -204,10 +268,22 @@ class ServiceClient:
                 raise ServiceDown("a reply out of order")
 
     def _read_reply(self, sock: socket.socket) -> p.Reply:
-        (size,) = p.FRAME.unpack(self._read_exactly(sock, 4))
+        (size,) = p.FRAME.unpack(self._take(sock, 4))
         if size > self.max_frame:
             raise p.ProtocolError(f"a reply of {size} bytes")
-        return p.decode_reply(self._read_exactly(sock, size))
+        return p.decode_reply(self._take(sock, size))
+
+    def _take(self, sock: socket.socket, size: int) -> bytes:
+        """``size`` bytes: those read already first, then from the socket (waiting)."""
+        buffer = self._in
+        while len(buffer) < size:
+            chunk = sock.recv(max(_RECV, size - len(buffer)))
+            if not chunk:
+                raise ConnectionResetError("the service closed the connection")
+            buffer += chunk
+        data = bytes(buffer[:size])
+        del buffer[:size]
+        return data
 
     @staticmethod
     def _read_exactly(sock: socket.socket, size: int) -> bytes:

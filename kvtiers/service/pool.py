@@ -60,6 +60,7 @@ _HEAD = struct.Struct("<QIIQ16s16s32sII")
 _GEN = struct.Struct("<Q")
 _STATE_TAG = struct.Struct("<QI12x16s16s")  # generation, state, (ns+length), checksum, tag
 _KEY_AT = _HEAD.size
+_STAMP = struct.Struct("<QI")
 
 
 class SlotState(IntEnum):
@@ -241,6 +242,13 @@ class PoolView:
     def find(self, tag: bytes) -> int:
         """The slot holding the chunk tagged ``tag`` in a consistent ``READY`` header, or
         -1. Reads only: the mirror is a hint checked against the header."""
+        return self.locate(tag)[0]
+
+    def locate(self, tag: bytes) -> tuple[int, int]:
+        """``(slot, generation)`` of the chunk tagged ``tag`` as :meth:`find` finds it, or
+        ``(-1, 0)``. The generation is the one a reader of the slot must see unchanged
+        around its copy for the bytes to be that chunk's (the service bumps it at every
+        change of the header, before the slot is handed to anyone else)."""
         layout = self.layout
         bucket = int.from_bytes(tag[:8], "little") & (layout.buckets - 1)
         start = layout.mirror_at + bucket * WAYS * MIRROR_ENTRY
@@ -249,23 +257,36 @@ class PoolView:
         while at >= 0:
             if at % MIRROR_ENTRY == 8:
                 slot = _MIRROR.unpack_from(row, at - 8)[0] - 1
-                if 0 <= slot < layout.num_slots and self._ready_with(slot, tag):
-                    return slot
+                if 0 <= slot < layout.num_slots:
+                    generation = self._ready_with(slot, tag)
+                    if generation >= 0:
+                        return slot, generation
             at = row.find(tag, at + 1)
-        return -1
+        return -1, 0
 
-    def _ready_with(self, slot: int, tag: bytes) -> bool:
+    def _ready_with(self, slot: int, tag: bytes) -> int:
+        """The header's generation if it is a consistent ``READY`` header tagged ``tag``,
+        else -1."""
         at = self.header_at(slot)
         buffer = self.buffer
         generation, state, _, header_tag = _STATE_TAG.unpack_from(buffer, at)
-        return (
+        if (
             state == SlotState.READY
             and header_tag == tag
             and _GEN.unpack_from(buffer, at)[0] == generation
-        )
+        ):
+            return int(generation)
+        return -1
 
     def generation(self, slot: int) -> int:
         return int(_GEN.unpack_from(self.buffer, self.header_at(slot))[0])
+
+    def stamp(self, slot: int) -> tuple[int, int]:
+        """``(generation, state)`` of ``slot``'s header. A reader that finds the
+        generation it saw earlier, before its copy and again after it, knows the header
+        (and the slot's owner) did not change in between."""
+        generation, state = _STAMP.unpack_from(self.buffer, self.header_at(slot))
+        return int(generation), int(state)
 
     def close(self) -> None:
         """Unmap (views handed out keep the mapping until they are collected)."""

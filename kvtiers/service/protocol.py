@@ -66,17 +66,21 @@ class Commit(_Msg):
 
 
 class Pin(_Msg):
-    """Pin ``keys`` for loading; the reply names each key's slot (-1: not held)."""
+    """Pin ``slots[i]`` if it still holds ``keys[i]`` (advisory: eviction skips a pinned
+    slot; a load's correctness comes from its worker's header check). The reply names
+    each slot pinned, or -1 where the key is no longer in that slot."""
 
     ns: int
     keys: list[bytes]
+    slots: list[int]
 
 
 class Unpin(_Msg):
-    """Drop one pin of each of ``keys`` (held by this connection)."""
+    """Drop one of this connection's pins of each of ``slots``; a slot it holds no pin
+    of (its :class:`Pin` found the key gone) is skipped."""
 
     ns: int
-    keys: list[bytes]
+    slots: list[int]
 
 
 class Lookup(_Msg):

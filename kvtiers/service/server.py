@@ -165,12 +165,14 @@ class Service:
         self.counters: Counter[str] = Counter()
         self.adoption = self._adopt() if not pool.created else Adoption()
         taken = {s for slots in self.adoption.adopted.values() for s in slots}
-        # Popped from the end: slots being written at the last stop go last (a worker's
-        # copy started before it may still land; see docs/service.md, known window).
+        # First in, first out: a freed slot is reused after every slot freed before it,
+        # and the slots being written at the last stop after all the others (a worker's
+        # copy started before may still land; see docs/service.md, "Restart").
         unsettled = set(self.adoption.unsettled)
-        self._free = [*self.adoption.unsettled, *(
-            s for s in range(num_slots - 1, -1, -1) if s not in taken and s not in unsettled
-        )]
+        self._free = deque([
+            *(s for s in range(num_slots) if s not in taken and s not in unsettled),
+            *self.adoption.unsettled,
+        ])
         self._conns: dict[int, _Conn] = {}
         self._selector = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
@@ -474,6 +476,9 @@ class Service:
         ns = self._namespaces[request.ns]
         if isinstance(request, p.Lease):
             return p.Slots(request.seq, self._lease(conn, request.count))
+        if isinstance(request, p.Unpin):
+            self._unpin(conn, request.slots)
+            return p.Done(request.seq)
         for key in request.keys:
             if not 0 < len(key) <= MAX_KEY:
                 raise Refused(f"a key of {len(key)} bytes (1 to {MAX_KEY} expected)")
@@ -490,10 +495,7 @@ class Service:
         if isinstance(request, p.Commit):
             return p.Slots(request.seq, self._commit(conn, ns, request))
         if isinstance(request, p.Pin):
-            return p.Slots(request.seq, self._pin(conn, ns, request.keys))
-        if isinstance(request, p.Unpin):
-            self._unpin(conn, ns, request.keys)
-            return p.Done(request.seq)
+            return p.Slots(request.seq, self._pin(conn, ns, request.keys, request.slots))
         if isinstance(request, p.Probe):
             return p.Slots(request.seq, self._probe(ns, request.keys))
         assert isinstance(request, p.Lookup)
@@ -624,10 +626,10 @@ class Service:
         return len(self._free)
 
     def _take_slot(self, batch: set[bytes]) -> int:
-        """A free slot, evicting the least recently used unpinned ready chunk not in
-        ``batch`` if none is free; -1 if none can be freed."""
+        """The free slot freed longest ago, or else the slot of the least recently used
+        unpinned ready chunk not in ``batch`` (evicted); -1 if none can be freed."""
         if self._free:
-            return self._free.pop()
+            return self._free.popleft()
         for slot in self._lru:
             owner = self._owner[slot]
             if slot in self._pins or owner is None or owner[1] in batch:
@@ -747,27 +749,31 @@ class Service:
         self.pool.set_free(slot)
         self._free.append(slot)
 
-    def _pin(self, conn: _Conn, ns: _Namespace, keys: list[bytes]) -> list[int]:
-        slots = []
-        for key in keys:
-            slot = ns.ready.get(key)
-            if slot is None:
+    def _pin(self, conn: _Conn, ns: _Namespace, keys: list[bytes], slots: list[int]
+             ) -> list[int]:
+        if len(keys) != len(slots):
+            raise Refused("pin: keys and slots differ in length")
+        pinned = []
+        for key, slot in zip(keys, slots, strict=True):
+            if ns.ready.get(key) != slot:
                 ns.misses += 1
-                slots.append(PRESENT)
+                pinned.append(PRESENT)
                 continue
             ns.hits += 1
             self._pins[slot] += 1
             conn.pins[slot] += 1
             self._lru.move_to_end(slot)
-            slots.append(slot)
-        return slots
+            pinned.append(slot)
+        return pinned
 
-    def _unpin(self, conn: _Conn, ns: _Namespace, keys: list[bytes]) -> None:
-        slots = [ns.ready.get(key, -1) for key in keys]
-        for slot, count in Counter(slots).items():
-            if conn.pins[slot] < count:
-                raise Refused("unpin: a key this connection has not pinned")
+    def _unpin(self, conn: _Conn, slots: list[int]) -> None:
+        num_slots = self.pool.num_slots
         for slot in slots:
+            if not 0 <= slot < num_slots:
+                raise Refused(f"unpin: slot {slot} outside [0, {num_slots})")
+        for slot in slots:
+            if not conn.pins[slot]:
+                continue  # its Pin found the key gone: nothing was pinned
             conn.pins[slot] -= 1
             if not conn.pins[slot]:
                 del conn.pins[slot]

@@ -3,10 +3,17 @@
 :class:`ServiceTierManager` is an :class:`~kvtiers.core.manager.OffloadingManager`
 answering as the CPU tier does, with the pool in another process:
 
-- ``lookup`` reads the pool's index mirror and the slot header (no round trip);
-- ``prepare_store`` and ``prepare_load`` are one round trip each (``Reserve``, ``Pin``);
-- ``complete_store`` and ``complete_load`` queue ``Commit``/``Unpin``, sent pipelined with
-  the next round trip or at ``on_schedule_end`` (at most one round trip a step);
+- ``lookup`` and ``prepare_load`` read the pool's index mirror and the slot header (no
+  round trip); ``prepare_store`` takes leased slots (a ``Lease`` round trip in a step
+  whose stores outrun the lease; with ``lease_slots: 0``, a ``Reserve`` round trip);
+- ``prepare_load`` queues an advisory ``Pin`` of each slot it found, ``complete_store``
+  and ``complete_load`` queue ``Commit``/``Unpin``: all are sent in one write at
+  ``on_schedule_end`` (or pipelined with a round trip) that waits for nothing, their
+  replies taken in as they arrive;
+- ``get_spec`` addresses a job by :class:`~kvtiers.service.worker.CheckedSlots`: each
+  slot with the header generation seen for it, which the worker checks around its copy,
+  so a chunk evicted between lookup and copy fails its job (vLLM recomputes) instead of
+  serving another chunk's bytes;
 - with tiers below the pool in the service, a lookup that misses the mirror answers
   ``RETRY`` and queues the key for a ``Probe`` sent with the step's end write: the service
   promotes a lower-tier hit into the pool, and the key is a ``HIT`` once the mirror shows
@@ -14,7 +21,7 @@ answering as the CPU tier does, with the pool in another process:
   lookup (a lower tier failing, a promotion still running), is a ``MISS`` (recomputed);
 - while the service is down every lookup is a ``MISS``, ``prepare_store`` returns
   ``None``, and the keys of ``prepare_load`` get an out-of-range slot in ``get_spec`` so
-  the worker fails their job (vLLM recomputes) — never a slot the service may reuse.
+  the worker fails their job (vLLM recomputes).
 
 The tier is shared by every engine of the node: ``reset_cache`` drops this engine's own
 reservations and pins only, never chunks others use. Its generation stays 0.
@@ -37,12 +44,12 @@ from kvtiers.core.manager import (
     ScheduleEndContext,
     TierCapabilities,
 )
-from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.errors import UnknownKeyError
 from kvtiers.service import protocol as p
 from kvtiers.service.client import ServiceClient, ServiceDown
 from kvtiers.service.pool import tag_of
 from kvtiers.service.server import NO_ROOM
+from kvtiers.service.worker import CheckedSlots, ServiceWorker
 
 if TYPE_CHECKING:
     from kvtiers.config.tiers import ServiceTierConfig
@@ -64,6 +71,12 @@ _ASKED = -1
 LIVENESS_S = 0.001
 #: Slots an engine keeps leased by default, so that its stores need no round trip.
 DEFAULT_LEASE = 64
+#: A lease is topped up to this many steps' worth of the last step's stores, so that a
+#: service a few steps behind in answering does not make a store wait for a round trip.
+LEASE_STEPS = 4
+#: Requests whose replies may stay owed (about eight steps' writes) before a step's end
+#: waits for the oldest.
+MAX_OWED = 32
 #: Keys per Commit or Unpin message (a frame stays far below the service's bound).
 COMMIT_BATCH = 4096
 
@@ -101,8 +114,12 @@ class ServiceTierManager(OffloadingManager):
         self._refilled = False
         #: key → slot reserved or leased for it by this engine (session ``_session``).
         self._reserved: dict[OffloadKey, int] = {}
-        #: key → [slot (-1: lost), pin count].
+        #: key → [slot (-1: lost), loads planned and not completed, generation seen].
         self._pinned: dict[OffloadKey, list[int]] = {}
+        #: Pins to send at the step's end (key, slot), and per key the slots pinned by
+        #: Pins queued or sent and not unpinned yet (this session's).
+        self._pins: list[tuple[bytes, int]] = []
+        self._held: dict[OffloadKey, list[int]] = {}
         #: Stores finished and not yet committed: key → slot.
         self._commits: dict[bytes, int] = {}
         #: Commits sent whose replies are not read yet (not stored again meanwhile).
@@ -111,7 +128,7 @@ class ServiceTierManager(OffloadingManager):
         self._inflight: list[p.Request] = []
         self._leasing = 0
         self._failed: list[tuple[bytes, int]] = []
-        self._unpins: list[bytes] = []
+        self._unpins: list[int] = []
         self._session = client.session
         #: Probes of keys that missed the pool (see the module docstring): the steps
         #: counted by on_schedule_end, the keys to send, and key → [first step, answer].
@@ -120,8 +137,8 @@ class ServiceTierManager(OffloadingManager):
         self._probe_queue: list[bytes] = []
         self._probing: dict[OffloadKey, list[int]] = {}
         self.stats = {"lookups": 0, "hits": 0, "round_trips": 0, "lost_loads": 0,
-                      "down_lookups": 0, "duplicate_stores": 0, "probes": 0,
-                      "probes_given_up": 0}
+                      "down_lookups": 0, "duplicate_stores": 0, "pins_missed": 0,
+                      "owed_waits": 0, "probes": 0, "probes_given_up": 0}
         if lease_slots:
             self.flush(wait=True)
 
@@ -149,13 +166,15 @@ class ServiceTierManager(OffloadingManager):
         self._inflight.clear()
         self._leasing = 0
         self._failed.clear()
+        self._pins.clear()
+        self._held.clear()
         self._unpins.clear()
         self._probe_queue.clear()
         self._probing.clear()
 
     def _queued(self, lease: bool) -> list[p.Request]:
-        """The queued commits and unpins, and a lease top-up, as requests (taken from
-        the queues)."""
+        """The queued commits, pins and unpins (each pin before any unpin of its slot),
+        and a lease top-up, as requests (taken from the queues)."""
         client = self.client
         size = client.chunk_bytes
         queued: list[p.Request] = []
@@ -171,6 +190,11 @@ class ServiceTierManager(OffloadingManager):
             queued.append(p.Commit(client.next_seq(), client.ns, [k for k, _ in batch],
                                    [s for _, s in batch], [size] * len(batch), False))
         self._failed = []
+        for at in range(0, len(self._pins), COMMIT_BATCH):
+            pins = self._pins[at : at + COMMIT_BATCH]
+            queued.append(p.Pin(client.next_seq(), client.ns, [k for k, _ in pins],
+                                [s for _, s in pins]))
+        self._pins = []
         for at in range(0, len(self._unpins), COMMIT_BATCH):
             queued.append(p.Unpin(client.next_seq(), client.ns,
                                   self._unpins[at : at + COMMIT_BATCH]))
@@ -181,7 +205,7 @@ class ServiceTierManager(OffloadingManager):
         self._probe_queue = []
         if self._lease_min and lease:
             target = min(self._lease_cap,
-                         max(self._lease_min, 2 * self._stored_since_flush))
+                         max(self._lease_min, LEASE_STEPS * self._stored_since_flush))
             want = target - len(self._lease) - self._leasing
             if want > 0:
                 queued.append(p.Lease(client.next_seq(), client.ns, want))
@@ -192,24 +216,34 @@ class ServiceTierManager(OffloadingManager):
     def _exchange(self, extra: list[p.Request], *, lease: bool = True, wait: bool = True,
                   queued: bool = True) -> list[p.Reply] | None:
         """Send the queued calls (:meth:`_queued`; none unless ``queued``) and ``extra``
-        in one write. Replies still owed from the last such write are read first (by
-        then the service has usually sent them: no wait). With ``wait`` the replies to
-        this write are read too (a round trip) and those to ``extra`` returned; without,
-        they are owed. ``None`` when the service is down (what was queued is dropped with
-        the session: the service frees the slots of a closed connection)."""
+        in one write. With ``wait`` the replies still owed from earlier writes and those
+        to this one are read (a round trip) and those to ``extra`` returned; without,
+        the owed replies that have arrived are taken in, nothing is waited for unless
+        more than ``MAX_OWED`` would stay owed, and the rest stay owed. ``None`` when the
+        service is down (what was queued is dropped with the session: the service frees
+        the slots of a closed connection)."""
         if not self._live():
             return None
         sending = self._queued(lease) if queued else []
+        client = self.client
         try:
             owed, self._inflight = self._inflight, []
             if owed:
-                self._absorb(owed, self.client.receive(owed))
+                got = client.receive(owed) if wait else client.receive_ready(owed)
+                # A service far behind: wait for the oldest replies, so that what it
+                # has to work through before answering a round trip stays bounded.
+                excess = len(owed) - len(got) - MAX_OWED
+                if excess > 0:
+                    self.stats["owed_waits"] += 1
+                    got += client.receive(owed[len(got) : len(got) + excess])
+                self._absorb(owed[: len(got)], got)
+                owed = owed[len(got) :]
             if sending or extra:
-                self.client.send([*sending, *extra])
+                client.send([*sending, *extra])
             if not wait:
-                self._inflight = sending
+                self._inflight = owed + sending
                 return []
-            replies = self.client.receive([*sending, *extra]) if sending or extra else []
+            replies = client.receive([*sending, *extra]) if sending or extra else []
         except ServiceDown:
             self._alive = False
             self._new_session()
@@ -241,6 +275,10 @@ class ServiceTierManager(OffloadingManager):
                     entry = self._probing.get(OffloadKey(key))
                     if entry is not None:
                         entry[1] = answer
+            elif isinstance(request, p.Pin):
+                # Not pinned: the key had left that slot (the load's worker check decides).
+                assert isinstance(reply, p.Slots)
+                self.stats["pins_missed"] += reply.slots.count(-1)
 
     def _call(self, request: p.Request) -> p.Reply | None:
         # Alone: the step's commits wait for its end, so the service answers this first.
@@ -248,9 +286,9 @@ class ServiceTierManager(OffloadingManager):
         return None if replies is None else replies[0]
 
     def flush(self, *, wait: bool = False) -> None:
-        """Send queued commits and unpins and top the lease up, in one write; their
-        replies are read at the next round trip (``wait``: now, so that the service has
-        taken them in when this returns)."""
+        """Send queued commits, pins and unpins and top the lease up, in one write,
+        waiting for nothing; their replies are taken in as they arrive, at later calls
+        (``wait``: now, so that the service has taken them in when this returns)."""
         self._exchange([], wait=wait)
 
     # -- the contract ---------------------------------------------------------------
@@ -323,6 +361,9 @@ class ServiceTierManager(OffloadingManager):
                 continue
             if pool.find(tag_of(digest, key)) >= 0:
                 continue
+            if not self._lease and self._leasing:
+                # Top-ups asked for at earlier step ends: take in those answered already.
+                self._exchange([], wait=False, queued=False)
             if not self._lease and not self._refilled:
                 self._refilled = True
                 self._exchange([])
@@ -348,28 +389,37 @@ class ServiceTierManager(OffloadingManager):
                 self._failed.append((key, slot))
 
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        wanted = list(dict.fromkeys(keys))
-        reply = self._call(p.Pin(self.client.next_seq(), self.client.ns, list(map(bytes, wanted))))
-        slots = reply.slots if isinstance(reply, p.Slots) else [-1] * len(wanted)
-        found = dict(zip(wanted, slots, strict=True))
+        """No round trip: each key's slot and generation from the mirror and header (the
+        worker checks them around its copy) and a ``Pin`` queued for the step's end."""
+        alive = self._live()
+        locate = self.region.locate
+        digest = self._digest
         for key in keys:
-            slot = found[key]
             entry = self._pinned.get(key)
             if entry is None:
-                self._pinned[key] = [slot, 1]
-            else:
-                # A second pin of a key: the service counted it too (or it is lost).
-                entry[1] += 1
-                if slot < 0 and entry[0] >= 0:
-                    entry[0] = -1
+                slot, generation = locate(tag_of(digest, key)) if alive else (-1, 0)
+                entry = self._pinned[key] = [slot, 0, generation]
+            entry[1] += 1
+            slot = entry[0]
             if slot < 0:
                 self.stats["lost_loads"] += 1
+                continue
+            self._pins.append((bytes(key), slot))
+            held = self._held.get(key)
+            if held is None:
+                self._held[key] = [slot]
+            else:
+                held.append(slot)
 
-    def get_spec(self, keys: Collection[OffloadKey]) -> CPULoadStoreSpec:
+    def get_spec(self, keys: Collection[OffloadKey]) -> CheckedSlots:
         ids = []
+        generations = []
+        region = self.region
         for key in keys:
             slot = self._reserved.get(key)
-            if slot is None:
+            if slot is not None:
+                generation = region.generation(slot)  # WRITING since it was handed out
+            else:
                 entry = self._pinned.get(key)
                 if entry is None:
                     raise UnknownKeyError(
@@ -378,8 +428,10 @@ class ServiceTierManager(OffloadingManager):
                     )
                 # A lost key's slot is out of range: the worker fails the job.
                 slot = entry[0] if entry[0] >= 0 else self.num_slots
+                generation = entry[2]
             ids.append(slot)
-        return CPULoadStoreSpec(ids)
+            generations.append(generation)
+        return CheckedSlots(ids, generations)
 
     def complete_load(self, keys: Collection[OffloadKey], ctx: ReqContext, *,
                       generation: int | None = None) -> None:
@@ -388,8 +440,11 @@ class ServiceTierManager(OffloadingManager):
             if entry is None:
                 raise UnknownKeyError("complete_load: a key this tier has not pinned")
             entry[1] -= 1
-            if entry[0] >= 0:
-                self._unpins.append(key)
+            held = self._held.get(key)
+            if held:
+                self._unpins.append(held.pop())
+                if not held:
+                    del self._held[key]
             if entry[1] <= 0:
                 del self._pinned[key]
 
@@ -459,8 +514,6 @@ def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
     region = manager.region
 
     def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
-        from kvtiers.tiers.cpu.worker import CpuWorker
-
-        return CpuWorker(kv, region, geometry)  # type: ignore[arg-type]
+        return ServiceWorker(kv, region, geometry)
 
     return BuiltTier(name=name, manager=manager, region=region, make_worker=make_worker)
