@@ -40,11 +40,23 @@ within each round, whether every output equals the baseline's, CPU seconds per p
 per phase, and how long the engine core's GIL is held per chunk by hashing, header
 building and S3 request bodies.
 
+The *service* mode (``--service``) runs the prefix groups through ``kvtiers serve`` (the
+node service, docs/service.md: its own process, a CPU pool in ``/dev/shm``, the servers'
+stack one ``kind: service`` tier) beside a server without offloading, in alternating
+rounds: *cold* (engine 1, a new service on an empty pool), *engine-restart* (engine 1
+started again, the service kept: pool hits), *second-engine* (another server beside it
+on the same service: pool hits), *service-killed* (the service ``kill -9``-ed, the
+second server's own prefix cache emptied: it recomputes) and *service-restarted* (the
+service started again over the same pool, which it re-adopts: hits again), against the
+baseline's cold, warm (vLLM's local prefix-cache hit) and restart (recompute). Its
+results go into a ``service`` section of serve.json beside the in-process ones.
+
 Run (from the repository root, in ``make e2e``'s environment)::
 
     make bench-serve                     # full run: writes benchmarks/results/serve.*
     make bench-serve ARGS=--quick        # every phase once, few requests, writes nothing
     make bench-serve ARGS=--no-reuse     # only the no-reuse phase, into serve.json / .md
+    make bench-serve ARGS=--service      # only the service mode, into serve.json / .md
     PYTHONPATH=. .venv-engine/bin/python benchmarks/bench_serve.py --model DIR ...
 
 ``--model`` runs it against your own model (the random 8-layer Llama is made otherwise;
