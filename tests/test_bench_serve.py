@@ -238,6 +238,95 @@ def test_render_has_the_noreuse_section_with_its_load() -> None:
     assert "| noreuse-trace | req/s | 0.95 (0.90-1.00)x | >= 0.95x | met |" in text
 
 
+def _service() -> dict[str, Any]:
+    groups = {"prefix-2048": {"first": [True, False], "lengths": [2048, 2048]}}
+
+    def record(side: str, phase: str, r: int, first: float, texts: str = "same",
+               hits: float = 0.0) -> dict[str, Any]:
+        group = {"ttft": [first / 1000, 0.1], "tpot": [0.04, 0.04],
+                 "texts": [f"{texts}-0", f"{texts}-1"], "request_throughput": 1.0}
+        return {"side": side, "phase": phase, "round": r, "wall_s": 1.0,
+                "groups": {"prefix-2048": group},
+                "counters": {"external_hit_tokens": hits}, "cpu_s": {}}
+
+    records = []
+    # Round 1 is twice as slow throughout: paired ratios are the same in both rounds
+    # where the sides scale together, and differ where they do not.
+    for r, scale in ((0, 1.0), (1, 2.0)):
+        records += [
+            record("baseline", "cold", r, 4000 * scale),
+            record("baseline", "warm", r, 100 * scale),
+            record("baseline", "restart", r, 4000 * scale),
+            record("service", "cold", r, 4400 * scale),
+            record("service", "engine-restart", r, 120 * scale, hits=2048),
+            record("service", "second-engine", r, 100 * (1.0 if r == 0 else 3.0), hits=2048),
+            record("service", "service-killed", r, 4000 * scale,
+                   texts="same" if r == 0 else "other"),
+            record("service", "service-restarted", r, 200 * scale, hits=2048),
+        ]
+    return {"groups": groups, "records": records, "pool": "2GiB", "command": "c",
+            "machine": {"date": "now", "load": "3.0, 3.0, 3.0", "load_end": "4.0, 4.0, 4.0",
+                        "start_s": "30-90"},
+            "runtime_s": 1800, "step": ["- step line"], "notes": ["a note"]}
+
+
+def test_service_ratios_pair_the_rounds_and_need_median_and_p90_within() -> None:
+    summary = bench.summarize_service(_service())
+    targets = {t["what"].removeprefix("prefix-2048: "): t for t in summary["targets"]}
+    restart = targets["engine restart vs vLLM's local prefix-cache hit"]
+    assert (restart["median"], restart["low"], restart["high"]) == pytest.approx((1.2, 1.2, 1.2))
+    assert restart["met"] is True
+    # 1.0x then 1.5x: the median (1.25x) is within the target, the p90 is not.
+    second = targets["second engine on the node vs vLLM's local prefix-cache hit"]
+    assert second["median"] == pytest.approx(1.25) and second["p90"] > 1.25
+    assert second["met"] is False
+    assert targets["service restarted (re-adopted pool) vs recompute"]["median"] == \
+        pytest.approx(0.05)
+    assert targets["service killed vs recompute"]["met"] is None
+    assert summary["identical"]["service/service-killed"] == (2, 4)
+    assert summary["identical"]["service/engine-restart"] == (4, 4)
+    assert summary["table"]["service/engine-restart/external_hit_tokens"] == (2048,) * 3
+    assert summary["rounds"] == 2
+
+
+def test_render_keeps_the_in_process_sections_beside_the_service_one() -> None:
+    results = {**_results(), "plan": {**bench.QUICK.__dict__},
+               "machine": {"cpu": "cpu", "cores": "2", "python": "3", "vllm": "0.32.0",
+                           "torch": "2", "load": "1", "date": "now"},
+               "model": "m", "command": "c", "runtime_s": 60, "noreuse": _noreuse(),
+               "service": _service()}
+    text = bench.render(results, bench.summarize(results))
+    assert "| prefix-2048: restart vs recompute | 0.10 (0.10-0.10)x | <= 0.25x | met |" in text
+    assert "## No reuse" in text
+    service = text[text.index("## Through `kvtiers serve`"):]
+    assert "load average 3.0, 3.0, 3.0 at the start, 4.0, 4.0, 4.0 at the end" in service
+    assert ("| prefix-2048: engine restart vs vLLM's local prefix-cache hit | 1.20x | 1.20x "
+            "| 1.20-1.20x | <= 1.25x | met |") in service
+    assert "| prefix-2048: second engine on the node vs vLLM's local prefix-cache hit " \
+           "| 1.25x |" in service and "| <= 1.25x | **missed** |" in service
+    assert "| prefix-2048: service killed vs recompute | 1.00x | 1.00x | 1.00-1.00x |  |  |" \
+        in service
+    assert "| service | service-restarted | 150 (150-150) | " not in service
+    assert "| service | service-restarted | 200 (150-250) | " in service
+    assert "| service | service-killed |" in service and "| 2/4 |" in service
+    assert service.index("- step line") < service.index("a note")
+
+
+def test_step_targets_quote_bench_service_at_256(tmp_path: Path) -> None:
+    assert bench.step_targets(tmp_path / "service.json") == []
+    rows = [{"running": 256, "side": "route1", "step_p99_us": 2000.0, "per_key_us": 5.0},
+            {"running": 256, "side": "service", "step_p99_us": 2500.0, "per_key_us": 15.0},
+            {"running": 1, "side": "service", "step_p99_us": 1.0, "per_key_us": 1.0}]
+    doc = bench.to_document("service", {"machine": bench.harness_machine_note(), "rows": rows},
+                            tables=("rows",))
+    (tmp_path / "service.json").write_text(json.dumps(doc))
+    assert bench.step_targets(tmp_path / "service.json") == [
+        "- scheduler's p99 added time per step at 256 running requests: 500 us "
+        "(target <= 1000 us): met",
+        "- time per key vs in-process route 1 at 256: 3.00x (target <= 2x): **missed**",
+    ]
+
+
 @pytest.fixture
 def metrics_url() -> Iterator[str]:
     body = (b"# HELP x_total a counter\n# TYPE x_total counter\n"
