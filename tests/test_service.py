@@ -11,6 +11,7 @@ import os
 import socket
 import struct
 import threading
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -487,17 +488,74 @@ def test_metrics_export_the_pool_namespaces_and_engines(tmp_path: Path, pool_nam
         mine = engine(proc)
         stored = store(mine, keys(3))
         assert read_exact(mine, stored)
+        twin, other = engine(proc), engine(proc, OTHER_IDENTITY)
         samples = scrape(f"http://127.0.0.1:{port}/metrics")
         namespace = 'namespace="test/model-f4a91f1b4ef09ca1"'
+        # Attaches are answered before the engine goes on: each is counted by now.
+        assert samples[f"kvtiers_service_namespace_engines{{{namespace}}}"] == 2
+        assert samples["kvtiers_service_namespace_engines"] == 3
+        assert samples['kvtiers_service_events_total{event="attaches"}'] == 3
+        twin.shutdown()
+        other.shutdown()
         assert samples[f"kvtiers_service_namespace_chunks{{{namespace}}}"] == 3
         assert samples[f"kvtiers_service_namespace_bytes{{{namespace}}}"] == 3 * SLOT
         assert samples[f"kvtiers_service_namespace_hits_total{{{namespace}}}"] == 3
         assert samples['kvtiers_service_pool_slots{state="ready"}'] == 3
-        assert samples["kvtiers_service_engines"] == 1
-        assert samples['kvtiers_service_events_total{event="attaches"}'] == 1
+        assert samples["kvtiers_service_engines"] == 3
         mine.shutdown()
     finally:
         assert proc.stop() == 0
+
+
+def test_an_engines_service_tier_counters_are_on_its_stack_exporter(
+    service: ServiceProcess,
+) -> None:
+    pytest.importorskip("prometheus_client")
+    from kvtiers.engine.simulator import SimulatedEngine
+    from kvtiers.engine.workload import WorkloadSpec, conversation_requests
+    from kvtiers.stack.builder import load_stack
+    from kvtiers.testing.serve import scrape
+
+    config = {"tiers": [{"kind": "service", "name": "pool", "socket": str(service.socket)}],
+              "model": MODEL, "metrics": {"port": 0, "refresh_s": 0}}
+    spec = WorkloadSpec(conversations=2, system_prompts=1, turns=1, system_tokens=(128, 160))
+    requests = list(conversation_requests(spec))
+    with load_stack(config) as first_stack:  # stores the prefixes into the pool
+        first = SimulatedEngine(first_stack, num_gpu_blocks=128)
+        for r in requests:
+            first.run_request(r.req_id, r.token_ids)
+        first.glue.end_step()
+        first_stack.tiers[0].manager.flush(wait=True)
+        first.shutdown()
+    with load_stack(config) as stack:
+        assert stack.metrics is not None
+        url = f"http://127.0.0.1:{stack.metrics.port}/metrics"
+        stack.manager.refresh_stats_snapshot()
+        before = scrape(url)
+        sim = SimulatedEngine(stack, num_gpu_blocks=128)
+        for r in requests:
+            sim.run_request(r.req_id, r.token_ids)
+        stack.manager.refresh_stats_snapshot()
+        after = scrape(url)
+        with urllib.request.urlopen(url, timeout=10) as response:
+            text = response.read().decode()
+        stats = stack.manager.get_stats()
+        sim.shutdown()
+    hits = 'kvtiers_tier_lookups_total{result="hit",tier="pool"}'
+    calls = 'kvtiers_tier_lookup_calls_total{tier="pool"}'
+    assert before[hits] == before[calls] == 0
+    assert after[hits] == stats["pool.hits"] > 0
+    assert after[calls] == stats["pool.lookups"] >= after[hits]
+    assert after['kvtiers_tier_service_up{tier="pool"}'] == 1
+    assert after['kvtiers_tier_service_round_trips_total{tier="pool"}'] == (
+        stats["pool.round_trips"])
+    # Every counter the tier reports is a catalogued family (no generic HELP), with a unit.
+    assert "not described in the catalogue" not in text
+    for family in ("kvtiers_tier_service_down_lookups", "kvtiers_tier_lost_loads",
+                   "kvtiers_tier_pins_missed", "kvtiers_tier_duplicate_stores",
+                   "kvtiers_tier_probes_given_up", "kvtiers_tier_service_reattaches"):
+        assert f"# TYPE {family}_total counter" in text
+    assert "# TYPE kvtiers_tier_service_up gauge" in text
 
 
 def test_an_engine_that_only_stores_reads_its_owed_replies(service: ServiceProcess) -> None:

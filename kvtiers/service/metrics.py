@@ -11,10 +11,14 @@ Families: ``kvtiers_service_pool_slots{state}`` (total, used, ready, pinned, lea
 ``kvtiers_service_namespace_bytes{namespace}``, counters
 ``kvtiers_service_namespace_{hits,misses,stored}_total{namespace}``,
 ``kvtiers_service_namespace_adopted_chunks{namespace}`` (re-adopted at the last start),
-``kvtiers_service_engines``, ``kvtiers_service_engine_{pins,leased_slots}{pid,engine}``
+``kvtiers_service_namespace_engines{namespace}`` (attached now), ``kvtiers_service_engines``,
+``kvtiers_service_engine_{pins,leased_slots}{pid,engine}``
 and ``kvtiers_service_events_total{event}`` (attaches, detaches, connections, evictions,
 refused_peers, bad_messages, slow_clients, duplicate_stores, adopted and the
-adoption's torn, corrupt and foreign slots).
+adoption's torn, corrupt and foreign slots). Engines look chunks up in the mirror
+without a round trip, so a namespace's hits are counted at its pins and an engine's
+lookups only on that engine's own stack exporter (its ``kind: service`` tier's
+``kvtiers_tier_*`` families).
 """
 
 from __future__ import annotations
@@ -64,12 +68,18 @@ class _Collector:
             for name, what in (("hits", "found the chunk"), ("misses", "did not"),
                                ("stored", ""))
         }
+        attached = GaugeMetricFamily("kvtiers_service_namespace_engines",
+                                     "Engines attached per namespace (engines)",
+                                     labels=["namespace"])
         for ns in state["namespaces"]:
             for name, family in gauges.items():
                 family.add_metric([ns["name"]], ns[name])
             for name, counter in counters.items():
                 counter.add_metric([ns["name"]], ns[name])
+            attached.add_metric([ns["name"]], sum(ns["index"] in engine["namespaces"]
+                                                  for engine in state["engines"]))
         yield from gauges.values()
+        yield attached
         yield from counters.values()
         yield GaugeMetricFamily("kvtiers_service_engines", "Attached engines (engines)",
                                 value=len(state["engines"]))

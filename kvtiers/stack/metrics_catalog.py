@@ -130,7 +130,8 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
     "vanished_chunks": _c("kvtiers_tier_vanished_chunks",
                           "Indexed chunks whose file had gone when read (removed elsewhere)."),
     "probes": _c("kvtiers_tier_probes",
-                 "Existence probes for index misses (shared: true tiers)."),
+                 "Existence probes for index misses (shared: true tiers; the service tier: "
+                 "keys it asked the service to look for below its pool)."),
     "probe_hits": _c("kvtiers_tier_probe_hits",
                      "Probes that found a chunk another engine wrote."),
     "retries": _c("kvtiers_tier_retries",
@@ -180,6 +181,31 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
     "summary_failures": _c("kvtiers_tier_summaries", _SUMMARIES, outcome="failed"),
     "io_backend": MetricSpec("kvtiers_tier_io", "info",
                              "The I/O path the file tier uses (label backend)."),
+    # The service tier's (kind: service, kvtiers.service.tier): its hits are
+    # kvtiers_tier_lookups_total{result="hit"}, its misses are not counted apart.
+    "lookups": _c("kvtiers_tier_lookup_calls",
+                  "Lookups asked of the service tier, whatever the answer (hit, miss, "
+                  "retry)."),
+    "down_lookups": _c("kvtiers_tier_service_down_lookups",
+                       "Lookups answered miss because the service was down."),
+    "round_trips": _c("kvtiers_tier_service_round_trips",
+                      "Calls to the service whose answer the engine waited for."),
+    "owed_waits": _c("kvtiers_tier_service_owed_waits",
+                     "Steps that waited for the service's oldest owed replies."),
+    "lost_loads": _c("kvtiers_tier_lost_loads",
+                     "Chunks a load found gone from the pool (recomputed)."),
+    "pins_missed": _c("kvtiers_tier_pins_missed",
+                      "Pins the service could not take: the chunk had left its slot."),
+    "duplicate_stores": _c("kvtiers_tier_duplicate_stores",
+                           "Chunks another engine had committed first (the slot is reused)."),
+    "probes_given_up": _c("kvtiers_tier_probes_given_up",
+                          "Probes unanswered within probe_steps steps (a miss)."),
+    "service_up": _g("kvtiers_tier_service_up",
+                     "Whether the service answers now (1) or not (0)."),
+    "service_downs": _c("kvtiers_tier_service_downs",
+                        "Outages of the service this tier noticed."),
+    "service_reattaches": _c("kvtiers_tier_service_reattaches",
+                             "Reattaches to a restarted service (each a new session)."),
 })
 """Each tier's stats (``<tier>.<stat>``)."""
 
@@ -195,6 +221,16 @@ _COUNTED: Mapping[str, str] = MappingProxyType({
     "kvtiers_tier_capacity_chunks": "chunks",
     "kvtiers_tier_load_failures": "chunks",
     "kvtiers_tier_forgotten": "index entries",
+    "kvtiers_tier_lookup_calls": "lookups",
+    "kvtiers_tier_service_down_lookups": "lookups",
+    "kvtiers_tier_service_round_trips": "round trips",
+    "kvtiers_tier_service_owed_waits": "steps",
+    "kvtiers_tier_lost_loads": "chunks",
+    "kvtiers_tier_pins_missed": "pins",
+    "kvtiers_tier_probes_given_up": "probes",
+    "kvtiers_tier_service_up": "boolean",
+    "kvtiers_tier_service_downs": "outages",
+    "kvtiers_tier_service_reattaches": "reattaches",
 })
 
 
