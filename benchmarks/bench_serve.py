@@ -1576,7 +1576,8 @@ SERVICE_NOTES: list[str] = [
     "shared memory and one commit message).",
     "- *What limits the 8k engine restart, and what would close it*: the 8k pool hit "
     "copies 128 chunks (128 MiB) from the pool into vLLM's KV cache on the worker's "
-    "thread, after a `Pin` round trip to the service per load (the code of this run), on cores shared with 18-21 runnable jobs; the local hit "
+    "thread, after a `Pin` round trip to the service per load (the code of this run), "
+    "on cores shared with 18-21 runnable jobs; the local hit "
     "copies nothing. The second engine's 8k pool hit, the same copy, was 1.18x, the "
     "service-restarted one 0.65x (824 ms): the 1.29x is within what these phases vary by "
     "in one round. What would close it: more rounds on a quieter machine to measure the "
