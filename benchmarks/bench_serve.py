@@ -1024,7 +1024,7 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
                                                    LLAMA_KV_BYTES_PER_TOKEN))
         for tier, row in be["tiers"].items():
             cells = " | ".join(f"{row['load'].get(n, float('nan')):.0f}" for n in lengths)
-            even = "never" if row["break_even"] is None else f"{row['break_even']} tokens"
+            even = even_text(row["break_even"], lengths)
             lines.append(f"| {tier} | {cells} | {even} | {rates.get(tier, float('nan')):.2f} |")
         seeds = promotion_seeds(be, results.get("kv_bytes_per_token",
                                                 LLAMA_KV_BYTES_PER_TOKEN))
@@ -1202,7 +1202,7 @@ def plot_curve(summary: dict[str, Any], path: Path) -> bool:
     ax.plot(lengths, [be["recompute"][n] for n in lengths], "k-o", label="recompute")
     for tier, row in be["tiers"].items():
         points = sorted(row["load"].items())
-        even = "never" if row["break_even"] is None else f"from {row['break_even']:,}"
+        even = even_text(row["break_even"], lengths)
         ax.plot([n for n, _ in points], [t for _, t in points], "-o",
                 label=f"load from {tier} (break-even {even})")
     ax.set_xscale("log", base=2)
@@ -1217,6 +1217,16 @@ def plot_curve(summary: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def even_text(even: int | None, lengths: list[int]) -> str:
+    """A break-even length as the report words it: at the ladder's shortest length it is
+    an upper bound (loading was faster at every length measured)."""
+    if even is None:
+        return "never"
+    if even == lengths[0]:
+        return f"every length (<= {even:,} tokens)"
+    return f"{even:,} tokens"
 
 
 def restore_rates(summary: dict[str, Any], kv_bytes_per_token: int) -> dict[str, float]:
