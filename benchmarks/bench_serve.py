@@ -1100,7 +1100,9 @@ def render_ladder_run(ladder_run: dict[str, Any]) -> list[str]:
     note, plan = ladder_run["machine"], ladder_run["plan"]
     lines = [
         "## ladder", "",
-        f"Measured apart from the groups above by `--ladder-only` ({note['date']}; load "
+        f"Measured apart from the groups above by `--ladder-only` ({note.get('cpu', '?')}, "
+        f"{note.get('cores', '?')} cores, vLLM {note.get('vllm', '?')}, torch "
+        f"{note.get('torch', '?')}; {note['date']}; load "
         f"average {note['load']} at the start, {note.get('load_end', '?')} at the end, "
         f"other engineers' jobs on the same cores; {ladder_run.get('rounds_done', 0)} "
         f"rounds; {ladder_run.get('runtime_s', 0) / 60:.0f} min; server start-ups "

@@ -265,7 +265,8 @@ def _ladder_run(date: str, cpu_ttft: list[float]) -> dict[str, Any]:
                    texts="same" if r == 0 else "other"),
         ]
     return {"machine": {"date": date, "load": "9.0, 8.0, 7.0", "load_end": "6.0, 5.0, 4.0",
-                        "start_s": "30-60"},
+                        "start_s": "30-60", "cpu": "EPYC", "cores": 2, "vllm": "0.32.0",
+                        "torch": "2.13.0"},
             "plan": {"rounds": 2, "ladder": LADDER, "ladder_each": 1},
             "command": "benchmarks/bench_serve.py --ladder-only",
             "groups": {"ladder": {"first": [True] * 3, "lengths": LADDER}},
@@ -309,7 +310,8 @@ def test_render_gives_the_ladder_run_its_own_note_and_checks() -> None:
     text = bench.render(merged, bench.summarize(merged))
     assert "load average 1 at the start" in text.split("## Targets")[0], "the full run's note"
     section = text[text.index("## ladder"):text.index("## Break-even")]
-    assert "`--ladder-only` (ladder-date; load average 9.0, 8.0, 7.0 at the start, " \
+    assert "`--ladder-only` (EPYC, 2 cores, vLLM 0.32.0, torch 2.13.0; ladder-date; " \
+        "load average 9.0, 8.0, 7.0 at the start, " \
         "6.0, 5.0, 4.0 at the end" in section
     assert "2 rounds; 30 min" in section
     assert "Prompts of 512, 4096, 16384 tokens" in section
