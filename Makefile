@@ -136,6 +136,7 @@ e2e: $(ENGINE_STAMP)
 # What kvtiers does for a real server (benchmarks/bench_serve.py): `vllm serve` processes
 # in make e2e's environment, driven by vLLM's own benchmark client; a full run writes
 # benchmarks/results/serve.*, `make bench-serve ARGS=--quick` (every phase once) only prints.
+# `make bench-serve ARGS=--ladder-only` runs only the curve (the ladder), into serve.*.
 # matplotlib (the plot) and py-spy (who holds the engine core's GIL) are the benchmark's
 # own dependencies, installed here when missing.
 bench-serve: $(ENGINE_STAMP)

@@ -57,7 +57,14 @@ Run (from the repository root, in ``make e2e``'s environment)::
     make bench-serve ARGS=--quick        # every phase once, few requests, writes nothing
     make bench-serve ARGS=--no-reuse     # only the no-reuse phase, into serve.json / .md
     make bench-serve ARGS=--service      # only the service mode, into serve.json / .md
+    make bench-serve ARGS=--ladder-only  # only the curve (the ladder), into serve.json / .md
     PYTHONPATH=. .venv-engine/bin/python benchmarks/bench_serve.py --model DIR ...
+
+``--ladder-only`` runs the ladder alone: per round a kvtiers server stores it (*cold*)
+and loads it from each tier (*cpu*, *restart*, *second-seaweedfs*, *second-moto*) and a
+new server without offloading recomputes it (*restart*), the side that goes first
+alternating; its results replace the ladder of the serve.json in ``--out`` (the other
+groups keep the full run's numbers, each part its own machine note).
 
 ``--model`` runs it against your own model (the random 8-layer Llama is made otherwise;
 on a GPU give ``--dtype``/``--block-size`` and any server flag with ``--server-arg``);
@@ -142,6 +149,11 @@ BASE_PHASES = ("cold", "warm", "restart")
 #: The break-even table's tiers: the kvtiers phase whose hits come from each.
 TIER_PHASES = {"cpu": "cpu", "file": "restart", "s3 (SeaweedFS)": "second-seaweedfs",
                "s3 (moto)": "second-moto"}
+#: The phases ``--ladder-only`` runs per side: the kvtiers cold phase stores the ladder,
+#: each later one loads it from the tier :data:`TIER_PHASES` names; the baseline's new
+#: server recomputes it.
+LADDER_KV_PHASES = ("cold", "cpu", "restart", "second-seaweedfs", "second-moto")
+LADDER_BASE_PHASES = ("restart",)
 
 
 @dataclass(frozen=True)
@@ -452,8 +464,10 @@ class Runner:
 
     def __init__(self, args: argparse.Namespace, model: str, scratch: Path,
                  s3: S3Servers, groups: list[Group], tokenizer: Any,
-                 noreuse: list[Group] | None = None) -> None:
+                 noreuse: list[Group] | None = None, ladder_only: bool = False) -> None:
         self.args = args
+        # Only the phases the curve needs (LADDER_KV_PHASES, LADDER_BASE_PHASES).
+        self.ladder_only = ladder_only
         self.model = model
         self.scratch = scratch
         self.s3 = s3
@@ -510,7 +524,7 @@ class Runner:
         prefix = f"round{r}"
         seaweed, records = self.s3.seaweed.endpoint_url, []
         with self.server(f"kv-cold-{r}", self.stack(root, seaweed, prefix)) as (server, port):
-            for name in ("cold", "warm"):
+            for name in ("cold",) if self.ladder_only else ("cold", "warm"):
                 records.append(self.phase(server, port, name, "kvtiers"))
             urllib.request.urlopen(urllib.request.Request(
                 f"{server.url}/reset_prefix_cache", method="POST"), timeout=60).read()
@@ -615,6 +629,9 @@ class Runner:
 
     def baseline(self, r: int) -> list[dict[str, Any]]:
         records = []
+        if self.ladder_only:
+            with self.server(f"base-restart-{r}", None) as (server, port):
+                return [self.phase(server, port, "restart", "baseline")]
         with self.server(f"base-cold-{r}", None) as (server, port):
             for name in ("cold", "warm"):
                 records.append(self.phase(server, port, name, "baseline"))
@@ -719,8 +736,38 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         targets.append({"what": "multiturn: TPOT while stores cascade (cold) vs no offloading",
                         "key": "tpot_mean", "ratio": median_spread(ratios),
                         "target": TARGETS["tpot_cold"]})
+    ladder_run = results.get("ladder_run")
     return {"table": table, "identical": identical, "targets": targets,
-            "break_even": break_even(results, by)}
+            "break_even": summarize_ladder(ladder_run)["break_even"] if ladder_run
+            else break_even(results, by)}
+
+
+def summarize_ladder(ladder_run: dict[str, Any]) -> dict[str, Any]:
+    """A ``--ladder-only`` run: the break-even table (:func:`break_even`) and, per side
+    and phase, the medians over rounds of the KV tokens vLLM took from kvtiers and of
+    kvtiers' promotions, with the outputs equal to the same round's recompute (baseline
+    restart) over all compared."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for record in ladder_run["records"]:
+        by.setdefault((record["side"], record["phase"]), []).append(record)
+    reference = {r["round"]: r for r in by.get(("baseline", "restart"), [])}
+    phases: dict[str, dict[str, Any]] = {}
+    for (side, phase), records in by.items():
+        same = total = 0
+        for r in records:
+            ref = reference.get(r["round"])
+            if ref is not None:
+                for a, b in zip(r["groups"]["ladder"]["texts"],
+                                ref["groups"]["ladder"]["texts"], strict=True):
+                    same += a == b
+                    total += 1
+        phases[f"{side}/{phase}"] = {
+            "external_hit_tokens": median_spread(
+                [r["counters"].get("external_hit_tokens", 0.0) for r in records]),
+            "promotions": median_spread([r["counters"].get("promotions", 0.0)
+                                         for r in records]),
+            "identical": (same, total), "rounds": len(records)}
+    return {"break_even": break_even(ladder_run, by), "phases": phases}
 
 
 def break_even(results: dict[str, Any], by: dict[tuple[str, str], list[dict[str, Any]]]
@@ -728,6 +775,8 @@ def break_even(results: dict[str, Any], by: dict[tuple[str, str], list[dict[str,
     """Per tier: the ladder's TTFT per prompt length, loading (the tier's phase) and
     recomputing (baseline restart), medians over rounds; the shortest length from which
     loading is faster at every longer length."""
+    if "ladder" not in results["groups"]:
+        return {"recompute": {}, "recompute_fit": (float("nan"), float("nan")), "tiers": {}}
     ladder = results["groups"]["ladder"]
 
     def per_length(records: list[dict[str, Any]]) -> dict[int, float]:
@@ -1180,6 +1229,8 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
                     f"| {_ms(row['first_mean'])} | {_ms(row['rest_mean'])} "
                     f"| {_ms(row['tpot_mean'], 1)} | {_ms(row['req_per_s'], 2)} "
                     f"| {same[0]}/{same[1]} |")
+    if results.get("ladder_run"):
+        lines += ["", *render_ladder_run(results["ladder_run"])]
     be = summary["break_even"]
     if be["tiers"]:
         lengths = list(be["recompute"])
@@ -1200,7 +1251,7 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
                                                    LLAMA_KV_BYTES_PER_TOKEN))
         for tier, row in be["tiers"].items():
             cells = " | ".join(f"{row['load'].get(n, float('nan')):.0f}" for n in lengths)
-            even = "never" if row["break_even"] is None else f"{row['break_even']} tokens"
+            even = even_text(row["break_even"], lengths)
             lines.append(f"| {tier} | {cells} | {even} | {rates.get(tier, float('nan')):.2f} |")
         seeds = promotion_seeds(be, results.get("kv_bytes_per_token",
                                                 LLAMA_KV_BYTES_PER_TOKEN))
@@ -1268,6 +1319,45 @@ def render(results: dict[str, Any], summary: dict[str, Any]) -> str:
 
 
 ROLES = ("api-server", "EngineCore", "Worker", "seaweedfs", "moto")
+
+
+def render_ladder_run(ladder_run: dict[str, Any]) -> list[str]:
+    """The ladder section of serve.md when a ``--ladder-only`` run measured it: its own
+    date, load, rounds and command, and per phase what was loaded and whether the outputs
+    equal the recompute's."""
+    summary = summarize_ladder(ladder_run)
+    note, plan = ladder_run["machine"], ladder_run["plan"]
+    lines = [
+        "## ladder", "",
+        f"Measured apart from the groups above by `--ladder-only` ({note.get('cpu', '?')}, "
+        f"{note.get('cores', '?')} cores, vLLM {note.get('vllm', '?')}, torch "
+        f"{note.get('torch', '?')}; {note['date']}; load "
+        f"average {note['load']} at the start, {note.get('load_end', '?')} at the end, "
+        f"other engineers' jobs on the same cores; {ladder_run.get('rounds_done', 0)} "
+        f"rounds; {ladder_run.get('runtime_s', 0) / 60:.0f} min; server start-ups "
+        f"{note.get('start_s', '?')} s; command `{ladder_run.get('command', '?')}`). "
+        f"Prompts of {', '.join(str(n) for n in plan['ladder'])} tokens (+16), "
+        f"{plan['ladder_each']} each, 2 output tokens, one at a time. Per round a kvtiers "
+        "server stores them (*cold*), then loads them from its CPU tier after "
+        "`/reset_prefix_cache` (*cpu*); a new server on the same file root loads them from "
+        "files (*restart*); a new server on an empty file root from S3 on SeaweedFS, "
+        "another from moto holding a copy of the bucket (*second-*); a new server without "
+        "offloading recomputes them (baseline *restart*); which side goes first "
+        "alternates. *loaded tokens*: the prompt tokens vLLM took from kvtiers in the "
+        "phase; *promotions*: chunks kvtiers moved up from a lower tier (none in *cpu*: "
+        "every load came from the CPU tier); medians over rounds (lowest-highest).", "",
+        "| side | phase | loaded tokens | promotions | outputs = recompute |",
+        "|---|---|---|---|---|",
+    ]
+    for side, phases in (("baseline", LADDER_BASE_PHASES), ("kvtiers", LADDER_KV_PHASES)):
+        for phase in phases:
+            row = summary["phases"].get(f"{side}/{phase}")
+            if row is not None:
+                same, total = row["identical"]
+                promotions = _ms(row["promotions"]) if side == "kvtiers" else ""
+                lines.append(f"| {side} | {phase} | {_ms(row['external_hit_tokens'])} "
+                             f"| {promotions} | {same}/{total} |")
+    return lines
 
 
 def _group_intro(gname: str, plan: dict[str, Any]) -> str:
@@ -1343,7 +1433,7 @@ def plot_curve(summary: dict[str, Any], path: Path) -> bool:
     ax.plot(lengths, [be["recompute"][n] for n in lengths], "k-o", label="recompute")
     for tier, row in be["tiers"].items():
         points = sorted(row["load"].items())
-        even = "never" if row["break_even"] is None else f"from {row['break_even']:,}"
+        even = even_text(row["break_even"], lengths)
         ax.plot([n for n, _ in points], [t for _, t in points], "-o",
                 label=f"load from {tier} (break-even {even})")
     ax.set_xscale("log", base=2)
@@ -1358,6 +1448,16 @@ def plot_curve(summary: dict[str, Any], path: Path) -> bool:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def even_text(even: int | None, lengths: list[int]) -> str:
+    """A break-even length as the report words it: at the ladder's shortest length it is
+    an upper bound (loading was faster at every length measured)."""
+    if even is None:
+        return "never"
+    if even == lengths[0]:
+        return f"every length (<= {even:,} tokens)"
+    return f"{even:,} tokens"
 
 
 def restore_rates(summary: dict[str, Any], kv_bytes_per_token: int) -> dict[str, float]:
@@ -1448,20 +1548,35 @@ NOTES: list[str] = [
     "loads and stores share the tier's pool), so the trial was not kept. What would close it "
     "beyond the above: stores on threads of their own at a lower priority, loads kept at "
     "the engine's.",
-    "- *Break-even*: on this machine every request, even a 64-token one recomputed, took "
-    "0.3-1 s after the long prefixes (the same floor shows in vLLM's own warm hits), so "
-    "the ladder cannot resolve where loading starts to pay below about 1k tokens: the CPU "
-    "tier, the file tier and SeaweedFS were faster than recomputing at every length "
-    "measured (64 tokens up), moto from 1,024 tokens. The `promotion:` section follows from "
-    "the same table: `prefill_tokens_per_s` is the recompute line's rate (about 900 "
-    "tokens/s here), and a tier's `load_latency_s` / `load_bytes_per_s` are its line's "
-    "fixed cost over recomputing's and its bandwidth; a tier whose line lies below "
-    "recomputing's at every length needs no seed (every hit pays, which is what a stack "
-    "without `promotion:` does); on this machine only moto gives one (0.10 s, 47 MB/s). "
-    "On a GPU, where recomputing is 10-100x faster, run the benchmark there and seed from "
-    "its table.",
-    "- *Outputs*: all 81 requests of every phase (27 per round) were identical to the "
-    "baseline's cold server, kvtiers' loads included.",
+    "- *The curve* (the ladder section: its own `--ladder-only` run of 2026-12-07, 3 "
+    "rounds in 59 min, on another 2-core host than the groups above, with other "
+    "engineers' jobs on it, load average 12-25 for most of the run): loading from every "
+    "tier was faster than recomputing at every length measured, 512 to 16,384 tokens, so "
+    "the break-even lies at or below the ladder's shortest prompt here (recomputing 512 "
+    "tokens took 3.0 s, loading them 0.7-0.9 s). At 16,384 tokens (median, lowest-highest "
+    "over rounds): recomputing 84 s (71-97; a 16k prefill on one torch thread: 49 s in a "
+    "probe on the same host at load 1), loading from the CPU tier 0.95 s (0.93-1.07), "
+    "files 2.5 s (1.05-4.8), S3 on SeaweedFS 6.3 s (5.5-6.5), on moto 16.3 s (9.0-16.6). "
+    "Each load came from the tier named: in every load phase of every round vLLM took all "
+    "32,256 prompt tokens of the ladder from kvtiers, with no promotion in the *cpu* phase "
+    "(the CPU tier's own slots) and all 504 chunks promoted from the tier below in the "
+    "others (new servers, new CPU tiers; for S3 an empty file root too); every output "
+    "(18 per phase) equalled the recompute's. *restore GB/s* is a lower bound: the TTFT "
+    "holds the whole request (scheduling, the prompt's own 16 tokens, the first token, "
+    "the engine core polling on a loaded machine), which is all but a little of the CPU "
+    "tier's 0.6-1.3 s at every length (its line is flat: its `load_bytes_per_s` of "
+    "4.7 GB/s is noise over a fixed cost); the slopes of the other lines are closer to "
+    "the tiers' rates through the server: about 124 MB/s from files, 49 MB/s from "
+    "SeaweedFS and 17 MB/s from moto, both S3 servers on the engine's own cores. "
+    "Recomputing is not a line over 512-16k tokens (attention grows with the square of "
+    "the length: in the quiet probe 4,096 tokens took 5.3 s and 16,384 took 48.6 s, 1.3 "
+    "against 3.0 ms per token), so its fit has a negative fixed part and the "
+    "`load_latency_s` column (a tier's fixed cost over recomputing's) reads 3-4 s: not a "
+    "seed to use. No tier needs a `promotion:` seed on this machine (every hit pays at "
+    "every length). On a GPU, where recomputing is 10-100x faster, run the benchmark "
+    "there and seed from its table.",
+    "- *Outputs*: all 63 requests of every phase outside the ladder (21 per round) were "
+    "identical to the baseline's cold server, kvtiers' loads included.",
     "- *Shutdown*: this run's servers stopped with vLLM's default shutdown (an abort that "
     "kills the engine core); each cold server had finished its cascades two phases before "
     "(544 of 544 chunk files and 545 objects with the manifest, every round). The script "
@@ -1592,7 +1707,8 @@ SERVICE_NOTES: list[str] = [
 
 
 def write(results: dict[str, Any], out: Path) -> None:
-    """``serve.json`` (the result schema), ``serve.md`` and ``serve.png`` in ``out``."""
+    """``serve.json`` (the result schema), ``serve.md``, ``serve.png`` and
+    ``serve-curve.png`` in ``out``."""
     summary = summarize(results)
     results = {**results, "notes": NOTES}
     if results.get("noreuse"):
@@ -1645,6 +1761,13 @@ def main() -> None:
     parser.add_argument("--slot-bytes", type=int,
                         help="the service pool's slot (default: one block of the "
                              "benchmark's model's KV, block size x 16 KiB)")
+    parser.add_argument("--ladder-only", action="store_true",
+                        help="only the ladder (the curve), through the phases that load it "
+                        "from each tier and the baseline's recompute; its results replace "
+                        "the ladder of the serve.json / serve.md in --out (default "
+                        "benchmarks/results; --quick: nowhere)")
+    parser.add_argument("--ladder-max", type=int,
+                        help="leave out the ladder's prompts longer than this many tokens")
     parser.add_argument("--render", action="store_true",
                         help="only rewrite serve.md and serve.png from serve.json")
     args = parser.parse_args()
@@ -1656,6 +1779,9 @@ def main() -> None:
     plan = QUICK if args.quick else FULL
     if args.rounds:
         plan = Plan(**{**plan.__dict__, "rounds": args.rounds})
+    if args.ladder_max:
+        plan = Plan(**{**plan.__dict__,
+                       "ladder": tuple(n for n in plan.ladder if n <= args.ladder_max)})
     if args.gil_only:
         with tempfile.TemporaryDirectory(prefix="kvtiers-bench-serve-") as scratch:
             s3 = S3Servers(Path(scratch))
@@ -1667,7 +1793,8 @@ def main() -> None:
             finally:
                 s3.stop()
         return
-    job = run_service if args.service else run_noreuse if args.no_reuse else run
+    job = (run_service if args.service else run_noreuse if args.no_reuse
+           else run_ladder if args.ladder_only else run)
     if args.scratch is not None:
         args.scratch.mkdir(parents=True, exist_ok=True)
         job(args, plan, args.scratch, out)
@@ -1746,6 +1873,78 @@ def _merge_noreuse(out: Path, noreuse: dict[str, Any]) -> None:
     results = from_document(read_result(path))
     results["noreuse"] = noreuse
     write(results, out)
+
+
+def merge_ladder(results: dict[str, Any], ladder_run: dict[str, Any]) -> dict[str, Any]:
+    """``results`` (a full run's) with ``ladder_run`` in place of its ladder: the ladder
+    group is taken out of its groups and records (the other groups keep their numbers),
+    and the break-even table, the curve and the ladder section come from ``ladder_run``."""
+    groups = {name: g for name, g in results["groups"].items() if name != "ladder"}
+    records = [{**r, "groups": {name: g for name, g in r["groups"].items()
+                                if name != "ladder"}} for r in results["records"]]
+    return {**results, "groups": groups, "records": records, "ladder_run": ladder_run}
+
+
+def _merge_ladder(out: Path, ladder_run: dict[str, Any]) -> None:
+    path = out / "serve.json"
+    if not path.exists():
+        raise SystemExit(f"bench_serve: {path} is missing; run the whole benchmark first")
+    write(merge_ladder(from_document(read_result(path)), ladder_run), out)
+
+
+def run_ladder(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -> None:
+    """Only the ladder, through the phases that load it from each tier and the baseline's
+    recompute, ``plan.rounds`` rounds (which side goes first alternating); merged into
+    ``out``'s serve.json after every round (:func:`merge_ladder`)."""
+    from vllm.tokenizers import get_tokenizer
+
+    started = time.perf_counter()
+    note = machine_note()
+    model, _ = _model(args, scratch)
+    tokenizer = get_tokenizer(model)
+    group = next(g for g in workload(tokenizer, plan, scratch) if g.name == "ladder")
+    ladder_run: dict[str, Any] = {
+        "machine": note, "plan": {"rounds": plan.rounds, "ladder": list(plan.ladder),
+                                  "ladder_each": plan.ladder_each},
+        "command": " ".join(["benchmarks/bench_serve.py", *sys.argv[1:]]),
+        "groups": {"ladder": {"first": group.first, "lengths": group.lengths}},
+        "records": [], "rounds_done": 0,
+    }
+    print(f"bench_serve: ladder only, {plan.rounds} round(s), lengths {list(plan.ladder)}; "
+          f"scratch {scratch}", flush=True)
+    s3 = S3Servers(scratch)
+    s3.start()
+    try:
+        runner = Runner(args, model, scratch, s3, [group], tokenizer, ladder_only=True)
+        for r in range(plan.rounds):
+            sides = (runner.kvtiers, runner.baseline) if r % 2 == 0 else (
+                runner.baseline, runner.kvtiers)
+            for side in sides:
+                for record in side(r):
+                    record["round"] = r
+                    ladder_run["records"].append(record)
+            ladder_run["rounds_done"] = r + 1
+            note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
+            ladder_run["machine"] = finish_note(note)
+            ladder_run["runtime_s"] = time.perf_counter() - started
+            if out is not None:
+                # What a run cut short measured stays.
+                _merge_ladder(out, ladder_run)
+    finally:
+        s3.stop()
+    summary = summarize_ladder(ladder_run)
+    rates = restore_rates(summary, LLAMA_KV_BYTES_PER_TOKEN)
+    print(f"recompute: {summary['break_even']['recompute']}")
+    for tier, row in summary["break_even"]["tiers"].items():
+        print(f"break-even: {tier}: {row['break_even']} tokens; load {row['load']}; "
+              f"restore {rates.get(tier, float('nan')):.2f} GB/s")
+    for key, row in summary["phases"].items():
+        print(f"{key}: loaded tokens {row['external_hit_tokens']}, promotions "
+              f"{row['promotions']}, outputs = recompute {row['identical']}")
+    print(f"bench_serve: took {time.perf_counter() - started:.0f} s")
+    if out is not None:
+        print(f"bench_serve: wrote {out / 'serve.md'}")
+    shutil.rmtree(scratch / "model", ignore_errors=True)
 
 
 def run_service(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None

@@ -327,6 +327,102 @@ def test_step_targets_quote_bench_service_at_256(tmp_path: Path) -> None:
     ]
 
 
+LADDER = [512, 4096, 16384]
+
+
+def _ladder_run(date: str, cpu_ttft: list[float]) -> dict[str, Any]:
+    """A ``--ladder-only`` run of two rounds: recomputing 300/2000/9000 ms (round 1
+    twice that), the CPU tier ``cpu_ttft``, files 500/600/800 ms; round 1's file texts
+    differ from its recompute's."""
+
+    def record(side: str, phase: str, r: int, ttft: list[float], hits: float,
+               texts: str = "same") -> dict[str, Any]:
+        return {"side": side, "phase": phase, "round": r, "wall_s": 1.0,
+                "groups": {"ladder": {"ttft": [t / 1000 for t in ttft], "tpot": [None] * 3,
+                                      "texts": [f"{texts}-{i}" for i in range(3)],
+                                      "request_throughput": 1.0}},
+                "counters": {"external_hit_tokens": hits, "promotions": hits // 1024},
+                "cpu_s": {"Worker": 1.0}}
+
+    records = []
+    for r, scale in ((0, 1.0), (1, 2.0)):
+        records += [
+            record("baseline", "restart", r, [300 * scale, 2000 * scale, 9000 * scale], 0),
+            record("kvtiers", "cold", r, [300, 2000, 9000], 0),
+            record("kvtiers", "cpu", r, cpu_ttft, 20480.0 * (r + 1)),
+            record("kvtiers", "restart", r, [500, 600, 800], 20480.0,
+                   texts="same" if r == 0 else "other"),
+        ]
+    return {"machine": {"date": date, "load": "9.0, 8.0, 7.0", "load_end": "6.0, 5.0, 4.0",
+                        "start_s": "30-60", "cpu": "EPYC", "cores": 2, "vllm": "0.32.0",
+                        "torch": "2.13.0"},
+            "plan": {"rounds": 2, "ladder": LADDER, "ladder_each": 1},
+            "command": "benchmarks/bench_serve.py --ladder-only",
+            "groups": {"ladder": {"first": [True] * 3, "lengths": LADDER}},
+            "records": records, "rounds_done": 2, "runtime_s": 1800}
+
+
+def _full_run() -> dict[str, Any]:
+    return {**_results(), "plan": {**bench.FULL.__dict__}, "model": "m", "command": "c",
+            "machine": {"original": {"cpu": "cpu", "cores": "2", "python": "3",
+                                     "vllm": "0.32.0", "torch": "2", "load": "1",
+                                     "date": "full-run-date"}},
+            "runtime_s": 60}
+
+
+def test_a_ladder_run_replaces_the_full_runs_ladder_and_keeps_the_rest() -> None:
+    full = _full_run()
+    merged = bench.merge_ladder(full, _ladder_run("ladder-date", [250, 300, 350]))
+    assert "ladder" not in merged["groups"]
+    assert all("ladder" not in r["groups"] for r in merged["records"])
+    assert len(merged["records"]) == len(full["records"])
+    assert [r["groups"]["prefix-2048"] for r in merged["records"]] == [
+        r["groups"]["prefix-2048"] for r in full["records"]], "the other groups keep theirs"
+    summary = bench.summarize(merged)
+    targets = {t["what"]: t["ratio"] for t in summary["targets"]}
+    assert targets["prefix-2048: restart vs recompute"] == pytest.approx((0.1, 0.1, 0.1))
+    be = summary["break_even"]
+    # Medians over the ladder run's two rounds, not the full run's 64/256/2048 ladder.
+    assert be["recompute"] == {512: 450, 4096: 3000, 16384: 13500}
+    assert be["tiers"]["cpu"]["break_even"] == 512
+    assert be["tiers"]["file"]["break_even"] == 4096, "500 ms is not under 450 at 512"
+    rates = bench.restore_rates(summary, 16384)
+    assert rates["file"] == pytest.approx(16384 * 16384 / 0.8 / 1e9)
+    # Merging a later ladder run replaces the earlier one.
+    again = bench.merge_ladder(merged, _ladder_run("later-date", [100, 200, 300]))
+    assert bench.summarize(again)["break_even"]["tiers"]["cpu"]["load"] == {
+        512: 100, 4096: 200, 16384: 300}
+
+
+def test_render_gives_the_ladder_run_its_own_note_and_checks() -> None:
+    merged = bench.merge_ladder(_full_run(), _ladder_run("ladder-date", [250, 300, 350]))
+    text = bench.render(merged, bench.summarize(merged))
+    assert "load average 1 at the start" in text.split("## Targets")[0], "the full run's note"
+    section = text[text.index("## ladder"):text.index("## Break-even")]
+    assert "`--ladder-only` (EPYC, 2 cores, vLLM 0.32.0, torch 2.13.0; ladder-date; " \
+        "load average 9.0, 8.0, 7.0 at the start, " \
+        "6.0, 5.0, 4.0 at the end" in section
+    assert "2 rounds; 30 min" in section
+    assert "Prompts of 512, 4096, 16384 tokens" in section
+    assert "| baseline | restart | 0 (0-0) |  | 6/6 |" in section
+    assert "| kvtiers | cpu | 30720 (20480-40960) | 30 (20-40) | 6/6 |" in section
+    assert "| kvtiers | restart | 20480 (20480-20480) | 20 (20-20) | 3/6 |" in section
+    assert "| recompute | 450 | 3000 | 13500 | | |" in text
+    assert "| break-even | restore GB/s at 16,384 |" in text
+    assert "| file | 500 | 600 | 800 | 4,096 tokens |" in text
+
+
+def test_a_merged_ladder_run_is_written_as_a_result_document(tmp_path: Path) -> None:
+    from harness import from_document, read_result
+
+    bench.write(bench.merge_ladder(_full_run(), _ladder_run("d", [250, 300, 350])), tmp_path)
+    back = from_document(read_result(tmp_path / "serve.json"))
+    assert back["ladder_run"]["plan"]["ladder"] == LADDER
+    assert "ladder" not in back["groups"]
+    text = (tmp_path / "serve.md").read_text()
+    assert "| cpu | 250 | 300 | 350 | every length (<= 512 tokens) |" in text
+
+
 @pytest.fixture
 def metrics_url() -> Iterator[str]:
     body = (b"# HELP x_total a counter\n# TYPE x_total counter\n"
