@@ -1,0 +1,180 @@
+"""Tenants over one stack (kvtiers.stack.tenants): a `tenants:` section is checked with
+paths; two tenants over one shared file root and one bucket never hit each other's chunks,
+a noisy tenant's burst stays within its quotas without touching the quiet tenant's
+protected share, and usage per tenant and tier is reported."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtiers.config.stack import load_stack_config
+from kvtiers.core.keys import OffloadKey
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.errors import ConfigError
+from kvtiers.stack.builder import Stack, load_stack
+from kvtiers.stack.tenants import TenantStack
+from kvtiers.testing.conformance import conformance_key, conformance_payload
+from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.s3 import BUCKET, MotoServer
+
+CHUNK = 8192
+QUIET = ReqContext("quiet", cache_salt="salt-q")
+NOISY = ReqContext("noisy", kv_transfer_params={"kvtiers_tenant": "noisy"})
+PLAIN = ReqContext("plain")
+TENANTS: dict[str, Any] = {
+    "members": [
+        {"name": "quiet", "salts": ["salt-q"], "protected": {"cpu": 4 * CHUNK}},
+        {"name": "noisy", "quota": {"cpu": 3 * CHUNK, "lower": 5 * (CHUNK + 4096)}},
+    ],
+}
+
+
+def _tiers(lower: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"kind": "cpu", "capacity": 8 * CHUNK}, {"name": "lower", **lower}]
+
+
+# -- the section --------------------------------------------------------------------
+@pytest.mark.parametrize(("tenants", "path", "words"), [
+    ({"members": [{"name": "a"}, {"name": "a"}]}, "tenants.members[1].name",
+     "already used"),
+    ({"members": [{"name": "a", "quota": {"disk": "1GiB"}}]},
+     "tenants.members[0].quota.disk", "no tier is named 'disk'"),
+    ({"members": [{"name": "a", "quota": {"cpu": "lots"}}]},
+     "tenants.members[0].quota.cpu", "size"),
+    ({"members": [{"name": "a", "quota": {"cpu": "1MiB"}, "protected": {"cpu": "2MiB"}}]},
+     "tenants.members[0].protected.cpu", "larger than the quota"),
+    ({"members": [{"name": "a", "salts": ["s"]}, {"name": "b", "salts": ["s"]}]},
+     "tenants.members[1].salts[0]", "belongs to one tenant"),
+    ({"members": [{"name": "a b"}]}, "tenants.members[0].name", "tenant name"),
+    ({"member": []}, "tenants.member", "did you mean 'members'"),
+])
+def test_a_bad_tenants_section_names_its_path(tenants: dict[str, Any], path: str,
+                                               words: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_stack_config({"tiers": [{"kind": "cpu", "capacity": "1GiB"}],
+                           "tenants": tenants})
+    assert caught.value.path == path
+    assert words in caught.value.message
+
+
+def test_a_bad_tenants_section_in_a_file_names_file_and_line(tmp_path: Path) -> None:
+    stack = tmp_path / "stack.yaml"
+    stack.write_text("tiers:\n  - kind: cpu\n    capacity: 1GiB\ntenants:\n  members:\n"
+                     "    - name: a\n      quota:\n        disk: 1GiB\n")
+    with pytest.raises(ConfigError) as caught:
+        load_stack_config(stack)
+    assert caught.value.source == f"{stack}:8"
+    assert "tenants.members[0].quota.disk" in str(caught.value)
+
+
+# -- two tenants over one shared place ---------------------------------------------
+@pytest.fixture(params=["file", "s3"])
+def lower(request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    if request.param == "file":
+        return {"kind": "file", "root": str(tmp_path / "root")}
+    moto: MotoServer = request.getfixturevalue("s3_endpoint")
+    return {"kind": "s3", "bucket": BUCKET, "prefix": "tenants",
+            "endpoint_url": moto.endpoint_url, "threads": 2}
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Stack]]:
+    made: list[Stack] = []
+    yield made
+    for stack in made:
+        stack.shutdown()
+
+
+def _build(made: list[Stack], lower: dict[str, Any]) -> tuple[Stack, TenantStack]:
+    stack = load_stack({"tiers": _tiers(lower), "tenants": TENANTS}, offloading_config())
+    made.append(stack)
+    stack.wait_index()
+    assert stack.config.tenants is not None
+    return stack, TenantStack(stack.manager, stack.config.tenants)
+
+
+def _store(stack: Stack, tenants: TenantStack, keys: list[OffloadKey],
+           ctx: ReqContext) -> list[OffloadKey]:
+    """Store ``keys`` for ``ctx``'s tenant, each chunk its own payload; end the step."""
+    accepted = tenants.prepare_store(keys, ctx) or []
+    region = stack.tiers[0].region
+    assert region is not None
+    if accepted:
+        spec = tenants.get_spec(accepted)
+        assert isinstance(spec, CPULoadStoreSpec)
+        for slot, key in zip(spec.slot_ids, accepted, strict=True):
+            region.view(int(slot))[:CHUNK] = conformance_payload(keys.index(key), CHUNK)
+        tenants.complete_store(accepted, ctx)
+    stack.manager.wait_idle()
+    tenants.on_schedule_end(ScheduleEndContext())
+    return accepted
+
+
+def _ready(tenants: TenantStack, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+    """The answer once any promotion the lookup started has landed."""
+    result = tenants.lookup(key, ctx)
+    if result is LookupResult.HIT_PENDING:
+        tenants.inner.wait_idle()
+        tenants.on_schedule_end(ScheduleEndContext())
+        result = tenants.lookup(key, ctx)
+    return result
+
+
+def test_no_tenant_is_served_another_tenants_chunk(stacks: list[Stack],
+                                                   lower: dict[str, Any]) -> None:
+    stack, tenants = _build(stacks, lower)
+    keys = [conformance_key(i) for i in range(3)]
+    assert _store(stack, tenants, keys, QUIET) == keys
+    for key in keys:
+        assert tenants.lookup(key, QUIET) is LookupResult.HIT
+        assert tenants.lookup(key, NOISY) is LookupResult.MISS
+        assert tenants.lookup(key, PLAIN) is LookupResult.MISS
+    stack.shutdown()
+
+    # A restarted stack over the same root or bucket: the lower tier alone holds them.
+    stack, tenants = _build(stacks, lower)
+    for key in keys:
+        assert _ready(tenants, key, NOISY) is LookupResult.MISS
+        assert _ready(tenants, key, PLAIN) is LookupResult.MISS
+        assert _ready(tenants, key, QUIET) is LookupResult.HIT
+    tenants.prepare_load(keys, QUIET)
+    spec = tenants.get_spec(keys)
+    assert isinstance(spec, CPULoadStoreSpec)
+    region = stack.tiers[0].region
+    assert region is not None
+    loaded = [bytes(region.view(int(slot))[:CHUNK]) for slot in spec.slot_ids]
+    tenants.complete_load(keys, QUIET)
+    assert loaded == [conformance_payload(i, CHUNK) for i in range(3)]
+    usage = tenants.usage()
+    assert usage["lower"]["quiet"] > 0
+    assert usage["lower"]["noisy"] == usage["lower"]["default"] == 0
+
+
+def test_a_burst_keeps_to_its_quotas_and_spares_the_protected_share(
+        stacks: list[Stack], lower: dict[str, Any]) -> None:
+    stack, tenants = _build(stacks, lower)
+    quiet = [conformance_key(i) for i in range(4)]
+    _store(stack, tenants, quiet, QUIET)
+    burst = [conformance_key(100 + i) for i in range(24)]
+    for start in range(0, len(burst), 2):
+        _store(stack, tenants, burst[start:start + 2], NOISY)
+        usage = tenants.usage()
+        assert usage["cpu"]["noisy"] <= 3 * CHUNK, usage
+        assert usage["lower"]["noisy"] <= 5 * (CHUNK + 4096), usage
+        assert usage["cpu"]["quiet"] == 4 * CHUNK, usage
+    # The noisy tenant kept its latest chunks: its own oldest made way for them.
+    assert tenants.lookup(burst[-1], NOISY) is LookupResult.HIT
+    assert tenants.lookup(burst[0], NOISY) is LookupResult.MISS
+    for key in quiet:
+        assert tenants.lookup(key, QUIET) is LookupResult.HIT
+    # An unquoted tenant (the default) may still use the room nobody protects.
+    plain = [conformance_key(200 + i) for i in range(6)]
+    _store(stack, tenants, plain, PLAIN)
+    usage = tenants.usage()
+    assert usage["cpu"]["quiet"] == 4 * CHUNK, usage
+    assert usage["cpu"]["default"] > 0, usage
