@@ -17,7 +17,7 @@ from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.errors import ConfigError
 from kvtiers.stack.builder import Stack, load_stack
-from kvtiers.stack.tenants import TenantStack
+from kvtiers.stack.tenants import TenantStack, tenant_bytes_families
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.objects import offloading_config
 from kvtiers.testing.s3 import BUCKET, MotoServer
@@ -52,6 +52,7 @@ def _tiers(lower: dict[str, Any]) -> list[dict[str, Any]]:
      "tenants.members[1].salts[0]", "belongs to one tenant"),
     ({"members": [{"name": "a b"}]}, "tenants.members[0].name", "tenant name"),
     ({"member": []}, "tenants.member", "did you mean 'members'"),
+    ({"members": [{"name": "a", "salts": "s"}]}, "tenants.members[0].salts", "list"),
 ])
 def test_a_bad_tenants_section_names_its_path(tenants: dict[str, Any], path: str,
                                                words: str) -> None:
@@ -94,8 +95,10 @@ def _build(made: list[Stack], lower: dict[str, Any]) -> tuple[Stack, TenantStack
     stack = load_stack({"tiers": _tiers(lower), "tenants": TENANTS}, offloading_config())
     made.append(stack)
     stack.wait_index()
+    assert isinstance(stack.tenants, TenantStack)
     assert stack.config.tenants is not None
-    return stack, TenantStack(stack.manager, stack.config.tenants)
+    # The usage snapshot taken at every step's end (not once a second), for the exporter.
+    return stack, TenantStack(stack.manager, stack.config.tenants, refresh_s=0)
 
 
 def _store(stack: Stack, tenants: TenantStack, keys: list[OffloadKey],
@@ -178,3 +181,10 @@ def test_a_burst_keeps_to_its_quotas_and_spares_the_protected_share(
     usage = tenants.usage()
     assert usage["cpu"]["quiet"] == 4 * CHUNK, usage
     assert usage["cpu"]["default"] > 0, usage
+    # The exporter's family reads the snapshot the last step took.
+    tenants.on_schedule_end(ScheduleEndContext())
+    (family,) = tenant_bytes_families(tenants)()
+    samples = {(s.labels["tenant"], s.labels["tier"]): s.value for s in family.samples}
+    assert family.name == "kvtiers_tenant_bytes"
+    assert samples[("quiet", "cpu")] == 4 * CHUNK
+    assert samples[("noisy", "lower")] == usage["lower"]["noisy"]

@@ -154,7 +154,8 @@ class StackConfig:
         if self.model is not None:
             self._check_geometry(self.model.to_offloading_config())
         if self.tenants is not None:
-            check_tier_names(self.tenants, tuple(tier.name for tier in self.tiers))
+            check_tier_names(self.tenants, tuple(tier.name for tier in self.tiers),
+                             self.tiers[0].kind)
 
     def _check_geometry(self, identity: OffloadingConfig) -> None:
         """What the build checks of the tiers against the model's chunks: a cpu primary

@@ -133,16 +133,25 @@ class TenantsConfig(Section):
         return (self.default, *(t.name for t in self.members if t.name != self.default))
 
 
-def check_tier_names(tenants: TenantsConfig, tier_names: tuple[str, ...]) -> None:
+def check_tier_names(tenants: TenantsConfig, tier_names: tuple[str, ...],
+                     primary_kind: str) -> None:
     """:class:`ConfigError` (path ``tenants.members[i].quota.<tier>``) for a quota or
-    protected share naming a tier the stack does not have."""
+    protected share naming a tier the stack does not have, or a primary other than a
+    ``cpu`` tier (the only primary whose chunks a quota can count and evict by owner)."""
     for idx, tenant in enumerate(tenants.members):
         where = item_path(key_path(TENANTS_PATH, "members"), idx)
         for key, sizes in (("quota", tenant.quota), ("protected", tenant.protected)):
             for tier in sizes:
+                path = key_path(key_path(where, key), tier)
                 if tier not in tier_names:
                     raise ConfigError(
                         f"no tier is named {tier!r}{suggestion(tier, tier_names)}; the "
                         f"stack's tiers: {', '.join(tier_names)}",
-                        path=key_path(key_path(where, key), tier),
+                        path=path,
+                    )
+                if tier == tier_names[0] and primary_kind != "cpu":
+                    raise ConfigError(
+                        f"quotas on the primary need a cpu tier, and {tier!r} is a "
+                        f"{primary_kind} tier: cap this tenant in the lower tiers only",
+                        path=path,
                     )

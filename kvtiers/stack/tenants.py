@@ -37,10 +37,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import time
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from kvtiers.config.tenants import TenantsConfig
 from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
@@ -183,9 +184,11 @@ class TenantStack(OffloadingManager):
 
     ``get_spec`` answers for the keys of the latest ``prepare_store`` or
     ``prepare_load`` that named them (engines ask right after the call that reserved or
-    pinned them, as kvtiers' scheduler and vLLM's do)."""
+    pinned them, as kvtiers' scheduler and vLLM's do). :attr:`usage_snapshot` is
+    refreshed at the end of a step at most every ``refresh_s`` seconds (0: every step)."""
 
-    def __init__(self, inner: TieredManager, config: TenantsConfig) -> None:
+    def __init__(self, inner: TieredManager, config: TenantsConfig, *,
+                 refresh_s: float = 1.0) -> None:
         self.inner = inner
         self.keys = TenantKeys(config)
         names = [tier.name for tier in inner.tiers]
@@ -198,10 +201,16 @@ class TenantStack(OffloadingManager):
                 self._protected[names.index(tier)][tenant.name] = size
         primary = inner.tiers[0].manager
         self._primary = primary if isinstance(primary, AccountedPrimary) else None
-        if self._primary is None and (self._quota[0] or self._protected[0]):
-            raise ValueError(f"tier {names[0]!r}: quotas on a primary need a cpu tier")
+        # The stack's configuration allows quotas on a cpu primary only (the one kind
+        # whose chunks can be counted and evicted by owner).
+        assert self._primary is not None or not (self._quota[0] or self._protected[0])
         # The scoped key of each engine key the latest prepare named (for get_spec).
         self._live: dict[OffloadKey, OffloadKey] = {}
+        #: :meth:`usage` as of the latest refresh (replaced whole, never changed: another
+        #: thread, the metrics exporter's, reads it).
+        self.usage_snapshot: Mapping[str, Mapping[str, int]] = {}
+        self._refresh_s = refresh_s
+        self._refreshed_at: float | None = None
 
     @property
     def capabilities(self) -> TierCapabilities:  # type: ignore[override]
@@ -368,6 +377,10 @@ class TenantStack(OffloadingManager):
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self.inner.on_schedule_end(ctx)
         self._enforce_lower()
+        now = time.monotonic()
+        if self._refreshed_at is None or now - self._refreshed_at >= self._refresh_s:
+            self._refreshed_at = now
+            self.usage_snapshot = self.usage()
 
     def has_pending_work(self) -> bool:
         return self.inner.has_pending_work()
@@ -391,3 +404,26 @@ class TenantStack(OffloadingManager):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+
+
+#: The Prometheus family of :meth:`TenantStack.usage_snapshot`.
+TENANT_BYTES = "kvtiers_tenant_bytes"
+
+
+def tenant_bytes_families(tenants: TenantStack) -> Callable[[], Iterator[Any]]:
+    """A :meth:`~kvtiers.stack.metrics.MetricsServer.add_families` source:
+    ``kvtiers_tenant_bytes{tenant, tier}``, the bytes each tenant's chunks take in each
+    tier, from the latest snapshot (prometheus-client is imported at the first scrape)."""
+
+    def families() -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        family = GaugeMetricFamily(
+            TENANT_BYTES, "Bytes a tenant's chunks take in a tier (tenants: section). "
+            "Unit: bytes.", labels=["tenant", "tier"])
+        for tier, by_tenant in tenants.usage_snapshot.items():
+            for tenant, used in by_tenant.items():
+                family.add_metric([tenant, tier], float(used))
+        yield family
+
+    return families
