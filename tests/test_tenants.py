@@ -5,6 +5,7 @@ protected share, and usage per tenant and tier is reported."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,23 @@ def test_a_burst_keeps_to_its_quotas_and_spares_the_protected_share(
     assert family.name == "kvtiers_tenant_bytes"
     assert samples[("quiet", "cpu")] == 4 * CHUNK
     assert samples[("noisy", "lower")] == usage["lower"]["noisy"]
+
+
+def test_inspect_counts_each_tenants_chunks(stacks: list[Stack], tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtiers.cli import main
+
+    root = tmp_path / "root"
+    stack, tenants = _build(stacks, {"kind": "file", "root": str(root)})
+    _store(stack, tenants, [conformance_key(i) for i in range(3)], QUIET)
+    _store(stack, tenants, [conformance_key(i) for i in range(2)], NOISY)
+    _store(stack, tenants, [conformance_key(9)], PLAIN)
+    stack.shutdown()
+    capsys.readouterr()
+    assert main(["inspect", "--json", "--tenant", "quiet", "--tenant", "noisy",
+                 str(root)]) == 0
+    (namespace,) = json.loads(capsys.readouterr().out)["namespaces"]
+    counted = {name: use["chunks"] for name, use in namespace["tenants"].items()}
+    assert counted == {"quiet": 3, "noisy": 2, "(untagged)": 1}
+    assert sum(use["bytes"] for use in namespace["tenants"].values()) == \
+        namespace["chunk_bytes"]

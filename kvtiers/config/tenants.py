@@ -15,6 +15,7 @@ it sits under. That every tier named exists is checked by the stack
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar
@@ -30,6 +31,16 @@ TENANTS_PATH = "tenants"
 DEFAULT_TENANT_PARAM = "kvtiers_tenant"
 _NAME = Matches(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}",
                 "a tenant name: letters, digits, '.', '_', '-' (at most 63)")
+
+
+#: Bytes at the head of a tenant's scoped hash that name the tenant
+#: (:mod:`kvtiers.stack.tenants`); a chunk's file or object name shows them first.
+TAG_BYTES = 8
+
+
+def tenant_tag(name: str) -> bytes:
+    """The first :data:`TAG_BYTES` of every scoped hash of tenant ``name``."""
+    return hashlib.blake2b(b"kvtiers-tenant\0" + name.encode(), digest_size=TAG_BYTES).digest()
 
 
 def _sizes(raw: Mapping[str, Any], key: str) -> dict[str, int]:

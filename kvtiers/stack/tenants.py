@@ -43,7 +43,7 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from kvtiers.config.tenants import TenantsConfig
+from kvtiers.config.tenants import TAG_BYTES, TenantsConfig, tenant_tag
 from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
 from kvtiers.core.manager import (
     LookupResult,
@@ -60,15 +60,8 @@ from kvtiers.stack.composite import TieredManager
 
 logger = logging.getLogger(__name__)
 
-#: Bytes of a scoped hash that name its tenant.
-TAG_BYTES = 8
 #: The shortest hash a key may carry to be scoped (a tag and 8 bytes of keyed hash).
 MIN_HASH_BYTES = 16
-
-
-def tenant_tag(name: str) -> bytes:
-    """The first :data:`TAG_BYTES` of every scoped hash of tenant ``name``."""
-    return hashlib.blake2b(b"kvtiers-tenant\0" + name.encode(), digest_size=TAG_BYTES).digest()
 
 
 @dataclass(frozen=True)
