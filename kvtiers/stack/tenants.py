@@ -290,20 +290,23 @@ class TenantStack(OffloadingManager):
                 usage[tenant] -= len(held) * chunk
             room = min(room, max(0, (quota - usage[tenant]) // chunk))
         short = room - primary.free_slots
-        protected = self._protected[0]
+        shares = {who: share for who, share in self._protected[0].items()
+                  if who != tenant and share > 0}
         while short > 0:
-            # Another tenant's chunk is safe while losing it would take that tenant
-            # below its protected share (recounted after each victim).
+            # Chunks another tenant may still lose before it is down to its protected
+            # share; its chunks are shielded once that is none. Each round evicts no more
+            # than the smallest such allowance, so no share is crossed within a round.
+            allowance = {who: (usage[who] - share) // chunk for who, share in shares.items()}
             shielded = {key for key in primary.held_keys()
-                        if (who := owner(key)) != tenant and protected.get(who, 0) > 0
-                        and usage[who] - chunk < protected[who]}
-            held = primary.evict_held(1, shielded)
+                        if allowance.get(owner(key), 1) <= 0}
+            step = min([short, *(left for left in allowance.values() if left > 0)])
+            held = primary.evict_held(step, shielded)
             if not held:
                 break
-            ((victim, slot),) = held.items()
-            primary.release_held((slot,))
-            usage[owner(victim)] -= chunk
-            short -= 1
+            primary.release_held(held.values())
+            for victim in held:
+                usage[owner(victim)] -= chunk
+            short -= len(held)
         room = min(room, primary.free_slots)
         if room >= len(new):
             return scoped
