@@ -209,3 +209,46 @@ def test_inspect_counts_each_tenants_chunks(stacks: list[Stack], tmp_path: Path,
     assert counted == {"quiet": 3, "noisy": 2, "(untagged)": 1}
     assert sum(use["bytes"] for use in namespace["tenants"].values()) == \
         namespace["chunk_bytes"]
+
+
+def test_the_simulated_engine_keeps_a_tenants_quota(tmp_path: Path) -> None:
+    from kvtiers.engine.simulator import SimulatedEngine
+    from kvtiers.engine.workload import WorkloadSpec, conversation_requests
+
+    quota = 256 * 1024
+    stack = load_stack({
+        "tiers": [{"kind": "cpu", "capacity": "2MiB"},
+                  {"kind": "file", "root": str(tmp_path / "root")}],
+        "model": {"name": "team/model", "tokens_per_hash": 16, "blocks_per_chunk": 2,
+                  "groups": [{"tokens_per_block": 16, "num_layers": 2, "page_bytes": "2KiB"}]},
+        "tenants": {"members": [{"name": "default", "quota": {"cpu": quota}}]},
+    })
+    engine = SimulatedEngine(stack, num_gpu_blocks=64)
+    assert stack.tenants is not None
+    reused = verified = 0
+    workload = WorkloadSpec(conversations=4, system_prompts=1, turns=2,
+                            system_tokens=(200, 260))
+    try:
+        for request in conversation_requests(workload):
+            report = engine.run_request(request.req_id, request.token_ids)
+            assert report.verification_failures == 0
+            reused += report.reused_tokens
+            verified += report.verified_blocks
+            assert 0 < stack.tenants.usage()["cpu"]["default"] <= quota
+    finally:
+        engine.shutdown()
+        stack.shutdown()
+    assert reused > 0 and verified > 0
+
+
+def test_a_promotion_keeps_to_the_tenants_primary_quota(stacks: list[Stack],
+                                                         tmp_path: Path) -> None:
+    stack, tenants = _build(stacks, {"kind": "file", "root": str(tmp_path / "root")})
+    first = [conformance_key(i) for i in range(3)]
+    _store(stack, tenants, first, NOISY)
+    _store(stack, tenants, [conformance_key(10 + i) for i in range(3)], NOISY)
+    assert tenants.usage()["cpu"]["noisy"] == 3 * CHUNK
+    # Its first chunks are in the lower tier only now: a lookup promotes one.
+    assert tenants.lookup(first[2], NOISY) is LookupResult.HIT_PENDING
+    assert tenants.usage()["cpu"]["noisy"] <= 3 * CHUNK
+    assert _ready(tenants, first[2], NOISY) is LookupResult.HIT

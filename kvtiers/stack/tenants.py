@@ -21,15 +21,18 @@
   used chunks go until the store fits its ``quota`` there; room the primary lacks is then
   made by evicting, least recently used first, chunks of any tenant except another
   tenant's chunks within its ``protected`` share; keys that still find no room are not
-  stored (the leading ones are). In each lower tier with quotas, at the end of every
-  step a tenant over its quota has its own least recently used chunks evicted back under
-  it (a step's cascades may overshoot until then).
+  stored (the leading ones are). A promotion into the primary (a lookup's
+  ``HIT_PENDING``) is followed by the same trim of the tenant's own chunks back to its
+  quota, sparing what the request keeps. In each lower tier with quotas, at the end of
+  every step a tenant over its quota has its own least recently used chunks evicted back
+  under it (a step's cascades may overshoot until then).
 
-What it does not do (docs/tenants.md): a promotion into a full primary evicts by the
-primary's own policy, and a lower tier's own capacity eviction is not tenant-aware (keep
-the quotas of a lower tier within its capacity). Usage is counted by walking each tier's
-keys: O(chunks held) per primary store and per step — sized for stacks of up to some
-hundred thousand chunks.
+What it does not do (docs/tenants.md): the slot a promotion takes in a full primary is
+freed by the primary's own policy (another tenant's protected share included), and a
+lower tier's own capacity eviction is not tenant-aware (keep the quotas of a lower tier
+within its capacity). Usage is counted by walking each tier's keys: O(chunks held) per
+primary store, per promotion of a capped tenant and per step — sized for stacks of up to
+some hundred thousand chunks.
 """
 
 from __future__ import annotations
@@ -216,7 +219,11 @@ class TenantStack(OffloadingManager):
         return [scope(key, tenant) for key in keys]
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
-        return self.inner.lookup(self.keys.scope(key, self.keys.tenant_of(ctx)), ctx)
+        tenant = self.keys.tenant_of(ctx)
+        result = self.inner.lookup(self.keys.scope(key, tenant), ctx)
+        if result is LookupResult.HIT_PENDING and tenant in self._quota[0]:
+            self._trim_primary(tenant, ctx)
+        return result
 
     def prepare_store(
         self, keys: Collection[OffloadKey], ctx: ReqContext
@@ -225,7 +232,7 @@ class TenantStack(OffloadingManager):
         scoped = self._scoped(keys, ctx)
         by_scoped = dict(zip(scoped, keys, strict=True))
         if self._primary is not None:
-            scoped = self._make_room(tenant, scoped)
+            scoped = self._make_room(tenant, scoped, ctx)
             if not scoped:
                 return None
         accepted = self.inner.prepare_store(scoped, ctx)
@@ -267,9 +274,12 @@ class TenantStack(OffloadingManager):
                 live.pop(key, None)
 
     # -- quotas ---------------------------------------------------------------------
-    def _make_room(self, tenant: str, scoped: list[OffloadKey]) -> list[OffloadKey]:
+    def _make_room(self, tenant: str, scoped: list[OffloadKey],
+                   ctx: ReqContext) -> list[OffloadKey]:
         """Evict for a store of ``scoped`` into the primary as the module docstring says;
-        the leading keys that then fit (those already held always do)."""
+        the leading keys that then fit (those already held always do). Never evicted for
+        it: the keys it names (the caller counts those held as stored) and the request's
+        own ``ctx.keep``, as the primary's own eviction spares them."""
         primary = self._primary
         assert primary is not None
         new = [key for key in dict.fromkeys(scoped) if primary.slot_of(key) is None]
@@ -280,12 +290,13 @@ class TenantStack(OffloadingManager):
         owner = self.keys.owner
         usage = self._count(held_keys, chunk)
         room = len(new)
+        spared = set(scoped) | ctx.keep
         quota = self._quota[0].get(tenant)
         if quota is not None:
             over = usage[tenant] + room * chunk - quota
             if over > 0:
                 others = {key for key in held_keys if owner(key) != tenant}
-                held = primary.evict_held(math.ceil(over / chunk), others)
+                held = primary.evict_held(math.ceil(over / chunk), others | spared)
                 primary.release_held(held.values())
                 usage[tenant] -= len(held) * chunk
             room = min(room, max(0, (quota - usage[tenant]) // chunk))
@@ -298,7 +309,7 @@ class TenantStack(OffloadingManager):
             # than the smallest such allowance, so no share is crossed within a round.
             allowance = {who: (usage[who] - share) // chunk for who, share in shares.items()}
             shielded = {key for key in primary.held_keys()
-                        if allowance.get(owner(key), 1) <= 0}
+                        if allowance.get(owner(key), 1) <= 0} | spared
             step = min([short, *(left for left in allowance.values() if left > 0)])
             held = primary.evict_held(step, shielded)
             if not held:
@@ -312,6 +323,20 @@ class TenantStack(OffloadingManager):
             return scoped
         fits = set(new[:room])
         return [key for key in scoped if key in fits or primary.slot_of(key) is not None]
+
+    def _trim_primary(self, tenant: str, ctx: ReqContext) -> None:
+        """A promotion took a primary slot for ``tenant``: past its quota there, its own
+        least recently used chunks go (never those the request keeps for itself)."""
+        primary = self._primary
+        assert primary is not None
+        chunk = primary.slot_bytes
+        held_keys = primary.held_keys()
+        over = self._count(held_keys, chunk)[tenant] - self._quota[0][tenant]
+        if over > 0:
+            owner = self.keys.owner
+            keep = {key for key in held_keys if owner(key) != tenant} | ctx.keep
+            held = primary.evict_held(math.ceil(over / chunk), keep)
+            primary.release_held(held.values())
 
     def _count(self, keys: Iterable[OffloadKey], size: int) -> Counter[str]:
         owner = self.keys.owner
