@@ -24,9 +24,17 @@ from kvtiers.testing.objects import offloading_config
 from kvtiers.testing.s3 import BUCKET, MotoServer
 
 CHUNK = 8192
-QUIET = ReqContext("quiet", cache_salt="salt-q")
-NOISY = ReqContext("noisy", kv_transfer_params={"kvtiers_tenant": "noisy"})
-PLAIN = ReqContext("plain")
+
+
+def _contexts() -> tuple[ReqContext, ReqContext, ReqContext]:
+    """A request of each tenant: the quiet one by its salt, the noisy one by
+    ``kv_transfer_params``, the default one unnamed (fresh for each test: a context
+    keeps what its lookups found)."""
+    return (ReqContext("quiet", cache_salt="salt-q"),
+            ReqContext("noisy", kv_transfer_params={"kvtiers_tenant": "noisy"}),
+            ReqContext("plain"))
+
+
 TENANTS: dict[str, Any] = {
     "members": [
         {"name": "quiet", "salts": ["salt-q"], "protected": {"cpu": 4 * CHUNK}},
@@ -131,28 +139,29 @@ def _ready(tenants: TenantStack, key: OffloadKey, ctx: ReqContext) -> LookupResu
 
 def test_no_tenant_is_served_another_tenants_chunk(stacks: list[Stack],
                                                    lower: dict[str, Any]) -> None:
+    quiet_ctx, noisy_ctx, plain_ctx = _contexts()
     stack, tenants = _build(stacks, lower)
     keys = [conformance_key(i) for i in range(3)]
-    assert _store(stack, tenants, keys, QUIET) == keys
+    assert _store(stack, tenants, keys, quiet_ctx) == keys
     for key in keys:
-        assert tenants.lookup(key, QUIET) is LookupResult.HIT
-        assert tenants.lookup(key, NOISY) is LookupResult.MISS
-        assert tenants.lookup(key, PLAIN) is LookupResult.MISS
+        assert tenants.lookup(key, quiet_ctx) is LookupResult.HIT
+        assert tenants.lookup(key, noisy_ctx) is LookupResult.MISS
+        assert tenants.lookup(key, plain_ctx) is LookupResult.MISS
     stack.shutdown()
 
     # A restarted stack over the same root or bucket: the lower tier alone holds them.
     stack, tenants = _build(stacks, lower)
     for key in keys:
-        assert _ready(tenants, key, NOISY) is LookupResult.MISS
-        assert _ready(tenants, key, PLAIN) is LookupResult.MISS
-        assert _ready(tenants, key, QUIET) is LookupResult.HIT
-    tenants.prepare_load(keys, QUIET)
+        assert _ready(tenants, key, noisy_ctx) is LookupResult.MISS
+        assert _ready(tenants, key, plain_ctx) is LookupResult.MISS
+        assert _ready(tenants, key, quiet_ctx) is LookupResult.HIT
+    tenants.prepare_load(keys, quiet_ctx)
     spec = tenants.get_spec(keys)
     assert isinstance(spec, CPULoadStoreSpec)
     region = stack.tiers[0].region
     assert region is not None
     loaded = [bytes(region.view(int(slot))[:CHUNK]) for slot in spec.slot_ids]
-    tenants.complete_load(keys, QUIET)
+    tenants.complete_load(keys, quiet_ctx)
     assert loaded == [conformance_payload(i, CHUNK) for i in range(3)]
     usage = tenants.usage()
     assert usage["lower"]["quiet"] > 0
@@ -161,24 +170,25 @@ def test_no_tenant_is_served_another_tenants_chunk(stacks: list[Stack],
 
 def test_a_burst_keeps_to_its_quotas_and_spares_the_protected_share(
         stacks: list[Stack], lower: dict[str, Any]) -> None:
+    quiet_ctx, noisy_ctx, plain_ctx = _contexts()
     stack, tenants = _build(stacks, lower)
     quiet = [conformance_key(i) for i in range(4)]
-    _store(stack, tenants, quiet, QUIET)
+    _store(stack, tenants, quiet, quiet_ctx)
     burst = [conformance_key(100 + i) for i in range(24)]
     for start in range(0, len(burst), 2):
-        _store(stack, tenants, burst[start:start + 2], NOISY)
+        _store(stack, tenants, burst[start:start + 2], noisy_ctx)
         usage = tenants.usage()
         assert usage["cpu"]["noisy"] <= 3 * CHUNK, usage
         assert usage["lower"]["noisy"] <= 5 * (CHUNK + 4096), usage
         assert usage["cpu"]["quiet"] == 4 * CHUNK, usage
     # The noisy tenant kept its latest chunks: its own oldest made way for them.
-    assert tenants.lookup(burst[-1], NOISY) is LookupResult.HIT
-    assert tenants.lookup(burst[0], NOISY) is LookupResult.MISS
+    assert tenants.lookup(burst[-1], noisy_ctx) is LookupResult.HIT
+    assert tenants.lookup(burst[0], noisy_ctx) is LookupResult.MISS
     for key in quiet:
-        assert tenants.lookup(key, QUIET) is LookupResult.HIT
+        assert tenants.lookup(key, quiet_ctx) is LookupResult.HIT
     # An unquoted tenant (the default) may still use the room nobody protects.
     plain = [conformance_key(200 + i) for i in range(6)]
-    _store(stack, tenants, plain, PLAIN)
+    _store(stack, tenants, plain, plain_ctx)
     usage = tenants.usage()
     assert usage["cpu"]["quiet"] == 4 * CHUNK, usage
     assert usage["cpu"]["default"] > 0, usage
@@ -195,11 +205,12 @@ def test_inspect_counts_each_tenants_chunks(stacks: list[Stack], tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     from kvtiers.cli import main
 
+    quiet_ctx, noisy_ctx, plain_ctx = _contexts()
     root = tmp_path / "root"
     stack, tenants = _build(stacks, {"kind": "file", "root": str(root)})
-    _store(stack, tenants, [conformance_key(i) for i in range(3)], QUIET)
-    _store(stack, tenants, [conformance_key(i) for i in range(2)], NOISY)
-    _store(stack, tenants, [conformance_key(9)], PLAIN)
+    _store(stack, tenants, [conformance_key(i) for i in range(3)], quiet_ctx)
+    _store(stack, tenants, [conformance_key(i) for i in range(2)], noisy_ctx)
+    _store(stack, tenants, [conformance_key(9)], plain_ctx)
     stack.shutdown()
     capsys.readouterr()
     assert main(["inspect", "--json", "--tenant", "quiet", "--tenant", "noisy",
@@ -243,12 +254,13 @@ def test_the_simulated_engine_keeps_a_tenants_quota(tmp_path: Path) -> None:
 
 def test_a_promotion_keeps_to_the_tenants_primary_quota(stacks: list[Stack],
                                                          tmp_path: Path) -> None:
+    _, noisy_ctx, _ = _contexts()
     stack, tenants = _build(stacks, {"kind": "file", "root": str(tmp_path / "root")})
     first = [conformance_key(i) for i in range(3)]
-    _store(stack, tenants, first, NOISY)
-    _store(stack, tenants, [conformance_key(10 + i) for i in range(3)], NOISY)
+    _store(stack, tenants, first, noisy_ctx)
+    _store(stack, tenants, [conformance_key(10 + i) for i in range(3)], noisy_ctx)
     assert tenants.usage()["cpu"]["noisy"] == 3 * CHUNK
     # Its first chunks are in the lower tier only now: a lookup promotes one.
-    assert tenants.lookup(first[2], NOISY) is LookupResult.HIT_PENDING
+    assert tenants.lookup(first[2], noisy_ctx) is LookupResult.HIT_PENDING
     assert tenants.usage()["cpu"]["noisy"] <= 3 * CHUNK
-    assert _ready(tenants, first[2], NOISY) is LookupResult.HIT
+    assert _ready(tenants, first[2], noisy_ctx) is LookupResult.HIT
