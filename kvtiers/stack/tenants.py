@@ -58,6 +58,7 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.specs import LoadStoreSpec
+from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import InvalidKeyError
 from kvtiers.stack.composite import TieredManager
 
@@ -202,6 +203,8 @@ class TenantStack(OffloadingManager):
         assert self._primary is not None or not (self._quota[0] or self._protected[0])
         # The scoped key of each engine key the latest prepare named (for get_spec).
         self._live: dict[OffloadKey, OffloadKey] = {}
+        # The engine key and scoped key of the latest lookup (for promotion_source).
+        self._looked: tuple[OffloadKey, OffloadKey] | None = None
         #: :meth:`usage` as of the latest refresh (replaced whole, never changed: another
         #: thread, the metrics exporter's, reads it).
         self.usage_snapshot: Mapping[str, Mapping[str, int]] = {}
@@ -220,7 +223,9 @@ class TenantStack(OffloadingManager):
 
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         tenant = self.keys.tenant_of(ctx)
-        result = self.inner.lookup(self.keys.scope(key, tenant), ctx)
+        scoped = self.keys.scope(key, tenant)
+        self._looked = (key, scoped)
+        result = self.inner.lookup(scoped, ctx)
         if result is LookupResult.HIT_PENDING and tenant in self._quota[0]:
             self._trim_primary(tenant, ctx)
         return result
@@ -419,6 +424,29 @@ class TenantStack(OffloadingManager):
 
     def get_stats(self) -> Mapping[str, float]:
         return self.inner.get_stats()
+
+    # -- what an engine integration reads of the composite (vLLM's route 1) --------
+    def promotion_source(self, key: OffloadKey) -> BuiltTier | None:
+        """The composite's answer for the scoped key of the latest lookup, when that
+        lookup was of ``key``; else ``None``. Ask right after the lookup."""
+        looked = self._looked
+        if looked is None or looked[0] != key:
+            return None
+        return self.inner.promotion_source(looked[1])
+
+    @property
+    def tiers(self) -> list[BuiltTier]:
+        return self.inner.tiers
+
+    @property
+    def stats_refresh_s(self) -> float | None:
+        return self.inner.stats_refresh_s
+
+    def refresh_stats_snapshot(self) -> None:
+        self.inner.refresh_stats_snapshot()
+
+    def count_torn(self, chunks: int) -> None:
+        self.inner.count_torn(chunks)
 
     def wait_index(self) -> None:
         self.inner.wait_index()
