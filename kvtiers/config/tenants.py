@@ -65,7 +65,8 @@ class TenantSection(Section):
     """The tenant's name, as metrics (``tenant`` label), ``kvtiers inspect`` and
     ``kv_transfer_params`` show it."""
     salts: tuple[str, ...] = ()
-    """Requests whose ``cache_salt`` is one of these belong to this tenant."""
+    """Requests whose ``cache_salt`` is one of these belong to this tenant (not under
+    vLLM, which hands its offloading manager no ``cache_salt``: docs/tenants.md)."""
     quota: Mapping[str, Any] = field(default_factory=dict)
     """Most bytes this tenant's chunks take in each tier named (``{cpu: 2GiB, file:
     100GiB}``); past it the tenant's own least recently used chunks go first. A tier not
