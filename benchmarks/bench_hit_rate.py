@@ -42,7 +42,14 @@ and policy (``lru``, ``arc``; ``s3fifo`` for kvtiers only: vLLM has none), with 
 minus vLLM in percentage points, and the trade against ``partial``. Then each of kvtiers'
 ARC choices (``kvtiers/policies/arc.py``) against its alternative, natively, stores in
 batches of 16: the same ARC with that one choice undone, and kvtiers' ARC as it was before
-them all, so the rows show on which traces each choice wins. Run from the repository root:
+them all, so the rows show on which traces each choice wins. Then two tenants on one CPU
+tier (``tenants:``, docs/tenants.md): a quiet tenant replays ``system-prompt`` while a
+noisy neighbour sends ``NOISY_PER_QUIET`` one-off prompts of ``NOISY_TOKENS`` tokens
+between its requests; the quiet tenant's tokens reused, alone,
+beside the neighbour with no quotas, with the neighbour capped (``quota``) and with the
+quiet tenant's share protected (``protected``), at capacities that are a share of the
+quiet tenant's distinct chunks (``--tenants`` runs only this part, in about a
+minute, and rewrites it into the report). Run from the repository root:
 ``.venv/bin/python benchmarks/bench_hit_rate.py [--quick] [--no-write] [--seeds N]``;
 ``lru`` and ``arc`` are checked again on the traces drawn with ``N`` other seeds (default
 5). Writes ``benchmarks/results/hit_rate.md`` and ``hit_rate.json``; a report written over
@@ -83,7 +90,7 @@ from kvtiers.tiers.cpu.manager import CpuTierManager
 #: (``harness.to_document``; ``convert_results.py`` reads it for the older files).
 LAYOUT: dict[str, tuple[str, ...]] = {
     "parameters": ("tokens_per_chunk", "store_batch", "stores"),
-    "tables": ("points",),
+    "tables": ("points", "tenants"),
 }
 TOKENS_PER_CHUNK = 32
 STORE_BATCH = 16
@@ -332,6 +339,147 @@ def route1_side(chunks: int, policy: str) -> Side:
     return VllmSide(
         "route1", route1_manager(chunks, policy, blocks_per_chunk=2, label="hitrate")
     )
+
+
+# -- two tenants on one cpu tier ----------------------------------------------------------
+#: One-off prompts the noisy tenant sends between two of the quiet tenant's requests.
+NOISY_PER_QUIET = 2
+NOISY_TOKENS = 2048
+#: The cpu tier's chunks as a share of the quiet tenant's distinct chunks.
+TENANT_FRACTIONS = (0.25, 0.5, 1.0)
+#: What the noisy tenant may hold (``quota``) and what of the quiet tenant's its stores
+#: never evict (``protected``), as shares of the tier.
+NOISY_QUOTA = 0.25
+QUIET_PROTECTED = 0.75
+TENANT_SETTINGS = ("alone", "no quotas", "noisy quota", "quiet protected")
+
+
+def two_tenants(seed: int = 0) -> list[tuple[str, list[int]]]:
+    """``(tenant, prompt)`` in arrival order: ``system-prompt`` (scale 1) for the quiet
+    tenant, each request followed by the noisy tenant's one-off prompts."""
+    rng = np.random.default_rng(5 + SEED_STRIDE * seed)
+    arrivals: list[tuple[str, list[int]]] = []
+    for prompt in system_prompt(1, seed):
+        arrivals.append(("quiet", prompt))
+        arrivals.extend(("noisy", _tokens(rng, NOISY_TOKENS)) for _ in range(NOISY_PER_QUIET))
+    return arrivals
+
+
+class TenantSide(Side):
+    """kvtiers' stack of one ``lru`` cpu tier of ``chunks`` slots behind a ``tenants:``
+    section; each request's tenant named in its ``kv_transfer_params``."""
+
+    name = "tenants"
+
+    def __init__(self, chunks: int, tenants: dict[str, Any]) -> None:
+        from kvtiers.core.manager import LookupResult
+        from kvtiers.stack.builder import load_stack
+        from kvtiers.testing.objects import offloading_config
+
+        self.stack = load_stack(
+            {"tiers": [{"kind": "cpu", "capacity": chunks * SLOT_BYTES, "policy": "lru"}],
+             "tenants": tenants},
+            offloading_config((SLOT_BYTES,)),
+        )
+        assert self.stack.tenants is not None
+        super().__init__(self.stack.tenants, LookupResult.HIT)
+
+    def context(self, req_id: str, keys: list[bytes]) -> Any:
+        return ReqContext(req_id=req_id, kv_transfer_params={
+            "kvtiers_tenant": req_id.partition("-")[0]})
+
+    def completed(self, keys: list[bytes]) -> Any:
+        return keys
+
+    def store(self, keys: list[bytes], ctx: Any) -> None:
+        accepted = self.manager.prepare_store(keys, ctx)
+        if accepted:
+            self.manager.complete_store(accepted, ctx)
+
+    def shutdown(self) -> None:
+        self.stack.shutdown()
+
+
+def tenant_section(setting: str, chunks: int) -> dict[str, Any]:
+    """The ``tenants:`` section of one setting for a tier of ``chunks`` slots."""
+    quiet: dict[str, Any] = {"name": "quiet"}
+    noisy: dict[str, Any] = {"name": "noisy"}
+    if setting == "noisy quota":
+        noisy["quota"] = {"cpu": max(1, round(chunks * NOISY_QUOTA)) * SLOT_BYTES}
+    elif setting == "quiet protected":
+        quiet["protected"] = {"cpu": max(1, round(chunks * QUIET_PROTECTED)) * SLOT_BYTES}
+    return {"members": [quiet, noisy]}
+
+
+def run_tenants(seed: int = 0) -> list[dict[str, Any]]:
+    """The quiet tenant's tokens reused (%) per capacity and setting."""
+    arrivals = [(tenant, chunk_keys(prompt)) for tenant, prompt in two_tenants(seed)]
+    quiet_keys = [keys for tenant, keys in arrivals if tenant == "quiet"]
+    distinct = len({key for keys in quiet_keys for key in keys})
+    total = sum(map(len, quiet_keys))
+    rows = []
+    for fraction in TENANT_FRACTIONS:
+        chunks = max(1, round(distinct * fraction))
+        reused: dict[str, float] = {}
+        for setting in TENANT_SETTINGS:
+            side = TenantSide(chunks, tenant_section(setting, chunks))
+            side.batch = STORE_BATCH
+            hits = 0
+            for index, (tenant, keys) in enumerate(arrivals):
+                if tenant == "noisy" and setting == "alone":
+                    continue
+                got = side.replay(f"{tenant}-{index}", keys)
+                hits += got if tenant == "quiet" else 0
+            side.shutdown()
+            reused[setting] = 100.0 * hits / total
+        rows.append({"fraction": fraction, "chunks": chunks, "quiet_reused": reused})
+        print(f"tenants: {fraction:.0%} done", flush=True)
+    return rows
+
+
+def render_tenants(rows: list[dict[str, Any]]) -> str:
+    """The report's section on two tenants (from its heading to the end of the page)."""
+    table = markdown_table(
+        ["capacity", "chunks", *TENANT_SETTINGS],
+        [[f"{row['fraction']:.0%}", str(row["chunks"]),
+          *(f"{row['quiet_reused'][s]:.1f}" for s in TENANT_SETTINGS)] for row in rows],
+    )
+    return "\n".join([
+        TENANTS_HEADING,
+        "",
+        "The quiet tenant's share of prompt tokens reused (%) on `system-prompt` (scale 1), "
+        f"one `lru` cpu tier; between two of its requests the noisy tenant sends "
+        f"{NOISY_PER_QUIET} one-off prompts of {NOISY_TOKENS} tokens, stored in batches of "
+        f"{STORE_BATCH}. Capacity: a share of the quiet tenant's distinct chunks. `alone`: no "
+        f"neighbour; `noisy quota`: the neighbour capped at {NOISY_QUOTA:.0%} of the tier; "
+        f"`quiet protected`: {QUIET_PROTECTED:.0%} of the tier kept for the quiet tenant. "
+        "Counts only (the machine's load does not change them).",
+        "",
+        *table,
+        "",
+    ])
+
+
+TENANTS_HEADING = "## Two tenants: a quiet tenant beside a noisy neighbour"
+
+
+def with_tenants(page: str, rows: list[dict[str, Any]]) -> str:
+    """``page`` with its two-tenant section replaced by (or, without one, followed by)
+    the one for ``rows``."""
+    head, _, _ = page.partition(TENANTS_HEADING)
+    return head.rstrip("\n") + "\n\n" + render_tenants(rows)
+
+
+def rerun_tenants(out: Path, write: bool) -> None:
+    """``--tenants``: measure the two-tenant part and rewrite it into the report."""
+    rows = run_tenants()
+    print(render_tenants(rows))
+    if not write:
+        return
+    doc = read_result(out / "hit_rate.json")
+    doc["tables"]["tenants"] = rows
+    page = (out / "hit_rate.md").read_text()
+    write_result(doc, out, "hit_rate", with_tenants(page, rows))
 
 
 # -- the run -------------------------------------------------------------------------------
@@ -656,11 +804,17 @@ def main() -> None:
     parser.add_argument(
         "--seeds", type=int, default=5, help="other trace seeds to check lru and arc on"
     )
+    parser.add_argument("--tenants", action="store_true",
+                        help="only the two-tenant part, rewritten into the report")
     args = parser.parse_args()
+    if args.tenants:
+        rerun_tenants(args.out, not (args.quick or args.no_write))
+        return
     scale = 1 if args.quick else 2
     traces = args.trace or list(TRACES)
     started = time.perf_counter()
     points = run(scale, traces)
+    tenants = run_tenants()
     other_seeds = {
         seed: run(scale, traces, seed, policies=VLLM_POLICIES)
         for seed in range(1, args.seeds + 1)
@@ -678,6 +832,7 @@ def main() -> None:
         "store_batch": STORE_BATCH,
         "stores": STORES,
         "points": [p.__dict__ for p in points],
+        "tenants": tenants,
         "other_seeds": {
             str(seed): [p.__dict__ for p in seed_points]
             for seed, seed_points in other_seeds.items()
@@ -688,7 +843,8 @@ def main() -> None:
                              json.loads(json.dumps(payload)))
     if previous:
         note["previous"] = previous
-    report = render(points, trace_sizes(scale, traces), note, other_seeds)
+    report = with_tenants(render(points, trace_sizes(scale, traces), note, other_seeds),
+                          tenants)
     print(report)
     print(f"({time.perf_counter() - started:.0f} s)")
     if not (args.quick or args.no_write):

@@ -211,10 +211,14 @@ def _add_location(parser: argparse.ArgumentParser, *, optional: bool = False) ->
 def _configure_inspect(parser: argparse.ArgumentParser) -> None:
     _add_location(parser)
     _add_json(parser)
+    parser.add_argument("--tenant", action="append", default=[], metavar="NAME",
+                        help="count this tenant's chunks and bytes (a name from the stack "
+                             "file's tenants: section; repeatable)")
 
 
 def _configure_verify(parser: argparse.ArgumentParser) -> None:
-    _configure_inspect(parser)
+    _add_location(parser)
+    _add_json(parser)
     parser.add_argument("--fix", action="store_true",
                         help="move corrupt chunks to <namespace>/quarantine/")
 
@@ -270,7 +274,7 @@ def _on_location(
 def _run_inspect(location: Any, args: argparse.Namespace) -> int:
     from kvtiers.tools.commands import inspect
 
-    return inspect(location, sys.stdout, as_json=args.json)
+    return inspect(location, sys.stdout, as_json=args.json, tenants=args.tenant)
 
 
 @_on_location

@@ -27,6 +27,7 @@ from kvtiers.config.model import GroupSection, ModelSection, ParallelSection
 from kvtiers.config.schema import FieldSpec, OctalMode, Range, Section, field_specs
 from kvtiers.config.sizes import Size, format_size
 from kvtiers.config.stack import MetricsConfig, PromotionConfig
+from kvtiers.config.tenants import TenantsConfig, TenantSection
 from kvtiers.config.tiers import TierConfig
 
 HEADER = """\
@@ -37,8 +38,8 @@ schema in kvtiers/config/; edit the field docstrings there, not this page. -->
 
 A stack file is YAML with a `tiers:` list (fastest first; the first is the primary), an
 optional `model:` section (the cache identity when no engine supplies one: the demo,
-tests and tools), an optional `metrics:` section and an optional `promotion:` section
-(cost-aware promotion). Check a file with
+tests and tools), an optional `metrics:` section, an optional `promotion:` section
+(cost-aware promotion) and an optional `tenants:` section (quotas per tenant). Check a file with
 `kvtiers validate FILE`. Sizes take binary or decimal units (`8GiB`, `512MiB`, `500GB`)
 or a number of bytes; `*_s` keys are seconds. Keys not listed here are errors.
 Example stacks ship with the package (`kvtiers demo --config NAME` runs one):
@@ -190,6 +191,9 @@ def render_reference() -> str:
     parts.append(render_section("`model.parallel`", ParallelSection))
     parts.append(render_section("`metrics:`", MetricsConfig))
     parts.append(render_section("`promotion:`", PromotionConfig))
+    parts.append(render_section("`tenants:`", TenantsConfig,
+                                "Tenants sharing the stack (docs/tenants.md)."))
+    parts.append(render_section("`tenants.members[]`", TenantSection))
     return "\n".join(parts)
 
 
@@ -199,7 +203,8 @@ def missing_meanings() -> list[str]:
         *((kind.name, kind.config_type) for kind in TIER_KINDS.values()),
         ("model", ModelSection), ("model.groups[]", GroupSection),
         ("model.parallel", ParallelSection), ("metrics", MetricsConfig),
-        ("promotion", PromotionConfig),
+        ("promotion", PromotionConfig), ("tenants", TenantsConfig),
+        ("tenants.members", TenantSection),
     ]
     return [f"{title}.{spec.name}" for title, cls in sections for spec in field_specs(cls)
             if not meaning(cls, spec.name)]

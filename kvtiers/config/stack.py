@@ -8,7 +8,8 @@ built in code is held to them too):
 * a ``cpu`` tier appears at most once, and only first; ``gds: true`` only on the first
   tier, and a GDS primary has no lower tiers (they copy through CPU memory it lacks);
 * tier names are unique;
-* a ``model:`` section must yield a valid :class:`~kvtiers.core.config.OffloadingConfig`.
+* a ``model:`` section must yield a valid :class:`~kvtiers.core.config.OffloadingConfig`;
+* a ``tenants:`` section's quotas name tiers of the stack (:mod:`kvtiers.config.tenants`).
 
 :func:`load_stack_config` reads a file (or takes an already-parsed mapping). Every error
 is a :class:`~kvtiers.errors.ConfigError` whose ``path`` is the YAML location and, for a
@@ -35,6 +36,7 @@ from kvtiers.config.schema import (
     shown,
     suggestion,
 )
+from kvtiers.config.tenants import TENANTS_PATH, TenantsConfig, check_tier_names
 from kvtiers.config.tiers import (
     LOCAL_PROTOCOLS,
     CPUTierConfig,
@@ -53,7 +55,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.errors import ConfigError
 from kvtiers.optional import hint_for
 
-TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion")
+TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion", TENANTS_PATH)
 _TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
 
 
@@ -108,6 +110,7 @@ class StackConfig:
     metrics: MetricsConfig | None = None
     source: str = "<mapping>"
     promotion: PromotionConfig | None = None
+    tenants: TenantsConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -150,6 +153,9 @@ class StackConfig:
                 first_place[place] = idx
         if self.model is not None:
             self._check_geometry(self.model.to_offloading_config())
+        if self.tenants is not None:
+            check_tier_names(self.tenants, tuple(tier.name for tier in self.tiers),
+                             self.tiers[0].kind)
 
     def _check_geometry(self, identity: OffloadingConfig) -> None:
         """What the build checks of the tiers against the model's chunks: a cpu primary
@@ -217,6 +223,8 @@ class StackConfig:
             line += f"; metrics on {self.metrics.addr}:{self.metrics.port}"
         if self.promotion is not None:
             line += f"; cost-aware promotion at {self.promotion.prefill_tokens_per_s:g} tokens/s"
+        if self.tenants is not None:
+            line += f"; tenants {', '.join(self.tenants.names())}"
         return line
 
 
@@ -308,6 +316,7 @@ def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
     model = data.get("model")
     metrics = data.get("metrics")
     promotion = data.get("promotion")
+    tenants = data.get(TENANTS_PATH)
     return StackConfig(
         tiers=_parse_tiers(data["tiers"]),
         model=None if model is None else parse_section(ModelSection, model, "model"),
@@ -315,6 +324,8 @@ def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
         source=source,
         promotion=None if promotion is None else parse_section(
             PromotionConfig, promotion, "promotion"),
+        tenants=None if tenants is None else parse_section(
+            TenantsConfig, tenants, TENANTS_PATH),
     )
 
 

@@ -81,6 +81,9 @@ class ReqContext:
     #: order (vLLM scans a sliding-window group from its end). Without it a group's chunks
     #: are taken to be asked for in prefix order.
     key_position: Callable[[OffloadKey], int | None] | None = field(default=None, repr=False)
+    #: The request's ``cache_salt`` as the engine received it (``None``: none, or an
+    #: engine that does not say): a ``tenants:`` section may name the tenant by it.
+    cache_salt: str | None = None
     #: Keys no store or promotion for this request may evict: the chunks of its prefix
     #: that its lookups found in the primary or promoted into it, kept until it loads them
     #: (``prepare_load``) or finishes. A prefix larger than the primary then stops at what

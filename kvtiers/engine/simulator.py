@@ -185,7 +185,8 @@ class SimulatedEngine:
             stack.manager.cost.transfer_time = time_model.transfer_s
         self._tier_names = [tier.name for tier in stack.tiers]
         self.config: OffloadingConfig = stack.offloading
-        self.glue = OffloadScheduler(stack.manager, self.config)
+        # With a tenants: section the scheduler drives the stack through its tenants.
+        self.glue = OffloadScheduler(stack.tenants or stack.manager, self.config)
         self.tensors: list[torch.Tensor] = []
         refs: list[list[KVTensorRef]] = []
         self.page_bytes: list[int] = []

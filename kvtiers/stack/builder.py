@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
     from kvtiers.stack.metrics import MetricsServer
+    from kvtiers.stack.tenants import TenantStack
 
 
 @dataclass
@@ -43,6 +44,9 @@ class Stack:
     manager: TieredManager
     #: The Prometheus exporter, when the stack file has a ``metrics:`` section.
     metrics: MetricsServer | None = None
+    #: The composite with keys scoped by tenant and quotas kept, when the stack file has a
+    #: ``tenants:`` section: the manager an engine drives then (docs/tenants.md).
+    tenants: TenantStack | None = None
     _stopped: bool = field(default=False, init=False, repr=False)
 
     def make_worker(
@@ -131,6 +135,11 @@ def load_stack(
             tier.shutdown()
         raise
     stack = Stack(config, identity, tiers, manager)
+    if config.tenants is not None:
+        from kvtiers.stack.tenants import TenantStack
+
+        stack.tenants = TenantStack(manager, config.tenants, refresh_s=(
+            1.0 if config.metrics is None else config.metrics.refresh_s))
     if config.promotion is not None:
         manager.cost = build_cost_model(config, identity)
     if config.metrics is not None:
@@ -149,6 +158,10 @@ def load_stack(
         try:
             stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,
                                           manager.latency)
+            if stack.tenants is not None:
+                from kvtiers.stack.tenants import tenant_bytes_families
+
+                stack.metrics.add_families(tenant_bytes_families(stack.tenants))
         except BaseException as exc:
             # Nothing built may outlive a failed start; the error says where in the file.
             stack.shutdown()

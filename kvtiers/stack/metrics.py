@@ -19,7 +19,7 @@ a scraper on another host or pod) and ``port`` (default
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from kvtiers.errors import ConfigError
@@ -72,6 +72,8 @@ def _build_info() -> Any:
 #: A source of stats beside the composite's: called on the exporter's thread at each
 #: scrape, so it must only read numbers another thread writes (no tier state).
 StatsSource = Callable[[], Mapping[str, float]]
+#: A source of whole metric families (prometheus-client's), under the same rule.
+FamiliesSource = Callable[[], Iterable[Any]]
 
 
 class _StatsCollector:
@@ -79,6 +81,7 @@ class _StatsCollector:
         self.manager = manager
         self.latency = latency
         self.sources: list[StatsSource] = []
+        self.families: list[FamiliesSource] = []
 
     def collect(self) -> Iterator[Any]:
         # name → (spec, label names, samples of (label values, value))
@@ -119,6 +122,8 @@ class _StatsCollector:
                     family.add_metric(values, value)
             yield family
         yield _build_info()
+        for extra in self.families:
+            yield from extra()
         if self.latency is not None:
             yield from self._histograms(self.latency)
 
@@ -154,6 +159,11 @@ class MetricsServer:
         integration's counters, named in :data:`~kvtiers.stack.metrics_catalog.ENGINE`;
         those it does not return are exported as zero)."""
         self._collector.sources.append(source)
+
+    def add_families(self, source: FamiliesSource) -> None:
+        """Export the metric families ``source()`` yields at every scrape (series with
+        labels of their own, such as :mod:`kvtiers.stack.tenants`' per-tenant bytes)."""
+        self._collector.families.append(source)
 
     def close(self) -> None:
         self._server.shutdown()

@@ -638,6 +638,17 @@ class CompactChunkIndex:
         self._evict(picked)
         return [key for key, _ in picked]
 
+    def evict_lru_outside(
+        self, nbytes: int, protected: Collection[OffloadKey]
+    ) -> list[OffloadKey]:
+        """As :meth:`evict_lru`, among the keys not in ``protected`` only (an owner's
+        quota: one tenant's chunks go, nobody else's)."""
+        picked = self._pick_victims(nbytes, protected)
+        if picked is None:
+            picked = [(key, slot) for key, slot in self._evictable() if key not in protected]
+        self._evict(picked)
+        return [key for key, _ in picked]
+
     def discard(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """Drop ``READY`` keys whose chunks were reported bad or gone (an event records
         it); a pinned one is dropped at its last :meth:`unpin`. Keys being written or not

@@ -109,6 +109,20 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
         taken in on the next scheduler-thread call."""
         self._reports.load_failed(key, where, error, lasting=lasting)
 
+    # -- eviction chosen from above ---------------------------------------------------
+    def evict_outside(self, nbytes: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
+        """Evict least recently used ready, unpinned chunks not in ``protected`` freeing
+        at least ``nbytes`` (or every such chunk when they free less), deleting them from
+        the medium as the tier's own evictions are; returns their keys. A tenant's quota
+        (:mod:`kvtiers.stack.tenants`) takes its own chunks this way."""
+        victims = self.index.evict_lru_outside(nbytes, protected)
+        self._delete(victims)
+        return victims
+
+    def _delete(self, victims: list[OffloadKey]) -> object:
+        """Delete evicted chunks from the medium (each kind its own way)."""
+        raise NotImplementedError
+
     # -- the contract's plain parts -------------------------------------------------
     def touch(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         self.index.touch(keys)

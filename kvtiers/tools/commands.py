@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -171,8 +171,30 @@ def require_namespaces(location: Location) -> list[str]:
     return namespaces
 
 
-def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
-    """Namespaces with their manifest fields, chunk counts, bytes and ages."""
+def tenant_usage(chunks: Iterable[Entry], tenants: Sequence[str]) -> dict[str, dict[str, int]]:
+    """``{tenant: {"chunks": n, "bytes": b}}`` of ``chunks`` by the tag their keys carry
+    (:mod:`kvtiers.stack.tenants`), for each of ``tenants`` and, under ``"(untagged)"``,
+    the rest: the default tenant's, or chunks written without tenants."""
+    from kvtiers.config.tenants import TAG_BYTES, tenant_tag
+
+    by_tag = {tenant_tag(name): name for name in tenants}
+    usage = {name: {"chunks": 0, "bytes": 0} for name in (*tenants, UNTAGGED)}
+    for entry in chunks:
+        key = key_from_chunk_name(entry.base)
+        owner = UNTAGGED if key is None else by_tag.get(bytes(key[:TAG_BYTES]), UNTAGGED)
+        usage[owner]["chunks"] += 1
+        usage[owner]["bytes"] += entry.size
+    return usage
+
+
+#: :func:`tenant_usage`'s name for chunks no listed tenant's tag marks.
+UNTAGGED = "(untagged)"
+
+
+def inspect(location: Location, out: TextIO, *, as_json: bool = False,
+            tenants: Sequence[str] = ()) -> int:
+    """Namespaces with their manifest fields, chunk counts, bytes and ages; with
+    ``tenants`` (names from a ``tenants:`` section), each one's chunks and bytes."""
     now = time.time()
     namespaces = require_namespaces(location)
     report: list[dict[str, Any]] = []
@@ -209,6 +231,7 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
             "quarantined_bytes": sum(e.size for e in quarantined),
             "quarantined_oldest_mtime": min((e.mtime for e in quarantined), default=None),
             "summary": summary,
+            "tenants": tenant_usage(chunks, tenants) if tenants else None,
             "lines": lines,
         })
     if as_json:
@@ -233,6 +256,9 @@ def inspect(location: Location, out: TextIO, *, as_json: bool = False) -> int:
         if r["not_regular_files"]:
             parts.append(f"not regular files {r['not_regular_files']}")
         say_parts(out, parts, indent=2)
+        if r["tenants"]:
+            say_parts(out, [f"tenant {name} {use['chunks']:,} ({format_size(use['bytes'])})"
+                            for name, use in r["tenants"].items()], indent=2)
         if r["quarantined"]:
             say_parts(out, [
                 f"quarantined {r['quarantined']:,} ({format_size(r['quarantined_bytes'])}),",

@@ -1,7 +1,8 @@
 """Route 1's manager for a stack of one cpu tier: the tier answers vLLM itself.
 
 A stack of one ``cpu`` tier, every KV-cache group offloaded (vLLM's keys are kvtiers'
-keys) and no cost model has nothing to translate, nowhere to promote from and no cascade:
+keys), no cost model and no ``tenants:`` section (whose keys are scoped per request)
+has nothing to translate, nowhere to promote from and no cascade:
 the composite adds only its door. ``KVTiersOffloadingSpec.get_manager`` then builds
 :class:`KVTiersDirectManager`, which calls the primary for every call that looks up,
 loads, stores and finishes, with the door's work done here: keys are checked once per
@@ -53,6 +54,7 @@ def direct_eligible(stack: Stack, keys: KeyMap) -> bool:
     return (
         keys.identity and len(tiered.tiers) == 1
         and isinstance(tiered.tiers[0].manager, DirectPrimary) and tiered.cost is None
+        and stack.tenants is None
     )
 
 

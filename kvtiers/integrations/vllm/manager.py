@@ -61,6 +61,7 @@ from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm import compat
 from kvtiers.integrations.vllm.engine import EngineConfigs
+from kvtiers.integrations.vllm.tenants import route1_tenants
 from kvtiers.integrations.vllm.translate import (
     KeyMap,
     kvtiers_context,
@@ -71,6 +72,8 @@ from kvtiers.integrations.vllm.translate import (
 )
 from kvtiers.integrations.vllm.worker import KVTiersLoadStoreSpec
 from kvtiers.stack.builder import Stack
+from kvtiers.stack.composite import TieredManager
+from kvtiers.stack.tenants import TenantStack
 from kvtiers.tiers.cpu.shards import ShardLedger
 
 logger = logging.getLogger(__name__)
@@ -160,7 +163,11 @@ class KVTiersManager(vbase.OffloadingManager):
         ledger: ShardLedger | None = None,
     ) -> None:
         self.stack = stack
-        self._tiered = stack.manager
+        # With a tenants: section, request calls go through the tenant layer (tenants.py).
+        self._tenants = route1_tenants(stack)
+        self._tiered: TieredManager | TenantStack = (
+            stack.manager if self._tenants is None else self._tenants
+        )
         # A sharded engine's ledger, and the stamp of every key stored and not completed.
         self._ledger = ledger
         self._stamps: dict[OffloadKey, int] = {}
@@ -220,7 +227,7 @@ class KVTiersManager(vbase.OffloadingManager):
     def _spec(self, keys: Collection[OffloadKey], stamp: int = 0) -> KVTiersLoadStoreSpec:
         """The spec of ``keys``, just reserved or pinned by a call that passed the stack's
         door: the primary's addressing, which is what the composite's ``get_spec`` gives."""
-        get_spec = self._primary.get_spec
+        get_spec = self._primary.get_spec if self._tenants is None else self._tenants.get_spec
         if self._num_groups == 1:
             return KVTiersLoadStoreSpec((get_spec(keys),), stamp)
         by_group: list[list[OffloadKey]] = [[] for _ in range(self._num_groups)]

@@ -51,6 +51,7 @@ from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm.direct import KVTiersDirectManager, direct_eligible
 from kvtiers.integrations.vllm.engine import find_engine_configs
 from kvtiers.integrations.vllm.manager import KVTiersManager, reset_grace_steps
+from kvtiers.integrations.vllm.tenants import refuse_sharded_tenants
 from kvtiers.integrations.vllm.translate import (
     EXTRA_CONFIG,
     KeyMap,
@@ -195,6 +196,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
                 f"{self.stack_config.tiers[0].kind!r}",
                 path="tiers[0].kind",
             )
+        refuse_sharded_tenants(self.stack_config, self.ranks)
         if persistent:
             warn_unstable_hashes(self.hash_algorithm)
         self.keys = KeyMap([group.group_id for group in config.groups])

@@ -506,6 +506,11 @@ class CpuTierManager(OffloadingManager):
         self._removal(list(held))
         return held
 
+    def held_keys(self) -> list[OffloadKey]:
+        """Every key holding a slot (stored, or being written), in no order: what a caller
+        accounting the tier's bytes by owner counts, ``slot_bytes`` each."""
+        return list(self._slots)
+
     def hold_free(self, count: int) -> list[int]:
         """Take up to ``count`` free slots out of use for the caller (a demotion staging a
         chunk of a lower tier through them), as :meth:`evict_held` holds an evicted
