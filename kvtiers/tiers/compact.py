@@ -34,6 +34,7 @@ from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -72,6 +73,20 @@ def _hashes(keys: Sequence[OffloadKey]) -> array:
         .tobytes()
     )
     return out
+
+
+def key_list(key_bytes: bytes | bytearray, lengths: np.ndarray, width: int) -> list[OffloadKey]:
+    """The keys laid out in ``key_bytes`` (each padded to ``width``; ``lengths``: uint16
+    each) as ``bytes`` objects: in one C-level pass when every key is ``width`` long
+    (a void dtype's items are its bytes, trailing zeros kept)."""
+    count = len(lengths)
+    if not count:
+        return []
+    if width and bool((lengths == width).all()):
+        return cast("list[OffloadKey]",
+                    np.frombuffer(key_bytes, dtype=f"V{width}", count=count).tolist())
+    return [OffloadKey(bytes(key_bytes[i * width:i * width + n]))
+            for i, n in enumerate(lengths.tolist())]
 
 
 def _iota(count: int) -> array:
