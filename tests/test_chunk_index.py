@@ -21,7 +21,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import UnknownKeyError
-from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks, build_table, key_list
+from kvtiers.tiers.compact import (
+    CompactChunkIndex,
+    PackedChunks,
+    build_table,
+    key_list,
+    stable_order,
+)
 from kvtiers.tiers.index import ChunkState, IndexChange
 
 KEYS = [make_offload_key(bytes([i]) * 16, 0) for i in range(6)]
@@ -408,3 +414,11 @@ def test_key_list_reads_back_padded_keys_exactly(keys: list[bytes]) -> None:
     got = key_list(key_bytes, lengths, width)
     assert got == keys
     assert all(type(key) is bytes for key in got)
+
+
+@pytest.mark.parametrize("low, high", [(0, 50), (-(2**40), 2**40), (10**18, 10**18 + 2**20)])
+def test_stable_order_sorts_as_a_stable_argsort(low: int, high: int) -> None:
+    rng = np.random.default_rng(high)
+    values = rng.integers(low, high, 5000, dtype=np.int64)  # ties among the small ranges
+    assert np.array_equal(stable_order(values), np.argsort(values, kind="stable"))
+    assert np.array_equal(stable_order(values[:1]), [0])

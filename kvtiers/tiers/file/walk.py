@@ -47,7 +47,7 @@ from kvtiers.filemapper import QUARANTINE_DIR, key_from_chunk_name, remove_temp
 from kvtiers.filemapper.mapper import CHUNK_NAME as _CHUNK_NAME
 from kvtiers.filemapper.scan import ScannedEntry
 from kvtiers.tiers.build import IndexBuild
-from kvtiers.tiers.compact import PackedChunks, key_list
+from kvtiers.tiers.compact import PackedChunks, key_list, stable_order
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +203,7 @@ def _walk_parts(
 
 def _pack(keys: list[OffloadKey], sizes: list[int], mtimes: np.ndarray) -> PackedChunks:
     """``keys`` with their ``sizes`` packed oldest first (stable by ``mtimes``)."""
-    order = np.argsort(mtimes, kind="stable").tolist()
+    order = stable_order(mtimes).tolist()
     return PackedChunks.pack([keys[i] for i in order], [sizes[i] for i in order])
 
 
@@ -380,7 +380,7 @@ def _merge(top: _Part, blocks: list[_Block]) -> Walked:
         lengths[at:at + n], sizes[at:at + n], mtimes[at:at + n] = (
             block.lengths, block.sizes, block.mtimes)
         at += n
-    order = np.argsort(mtimes, kind="stable")
+    order = stable_order(mtimes)
     matrix, lengths, sizes = matrix[order], lengths[order], sizes[order]
     data = matrix.tobytes()
     keys = key_list(data, lengths, width)
