@@ -70,7 +70,7 @@ def _hashes(keys: Sequence[OffloadKey]) -> array:
     out = array("I")
     out.frombytes(
         np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).astype(np.uint32)
-        .tobytes()
+        .data.cast("B")
     )
     return out
 
@@ -92,7 +92,7 @@ def key_list(key_bytes: bytes | bytearray, lengths: np.ndarray, width: int) -> l
 def _iota(count: int) -> array:
     """``array("i", range(count))``, built in one step."""
     out = array("i")
-    out.frombytes(np.arange(count, dtype=np.int32).tobytes())
+    out.frombytes(np.arange(count, dtype=np.int32).data.cast("B"))
     return out
 
 
@@ -135,7 +135,7 @@ def build_table(hashes: np.ndarray, slots: np.ndarray, size: int) -> array:
         if wrapped.size:
             table[np.flatnonzero(table == _EMPTY)[:wrapped.size]] = slots[wrapped]
     out = array("i")
-    out.frombytes(table.tobytes())
+    out.frombytes(table.data.cast("B"))
     return out
 
 

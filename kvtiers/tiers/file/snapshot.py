@@ -190,13 +190,14 @@ def _unpack(data: bytes) -> PackedChunks:
     """The chunks of a checked snapshot ``data``."""
     _, _, _, _, _, count, width = _HEADER.unpack_from(data)
     at = _HEADER.size
+    view = memoryview(data)  # slices of it are not copies
     lengths = array("H")
-    lengths.frombytes(data[at:at + 2 * count])
+    lengths.frombytes(view[at:at + 2 * count])
     at += 2 * count
     sizes = array("q")
-    sizes.frombytes(data[at:at + 8 * count])
+    sizes.frombytes(view[at:at + 8 * count])
     at += 8 * count
-    key_bytes = bytearray(data[at:at + count * width])
+    key_bytes = bytearray(view[at:at + count * width])
     keys = key_list(key_bytes, np.frombuffer(lengths, dtype=np.uint16), width)
     return PackedChunks.from_arrays(width, key_bytes, lengths, sizes, keys)
 

@@ -53,8 +53,10 @@ logger = logging.getLogger(__name__)
 
 #: Threads walking fan-out directories at once (in each walking process).
 DEFAULT_WALK_THREADS = 4
-#: Child processes walking blocks of fan-out directories (0: the tier's own process).
-DEFAULT_WALK_PROCESSES = 1
+#: Child processes walking blocks of fan-out directories at once (0: the tier's own
+#: process). Two: the walk is bound by a stat and a name parse a chunk, which two cores
+#: share (benchmarks/results/scale.md).
+DEFAULT_WALK_PROCESSES = 2
 # A child's result: chunk count, key width, temp files removed, entries not indexed.
 _RESULT = struct.Struct("<QHQQ")
 # A chunk's place below the namespace directory (its two fan-out levels).
@@ -156,27 +158,31 @@ def _take_chunks(path: str, prefix: str, part: _Part) -> set[str]:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except (FileNotFoundError, NotADirectoryError):
         return others
+    # Names bound once: this loop runs once a chunk.
+    fullmatch, lstat, is_regular = _CHUNK_NAME.fullmatch, os.lstat, stat.S_ISREG
+    keys, sizes, mtimes = part.keys.append, part.sizes.append, part.mtimes.append
     try:
-        with os.scandir(fd) as it:
-            names = [entry.name for entry in it]
-        for name in names:
-            match = _CHUNK_NAME.fullmatch(name) if name.startswith(start) else None
-            group = int(match.group(2)) if match is not None else _GROUPS
-            if match is None or group >= _GROUPS:
+        for name in os.listdir(fd):
+            match = fullmatch(name) if name.startswith(start) else None
+            if match is None:
+                others.add(name)
+                continue
+            hex_hash, digits = match.groups()
+            group = int(digits)
+            if group >= _GROUPS:
                 others.add(name)
                 continue
             try:
-                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                st = lstat(name, dir_fd=fd)
             except FileNotFoundError:
                 continue  # gone since the listing
-            if not stat.S_ISREG(st.st_mode):
+            if not is_regular(st.st_mode):
                 # A FIFO, directory or symlink under a chunk's name (as _Part.take).
                 part.unindexed += 1
                 continue
-            part.keys.append(OffloadKey(bytes.fromhex(match.group(1))
-                                        + group.to_bytes(GROUP_INDEX_BYTES, "big")))
-            part.sizes.append(st.st_size)
-            part.mtimes.append(st.st_mtime_ns)
+            keys(OffloadKey(bytes.fromhex(hex_hash) + group.to_bytes(GROUP_INDEX_BYTES, "big")))
+            sizes(st.st_size)
+            mtimes(st.st_mtime_ns)
     finally:
         os.close(fd)
     return others
@@ -381,12 +387,16 @@ def _merge(top: _Part, blocks: list[_Block]) -> Walked:
             block.lengths, block.sizes, block.mtimes)
         at += n
     order = stable_order(mtimes)
-    matrix, lengths, sizes = matrix[order], lengths[order], sizes[order]
-    data = matrix.tobytes()
-    keys = key_list(data, lengths, width)
+    del mtimes
+    # The keys sorted straight into the index's bytearray: one copy of them at a time.
+    key_bytes = bytearray(total * width)
+    np.take(matrix, order, axis=0,
+            out=np.frombuffer(key_bytes, dtype=np.uint8).reshape(total, width))
+    del matrix
+    lengths, sizes = lengths[order], sizes[order]
+    keys = key_list(key_bytes, lengths, width)
     packed = PackedChunks.from_arrays(
-        width, bytearray(data), array("H", lengths.tobytes()), array("q", sizes.tobytes()),
-        keys,
+        width, key_bytes, array("H", lengths.tobytes()), array("q", sizes.tobytes()), keys,
     )
     return Walked(
         packed,
