@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import UnknownKeyError
+from kvtiers.tiers import compact
 from kvtiers.tiers.compact import (
     CompactChunkIndex,
     PackedChunks,
@@ -407,7 +408,13 @@ def test_a_built_table_reaches_every_slot_from_its_home_cell(clustered: bool) ->
     [b"\x01\x00", b"\x00\x00\x00\x00", b"\x07"],  # widths differ: padding dropped
     [],
 ])
-def test_key_list_reads_back_padded_keys_exactly(keys: list[bytes]) -> None:
+@pytest.mark.parametrize("slice_keys", [2, compact.SLICE])
+def test_key_list_reads_back_padded_keys_exactly(
+    keys: list[bytes], slice_keys: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compact, "SLICE", slice_keys)  # 2: passes end inside the keys
+    hashes = compact._hashes([OffloadKey(key) for key in keys])
+    assert list(hashes) == [hash(key) & 0xFFFFFFFF for key in keys]
     width = max((len(key) for key in keys), default=0)
     key_bytes = bytearray(b"".join(key.ljust(width, b"\0") for key in keys))
     lengths = np.array([len(key) for key in keys], dtype=np.uint16)

@@ -65,26 +65,37 @@ def _table_size(count: int) -> int:
     return size
 
 
+#: Keys a C-level pass takes at once: a build's thread holds the interpreter lock through
+#: each, so the scheduler's thread waits at most one slice (milliseconds), not the pass.
+SLICE = 65536
+
+
 def _hashes(keys: Sequence[OffloadKey]) -> array:
-    """Each key's ``hash()``, low 32 bits (as :func:`_hash32`), in one C-level pass."""
+    """Each key's ``hash()``, low 32 bits (as :func:`_hash32`), in C-level passes of
+    :data:`SLICE` keys."""
     out = array("I")
-    out.frombytes(
-        np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).astype(np.uint32)
-        .data.cast("B")
-    )
+    for start in range(0, len(keys), SLICE):
+        part = keys[start:start + SLICE]
+        out.frombytes(
+            np.fromiter(map(hash, part), dtype=np.int64, count=len(part)).astype(np.uint32)
+            .data.cast("B")
+        )
     return out
 
 
 def key_list(key_bytes: bytes | bytearray, lengths: np.ndarray, width: int) -> list[OffloadKey]:
     """The keys laid out in ``key_bytes`` (each padded to ``width``; ``lengths``: uint16
-    each) as ``bytes`` objects: in one C-level pass when every key is ``width`` long
-    (a void dtype's items are its bytes, trailing zeros kept)."""
+    each) as ``bytes`` objects: in C-level passes of :data:`SLICE` keys when every key
+    is ``width`` long (a void dtype's items are its bytes, trailing zeros kept)."""
     count = len(lengths)
     if not count:
         return []
     if width and bool((lengths == width).all()):
-        return cast("list[OffloadKey]",
-                    np.frombuffer(key_bytes, dtype=f"V{width}", count=count).tolist())
+        items = np.frombuffer(key_bytes, dtype=f"V{width}", count=count)
+        keys: list[OffloadKey] = []
+        for start in range(0, count, SLICE):
+            keys += cast("list[OffloadKey]", items[start:start + SLICE].tolist())
+        return keys
     return [OffloadKey(bytes(key_bytes[i * width:i * width + n]))
             for i, n in enumerate(lengths.tolist())]
 
