@@ -73,13 +73,13 @@ SLICE = 65536
 def _hashes(keys: Sequence[OffloadKey]) -> array:
     """Each key's ``hash()``, low 32 bits (as :func:`_hash32`), in C-level passes of
     :data:`SLICE` keys."""
-    out = array("I")
+    hashes = np.empty(len(keys), dtype=np.uint32)
     for start in range(0, len(keys), SLICE):
         part = keys[start:start + SLICE]
-        out.frombytes(
-            np.fromiter(map(hash, part), dtype=np.int64, count=len(part)).astype(np.uint32)
-            .data.cast("B")
-        )
+        hashes[start:start + len(part)] = np.fromiter(map(hash, part), dtype=np.int64,
+                                                      count=len(part))
+    out = array("I")
+    out.frombytes(hashes.data.cast("B"))
     return out
 
 
@@ -92,9 +92,10 @@ def key_list(key_bytes: bytes | bytearray, lengths: np.ndarray, width: int) -> l
         return []
     if width and bool((lengths == width).all()):
         items = np.frombuffer(key_bytes, dtype=f"V{width}", count=count)
-        keys: list[OffloadKey] = []
+        # Filled in place: a list grown slice by slice leaves its old blocks behind.
+        keys = cast("list[OffloadKey]", [b""] * count)
         for start in range(0, count, SLICE):
-            keys += cast("list[OffloadKey]", items[start:start + SLICE].tolist())
+            keys[start:start + SLICE] = items[start:start + SLICE].tolist()
         return keys
     return [OffloadKey(bytes(key_bytes[i * width:i * width + n]))
             for i, n in enumerate(lengths.tolist())]
