@@ -33,7 +33,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -164,6 +164,14 @@ class PackedChunks:
     sizes: array
     table: array
     keys: list[OffloadKey]
+    #: The recency places and log of the merged index (``0 .. count - 1`` each): made
+    #: here, off the scheduler's thread (tens of megabytes at millions of chunks).
+    places: array = field(default_factory=lambda: array("i"))
+    log: array = field(default_factory=lambda: array("i"))
+
+    def __post_init__(self) -> None:
+        if len(self.places) != len(self.keys):
+            self.places, self.log = _iota(len(self.keys)), _iota(len(self.keys))
 
     @classmethod
     def pack(cls, keys: Sequence[OffloadKey], sizes: Sequence[int]) -> PackedChunks:
@@ -617,8 +625,8 @@ class CompactChunkIndex:
         self._sizes = packed.sizes
         count = len(packed)
         self._states = bytearray([_READY]) * count
-        self._places = _iota(count)
-        self._log = _iota(count)
+        self._places = packed.places
+        self._log = packed.log
         self._live = self._filled = count
         self._table = packed.table
         self._mask = len(packed.table) - 1
