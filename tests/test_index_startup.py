@@ -30,7 +30,7 @@ from kvtiers.testing.s3 import BUCKET
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.file import walk as walk_module
 from kvtiers.tiers.file.manager import FileTierManager
-from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME
+from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME, directory_stamp
 from kvtiers.tiers.file.walk import Walked, walk_in_children, walk_namespace
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.local import LocalStore
@@ -372,6 +372,21 @@ def test_a_snapshot_is_ignored_when_the_namespace_may_have_changed(
         assert [manager.lookup(conformance_key(i), CTX) for i in range(3)] == [HIT] * 3
     finally:
         tier.close()
+
+
+def test_the_directory_stamp_of_a_linked_namespace_sees_a_new_chunk(tmp_path: Path) -> None:
+    """A namespace directory reached through a symbolic link is stamped through it (a
+    stamp that could not list it would match after any change)."""
+    stored_tier(tmp_path / "real", range(3), slots=3)
+    real = FileMapper(tmp_path / "real", IDENTITY).namespace_dir
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    leaf = FileMapper(tmp_path / "real", IDENTITY).path(conformance_key(0)).parent
+    os.utime(leaf, ns=(10**9, 10**9))  # long before the entry made next: its time moves
+    before = directory_stamp(link)
+    assert before == directory_stamp(real)
+    (leaf / "new").write_bytes(b"x")
+    assert directory_stamp(link) != before
 
 
 def test_no_snapshot_while_a_store_is_in_flight(tmp_path: Path) -> None:

@@ -103,7 +103,8 @@ def _subdirectories(path: str, stamp: xxhash.xxh3_128, relative: str) -> list[st
     """The names of the directories in ``path``, in order, each name and time fed to
     ``stamp``."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        # Links followed as scandir(path) does: a namespace directory may be one.
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         stamp.update(f"{relative}?\n".encode())
         return []
