@@ -38,6 +38,8 @@ import gc
 import json
 import os
 import random
+import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -173,9 +175,29 @@ def per_call_ns(lookup: Callable[[OffloadKey], LookupResult], keys: list[Offload
 
 def peak_rss() -> int:
     """The process's peak resident set so far, in bytes."""
-    import resource
-
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def cpu_s(who: int) -> float:
+    """User and system CPU seconds so far of ``who`` (``resource.RUSAGE_*``): what a
+    start costs however loaded the machine is."""
+    used = resource.getrusage(who)
+    return used.ru_utime + used.ru_stime
+
+
+def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One start's fields over ``runs``: the answers checked, wrong answers and retries
+    summed, every other number the median (the rest from the first); ``rounds`` and
+    each round's ``full_s`` kept."""
+    out = dict(runs[0])
+    for key, value in runs[0].items():
+        if key in ("answers", "wrong", "retries"):
+            out[key] = sum(run[key] for run in runs)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(run[key] for run in runs)
+    out["rounds"] = len(runs)
+    out["full_s_rounds"] = [run["full_s"] for run in runs]
+    return out
 
 
 def one_file(root: Path, n: int, walk_processes: int) -> dict[str, Any]:
@@ -188,6 +210,7 @@ def one_file(root: Path, n: int, walk_processes: int) -> dict[str, Any]:
     geometry = ChunkGeometry.from_config(_config())
     gc.collect()
     before = rss()
+    cpu_before = cpu_s(resource.RUSAGE_SELF), cpu_s(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     manager = FileTierManager(mapper, geometry, background_index=True,
                               walk_processes=walk_processes)
@@ -196,6 +219,8 @@ def one_file(root: Path, n: int, walk_processes: int) -> dict[str, Any]:
         lambda key: manager.lookup(key, CTX), lambda: manager.on_schedule_end(END),
         lambda: manager.index_complete, present, absent, start,
     )
+    out["cpu_s"] = cpu_s(resource.RUSAGE_SELF) - cpu_before[0]
+    out["child_cpu_s"] = cpu_s(resource.RUSAGE_CHILDREN) - cpu_before[1]
     out["ctor_s"] = ctor_s
     out["source"] = manager.index_source
     out["chunks"] = int(manager.get_stats()["chunks"])
@@ -270,7 +295,8 @@ def subprocess_json(*args: str, env: Path | None = None) -> dict[str, Any]:
     return dict(json.loads(run.stdout.strip().splitlines()[-1]))
 
 
-def bench_file(data: Path, n: int, baseline: Path | None, walk_processes: int) -> dict[str, Any]:
+def bench_file(data: Path, n: int, baseline: Path | None, walk_processes: int,
+               rounds: int = 1) -> dict[str, Any]:
     root = data / f"n{n}"
     made = time.perf_counter()
     make_tree(root, n)
@@ -278,13 +304,17 @@ def bench_file(data: Path, n: int, baseline: Path | None, walk_processes: int) -
     from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME
 
     namespace_dir = FileMapper(root, NamespaceIdentity.from_config(_config())).namespace_dir
-    (namespace_dir / SNAPSHOT_NAME).unlink(missing_ok=True)
     row: dict[str, Any] = {"n": n, "make_s": made_s}
     if baseline is not None:
         row["before"] = subprocess_json("--one-before", str(root), str(n), env=baseline)
     processes = ("--walk-processes", str(walk_processes))
-    row["walk"] = subprocess_json("--one-file", str(root), str(n), *processes)
-    row["snapshot"] = subprocess_json("--one-file", str(root), str(n), *processes)
+    walks, snapshots = [], []
+    for _ in range(rounds):
+        # A walk (no snapshot), whose clean shutdown writes the snapshot the next reads.
+        (namespace_dir / SNAPSHOT_NAME).unlink(missing_ok=True)
+        walks.append(subprocess_json("--one-file", str(root), str(n), *processes))
+        snapshots.append(subprocess_json("--one-file", str(root), str(n), *processes))
+    row["walk"], row["snapshot"] = median_run(walks), median_run(snapshots)
     return row
 
 
@@ -353,6 +383,8 @@ def _index_cells(r: dict[str, Any]) -> list[str]:
     return [f"{r['ctor_s']:.3f} s", f"{r['first_s']:.3f} s", f"{r['full_s']:.2f} s",
             f"{r['answers']} ({r['wrong']})", f"{r['max_call_ms']:.1f} ms",
             f"{r['index_bytes']:.0f}", f"{r['rss_bytes']:.0f}",
+            f"{r['peak_rss_bytes']:.0f}" if "peak_rss_bytes" in r else "n/a",
+            f"{r['cpu_s']:.1f} + {r['child_cpu_s']:.1f} s" if "cpu_s" in r else "n/a",
             f"{r['hit_ns'] / 1e3:.1f} / {r['miss_ns'] / 1e3:.1f} µs"]
 
 
@@ -367,7 +399,12 @@ def render(report: dict[str, Any]) -> str:
         "absent ones, one step every 10 ms, until the index is complete. Targets: first "
         f"lookup <= {TARGET_FIRST_S:g} s at every N; full index of 3M file chunks <= "
         f"{TARGET_FULL_3M_S:g} s (<= {TARGET_SNAPSHOT_3M_S:g} s from a snapshot); <= "
-        f"{TARGET_BYTES} B a chunk; no wrong answer.",
+        f"{TARGET_BYTES} B a chunk; no wrong answer. Each file row is the median of "
+        "its rounds (a walk, then a start from the snapshot its shutdown wrote, in turn; "
+        "the rounds' full-index times in the JSON). CPU: user and system seconds of the "
+        "tier's process and of its walk's child processes, constructor to merge (what "
+        "the start costs however loaded the machine is); peak RSS: the process's peak "
+        "resident growth over the same span.",
         "",
     ]
     cells: list[list[object]] = []
@@ -376,7 +413,7 @@ def render(report: dict[str, Any]) -> str:
             b = row["before"]
             cells.append(["file, before", f"{row['n']:,}", "walk, blocking",
                           *[f"{b['ctor_s']:.2f} s"] * 3, "n/a", f"{b['ctor_s'] * 1e3:.0f} ms",
-                          "n/a", f"{b['rss_bytes']:.0f}",
+                          "n/a", f"{b['rss_bytes']:.0f}", "n/a", "n/a",
                           f"{b['hit_ns'] / 1e3:.1f} / {b['miss_ns'] / 1e3:.1f} µs"])
         cells += [["file", f"{row['n']:,}", row[phase]["source"], *_index_cells(row[phase])]
                   for phase in ("walk", "snapshot")]
@@ -387,7 +424,8 @@ def render(report: dict[str, Any]) -> str:
     lines += markdown_table(
         ["tier", "chunks", "start", "constructor", "first lookup", "full index",
          "answers (wrong)", "longest call", "index B/chunk", "RSS B/chunk",
-         "hit / miss per call"], cells, align="lrlrrrrrrrr")
+         "peak RSS B/chunk", "CPU (tier + walk)", "hit / miss per call"], cells,
+        align="lrlrrrrrrrrrr")
     lines += ["", "The index alone (N keys added; RSS growth a chunk; `lookup` per call):", "",
               *markdown_table(
                   ["keys", "ChunkIndex B/chunk", "CompactChunkIndex B/chunk",
@@ -454,6 +492,8 @@ def main() -> int:
                         help="the file tier's walk_processes (0: the walk in its process)")
     parser.add_argument("--baseline", type=Path, default=None,
                         help="a checkout from before the background index, measured too")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="walk and snapshot starts a size, in turn (medians kept)")
     parser.add_argument("--reuse", type=Path, default=None,
                         help="an earlier scale.json whose before and SeaweedFS rows are "
                              "kept where this run does not measure them")
@@ -475,7 +515,7 @@ def main() -> int:
     report: dict[str, Any] = {"file": [], "index": []}
     earlier = from_document(read_result(args.reuse)) if args.reuse else None
     for n in (int(s) for s in sizes.split(",") if s):
-        row = bench_file(data, n, args.baseline, args.walk_processes)
+        row = bench_file(data, n, args.baseline, args.walk_processes, args.rounds)
         if earlier is not None and "before" not in row:
             old = [r["before"] for r in earlier["file"] if r["n"] == n and "before" in r]
             if old:

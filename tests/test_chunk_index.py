@@ -21,7 +21,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from kvtiers.core.keys import OffloadKey, make_offload_key
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import UnknownKeyError
-from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks, build_table
+from kvtiers.tiers import compact
+from kvtiers.tiers.compact import (
+    CompactChunkIndex,
+    PackedChunks,
+    build_table,
+    key_list,
+    stable_order,
+)
 from kvtiers.tiers.index import ChunkState, IndexChange
 
 KEYS = [make_offload_key(bytes([i]) * 16, 0) for i in range(6)]
@@ -394,3 +401,31 @@ def test_a_built_table_reaches_every_slot_from_its_home_cell(clustered: bool) ->
             while table[cell] != slot:
                 assert table[cell] >= 0, "an empty cell before the slot"
                 cell = (cell + 1) & (size - 1)
+
+
+@pytest.mark.parametrize("keys", [
+    [b"\x01\x00\x00\x00", b"\x00\x00\x00\x00", b"\xff\x02\x00\x00"],  # one width, zeros kept
+    [b"\x01\x00", b"\x00\x00\x00\x00", b"\x07"],  # widths differ: padding dropped
+    [],
+])
+@pytest.mark.parametrize("slice_keys", [2, compact.SLICE])
+def test_key_list_reads_back_padded_keys_exactly(
+    keys: list[bytes], slice_keys: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compact, "SLICE", slice_keys)  # 2: passes end inside the keys
+    hashes = compact._hashes([OffloadKey(key) for key in keys])
+    assert list(hashes) == [hash(key) & 0xFFFFFFFF for key in keys]
+    width = max((len(key) for key in keys), default=0)
+    key_bytes = bytearray(b"".join(key.ljust(width, b"\0") for key in keys))
+    lengths = np.array([len(key) for key in keys], dtype=np.uint16)
+    got = key_list(key_bytes, lengths, width)
+    assert got == keys
+    assert all(type(key) is bytes for key in got)
+
+
+@pytest.mark.parametrize("low, high", [(0, 50), (-(2**40), 2**40), (10**18, 10**18 + 2**20)])
+def test_stable_order_sorts_as_a_stable_argsort(low: int, high: int) -> None:
+    rng = np.random.default_rng(high)
+    values = rng.integers(low, high, 5000, dtype=np.int64)  # ties among the small ranges
+    assert np.array_equal(stable_order(values), np.argsort(values, kind="stable"))
+    assert np.array_equal(stable_order(values[:1]), [0])

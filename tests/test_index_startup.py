@@ -22,7 +22,7 @@ import pytest
 from kvtiers.core.keys import OffloadKey, get_offload_block_hash
 from kvtiers.core.manager import LookupResult, ScheduleEndContext
 from kvtiers.core.publish import TEMP_SUFFIX
-from kvtiers.filemapper import FileMapper, NamespaceIdentity
+from kvtiers.filemapper import FileMapper, NamespaceIdentity, scan_namespace
 from kvtiers.stack.builder import load_stack
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.objects import offloading_config
@@ -30,7 +30,7 @@ from kvtiers.testing.s3 import BUCKET
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.file import walk as walk_module
 from kvtiers.tiers.file.manager import FileTierManager
-from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME
+from kvtiers.tiers.file.snapshot import SNAPSHOT_NAME, directory_stamp
 from kvtiers.tiers.file.walk import Walked, walk_in_children, walk_namespace
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.local import LocalStore
@@ -374,6 +374,21 @@ def test_a_snapshot_is_ignored_when_the_namespace_may_have_changed(
         tier.close()
 
 
+def test_the_directory_stamp_of_a_linked_namespace_sees_a_new_chunk(tmp_path: Path) -> None:
+    """A namespace directory reached through a symbolic link is stamped through it (a
+    stamp that could not list it would match after any change)."""
+    stored_tier(tmp_path / "real", range(3), slots=3)
+    real = FileMapper(tmp_path / "real", IDENTITY).namespace_dir
+    link = tmp_path / "link"
+    link.symlink_to(real, target_is_directory=True)
+    leaf = FileMapper(tmp_path / "real", IDENTITY).path(conformance_key(0)).parent
+    os.utime(leaf, ns=(10**9, 10**9))  # long before the entry made next: its time moves
+    before = directory_stamp(link)
+    assert before == directory_stamp(real)
+    (leaf / "new").write_bytes(b"x")
+    assert directory_stamp(link) != before
+
+
 def test_no_snapshot_while_a_store_is_in_flight(tmp_path: Path) -> None:
     tier = open_tier(tmp_path)
     tier.store([0])
@@ -439,6 +454,52 @@ def test_a_walk_in_child_processes_finds_what_the_walk_in_process_finds(
     assert (inside.removed_temps, inside.unindexed) == (1, 1)
     assert build.parts == twin_build.parts > 0
     assert not list(namespace_dir.rglob(STALE))
+
+
+def messier_namespace(root: Path) -> Path:
+    """:func:`messy_namespace` with what the walk's short way must leave to the slow
+    way: a directory and a link under chunks' names, a name in upper-case hex, a group
+    past 32 bits, a deeper directory in a chunk's place (holding a chunk's name and a
+    stale temp file) and a young temp file."""
+    namespace_dir = messy_namespace(root)
+    mapper = FileMapper(root, IDENTITY)
+    leaf = mapper.path(conformance_key(0)).parent
+    name = mapper.path(conformance_key(0)).name
+    os.mkdir(leaf / name.replace("_g", "0000_g"))
+    os.symlink(mapper.path(conformance_key(1)), leaf / name.replace("_g", "1111_g"))
+    (leaf / name.upper()).write_bytes(b"u")
+    (leaf / f"{name.split('_g')[0]}_g4294967296.kvc").write_bytes(b"g")
+    deeper = leaf / "deeper"
+    deeper.mkdir()
+    (deeper / name).write_bytes(b"d")
+    (deeper / STALE).write_bytes(b"x")
+    os.utime(deeper / STALE, (0, 0))
+    (leaf / f".young.kvc.abcdef{TEMP_SUFFIX}").write_bytes(b"x")
+    return namespace_dir
+
+
+def test_the_walks_short_way_finds_what_the_scan_finds(tmp_path: Path) -> None:
+    """Each part walked (chunk names parsed and stat'ed by the directory's descriptor)
+    finds the same chunks, sizes, times, unindexed entries and stale temp files as
+    :func:`scan_namespace`'s entries taken one by one."""
+    namespace_dir = messier_namespace(tmp_path / "a")
+    twin = messier_namespace(tmp_path / "b")
+    found, expected = walk_module._Part(), walk_module._Part()
+    for part in sorted(namespace_dir.iterdir()):
+        if part.is_dir() and part.name != "quarantine":
+            walk_module._walk_part(str(part), f"{part.name}/", found, 1.0)
+            for item in scan_namespace(twin / part.name, prefix=f"{part.name}/"):
+                expected.take(item, 1.0)
+
+    def chunks(part: walk_module._Part) -> list[tuple[bytes, int, int]]:
+        return sorted(zip(part.keys, part.sizes, part.mtimes, strict=True))
+
+    assert len(found.keys) == 30
+    assert chunks(found) == chunks(expected)
+    assert (found.unindexed, found.removed_temps) == (expected.unindexed,
+                                                      expected.removed_temps) == (3, 2)
+    assert sorted(p.name for p in namespace_dir.rglob(f"*{TEMP_SUFFIX}")) == [
+        f".young.kvc.abcdef{TEMP_SUFFIX}"]
 
 
 def test_a_failed_walk_process_falls_back_to_the_walk_in_process(

@@ -37,7 +37,7 @@ MIN_BLOCK_HASH_BYTES = 2
 
 # Canonical names only (lowercase hex of whole bytes, group without leading zeros), so
 # exactly one name maps to each key; ten digits bound the group below int's parse limit.
-_CHUNK_NAME = re.compile(
+CHUNK_NAME = re.compile(
     r"((?:[0-9a-f]{2}){2,})_g(0|[1-9][0-9]{0,9})" + re.escape(CHUNK_SUFFIX)
 )
 
@@ -85,7 +85,7 @@ def key_from_chunk_name(name: str) -> OffloadKey | None:
     """The key a chunk file or object base name stands for; ``None`` for any other name.
 
     Names carry the whole key, so this needs no identity (the offline tools use it)."""
-    match = _CHUNK_NAME.fullmatch(name)
+    match = CHUNK_NAME.fullmatch(name)
     if match is None:
         return None
     group = int(match.group(2))

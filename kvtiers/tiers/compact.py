@@ -33,7 +33,8 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -64,21 +65,65 @@ def _table_size(count: int) -> int:
     return size
 
 
+#: Keys a C-level pass takes at once: a build's thread holds the interpreter lock through
+#: each, so the scheduler's thread waits at most one slice (milliseconds), not the pass.
+SLICE = 65536
+
+
 def _hashes(keys: Sequence[OffloadKey]) -> array:
-    """Each key's ``hash()``, low 32 bits (as :func:`_hash32`), in one C-level pass."""
+    """Each key's ``hash()``, low 32 bits (as :func:`_hash32`), in C-level passes of
+    :data:`SLICE` keys."""
+    hashes = np.empty(len(keys), dtype=np.uint32)
+    for start in range(0, len(keys), SLICE):
+        part = keys[start:start + SLICE]
+        hashes[start:start + len(part)] = np.fromiter(map(hash, part), dtype=np.int64,
+                                                      count=len(part))
     out = array("I")
-    out.frombytes(
-        np.fromiter(map(hash, keys), dtype=np.int64, count=len(keys)).astype(np.uint32)
-        .tobytes()
-    )
+    out.frombytes(hashes.data.cast("B"))
     return out
+
+
+def key_list(key_bytes: bytes | bytearray, lengths: np.ndarray, width: int) -> list[OffloadKey]:
+    """The keys laid out in ``key_bytes`` (each padded to ``width``; ``lengths``: uint16
+    each) as ``bytes`` objects: in C-level passes of :data:`SLICE` keys when every key
+    is ``width`` long (a void dtype's items are its bytes, trailing zeros kept)."""
+    count = len(lengths)
+    if not count:
+        return []
+    if width and bool((lengths == width).all()):
+        items = np.frombuffer(key_bytes, dtype=f"V{width}", count=count)
+        # Filled in place: a list grown slice by slice leaves its old blocks behind.
+        keys = cast("list[OffloadKey]", [b""] * count)
+        for start in range(0, count, SLICE):
+            keys[start:start + SLICE] = items[start:start + SLICE].tolist()
+        return keys
+    return [OffloadKey(bytes(key_bytes[i * width:i * width + n]))
+            for i, n in enumerate(lengths.tolist())]
 
 
 def _iota(count: int) -> array:
     """``array("i", range(count))``, built in one step."""
     out = array("i")
-    out.frombytes(np.arange(count, dtype=np.int32).tobytes())
+    out.frombytes(np.arange(count, dtype=np.int32).data.cast("B"))
     return out
+
+
+def stable_order(values: np.ndarray) -> np.ndarray:
+    """The permutation that sorts integer ``values`` stably (``np.argsort(values,
+    kind="stable")``), by 16-bit digits from the lowest, each pass a stable radix sort
+    (numpy's for 16-bit integers): linear where a comparison sort of a million keys is
+    not. Only the digits that vary from the least value are sorted on."""
+    count = len(values)
+    if count < 2:
+        return np.arange(count, dtype=np.intp)
+    least = int(values.min())
+    offsets = (values.astype(np.int64) - least).astype(np.uint64)
+    spread = int(offsets.max()).bit_length()
+    order = np.arange(count, dtype=np.intp)
+    for shift in range(0, spread, 16):
+        digits = ((offsets[order] >> np.uint64(shift)) & np.uint64(0xFFFF)).astype(np.uint16)
+        order = order[np.argsort(digits, kind="stable")]
+    return order
 
 
 def build_table(hashes: np.ndarray, slots: np.ndarray, size: int) -> array:
@@ -93,7 +138,7 @@ def build_table(hashes: np.ndarray, slots: np.ndarray, size: int) -> array:
     count = len(slots)
     if count:
         home = hashes.astype(np.int64) & (size - 1)
-        order = np.argsort(home, kind="stable")
+        order = stable_order(home)
         steps = np.arange(count, dtype=np.int64)
         cells = np.maximum.accumulate(home[order] - steps) + steps
         inside = cells < size
@@ -102,7 +147,7 @@ def build_table(hashes: np.ndarray, slots: np.ndarray, size: int) -> array:
         if wrapped.size:
             table[np.flatnonzero(table == _EMPTY)[:wrapped.size]] = slots[wrapped]
     out = array("i")
-    out.frombytes(table.tobytes())
+    out.frombytes(table.data.cast("B"))
     return out
 
 
@@ -119,6 +164,14 @@ class PackedChunks:
     sizes: array
     table: array
     keys: list[OffloadKey]
+    #: The recency places and log of the merged index (``0 .. count - 1`` each): made
+    #: here, off the scheduler's thread (tens of megabytes at millions of chunks).
+    places: array = field(default_factory=lambda: array("i"))
+    log: array = field(default_factory=lambda: array("i"))
+
+    def __post_init__(self) -> None:
+        if len(self.places) != len(self.keys):
+            self.places, self.log = _iota(len(self.keys)), _iota(len(self.keys))
 
     @classmethod
     def pack(cls, keys: Sequence[OffloadKey], sizes: Sequence[int]) -> PackedChunks:
@@ -572,8 +625,8 @@ class CompactChunkIndex:
         self._sizes = packed.sizes
         count = len(packed)
         self._states = bytearray([_READY]) * count
-        self._places = _iota(count)
-        self._log = _iota(count)
+        self._places = packed.places
+        self._log = packed.log
         self._live = self._filled = count
         self._table = packed.table
         self._mask = len(packed.table) - 1

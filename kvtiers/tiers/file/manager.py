@@ -3,7 +3,7 @@
 At start the namespace's manifest is checked (or created), then the index is built on a
 thread of its own (:mod:`kvtiers.tiers.build`): from a trusted snapshot
 (:mod:`kvtiers.tiers.file.snapshot`), else by one walk of the fan-out directories, several
-at a time, in a child process (``walk_processes``; its per-entry objects never enter this
+at a time, in child processes (``walk_processes``, two; its per-entry objects never enter this
 process, :mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
 interrupted publishes (older than this opening) and finds the chunks — names and places
 parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``

@@ -4,6 +4,9 @@ scheduler's thread (:mod:`kvtiers.tiers.build`).
 One pass both indexes the chunk files (names and places parsed as
 :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``, never
 opening a file) and removes the temp files of interrupted publishes older than a cutoff.
+A chunk's name in its own fan-out directory costs one match and one ``lstat`` by the
+directory's descriptor, no entry object; anything else is taken as the scan's entries
+are (:func:`_walk_part`; a test holds the two ways equal).
 Each top-level directory is one part, walked by one of ``threads`` threads (``stat`` and
 ``scandir`` release the GIL: on a network filesystem their latencies overlap);
 ``before_part(i)`` runs on the walking thread before part ``i`` (parts in name order),
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import stat
 import struct
 import subprocess
@@ -38,20 +42,26 @@ from typing import IO, Any
 
 import numpy as np
 
-from kvtiers.core.keys import OffloadKey
-from kvtiers.filemapper import QUARANTINE_DIR, key_from_chunk_name, remove_temp, scan_namespace
+from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
+from kvtiers.filemapper import QUARANTINE_DIR, key_from_chunk_name, remove_temp
+from kvtiers.filemapper.mapper import CHUNK_NAME as _CHUNK_NAME
 from kvtiers.filemapper.scan import ScannedEntry
 from kvtiers.tiers.build import IndexBuild
-from kvtiers.tiers.compact import PackedChunks
+from kvtiers.tiers.compact import PackedChunks, key_list, stable_order
 
 logger = logging.getLogger(__name__)
 
 #: Threads walking fan-out directories at once (in each walking process).
 DEFAULT_WALK_THREADS = 4
-#: Child processes walking blocks of fan-out directories (0: the tier's own process).
-DEFAULT_WALK_PROCESSES = 1
+#: Child processes walking blocks of fan-out directories at once (0: the tier's own
+#: process). Two: the walk is bound by a stat and a name parse a chunk, which two cores
+#: share (benchmarks/results/scale.md).
+DEFAULT_WALK_PROCESSES = 2
 # A child's result: chunk count, key width, temp files removed, entries not indexed.
 _RESULT = struct.Struct("<QHQQ")
+# A chunk's place below the namespace directory (its two fan-out levels).
+_PLACE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/")
+_GROUPS = 2 ** (8 * GROUP_INDEX_BYTES)
 
 
 @dataclass
@@ -112,6 +122,72 @@ def _list_parts(namespace_dir: Path, temp_cutoff: float) -> tuple[_Part, list[tu
     return top, parts
 
 
+def _walk_part(path: str, prefix: str, part: _Part, temp_cutoff: float) -> None:
+    """Take every entry below ``path`` into ``part`` as :func:`scan_namespace` yields them
+    (``prefix``: the names' prefix, ``"ab/"``). In a chunk's place (``ab/cd/``) a chunk's
+    name (nearly every entry) takes the short way: the name parsed by one match, one
+    ``lstat`` relative to the directory's descriptor (no lookup of the whole path, no
+    entry object). Any other entry goes the slow way, :meth:`_Part.take` as before: the
+    directory is listed again for them (they are rare: temp files, strays, deeper
+    directories)."""
+    stack = [(path, prefix)]
+    while stack:
+        path, prefix = stack.pop()
+        others = _take_chunks(path, prefix, part) if _PLACE.fullmatch(prefix) else None
+        if others is not None and not others:
+            continue
+        try:
+            with os.scandir(path) as it:
+                entries = [entry for entry in it if others is None or entry.name in others]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            name = f"{prefix}{entry.name}"
+            if entry.is_dir(follow_symlinks=False) and key_from_chunk_name(entry.name) is None:
+                stack.append((entry.path, f"{name}/"))
+            else:
+                part.take(ScannedEntry(name, entry), temp_cutoff)
+
+
+def _take_chunks(path: str, prefix: str, part: _Part) -> set[str]:
+    """The short way of :func:`_walk_part` through the chunk place ``path`` (``prefix``
+    ``ab/cd/``); returns the names of the entries left for the slow way."""
+    start = f"{prefix[0:2]}{prefix[3:5]}"
+    others: set[str] = set()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except (FileNotFoundError, NotADirectoryError):
+        return others
+    # Names bound once: this loop runs once a chunk.
+    fullmatch, lstat, is_regular = _CHUNK_NAME.fullmatch, os.lstat, stat.S_ISREG
+    keys, sizes, mtimes = part.keys.append, part.sizes.append, part.mtimes.append
+    try:
+        for name in os.listdir(fd):
+            match = fullmatch(name) if name.startswith(start) else None
+            if match is None:
+                others.add(name)
+                continue
+            hex_hash, digits = match.groups()
+            group = int(digits)
+            if group >= _GROUPS:
+                others.add(name)
+                continue
+            try:
+                st = lstat(name, dir_fd=fd)
+            except FileNotFoundError:
+                continue  # gone since the listing
+            if not is_regular(st.st_mode):
+                # A FIFO, directory or symlink under a chunk's name (as _Part.take).
+                part.unindexed += 1
+                continue
+            keys(OffloadKey(bytes.fromhex(hex_hash) + group.to_bytes(GROUP_INDEX_BYTES, "big")))
+            sizes(st.st_size)
+            mtimes(st.st_mtime_ns)
+    finally:
+        os.close(fd)
+    return others
+
+
 def _walk_parts(
     parts: Sequence[tuple[str, str]], temp_cutoff: float, threads: int,
     before: Callable[[int], bool],
@@ -124,8 +200,7 @@ def _walk_parts(
         if not before(i):
             return part
         path, prefix = parts[i]
-        for item in scan_namespace(Path(path), prefix=prefix):
-            part.take(item, temp_cutoff)
+        _walk_part(path, prefix, part, temp_cutoff)
         return part
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtiers-file-walk") as pool:
@@ -134,7 +209,7 @@ def _walk_parts(
 
 def _pack(keys: list[OffloadKey], sizes: list[int], mtimes: np.ndarray) -> PackedChunks:
     """``keys`` with their ``sizes`` packed oldest first (stable by ``mtimes``)."""
-    order = np.argsort(mtimes, kind="stable").tolist()
+    order = stable_order(mtimes).tolist()
     return PackedChunks.pack([keys[i] for i in order], [sizes[i] for i in order])
 
 
@@ -311,16 +386,17 @@ def _merge(top: _Part, blocks: list[_Block]) -> Walked:
         lengths[at:at + n], sizes[at:at + n], mtimes[at:at + n] = (
             block.lengths, block.sizes, block.mtimes)
         at += n
-    order = np.argsort(mtimes, kind="stable")
-    matrix, lengths, sizes = matrix[order], lengths[order], sizes[order]
-    data = matrix.tobytes()
-    if total and bool((lengths == width).all()):
-        keys = [OffloadKey(data[i:i + width]) for i in range(0, total * width, width)]
-    else:
-        keys = [OffloadKey(data[i * width:i * width + int(n)]) for i, n in enumerate(lengths)]
+    order = stable_order(mtimes)
+    del mtimes
+    # The keys sorted straight into the index's bytearray: one copy of them at a time.
+    key_bytes = bytearray(total * width)
+    np.take(matrix, order, axis=0,
+            out=np.frombuffer(key_bytes, dtype=np.uint8).reshape(total, width))
+    del matrix
+    lengths, sizes = lengths[order], sizes[order]
+    keys = key_list(key_bytes, lengths, width)
     packed = PackedChunks.from_arrays(
-        width, bytearray(data), array("H", lengths.tobytes()), array("q", sizes.tobytes()),
-        keys,
+        width, key_bytes, array("H", lengths.tobytes()), array("q", sizes.tobytes()), keys,
     )
     return Walked(
         packed,
