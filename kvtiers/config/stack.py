@@ -27,6 +27,7 @@ from typing import Annotated, ClassVar
 from kvtiers.config.kinds import TIER_KINDS, get_kind, not_installed
 from kvtiers.config.model import ModelSection
 from kvtiers.config.paths import item_path, key_path
+from kvtiers.config.retention import RetentionConfig
 from kvtiers.config.schema import (
     Matches,
     Range,
@@ -53,7 +54,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.errors import ConfigError
 from kvtiers.optional import hint_for
 
-TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion")
+TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion", "retention")
 _TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
 
 
@@ -108,6 +109,7 @@ class StackConfig:
     metrics: MetricsConfig | None = None
     source: str = "<mapping>"
     promotion: PromotionConfig | None = None
+    retention: RetentionConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -150,6 +152,10 @@ class StackConfig:
                 first_place[place] = idx
         if self.model is not None:
             self._check_geometry(self.model.to_offloading_config())
+        if self.retention is not None and self.retention.admin_token_env is not None and (
+                self.metrics is None):
+            raise ConfigError("the admin endpoint is served by the metrics server: add a "
+                              "metrics: section", path="retention.admin_token_env")
 
     def _check_geometry(self, identity: OffloadingConfig) -> None:
         """What the build checks of the tiers against the model's chunks: a cpu primary
@@ -308,6 +314,7 @@ def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
     model = data.get("model")
     metrics = data.get("metrics")
     promotion = data.get("promotion")
+    retention = data.get("retention")
     return StackConfig(
         tiers=_parse_tiers(data["tiers"]),
         model=None if model is None else parse_section(ModelSection, model, "model"),
@@ -315,6 +322,8 @@ def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
         source=source,
         promotion=None if promotion is None else parse_section(
             PromotionConfig, promotion, "promotion"),
+        retention=None if retention is None else parse_section(
+            RetentionConfig, retention, "retention"),
     )
 
 

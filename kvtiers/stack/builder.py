@@ -7,22 +7,25 @@ factory is imported lazily, so a stack without S3 never imports boto3.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
 from kvtiers.config.paths import join_path
 from kvtiers.config.tiers import LowerTierConfig
 from kvtiers.core.config import OffloadingConfig
-from kvtiers.core.keys import KeyFormat
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat
 from kvtiers.core.mover import HostRegion
 from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.logs import log_started, log_stopped
+from kvtiers.policies.retention import RetentionBook
 from kvtiers.stack.composite import TieredManager
 from kvtiers.stack.cost import ChunkShape, CostModel, TransferEstimate
 from kvtiers.stack.preflight import check_before_build
@@ -119,9 +122,11 @@ def load_stack(
     # would fail stops here, one line long, before any directory or socket exists.
     check_before_build(config, identity)
     tiers: list[BuiltTier] = []
+    book = None if config.retention is None else retention_book(config, identity)
     try:
         for index in range(len(config.tiers)):
-            tiers.append(_build_tier(config, index, identity, tiers[0].region if tiers else None))
+            tiers.append(_build_tier(config, index, identity, tiers[0].region if tiers else None,
+                                     retention=book))
         manager = TieredManager(
             tiers,
             keys=KeyFormat.for_algorithm(len(identity.groups), identity.cache.hash_algorithm),
@@ -131,6 +136,10 @@ def load_stack(
             tier.shutdown()
         raise
     stack = Stack(config, identity, tiers, manager)
+    if book is not None:
+        assert config.retention is not None
+        manager.retention = book
+        manager.retention_hints = config.retention.hints
     if config.promotion is not None:
         manager.cost = build_cost_model(config, identity)
     if config.metrics is not None:
@@ -148,7 +157,7 @@ def load_stack(
         manager.refresh_stats_snapshot()
         try:
             stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,
-                                          manager.latency)
+                                          manager.latency, admin=_admin(config, manager))
         except BaseException as exc:
             # Nothing built may outlive a failed start; the error says where in the file.
             stack.shutdown()
@@ -203,14 +212,58 @@ def stages(config: StackConfig) -> bool:
     )
 
 
+def retention_book(config: StackConfig, identity: OffloadingConfig) -> RetentionBook:
+    """The retention book of ``config``'s ``retention:`` section: a block hash counts one
+    primary slot per group; pins are capped at ``max_pinned_bytes``, by default half the
+    primary's capacity (a primary without a capacity, a GDS file tier, has no default
+    cap beyond its own room: the cap is then 0 unless given)."""
+    section = config.retention
+    assert section is not None, "only a stack with a retention: section has a book"
+    hash_bytes = ChunkGeometry.from_config(identity).slot_bytes * len(identity.groups)
+    cap: int
+    if section.max_pinned_bytes is not None:
+        cap = section.max_pinned_bytes
+    else:
+        capacity = getattr(config.tiers[0], "capacity", None)
+        cap = 0 if capacity is None else int(capacity) // 2
+    return RetentionBook(hash_bytes=hash_bytes, max_pinned_bytes=cap,
+                         max_pin_s=section.max_pin_s, max_ttl_s=section.max_ttl_s)
+
+
+def _admin(config: StackConfig, manager: TieredManager) -> Callable[[Any], Any] | None:
+    """The maker of the retention admin app over the metrics app, when
+    ``retention.admin_token_env`` names the token's variable; a missing or empty token
+    is a :class:`ConfigError`."""
+    section = config.retention
+    if section is None or section.admin_token_env is None or manager.retention is None:
+        return None
+    token = os.environ.get(section.admin_token_env, "")
+    if not token:
+        raise ConfigError(
+            f"the environment variable {section.admin_token_env} holds no admin token; set "
+            "it, or remove retention.admin_token_env (no admin endpoint)",
+            path="retention.admin_token_env",
+        )
+    from kvtiers.stack.admin import RetentionAdmin
+
+    book = manager.retention
+    key_bytes = manager.key_format.key_bytes
+    hash_bytes = None if key_bytes is None else key_bytes - GROUP_INDEX_BYTES
+    return lambda app: RetentionAdmin(book, token, app, hash_bytes=hash_bytes)
+
+
 def _build_tier(
-    config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None
+    config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None,
+    *, retention: RetentionBook | None = None,
 ) -> BuiltTier:
     tier_config = config.tiers[index]
     where = f"tiers[{index}]"
     factory = resolve_factory(tier_config.kind, path=f"{where}.kind")
     # The primary's staging is decided here, from the stack, before it is built.
-    more = {"staging": stages(config)} if index == 0 else {}
+    more: dict[str, object] = {"staging": stages(config)} if index == 0 else {}
+    if index == 0 and retention is not None and tier_config.kind == "cpu":
+        # The cpu primary's policy honours retention; other tiers keep their own order.
+        more["retention"] = retention
     try:
         tier = factory(tier_config, identity, primary_region=primary_region,
                        name=tier_config.name, **more)
