@@ -4,18 +4,22 @@ the metrics server. Time is a hand-moved clock: nothing sleeps."""
 
 from __future__ import annotations
 
+import io
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from kvtiers.core.keys import OffloadKey, make_offload_key
-from kvtiers.core.manager import LookupResult, ReqContext
+from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
 from kvtiers.errors import ConfigError
+from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.policies.retention import RetentionBook
 from kvtiers.stack.builder import Stack, load_stack
 
@@ -249,6 +253,49 @@ def test_vllm_hint_envelope_reaches_the_context() -> None:
 
     hint = parse_hint(ctx, book)
     assert hint is not None and hint.priority == 3
+
+
+def test_ttl_expiry_by_gc(tmp_path: Path) -> None:
+    """The engine's ledger names each TTL; ``gc --expired`` removes the file tier's chunks
+    past theirs and keeps the rest (one without a TTL, one whose TTL runs on)."""
+    from kvtiers.stack.ledger import read_ledgers
+    from kvtiers.tools.commands import GcRules, gc
+    from kvtiers.tools.locations import open_location
+
+    root, ledger = tmp_path / "root", tmp_path / "ledger.json"
+    stack, clock = build({"ledger": str(ledger)}, tiers=[
+        {"kind": "cpu", "capacity": "32KiB"},
+        {"kind": "file", "root": str(root), "io": "posix", "threads": 2}])
+    with stack:
+        store(stack, [key(0)], request("old", hints(ttl_s=10)))  # expired long ago
+        clock.now = time.time()
+        store(stack, [key(1)], request("new", hints(ttl_s=3600)))
+        store(stack, [key(2)], request("plain"))
+        stack.manager.wait_idle()
+        stack.manager.on_schedule_end(ScheduleEndContext())
+    expiries = read_ledgers([ledger])
+    assert set(expiries) == {key(0)[:-4], key(1)[:-4]}
+    location = open_location(str(root))
+    try:
+        [namespace] = location.namespaces()
+        out = io.StringIO()
+        assert gc(location, GcRules(expired=expiries), out) == 0
+        left = {key_from_chunk_name(e.base) for e in location.entries(namespace)} - {None}
+    finally:
+        location.close()
+    assert left == {key(1), key(2)}, out.getvalue()
+    assert "removed 1 files" in out.getvalue()
+
+
+def test_a_bad_ledger_is_a_config_error(tmp_path: Path) -> None:
+    from kvtiers.stack.ledger import read_ledgers
+
+    path = tmp_path / "ledger.json"
+    path.write_text('{"version": 1, "expires": {"zz": 1}}')
+    with pytest.raises(ConfigError, match="not a hex block hash"):
+        read_ledgers([path])
+    with pytest.raises(ConfigError, match="cannot read"):
+        read_ledgers([tmp_path / "missing.json"])
 
 
 # -- the admin endpoint --------------------------------------------------------------

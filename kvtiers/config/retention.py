@@ -28,6 +28,12 @@ class RetentionConfig(Section):
     """The longest pin a hint or the admin endpoint may ask for, seconds."""
     max_ttl_s: Annotated[float, Range(0, above=True)] = 30 * 86400.0
     """The longest TTL a hint may ask for, seconds."""
+    ledger: Annotated[str, Matches(r"[^\x00]+", "a file path")] | None = None
+    """A JSON file the engine writes its TTLs to (replaced atomically), for ``kvtiers gc
+    LOCATION --expired LEDGER`` to remove the chunks of persistent tiers past their TTL;
+    unset: none written."""
+    ledger_interval_s: Annotated[float, Range(1)] = 60.0
+    """How often the ledger is written, seconds (and once at shutdown)."""
     admin_token_env: Annotated[str, Matches(r"[A-Za-z_][A-Za-z0-9_]*",
                                             "an environment variable name")] | None = None
     """The environment variable holding the bearer token of the admin endpoint

@@ -269,6 +269,11 @@ class RetentionBook:
         return count
 
     @_locked
+    def expiries(self) -> dict[bytes, float]:
+        """Block hash → expiry of every entry that has one."""
+        return {h: e.expires_at for h, e in self._entries.items() if e.expires_at is not None}
+
+    @_locked
     def get_stats(self) -> dict[str, float]:
         """The counters, the ignored hints and the bytes pinned now (all scopes)."""
         return {**self.stats, "retention_hints_ignored": self.bad_hints.count,

@@ -33,6 +33,7 @@ from kvtiers.stack.preflight import check_before_build
 if TYPE_CHECKING:
     import torch
 
+    from kvtiers.stack.ledger import LedgerWriter
     from kvtiers.stack.metrics import MetricsServer
 
 
@@ -46,6 +47,8 @@ class Stack:
     manager: TieredManager
     #: The Prometheus exporter, when the stack file has a ``metrics:`` section.
     metrics: MetricsServer | None = None
+    #: The retention ledger's writer, when ``retention.ledger`` is set.
+    ledger: LedgerWriter | None = None
     _stopped: bool = field(default=False, init=False, repr=False)
 
     def make_worker(
@@ -77,6 +80,9 @@ class Stack:
             return
         self._stopped = True
         self.manager.shutdown()
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -140,6 +146,11 @@ def load_stack(
         assert config.retention is not None
         manager.retention = book
         manager.retention_hints = config.retention.hints
+        if config.retention.ledger is not None:
+            from kvtiers.stack.ledger import LedgerWriter
+
+            stack.ledger = LedgerWriter(book, Path(config.retention.ledger),
+                                        config.retention.ledger_interval_s)
     if config.promotion is not None:
         manager.cost = build_cost_model(config, identity)
     if config.metrics is not None:
