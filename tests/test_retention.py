@@ -298,6 +298,36 @@ def test_a_bad_ledger_is_a_config_error(tmp_path: Path) -> None:
         read_ledgers([tmp_path / "missing.json"])
 
 
+def test_route1_reads_vllm_hints_and_never_skips_the_composite(tmp_path: Path) -> None:
+    """Through vLLM's manager API (route 1, a one-tier stack): the request's
+    ``KvHintsEnvelope`` reaches the book, and the direct mode (which would skip the
+    composite's expiry check) is not taken."""
+    protocol = pytest.importorskip("vllm.v1.kv_hints")
+    from vllm.v1.kv_offload import base as vbase
+    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+    from kvtiers.integrations.vllm.direct import KVTiersDirectManager
+    from tests.test_vllm_spec import make_request, vllm_config
+
+    config = vllm_config(tmp_path, kvtiers={"tiers": [{"kind": "cpu", "capacity": "16KiB"}],
+                                            "retention": {}})
+    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    try:
+        assert not isinstance(manager, KVTiersDirectManager)
+        envelope = protocol.KvHintsEnvelope(
+            protocol_version="1", message_id="m",
+            actions=[protocol.KvHintAction(action_id="a", action_type="retention",
+                                           action_version="1", payload={"priority": 7})])
+        ctx = vbase.ReqContext(req_id="r", kv_hints=envelope)
+        manager.on_new_request(ctx)
+        keys = [make_request(1, first_block=0).keys[0][0]]
+        assert manager.prepare_store(keys, ctx) is not None
+        book = manager.stack.manager.retention
+        assert book is not None and book.priority(keys[0]) == 7
+    finally:
+        manager.shutdown()
+
+
 # -- the admin endpoint --------------------------------------------------------------
 
 def call(port: int, path: str, body: Any = None, token: str | None = TOKEN,

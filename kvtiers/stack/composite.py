@@ -37,6 +37,9 @@ is core's (:mod:`kvtiers.core.primary`).
   primary never evicts them for that request's own promotions or stores, so a prefix
   larger than the primary stops at what fits (the rest is a ``MISS``, recomputed) instead
   of evicting its own head every step.
+* **Retention** (``retention:``, :mod:`kvtiers.policies.retention`): the keys a request
+  stores or loads take the priority, pin and TTL its hint asks for; a key past its TTL
+  is a ``MISS`` asked of no tier. The cpu primary's policy orders evictions by them.
 
 Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact,
 and an abandoned one never (a new store of it takes another slot); a cascaded chunk's
