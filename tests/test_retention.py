@@ -183,16 +183,29 @@ def test_the_default_cap_is_half_the_primary() -> None:
 def test_ttl_expiry_by_the_tier(stack_clock: tuple[Stack, Clock]) -> None:
     stack, clock = stack_clock
     store(stack, [key(0)], request("ttl", hints(ttl_s=10)))
-    store_each(stack, [key(1), key(2)])
+    store_each(stack, [key(1), key(2), key(3)])
+    stack.manager.touch([key(0)], ReqContext(req_id="use"))  # the most recent now
     assert held(stack, [key(0)]) == [True]
     clock.now += 11
     assert held(stack, [key(0)]) == [False]
     assert stats(stack)["retention_expired_misses"] == 1
-    # The expired chunk goes first, though key 3's store makes 1 and 2 older.
-    store(stack, [key(3)], request("b"))
+    # The expired chunk goes first, though the least recently used is key 1.
     stack.manager.take_events()
-    store(stack, [key(4)], request("c"))
+    store(stack, [key(4)], request("b"))
     assert evicted(stack) == [key(0)]
+
+
+def test_a_chunk_expired_after_it_was_stored_goes_first(
+        stack_clock: tuple[Stack, Clock]) -> None:
+    """An expiry set later (the admin's, a later request's hint) orders evictions too."""
+    stack, _ = stack_clock
+    store_each(stack, [key(0), key(1), key(2), key(3)])
+    book = stack.manager.retention
+    assert book is not None
+    book.expire_hashes([key(2)[:-4]])
+    stack.manager.take_events()
+    store(stack, [key(4)], request("next"))
+    assert evicted(stack) == [key(2)]
 
 
 def test_an_expired_chunk_stored_again_without_a_hint_is_fresh(

@@ -25,6 +25,7 @@ failed request: one warning per :data:`WARN_INTERVAL_S`, the rest counted.
 from __future__ import annotations
 
 import functools
+import heapq
 import logging
 import math
 import threading
@@ -157,6 +158,9 @@ class RetentionBook:
             "retention_pins_overridden": 0, "retention_expired_misses": 0,
         }
         self._lock = threading.RLock()
+        # (expiry, block hash) of every expiry set, a stale one included: what
+        # pop_expired hands out, oldest first; rebuilt when stale entries outnumber.
+        self._deadlines: list[tuple[float, bytes]] = []
 
     # -- reading ---------------------------------------------------------------------
 
@@ -215,7 +219,7 @@ class RetentionBook:
         for h in hashes:
             entry = self._entry(h)
             entry.priority = hint.priority
-            entry.expires_at = expires
+            self._set_expiry(h, entry, expires)
         if hint.pin_s is not None:
             self.pin_hashes(hashes, now + hint.pin_s, scope)
 
@@ -264,9 +268,23 @@ class RetentionBook:
         count = 0
         for h in hashes:
             self.unpin_hashes((h,))
-            self._entry(h).expires_at = when
+            self._set_expiry(h, self._entry(h), when)
             count += 1
         return count
+
+    @_locked
+    def pop_expired(self) -> list[bytes]:
+        """The block hashes whose expiry passed since the last call (each once, unless
+        its expiry is set again)."""
+        now = self.clock()
+        found = []
+        deadlines = self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            at, h = heapq.heappop(deadlines)
+            entry = self._entries.get(h)
+            if entry is not None and entry.expires_at == at:
+                found.append(h)
+        return found
 
     @_locked
     def expiries(self) -> dict[bytes, float]:
@@ -286,6 +304,16 @@ class RetentionBook:
         self.stats["retention_pins_overridden"] += pins
 
     # -- internals -------------------------------------------------------------------
+
+    def _set_expiry(self, h: bytes, entry: _Entry, at: float | None) -> None:
+        entry.expires_at = at
+        if at is None:
+            return
+        heapq.heappush(self._deadlines, (at, h))
+        if len(self._deadlines) > 2 * len(self._entries) + 1024:
+            self._deadlines = [(e.expires_at, k) for k, e in self._entries.items()
+                               if e.expires_at is not None]
+            heapq.heapify(self._deadlines)
 
     def _live_pins(self, scope: str | None) -> set[bytes]:
         """The scope's pinned hashes, expired pins swept out (bounded by the cap)."""
@@ -407,8 +435,8 @@ class RetainingPolicy(EvictionPolicy):
         self.shields_request_head = inner.shields_request_head
         self._levels: dict[int, EvictionPolicy] = {}
         self._level_of: dict[Hashable, int] = {}
-        # Tracked keys with an expiry: checked first at each eviction.
-        self._timed: set[Hashable] = set()
+        # Block hashes past their expiry that may have keys here: evicted first.
+        self._expired: set[bytes] = set()
         # The group indexes of the keys seen: a pinned block hash names these keys.
         self._groups: set[bytes] = set()
 
@@ -429,8 +457,8 @@ class RetainingPolicy(EvictionPolicy):
         self._level(priority).insert(key)
         self._level_of[key] = priority
         self._groups.add(key[-GROUP_INDEX_BYTES:])  # type: ignore[index]
-        if self.book.expires_at(key) is not None:  # type: ignore[arg-type]
-            self._timed.add(key)
+        if self.book.is_expired(key):  # type: ignore[arg-type]
+            self._expired.add(block_hash(key))  # type: ignore[arg-type]
 
     def touch(self, key: Hashable) -> None:
         level = self._level_of.get(key)
@@ -450,7 +478,6 @@ class RetainingPolicy(EvictionPolicy):
         level = self._level_of.pop(key, None)
         if level is not None:
             self._levels[level].remove(key)
-        self._timed.discard(key)
 
     def evictable(self, protected: Collection[Any] = (), shielded: Collection[Any] = ()) -> int:
         return sum(level.evictable(protected, shielded) for level in self._levels.values())
@@ -465,7 +492,7 @@ class RetainingPolicy(EvictionPolicy):
         guard = set(protected)
         victims: list[Any] = []
         book = self.book
-        for key in [k for k in self._timed if k not in guard and book.is_expired(k)]:  # type: ignore[arg-type]
+        for key in self._expired_keys(guard):
             if len(victims) == n:
                 break
             self.remove(key)
@@ -485,13 +512,26 @@ class RetainingPolicy(EvictionPolicy):
                 assert taken is not None, "a level refused what it said it could evict"
                 for key in taken:
                     del self._level_of[key]
-                    self._timed.discard(key)
                     overridden += key in pinned
                 victims.extend(taken)
         assert len(victims) == n, f"retention evicted {len(victims)} of {n}"
         if overridden:
             book.count_overridden(overridden)
         return victims
+
+    def _expired_keys(self, guard: set[Any]) -> list[Any]:
+        """The tracked, unguarded keys past their expiry. A hash none of whose keys is
+        tracked, or whose expiry was renewed, is forgotten."""
+        book = self.book
+        self._expired.update(book.pop_expired())
+        found: list[Any] = []
+        for h in list(self._expired):
+            keys = [h + g for g in self._groups if h + g in self._level_of]
+            if not keys or not book.is_expired(keys[0]):
+                self._expired.discard(h)
+                continue
+            found.extend(k for k in keys if k not in guard)
+        return found
 
     def _pinned_keys(self) -> set[Any]:
         """The tracked keys of the book's live pins."""
