@@ -127,6 +127,7 @@ def load_stack(
     # Every start-time check first (credentials, buckets, roots, ports...): a start that
     # would fail stops here, one line long, before any directory or socket exists.
     check_before_build(config, identity)
+    token = _admin_token(config)
     tiers: list[BuiltTier] = []
     book = None if config.retention is None else retention_book(config, identity)
     try:
@@ -168,7 +169,7 @@ def load_stack(
         manager.refresh_stats_snapshot()
         try:
             stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,
-                                          manager.latency, admin=_admin(config, manager))
+                                          manager.latency, admin=_admin(token, manager))
         except BaseException as exc:
             # Nothing built may outlive a failed start; the error says where in the file.
             stack.shutdown()
@@ -241,12 +242,11 @@ def retention_book(config: StackConfig, identity: OffloadingConfig) -> Retention
                          max_pin_s=section.max_pin_s, max_ttl_s=section.max_ttl_s)
 
 
-def _admin(config: StackConfig, manager: TieredManager) -> Callable[[Any], Any] | None:
-    """The maker of the retention admin app over the metrics app, when
-    ``retention.admin_token_env`` names the token's variable; a missing or empty token
-    is a :class:`ConfigError`."""
+def _admin_token(config: StackConfig) -> str | None:
+    """The admin endpoint's token, when ``retention.admin_token_env`` names its variable;
+    a missing or empty token is a :class:`ConfigError` (read before any tier is built)."""
     section = config.retention
-    if section is None or section.admin_token_env is None or manager.retention is None:
+    if section is None or section.admin_token_env is None:
         return None
     token = os.environ.get(section.admin_token_env, "")
     if not token:
@@ -254,7 +254,15 @@ def _admin(config: StackConfig, manager: TieredManager) -> Callable[[Any], Any] 
             f"the environment variable {section.admin_token_env} holds no admin token; set "
             "it, or remove retention.admin_token_env (no admin endpoint)",
             path="retention.admin_token_env",
+            source="" if config.source == "<mapping>" else config.source,
         )
+    return token
+
+
+def _admin(token: str | None, manager: TieredManager) -> Callable[[Any], Any] | None:
+    """The maker of the retention admin app over the metrics app (``None``: no token)."""
+    if token is None or manager.retention is None:
+        return None
     from kvtiers.stack.admin import RetentionAdmin
 
     book = manager.retention
