@@ -4,6 +4,7 @@ renamed, every other event (the GPU cache's, an unconfigured tier's) as vLLM wro
 
 from __future__ import annotations
 
+import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -87,9 +88,14 @@ def _joined(publisher: ZmqEventPublisher, subscriber: Subscriber) -> None:
     assert subscriber.wait_for(len(subscriber.messages) + 1, JOIN_TIMEOUT_S)
 
 
-def test_configured_media_reach_a_subscriber(tmp_path: Path) -> None:
+def test_configured_media_reach_a_subscriber(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     config = vllm_config(tmp_path / "kv", kvtiers=stack(tmp_path / "kv"))
-    manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    with caplog.at_level(logging.WARNING, "kvtiers.integrations.vllm.spec"):
+        manager = OffloadingSpecFactory.create_spec(config).get_manager()
+    # Built outside KVTiersConnector (as vLLM's own connector builds it): said at start.
+    assert any("KVTiersConnector, which alone renames them" in r.getMessage()
+               for r in caplog.records)
     tracker = OffloadingEventsTracker(vbase.OffloadingKVEventsConfig(
         enable_kv_cache_events=True, self_describing_kv_events=True))
     connector = _connector(manager, tracker)
