@@ -237,6 +237,10 @@ def _configure_gc(parser: argparse.ArgumentParser) -> None:
                         help="remove chunks older than D days")
     parser.add_argument("--max-bytes", metavar="SIZE",
                         help="per namespace, remove the oldest chunks beyond SIZE (e.g. 50GiB)")
+    parser.add_argument("--expired", action="append", default=[], metavar="LEDGER",
+                        help="remove chunks past the TTL a retention ledger gives them "
+                             "(the file an engine's retention.ledger names; repeatable: a "
+                             "chunk goes when the latest expiry any ledger gives it passed)")
     parser.add_argument("--quarantine-older-than-days", type=float, metavar="D",
                         help="remove quarantined (corrupt) chunks set aside more than D "
                              "days ago (kvtiers inspect counts them)")
@@ -293,8 +297,14 @@ def _run_gc(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value < 0:
             raise ConfigError(f"--{flag.replace('_', '-')} must not be negative, got {value}")
+    expired = None
+    if args.expired:
+        from kvtiers.stack.ledger import read_ledgers
+
+        expired = read_ledgers(args.expired)
     rules = GcRules(
         namespaces=tuple(args.namespace),
+        expired=expired,
         stale_days=args.stale_days,
         older_than_days=args.older_than_days,
         max_bytes=None if args.max_bytes is None else parse_size(args.max_bytes,
@@ -309,10 +319,10 @@ def _run_gc(args: argparse.Namespace) -> int:
                               "--shm, or both; see kvtiers gc --help")
         if rules.namespaces or rules.stale_days is not None or (
                 rules.older_than_days is not None or rules.max_bytes is not None
-                or rules.quarantine_older_than_days is not None):
-            raise ConfigError("--namespace, --stale-days, --older-than-days, --max-bytes "
-                              "and --quarantine-older-than-days choose what goes from a "
-                              "location: give one")
+                or rules.quarantine_older_than_days is not None or rules.expired is not None):
+            raise ConfigError("--namespace, --stale-days, --older-than-days, --max-bytes, "
+                              "--expired and --quarantine-older-than-days choose what goes "
+                              "from a location: give one")
     status = EXIT_OK
     if args.location is not None:
         with _opened(args) as location:

@@ -361,7 +361,7 @@ BAD_STACKS = [
         "unknown-key-lists-known",
         "tiers:\n  - kind: cpu\n    capacity: 1GiB\n    fast: 1  # <-\n",
         "tiers[0].fast",
-        "known keys: kind, name, admission, capacity, policy",
+        "known keys: kind, name, admission, event_medium, capacity, policy",
     ),
     (
         "write-policy-on-primary",

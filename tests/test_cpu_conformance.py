@@ -7,6 +7,7 @@ from typing import ClassVar
 from kvtiers.core.manager import OffloadingManager
 from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvtiers.policies import load_policy
+from kvtiers.policies.retention import RetainingPolicy, RetentionBook
 from kvtiers.testing.conformance import TierConformanceTests
 from kvtiers.tiers.cpu import CpuTierManager, SlotRegion
 
@@ -40,3 +41,15 @@ class TestCpuTierConformanceARC(TestCpuTierConformance):
 
 class TestCpuTierConformanceS3FIFO(TestCpuTierConformance):
     policy = "s3fifo"
+
+
+class TestCpuTierConformanceRetaining(TestCpuTierConformance):
+    """The cpu tier with retention's policy over LRU and an empty retention book: the
+    tier contract (LRU order included) holds unchanged."""
+
+    def make_manager(self, capacity_chunks: int) -> OffloadingManager:
+        slot_bytes = self.geometry.slot_bytes
+        region = SlotRegion(capacity_chunks, slot_bytes)
+        book = RetentionBook(hash_bytes=slot_bytes, max_pinned_bytes=0)
+        policy = RetainingPolicy(load_policy(self.policy), capacity_chunks, book)
+        return CpuTierManager(capacity_chunks, slot_bytes, policy, region=region)

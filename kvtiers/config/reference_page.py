@@ -24,6 +24,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from kvtiers.config.kinds import TIER_KINDS
 from kvtiers.config.model import GroupSection, ModelSection, ParallelSection
+from kvtiers.config.retention import RetentionConfig
 from kvtiers.config.schema import FieldSpec, OctalMode, Range, Section, field_specs
 from kvtiers.config.sizes import Size, format_size
 from kvtiers.config.stack import MetricsConfig, PromotionConfig
@@ -194,6 +195,7 @@ def render_reference() -> str:
     parts.append(render_section("`tenants:`", TenantsConfig,
                                 "Tenants sharing the stack (docs/tenants.md)."))
     parts.append(render_section("`tenants.members[]`", TenantSection))
+    parts.append(render_section("`retention:`", RetentionConfig))
     return "\n".join(parts)
 
 
@@ -204,7 +206,7 @@ def missing_meanings() -> list[str]:
         ("model", ModelSection), ("model.groups[]", GroupSection),
         ("model.parallel", ParallelSection), ("metrics", MetricsConfig),
         ("promotion", PromotionConfig), ("tenants", TenantsConfig),
-        ("tenants.members", TenantSection),
+        ("tenants.members", TenantSection), ("retention", RetentionConfig),
     ]
     return [f"{title}.{spec.name}" for title, cls in sections for spec in field_specs(cls)
             if not meaning(cls, spec.name)]

@@ -28,6 +28,7 @@ from typing import Annotated, ClassVar
 from kvtiers.config.kinds import TIER_KINDS, get_kind, not_installed
 from kvtiers.config.model import ModelSection
 from kvtiers.config.paths import item_path, key_path
+from kvtiers.config.retention import RetentionConfig
 from kvtiers.config.schema import (
     Matches,
     Range,
@@ -55,7 +56,7 @@ from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.errors import ConfigError
 from kvtiers.optional import hint_for
 
-TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion", TENANTS_PATH)
+TOP_LEVEL_KEYS = ("tiers", "model", "metrics", "promotion", TENANTS_PATH, "retention")
 _TIERS_EXAMPLE = "tiers: [{kind: cpu, capacity: 8GiB}]"
 
 
@@ -111,6 +112,7 @@ class StackConfig:
     source: str = "<mapping>"
     promotion: PromotionConfig | None = None
     tenants: TenantsConfig | None = None
+    retention: RetentionConfig | None = None
 
     def __post_init__(self) -> None:
         if not self.tiers:
@@ -156,6 +158,10 @@ class StackConfig:
         if self.tenants is not None:
             check_tier_names(self.tenants, tuple(tier.name for tier in self.tiers),
                              self.tiers[0].kind)
+        if self.retention is not None and self.retention.admin_token_env is not None and (
+                self.metrics is None):
+            raise ConfigError("the admin endpoint is served by the metrics server: add a "
+                              "metrics: section", path="retention.admin_token_env")
 
     def _check_geometry(self, identity: OffloadingConfig) -> None:
         """What the build checks of the tiers against the model's chunks: a cpu primary
@@ -317,6 +323,7 @@ def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
     metrics = data.get("metrics")
     promotion = data.get("promotion")
     tenants = data.get(TENANTS_PATH)
+    retention = data.get("retention")
     return StackConfig(
         tiers=_parse_tiers(data["tiers"]),
         model=None if model is None else parse_section(ModelSection, model, "model"),
@@ -326,6 +333,8 @@ def parse_stack(data: object, *, source: str = "<mapping>") -> StackConfig:
             PromotionConfig, promotion, "promotion"),
         tenants=None if tenants is None else parse_section(
             TenantsConfig, tenants, TENANTS_PATH),
+        retention=None if retention is None else parse_section(
+            RetentionConfig, retention, "retention"),
     )
 
 

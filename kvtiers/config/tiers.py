@@ -140,6 +140,11 @@ class TierConfig(Section):
     """Whether chunks are written into this tier at all; ``never`` makes a lower tier
     read-only (it still serves promotions). On a file, s3 or fsspec tier, ``write``,
     ``write_after_hits`` and ``write_promoted`` say when and which."""
+    event_medium: Annotated[str, Matches(r"[A-Za-z][A-Za-z0-9_.-]{0,63}",
+                                         "a medium name such as shared_storage")] | None = None
+    """The ``medium`` this tier's KV events announce to routers (with vLLM, through
+    ``KVTiersConnector``); default vLLM's own: ``CPU`` for the cpu tier, ``STORAGE`` for
+    the others. docs/retention.md ("Medium names for routers") lists what routers score."""
 
     @property
     def can_be_primary(self) -> bool:

@@ -74,6 +74,9 @@ class ReqContext:
 
     req_id: str
     kv_transfer_params: dict[str, Any] | None = None
+    #: The request's ``kv_hints`` envelope as the engine hands it (vLLM's
+    #: ``KvHintsEnvelope``), or ``None``: read by :mod:`kvtiers.policies.retention`.
+    kv_hints: Any = None
     load_tier_filter: TierFilter = TierFilter.ALL
     #: The end token of a key's chunk in this request's tokens, as the engine records it
     #: (vLLM does for every key it asks about), or ``None`` when it records none: the cost

@@ -7,22 +7,25 @@ factory is imported lazily, so a stack without S3 never imports boto3.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
 from kvtiers.config.paths import join_path
 from kvtiers.config.tiers import LowerTierConfig
 from kvtiers.core.config import OffloadingConfig
-from kvtiers.core.keys import KeyFormat
+from kvtiers.core.geometry import ChunkGeometry
+from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat
 from kvtiers.core.mover import HostRegion
 from kvtiers.core.tier import BuiltTier, WriteRules
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
 from kvtiers.logs import log_started, log_stopped
+from kvtiers.policies.retention import RetentionBook
 from kvtiers.stack.composite import TieredManager
 from kvtiers.stack.cost import ChunkShape, CostModel, TransferEstimate
 from kvtiers.stack.preflight import check_before_build
@@ -30,6 +33,7 @@ from kvtiers.stack.preflight import check_before_build
 if TYPE_CHECKING:
     import torch
 
+    from kvtiers.stack.ledger import LedgerWriter
     from kvtiers.stack.metrics import MetricsServer
     from kvtiers.stack.tenants import TenantStack
 
@@ -47,6 +51,8 @@ class Stack:
     #: The composite with keys scoped by tenant and quotas kept, when the stack file has a
     #: ``tenants:`` section: the manager an engine drives then (docs/tenants.md).
     tenants: TenantStack | None = None
+    #: The retention ledger's writer, when ``retention.ledger`` is set.
+    ledger: LedgerWriter | None = None
     _stopped: bool = field(default=False, init=False, repr=False)
 
     def make_worker(
@@ -78,6 +84,9 @@ class Stack:
             return
         self._stopped = True
         self.manager.shutdown()
+        if self.ledger is not None:
+            self.ledger.close()
+            self.ledger = None
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -122,10 +131,13 @@ def load_stack(
     # Every start-time check first (credentials, buckets, roots, ports...): a start that
     # would fail stops here, one line long, before any directory or socket exists.
     check_before_build(config, identity)
+    token = _admin_token(config)
     tiers: list[BuiltTier] = []
+    book = None if config.retention is None else retention_book(config, identity)
     try:
         for index in range(len(config.tiers)):
-            tiers.append(_build_tier(config, index, identity, tiers[0].region if tiers else None))
+            tiers.append(_build_tier(config, index, identity, tiers[0].region if tiers else None,
+                                     retention=book))
         manager = TieredManager(
             tiers,
             keys=KeyFormat.for_algorithm(len(identity.groups), identity.cache.hash_algorithm),
@@ -140,6 +152,15 @@ def load_stack(
 
         stack.tenants = TenantStack(manager, config.tenants, refresh_s=(
             1.0 if config.metrics is None else config.metrics.refresh_s))
+    if book is not None:
+        assert config.retention is not None
+        manager.retention = book
+        manager.retention_hints = config.retention.hints
+        if config.retention.ledger is not None:
+            from kvtiers.stack.ledger import LedgerWriter
+
+            stack.ledger = LedgerWriter(book, Path(config.retention.ledger),
+                                        config.retention.ledger_interval_s)
     if config.promotion is not None:
         manager.cost = build_cost_model(config, identity)
     if config.metrics is not None:
@@ -157,7 +178,7 @@ def load_stack(
         manager.refresh_stats_snapshot()
         try:
             stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,
-                                          manager.latency)
+                                          manager.latency, admin=_admin(token, manager))
             if stack.tenants is not None:
                 from kvtiers.stack.tenants import tenant_bytes_families
 
@@ -225,14 +246,65 @@ def build_tier_at(
     return _build_tier(config, index, identity, primary_region)
 
 
+def retention_book(config: StackConfig, identity: OffloadingConfig) -> RetentionBook:
+    """The retention book of ``config``'s ``retention:`` section: a block hash counts one
+    primary slot per group; pins are capped at ``max_pinned_bytes``, by default half the
+    primary's capacity (a primary without a capacity, a GDS file tier, has no default
+    cap beyond its own room: the cap is then 0 unless given)."""
+    section = config.retention
+    assert section is not None, "only a stack with a retention: section has a book"
+    hash_bytes = ChunkGeometry.from_config(identity).slot_bytes * len(identity.groups)
+    cap: int
+    if section.max_pinned_bytes is not None:
+        cap = section.max_pinned_bytes
+    else:
+        capacity = getattr(config.tiers[0], "capacity", None)
+        cap = 0 if capacity is None else int(capacity) // 2
+    return RetentionBook(hash_bytes=hash_bytes, max_pinned_bytes=cap,
+                         max_pin_s=section.max_pin_s, max_ttl_s=section.max_ttl_s)
+
+
+def _admin_token(config: StackConfig) -> str | None:
+    """The admin endpoint's token, when ``retention.admin_token_env`` names its variable;
+    a missing or empty token is a :class:`ConfigError` (read before any tier is built)."""
+    section = config.retention
+    if section is None or section.admin_token_env is None:
+        return None
+    token = os.environ.get(section.admin_token_env, "")
+    if not token:
+        raise ConfigError(
+            f"the environment variable {section.admin_token_env} holds no admin token; set "
+            "it, or remove retention.admin_token_env (no admin endpoint)",
+            path="retention.admin_token_env",
+            source="" if config.source == "<mapping>" else config.source,
+        )
+    return token
+
+
+def _admin(token: str | None, manager: TieredManager) -> Callable[[Any], Any] | None:
+    """The maker of the retention admin app over the metrics app (``None``: no token)."""
+    if token is None or manager.retention is None:
+        return None
+    from kvtiers.stack.admin import RetentionAdmin
+
+    book = manager.retention
+    key_bytes = manager.key_format.key_bytes
+    hash_bytes = None if key_bytes is None else key_bytes - GROUP_INDEX_BYTES
+    return lambda app: RetentionAdmin(book, token, app, hash_bytes=hash_bytes)
+
+
 def _build_tier(
-    config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None
+    config: StackConfig, index: int, identity: OffloadingConfig, primary_region: HostRegion | None,
+    *, retention: RetentionBook | None = None,
 ) -> BuiltTier:
     tier_config = config.tiers[index]
     where = f"tiers[{index}]"
     factory = resolve_factory(tier_config.kind, path=f"{where}.kind")
     # The primary's staging is decided here, from the stack, before it is built.
-    more = {"staging": stages(config)} if index == 0 else {}
+    more: dict[str, object] = {"staging": stages(config)} if index == 0 else {}
+    if index == 0 and retention is not None and tier_config.kind == "cpu":
+        # The cpu primary's policy honours retention; other tiers keep their own order.
+        more["retention"] = retention
     try:
         tier = factory(tier_config, identity, primary_region=primary_region,
                        name=tier_config.name, **more)

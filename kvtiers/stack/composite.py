@@ -37,6 +37,9 @@ is core's (:mod:`kvtiers.core.primary`).
   primary never evicts them for that request's own promotions or stores, so a prefix
   larger than the primary stops at what fits (the rest is a ``MISS``, recomputed) instead
   of evicting its own head every step.
+* **Retention** (``retention:``, :mod:`kvtiers.policies.retention`): the keys a request
+  stores or loads take the priority, pin and TTL its hint asks for; a key past its TTL
+  is a ``MISS`` asked of no tier. The cpu primary's policy orders evictions by them.
 
 Invariants: a promoted key is ``HIT`` in the primary only after its bytes arrived intact,
 and an abandoned one never (a new store of it takes another slot); a cascaded chunk's
@@ -56,7 +59,7 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from kvtiers.core.keys import GROUP_INDEX_BYTES, KeyFormat, OffloadKey
 from kvtiers.core.manager import (
@@ -73,6 +76,7 @@ from kvtiers.core.primary import SlotState, holding
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ClosedError, ConfigError
+from kvtiers.policies.retention import RetentionBook, RetentionHint, parse_hint
 from kvtiers.stack.admission import TABLE_CHUNKS_PER_SLOT, Admission
 from kvtiers.stack.arrivals import Arrivals
 from kvtiers.stack.cost import CostModel
@@ -171,6 +175,11 @@ class TieredManager(OffloadingManager):
         self.cost: CostModel | None = None
         #: The clock of promotion waits and jobs in flight, seconds (a test sets its own).
         self.clock: Callable[[], float] = time.monotonic
+        #: Retention (``retention:`` in the stack file): the hints and pins the primary's
+        #: policy honours; ``None`` without one. See :mod:`kvtiers.policies.retention`.
+        self.retention: RetentionBook | None = None
+        #: Whether requests' ``kv_hints`` are read (``retention.hints``).
+        self.retention_hints = True
         self._arrivals = Arrivals(holder, self._lower, lambda: self.clock(), self._stats)
 
     @property
@@ -210,7 +219,13 @@ class TieredManager(OffloadingManager):
             # or accepts a ReqContext subclass.
             self._door((key,), ctx, "lookup")
             self._key_bytes = self._keys.key_bytes
-        result = self._lookup(key, ctx)
+        if self.retention is not None and self.retention.is_expired(key):
+            # Past its TTL: never served again (the primary evicts it first); asked of no
+            # tier, so no promotion starts for it.
+            self.retention.count_expired_miss()
+            result = LookupResult.MISS
+        else:
+            result = self._lookup(key, ctx)
         if self.cost is not None:
             self.cost.looked_up(key, ctx, result)
         if result is LookupResult.HIT:
@@ -296,6 +311,8 @@ class TieredManager(OffloadingManager):
         self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> list[OffloadKey] | None:
         self._door(keys, ctx, "prepare_store")
+        if self.retention is not None:
+            self._retain(keys, ctx)
         demotion = self._demotion
         if demotion is not None and demotion.first:
             accepted = demotion.prepare_store(self._primary, keys, ctx, self._primary_events)
@@ -420,6 +437,8 @@ class TieredManager(OffloadingManager):
     # -- the rest of the contract ---------------------------------------------------
     def prepare_load(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         self._door(keys, ctx, "prepare_load")
+        if self.retention is not None:
+            self._retain(keys, ctx)
         self._primary.prepare_load(keys, ctx)
         # Pinned now: the request's prefix no longer needs protecting by name.
         ctx.keep.clear()
@@ -436,6 +455,17 @@ class TieredManager(OffloadingManager):
                 self._cascade(lower, due, ctx)
         if self._demotion is not None and self._demotion.wanting:
             self._demotion.want(keys, counts)
+
+    def _retain(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        """Record the retention ``ctx``'s request asked for (parsed once per request) for
+        the ``keys`` it stores or loads."""
+        book = self.retention
+        assert book is not None
+        parsed = ctx.get_state(_Hint)
+        if parsed is None:
+            parsed = _Hint(parse_hint(ctx, book) if self.retention_hints else None)
+            ctx.set_state(parsed)
+        book.record(keys, parsed.hint)
 
     def get_spec(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
         if self._closed:
@@ -540,6 +570,8 @@ class TieredManager(OffloadingManager):
         stats = dict(self._stats)
         if self.cost is not None:
             stats.update(self.cost.stats)
+        if self.retention is not None:
+            stats.update(self.retention.get_stats())
         for tier in self.tiers:
             for name, value in tier.manager.get_stats().items():
                 stats[f"{tier.name}.{name}"] = value
@@ -558,3 +590,10 @@ class TieredManager(OffloadingManager):
         self.wait_idle()
         for tier in reversed(self.tiers):
             tier.shutdown()
+
+
+@dataclass(frozen=True)
+class _Hint:
+    """A request's retention hint, parsed once (``None``: it asks for none)."""
+
+    hint: RetentionHint | None

@@ -175,8 +175,11 @@ def serve_metrics(
     addr: str,
     port: int,
     latency: LatencyHistograms | None = None,
+    admin: Callable[[Any], Any] | None = None,
 ) -> MetricsServer:
     """Serve ``manager``'s stats on ``http://addr:port/metrics`` (port 0: any free port).
+    ``admin``, given the metrics WSGI app, returns the app to serve instead (the
+    retention admin endpoint, :mod:`kvtiers.stack.admin`, which hands other paths on).
 
     Raises :class:`ConfigError` (path ``metrics.port``) when the address cannot be bound."""
     from prometheus_client import CollectorRegistry, start_http_server
@@ -185,7 +188,10 @@ def serve_metrics(
     collector = _StatsCollector(manager, latency)
     registry.register(collector)
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+        if admin is None:
+            server, _thread = start_http_server(port, addr=addr, registry=registry)
+        else:
+            server = _serve_app(admin(_metrics_app(registry)), addr, port)
     except OSError as exc:
         raise ConfigError(
             f"the metrics exporter cannot listen on {addr}:{port}: {exc.strerror or exc}; "
@@ -193,3 +199,31 @@ def serve_metrics(
             path="metrics.port",
         ) from None
     return MetricsServer(server, server.server_address[1], collector)
+
+
+def _metrics_app(registry: Any) -> Any:
+    from prometheus_client import make_wsgi_app
+
+    return make_wsgi_app(registry)
+
+
+def _serve_app(app: Any, addr: str, port: int) -> Any:
+    """Serve the WSGI ``app`` on ``addr:port`` from a daemon thread, a thread per request
+    (as prometheus-client's own server does), logging nothing per request."""
+    import socket
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    class Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:
+            """Requests are not logged (a scrape every few seconds would flood logs)."""
+
+    server = make_server(addr, port, app, Server, handler_class=Quiet)
+    threading.Thread(target=server.serve_forever, name="kvtiers-metrics",
+                     daemon=True).start()
+    return server

@@ -69,6 +69,11 @@ _DEMOTIONS = ("Chunks evicted from a tier and written to the write-back tiers be
               "outcome (done, failed, refused: a lower tier had no room, dropped: no copy "
               "could be made before the chunk was gone).")
 
+_HINTS = ("Retention hints (kv_hints) read from requests, by outcome (applied; "
+          "ignored: malformed or unknown, warned about at most once a minute).")
+_PINS = ("Pins asked for by hints or the admin endpoint, by outcome (done; refused: "
+         "past retention.max_pinned_bytes).")
+
 STACK: Mapping[str, MetricSpec] = MappingProxyType({
     "hits": _c("kvtiers_stack_lookups", _LOOKUPS, result="hit"),
     "misses": _c("kvtiers_stack_lookups", _LOOKUPS, result="miss"),
@@ -101,6 +106,24 @@ STACK: Mapping[str, MetricSpec] = MappingProxyType({
     "torn_chunks": _c("kvtiers_stack_torn_chunks",
                       "Chunks stored with a rank's shard missing or stale: freed, never "
                       "published."),
+    **{name: spec for name, spec in (
+        ("retention_hints", _c("kvtiers_stack_retention_hints", _HINTS, outcome="applied")),
+        ("retention_hints_ignored",
+         _c("kvtiers_stack_retention_hints", _HINTS, outcome="ignored")),
+        ("retention_pins", _c("kvtiers_stack_retention_pins", _PINS, outcome="done")),
+        ("retention_pins_refused",
+         _c("kvtiers_stack_retention_pins", _PINS, outcome="refused")),
+        ("retention_pins_overridden", _c(
+            "kvtiers_stack_retention_pins_overridden",
+            "Pinned chunks evicted because nothing else could make the room a store "
+            "needed (a pin never makes a store fail).")),
+        ("retention_expired_misses", _c(
+            "kvtiers_stack_retention_expired_misses",
+            "Lookups of a chunk past its TTL, answered as misses.")),
+        ("retention_pinned_bytes", _g(
+            "kvtiers_stack_retention_pinned_bytes",
+            "Bytes pinned now (retention.max_pinned_bytes caps it).")),
+    )},
 })
 """The composite's own stats (no ``tier.`` prefix)."""
 

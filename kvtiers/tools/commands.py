@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,7 +32,7 @@ from kvtiers.config.sizes import format_size
 from kvtiers.core.bounded import load_json
 from kvtiers.core.chunkformat import HEADER_BYTES, ChunkHeader, decode_header, finish_load
 from kvtiers.core.codec import CODEC_NONE, CodecUnavailableError, Scratch
-from kvtiers.core.keys import get_offload_group_idx
+from kvtiers.core.keys import GROUP_INDEX_BYTES, get_offload_group_idx
 from kvtiers.errors import CorruptChunkError, LocationError
 from kvtiers.filemapper import key_from_chunk_name
 from kvtiers.filemapper.manifest import MAX_MANIFEST_BYTES
@@ -424,6 +424,9 @@ class GcRules:
     dry_run: bool = False
     #: Remove quarantined (corrupt) chunks older than this many days.
     quarantine_older_than_days: float | None = None
+    #: Block hash → expiry (epoch seconds), from retention ledgers: remove the chunks of
+    #: block hashes past their expiry.
+    expired: Mapping[bytes, float] | None = None
 
 
 def gc(location: Location, rules: GcRules, out: TextIO) -> int:
@@ -467,6 +470,10 @@ def gc(location: Location, rules: GcRules, out: TextIO) -> int:
             doomed += [e for e in location.quarantined(namespace)
                        if e.mtime < cutoff and e.irregular is None]
         keep = sorted(census.chunks, key=lambda e: e.mtime, reverse=True)
+        if rules.expired:
+            past = [_expired(e, rules.expired, now) for e in keep]
+            doomed += [e for e, gone in zip(keep, past, strict=True) if gone]
+            keep = [e for e, gone in zip(keep, past, strict=True) if not gone]
         if rules.older_than_days is not None:
             cutoff = now - rules.older_than_days * DAY_S
             doomed += [e for e in keep if e.mtime < cutoff]
@@ -494,6 +501,13 @@ def gc(location: Location, rules: GcRules, out: TextIO) -> int:
                   "--older-than-days, --max-bytes and --quarantine-older-than-days "
                   "choose more)")
     return 0
+
+
+def _expired(entry: Entry, expiries: Mapping[bytes, float], now: float) -> bool:
+    """Whether ``entry``'s chunk is past the expiry its block hash has in ``expiries``."""
+    key = key_from_chunk_name(entry.base)
+    expires = None if key is None else expiries.get(key[:-GROUP_INDEX_BYTES])
+    return expires is not None and expires <= now
 
 
 def _created(location: Location, namespace: str) -> float:

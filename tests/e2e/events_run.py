@@ -163,7 +163,10 @@ def run_engine(run: dict[str, Any]) -> dict[str, Any]:
         enforce_eager=True,
         seed=0,
         kv_transfer_config={
-            "kv_connector": "OffloadingConnector",
+            # KVTiersConnector renames the media of tiers with event_medium.
+            "kv_connector": run.get("connector", "OffloadingConnector"),
+            **({"kv_connector_module_path": "kvtiers.integrations.vllm"}
+               if run.get("connector") == "KVTiersConnector" else {}),
             "kv_role": "kv_both",
             "kv_connector_extra_config": {
                 "spec_name": "KVTiersOffloadingSpec",

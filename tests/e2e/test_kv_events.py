@@ -1,9 +1,10 @@
 """What a KV-cache-aware router sees of a cpu -> file -> s3 stack: vLLM's own ZMQ publisher
 (``kv_events_config``) on a loopback port, a subscriber, and vLLM's event classes.
 
-One engine process runs two engines (:mod:`tests.e2e.events_run`), both with route 1 over
-a cpu tier of 8 chunks, a file tier of 10 and an s3 tier of 15 (the session's moto
-server), chunks of 2 blocks of 32 tokens:
+One engine process runs two engines (:mod:`tests.e2e.events_run`), both with route 1
+through ``KVTiersConnector`` over a cpu tier of 8 chunks, a file tier of 10 and an s3 tier
+of 15 (the session's moto server; both name their medium, ``event_medium``), chunks of 2
+blocks of 32 tokens:
 
 * ``events``: three prompts of 4 chunks stored (every tier evicts); the GPU prefix cache
   reset and the first prompt asked again (promoted from the file and s3 tiers); the file
@@ -43,11 +44,13 @@ PROMPT_TOKENS = BLOCK * BLOCKS_PER_CHUNK * CHUNKS_PER_PROMPT
 CHUNK_BYTES = 2 * 2 * 2 * 32 * 4 * BLOCK * BLOCKS_PER_CHUNK
 BLOB_BYTES = 4096 + CHUNK_BYTES
 TOPIC = "kvtiers-e2e"
-#: (medium, locality, ownership) of each tier's announcements.
+#: (medium, locality, ownership) of each tier's announcements: the file and s3 tiers name
+#: their media (``event_medium``, renamed by ``KVTiersConnector``); the cpu tier keeps
+#: vLLM's.
 TIERS = {
     "cpu": ("CPU", "LOCAL", None),
-    "file": ("STORAGE", "LOCAL", "file"),
-    "s3": ("STORAGE", "REMOTE", "s3"),
+    "file": ("shared_storage", "LOCAL", "file"),
+    "s3": ("object_store", "REMOTE", "s3"),
 }
 BY_SOURCE = {(medium, owner): name for name, (medium, _, owner) in TIERS.items()}
 
@@ -72,9 +75,10 @@ def _stack(root: Path, s3: tuple[str, str]) -> dict[str, Any]:
     return {"tiers": [
         {"kind": "cpu", "capacity": f"{8 * CHUNK_BYTES // 1024}KiB"},
         {"kind": "file", "root": str(root), "threads": 2,
-         "capacity": f"{10 * BLOB_BYTES // 1024}KiB"},
+         "capacity": f"{10 * BLOB_BYTES // 1024}KiB", "event_medium": TIERS["file"][0]},
         {"kind": "s3", "bucket": bucket, "prefix": "events", "endpoint_url": endpoint,
-         "threads": 2, "capacity": f"{15 * BLOB_BYTES // 1024}KiB"},
+         "threads": 2, "capacity": f"{15 * BLOB_BYTES // 1024}KiB",
+         "event_medium": TIERS["s3"][0]},
     ]}
 
 
@@ -90,7 +94,8 @@ def engines(tmp_path_factory: pytest.TempPathFactory, model_dir: Path,
     root = workdir / "root"
     common = {"model": str(model_dir), "dtype": "float32", "block_size": BLOCK,
               "max_model_len": 1024, "stack": _stack(root, s3_bucket),
-              "extra_config": {"blocks_per_chunk": BLOCKS_PER_CHUNK}}
+              "extra_config": {"blocks_per_chunk": BLOCKS_PER_CHUNK},
+              "connector": "KVTiersConnector"}
     plan = {
         "out": str(workdir / "results.json"),
         "engines": [

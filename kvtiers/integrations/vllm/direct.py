@@ -55,6 +55,7 @@ def direct_eligible(stack: Stack, keys: KeyMap) -> bool:
         keys.identity and len(tiered.tiers) == 1
         and isinstance(tiered.tiers[0].manager, DirectPrimary) and tiered.cost is None
         and stack.tenants is None
+        and tiered.retention is None  # the composite's lookup answers expired chunks
     )
 
 

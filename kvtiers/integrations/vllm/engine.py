@@ -84,6 +84,11 @@ def handing(configs: EngineConfigs) -> Iterator[None]:
         _HANDED.reset(token)
 
 
+def handed_over() -> bool:
+    """Whether the caller is being built inside :func:`handing` (by ``KVTiersConnector``)."""
+    return _HANDED.get() is not None
+
+
 def find_engine_configs() -> EngineConfigs | None:
     """The configs of the vLLM connector building the caller, or ``None`` (see the module
     docstring). Frames of modules outside the ``vllm`` package are never read."""

@@ -49,8 +49,9 @@ from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm.direct import KVTiersDirectManager, direct_eligible
-from kvtiers.integrations.vllm.engine import find_engine_configs
+from kvtiers.integrations.vllm.engine import find_engine_configs, handed_over
 from kvtiers.integrations.vllm.manager import KVTiersManager, reset_grace_steps
+from kvtiers.integrations.vllm.media import medium_names
 from kvtiers.integrations.vllm.tenants import refuse_sharded_tenants
 from kvtiers.integrations.vllm.translate import (
     EXTRA_CONFIG,
@@ -207,6 +208,12 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
     def get_manager(self) -> KVTiersManager:
         """The scheduler's manager; builds the whole stack on first call."""
         if self._manager is None:
+            if medium_names(self.stack_config) and not handed_over():
+                logger.warning(
+                    "event_medium is set on a tier, but the KV events are published by a "
+                    "connector other than KVTiersConnector, which alone renames them: "
+                    "routers will see CPU / STORAGE; use \"kv_connector\": "
+                    "\"KVTiersConnector\" (kvtiers vllm-config prints it)")
             stack = load_stack(self.stack_config, self.offloading)
             ledger = None
             if self.ranks > 1:

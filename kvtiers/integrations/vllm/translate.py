@@ -452,6 +452,7 @@ def kvtiers_context(ctx: Any, keys: KeyMap | None = None) -> ReqContext:
     return ReqContext(
         req_id=ctx.req_id,
         kv_transfer_params=ctx.kv_transfer_params,
+        kv_hints=getattr(ctx, "kv_hints", None),  # vLLM 0.33 on
         load_tier_filter=_tier_filter(ctx.load_tier_filter),
         key_position=None if keys is None else _key_position(ctx, keys),
     )

@@ -15,7 +15,8 @@ from kvtiers.core.mover import HostRegion
 from kvtiers.core.tier import BuiltTier
 from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
 from kvtiers.errors import ConfigError
-from kvtiers.policies.base import load_policy
+from kvtiers.policies.base import EvictionPolicy, load_policy
+from kvtiers.policies.retention import RetainingPolicy, RetentionBook
 from kvtiers.tiers.cpu.manager import CpuTierManager
 from kvtiers.tiers.cpu.region import SlotRegion
 
@@ -40,9 +41,12 @@ def build_tier(
     primary_region: HostRegion | None,
     name: str,
     staging: bool = False,
+    retention: RetentionBook | None = None,
 ) -> BuiltTier:
     """The CPU tier ``name``; it must be the primary (``primary_region`` is ``None``).
-    ``staging``: the stack's decision (see :class:`~kvtiers.core.tier.TierFactory`)."""
+    ``staging``: the stack's decision (see :class:`~kvtiers.core.tier.TierFactory`).
+    ``retention``: the stack's retention book, which the tier's policy then honours
+    (:class:`~kvtiers.policies.retention.RetainingPolicy`)."""
     if primary_region is not None:
         raise ConfigError(
             f"tier {name!r}: a cpu tier can only be the first tier of a stack; "
@@ -55,9 +59,11 @@ def build_tier(
         raise ConfigError(problem, path="capacity")
     num_slots = config.capacity // geometry.slot_bytes
     region = SlotRegion(num_slots, geometry.slot_bytes, config.shared_memory_name)
+    policy: EvictionPolicy | type[EvictionPolicy] = load_policy(config.policy)
+    if retention is not None:
+        policy = RetainingPolicy(load_policy(config.policy), num_slots, retention)
     manager = CpuTierManager(
-        num_slots, geometry.slot_bytes, load_policy(config.policy), region=region,
-        staging=staging,
+        num_slots, geometry.slot_bytes, policy, region=region, staging=staging,
     )
 
     def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
