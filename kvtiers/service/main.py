@@ -4,7 +4,9 @@ The service's configuration is a stack file: its first tier must be ``kind: cpu`
 ``capacity`` sizes the pool and ``shared_memory_name`` names it (``kvtiers-serve`` when
 unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB, or
 ``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through``) are the
-service's own: built per namespace, under it (:mod:`kvtiers.service.lower`).
+service's own: built per namespace, under it (:mod:`kvtiers.service.lower`). A
+``tenants:`` section names the tenants whose engines share the pool and caps them in the
+pool (its first tier) only: :func:`check_service_tenants`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtiers.config import CPUTierConfig, load_stack_config
+from kvtiers.config import CPUTierConfig, StackConfig, load_stack_config
+from kvtiers.config.paths import item_path, key_path
+from kvtiers.config.tenants import TENANTS_PATH
 from kvtiers.errors import ConfigError
 
 SHM_DIR = Path("/dev/shm")
@@ -43,6 +47,35 @@ def _socket_dir(path: Path, group: int | None) -> None:
                           "--socket", path="socket")
 
 
+def check_service_tenants(config: StackConfig) -> None:
+    """Refuse a quota or protected share on a tier below the pool: the service enforces
+    tenants' shares in its pool only (its lower tiers, one per namespace, evict by their
+    own capacity). The error's path is ``tenants.members[i].quota.<tier>``."""
+    if config.tenants is None:
+        return
+    pool = config.tiers[0].name
+    for idx, tenant in enumerate(config.tenants.members):
+        for key, sizes in (("quota", tenant.quota), ("protected", tenant.protected)):
+            for tier in sizes:
+                if tier != pool:
+                    where = item_path(key_path(TENANTS_PATH, "members"), idx)
+                    raise ConfigError(
+                        f"kvtiers serve caps tenants in its pool (tier {pool!r}) only: "
+                        f"a {key} on tier {tier!r} would not be enforced; remove it or "
+                        f"move it to {pool!r}",
+                        path=key_path(key_path(where, key), tier),
+                    )
+
+
+def _located(error: ConfigError, config_path: str) -> ConfigError:
+    """``error`` with its source as ``<file>:<line>`` (the line of its path)."""
+    from kvtiers.config.yamlfile import read_yaml
+
+    line = read_yaml(config_path).line_of(error.path)
+    where = f"{config_path}:{line}" if line is not None else config_path
+    return ConfigError(error.message, path=error.path, source=where)
+
+
 def pool_settings(config_path: str, slot_bytes: int | None) -> tuple[str, int, int]:
     """``(pool name, num_slots, slot_bytes)`` from the stack file and ``--slot-bytes``."""
     from kvtiers.core.geometry import ChunkGeometry
@@ -57,6 +90,10 @@ def pool_settings(config_path: str, slot_bytes: int | None) -> tuple[str, int, i
         from kvtiers.service.lower import check_lower_tiers
 
         check_lower_tiers(config)
+    try:
+        check_service_tenants(config)
+    except ConfigError as exc:
+        raise _located(exc, config_path) from None
     if slot_bytes is None:
         if config.model is None:
             raise ConfigError("give --slot-bytes or a model: section (its chunk size sets "
@@ -88,7 +125,9 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
     if gid is not None:
         os.chown(pool.path, -1, gid)
     try:
-        service = Service(pool, path, group=gid, lower=load_stack_config(config_path))
+        config = load_stack_config(config_path)
+        service = Service(pool, path, group=gid, lower=config, tenants=config.tenants,
+                          pool_tier=config.tiers[0].name)
         exporter = None
         if metrics_port is not None:
             from kvtiers.service.metrics import start_exporter
@@ -140,3 +179,8 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
                   f"{tier['cascaded']} cascaded, {tier['promoted']} promoted")
     for index, why in state.get("lower_tiers_refused", {}).items():
         print(f"namespace {index}: no lower tiers ({why})")
+    for tenant in state.get("tenants", []):
+        quota = tenant["quota_bytes"]
+        print(f"tenant {tenant['name']}: {tenant['chunks']} chunks, {tenant['bytes']} bytes "
+              f"in the pool (quota {'none' if quota is None else quota}, protected "
+              f"{tenant['protected_bytes']})")

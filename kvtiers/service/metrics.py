@@ -12,7 +12,9 @@ Families: ``kvtiers_service_pool_slots{state}`` (total, used, ready, pinned, lea
 ``kvtiers_service_namespace_{hits,misses,stored}_total{namespace}``,
 ``kvtiers_service_namespace_adopted_chunks{namespace}`` (re-adopted at the last start),
 ``kvtiers_service_namespace_engines{namespace}`` (attached now), ``kvtiers_service_engines``,
-``kvtiers_service_engine_{pins,leased_slots}{pid,engine}``
+``kvtiers_service_engine_{pins,leased_slots}{pid,engine}``,
+``kvtiers_service_tenant_{bytes,chunks}{tenant}`` (with a ``tenants:`` section: each
+tenant's chunks in the pool, counted by their keys' tags, in whole slots)
 and ``kvtiers_service_events_total{event}`` (attaches, detaches, connections, evictions,
 refused_peers, bad_messages, slow_clients, duplicate_stores, adopted and the
 adoption's torn, corrupt and foreign slots). Engines look chunks up in the mirror
@@ -95,6 +97,17 @@ class _Collector:
             leased.add_metric(labels, engine["leased"])
         yield pins
         yield leased
+        tenant_bytes = GaugeMetricFamily("kvtiers_service_tenant_bytes",
+                                         "Pool bytes held per tenant, in whole slots (bytes)",
+                                         labels=["tenant"])
+        tenant_chunks = GaugeMetricFamily("kvtiers_service_tenant_chunks",
+                                          "Chunks held in the pool per tenant (chunks)",
+                                          labels=["tenant"])
+        for tenant in state.get("tenants", []):
+            tenant_bytes.add_metric([tenant["name"]], tenant["bytes"])
+            tenant_chunks.add_metric([tenant["name"]], tenant["chunks"])
+        yield tenant_bytes
+        yield tenant_chunks
         events = CounterMetricFamily("kvtiers_service_events",
                                      "Service events since its start (events)",
                                      labels=["event"])

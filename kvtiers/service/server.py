@@ -16,6 +16,12 @@ loop hands them each commit (cascaded, write-behind), answers :class:`~kvtiers.s
 protocol.Probe` from them (a lower-tier hit is promoted into the pool), and polls their
 movers while copies are in flight (every ``POLL_S``; it waits for sockets only when none
 is).
+
+With a ``tenants:`` section (the service's stack file, :mod:`kvtiers.config.tenants`) the
+pool's chunks are counted per tenant, the tenant read from each key's tag
+(:meth:`~kvtiers.stack.tenants.TenantKeys.owner`: engines scope their tenants' keys before
+the service sees them), and eviction respects the tenants' pool quotas and protected
+shares (:meth:`Service._take_slot`, :meth:`Service._trim`).
 """
 
 from __future__ import annotations
@@ -35,12 +41,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kvtiers.core.keys import OffloadKey
 from kvtiers.service import protocol as p
 from kvtiers.service.pool import MAX_KEY, Adoption, Pool
 
 if TYPE_CHECKING:
     from kvtiers.config import StackConfig
+    from kvtiers.config.tenants import TenantsConfig
     from kvtiers.service.lower import LowerTiers
+    from kvtiers.stack.tenants import TenantKeys
 
 log = logging.getLogger("kvtiers.service")
 
@@ -145,6 +154,8 @@ class Service:
         max_output: int = MAX_OUTPUT,
         max_lease: int = 4096,
         lower: StackConfig | None = None,
+        tenants: TenantsConfig | None = None,
+        pool_tier: str = "cpu",
     ) -> None:
         self.pool = pool
         self.socket_path = socket_path
@@ -163,6 +174,7 @@ class Service:
         self._pins: Counter[int] = Counter()
         self._namespaces: dict[int, _Namespace] = {}
         self.counters: Counter[str] = Counter()
+        self._init_tenants(tenants, pool_tier)
         self.adoption = self._adopt() if not pool.created else Adoption()
         taken = {s for slots in self.adoption.adopted.values() for s in slots}
         # First in, first out: a freed slot is reused after every slot freed before it,
@@ -196,6 +208,38 @@ class Service:
         self._uncascaded: dict[int, dict[bytes, None]] = {}
 
     # -- set-up ---------------------------------------------------------------------
+    def _init_tenants(self, tenants: TenantsConfig | None, pool_tier: str) -> None:
+        """Tenants' pool quotas and protected shares in slots (tier ``pool_tier`` of
+        their section: the stack's first), and one least-recently-used order of ready
+        slots per tenant (``None`` without a ``tenants:`` section)."""
+        self._tenants: TenantKeys | None = None
+        #: Ready slots per tenant, least recently used first (mirrors ``_lru``).
+        self._held: dict[str, OrderedDict[int, None]] = {}
+        self._quota: dict[str, int] = {}
+        self._protected: dict[str, int] = {}
+        if tenants is None:
+            return
+        from kvtiers.stack.tenants import TenantKeys
+
+        self._tenants = TenantKeys(tenants)
+        self._held = {name: OrderedDict() for name in self._tenants.names}
+        size = self.pool.slot_bytes
+        for tenant in tenants.members:
+            quota = tenant.quota_bytes().get(pool_tier)
+            if quota is not None:
+                self._quota[tenant.name] = quota // size
+            share = tenant.protected_bytes().get(pool_tier)
+            if share is not None:
+                self._protected[tenant.name] = -(-share // size)
+
+    def _held_add(self, slot: int, key: bytes) -> None:
+        if self._tenants is not None:
+            self._held[self._tenants.owner(OffloadKey(key))][slot] = None
+
+    def _held_touch(self, slot: int, key: bytes) -> None:
+        if self._tenants is not None:
+            self._held[self._tenants.owner(OffloadKey(key))].move_to_end(slot)
+
     def _adopt(self) -> Adoption:
         found = self.pool.adopt()
         for index, digest in self.pool.namespaces():
@@ -208,6 +252,7 @@ class Service:
                 ns.lengths[slot] = length
                 self._owner[slot] = (index, key)
                 self._lru[slot] = None
+                self._held_add(slot, key)
             ns.adopted = len(slots)
         self.counters["adopted"] = found.total
         self.counters["adopt_torn"] = found.torn
@@ -595,7 +640,7 @@ class Service:
         return self._namespaces[ns].writing.get(key)
 
     def reserve_promotion(self, ns: int, key: bytes) -> int | None:
-        slot = self._take_slot({key})
+        slot = self._take_slot({key}, self._tenant_of(key))
         if slot < 0:
             return None
         namespace = self._namespaces[ns]
@@ -609,6 +654,7 @@ class Service:
         del namespace.writing[key]
         if length:
             self._publish(namespace, key, slot, length)
+            self._trim([key])
             self.counters["promoted"] += 1
         else:
             self._release(slot)
@@ -625,25 +671,75 @@ class Service:
     def free_slot_count(self) -> int:
         return len(self._free)
 
-    def _take_slot(self, batch: set[bytes]) -> int:
-        """The free slot freed longest ago, or else the slot of the least recently used
-        unpinned ready chunk not in ``batch`` (evicted); -1 if none can be freed."""
+    def _take_slot(self, batch: set[bytes], tenant: str | None = None) -> int:
+        """A slot for a chunk of ``tenant`` (``None``: not known, as for a lease).
+
+        With tenants, a tenant at its pool quota gets the slot of its own least recently
+        used unpinned ready chunk not in ``batch`` (evicted), or -1 if it has none.
+        Otherwise: the free slot freed longest ago, or else the slot of the least
+        recently used unpinned ready chunk not in ``batch`` whose tenant is ``tenant``
+        or holds more than its protected share (evicted; an unknown tenant spares every
+        share); -1 if none can be freed. The scan passes over pinned and shielded chunks:
+        O(those) per slot taken from a full pool."""
+        if self._tenants is not None and tenant is not None:
+            quota = self._quota.get(tenant)
+            if quota is not None and len(self._held[tenant]) >= quota:
+                slot = self._evict_first(self._held[tenant], batch, tenant)
+                self.counters["tenant_quota_evictions"] += slot >= 0
+                return slot
         if self._free:
             return self._free.popleft()
-        for slot in self._lru:
+        return self._evict_first(self._lru, batch, tenant)
+
+    def _evict_first(self, order: OrderedDict[int, None], batch: set[bytes],
+                     tenant: str | None) -> int:
+        """Evict the first chunk of ``order`` that :meth:`_take_slot` may take."""
+        tenants = self._tenants
+        for slot in order:
             owner = self._owner[slot]
             if slot in self._pins or owner is None or owner[1] in batch:
                 continue
-            index, key = owner
-            ns = self._namespaces[index]
-            del ns.ready[key]
-            ns.lengths.pop(slot, None)
-            del self._lru[slot]
-            self._owner[slot] = None
-            self.pool.mirror_remove(self.pool.header(slot)[5], slot)
-            self.counters["evictions"] += 1
+            if tenants is not None:
+                who = tenants.owner(OffloadKey(owner[1]))
+                if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
+                    continue  # within another tenant's protected share
+            self._evict(slot, owner)
             return slot
         return -1
+
+    def _tenant_of(self, key: bytes) -> str | None:
+        return None if self._tenants is None else self._tenants.owner(OffloadKey(key))
+
+    def _trim(self, keys: list[bytes]) -> None:
+        """Bring each tenant of ``keys`` that is over its pool quota back to it: its own
+        least recently used unpinned ready chunks other than ``keys`` are evicted and
+        their slots freed (a step's reservations and leases may overshoot until their
+        commit)."""
+        if self._tenants is None or not self._quota:
+            return
+        spared = set(keys)
+        for tenant in {self._tenants.owner(OffloadKey(key)) for key in keys}:
+            quota = self._quota.get(tenant)
+            held = self._held[tenant]
+            while quota is not None and len(held) > quota:
+                slot = self._evict_first(held, spared, tenant)
+                if slot < 0:
+                    break
+                self._release(slot)
+                self.counters["tenant_quota_evictions"] += 1
+
+    def _evict(self, slot: int, owner: tuple[int, bytes]) -> None:
+        """Drop the ready chunk in ``slot`` from every table (the slot is the caller's)."""
+        index, key = owner
+        ns = self._namespaces[index]
+        del ns.ready[key]
+        ns.lengths.pop(slot, None)
+        del self._lru[slot]
+        if self._tenants is not None:
+            del self._held[self._tenants.owner(OffloadKey(key))][slot]
+        self._owner[slot] = None
+        self.pool.mirror_remove(self.pool.header(slot)[5], slot)
+        self.counters["evictions"] += 1
 
     def _reserve(self, conn: _Conn, ns: _Namespace, keys: list[bytes]) -> list[int]:
         slots = []
@@ -653,6 +749,7 @@ class Service:
             ready = ns.ready.get(key)
             if ready is not None:
                 self._lru.move_to_end(ready)
+                self._held_touch(ready, key)
                 slots.append(PRESENT)
                 continue
             if full or key in ns.writing:
@@ -660,7 +757,8 @@ class Service:
                 continue
             # One connection holds an eighth of the pool at most, reserved or leased.
             held = len(conn.reserved) + len(conn.leased)
-            slot = self._take_slot(batch) if held < self._per_conn else -1
+            slot = (self._take_slot(batch, self._tenant_of(key)) if held < self._per_conn
+                    else -1)
             if slot < 0:
                 full = True
                 slots.append(NO_ROOM)
@@ -723,6 +821,7 @@ class Service:
             ns.stored += 1
             outcome.append(1)
         stored = [key for key, done in zip(request.keys, outcome, strict=True) if done == 1]
+        self._trim(stored)
         lowers = self._lowers.get(ns.index)
         if lowers is not None:
             # Write-behind: the lower tiers' movers copy them on their background threads.
@@ -743,6 +842,7 @@ class Service:
         ns.ready[key] = slot
         ns.lengths[slot] = length
         self._lru[slot] = None
+        self._held_add(slot, key)
 
     def _release(self, slot: int) -> None:
         self._owner[slot] = None
@@ -763,6 +863,7 @@ class Service:
             self._pins[slot] += 1
             conn.pins[slot] += 1
             self._lru.move_to_end(slot)
+            self._held_touch(slot, key)
             pinned.append(slot)
         return pinned
 
@@ -829,4 +930,15 @@ class Service:
                 for index, lowers in self._lowers.items()
             ],
             "lower_tiers_refused": {str(k): v for k, v in self._lower_refused.items()},
+            "tenants": [
+                {
+                    "name": name,
+                    "chunks": len(held),
+                    "bytes": len(held) * self.pool.slot_bytes,
+                    "quota_bytes": (None if name not in self._quota
+                                    else self._quota[name] * self.pool.slot_bytes),
+                    "protected_bytes": self._protected.get(name, 0) * self.pool.slot_bytes,
+                }
+                for name, held in self._held.items()
+            ],
         }
