@@ -383,7 +383,7 @@ def test_worker_rejects_tensors_the_scheduler_did_not_expect(
             {"world_size": 2, "kvtiers": {"tiers": [
                 {"kind": "file", "root": "/nonexistent/kv", "gds": True}
             ]}},
-            "with 2 ranks .* the first tier must be a cpu tier",
+            "with 2 ranks .* the first tier must be a cpu or service tier",
         ),
         ({"kvtiers_config": "stack.yaml"}, "exactly one of kvtiers_config"),
         ({"prefix_caching_hash_algo": "md5"}, "unknown block-hash algorithm"),

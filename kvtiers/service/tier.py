@@ -44,6 +44,7 @@ from kvtiers.core.manager import (
     ScheduleEndContext,
     TierCapabilities,
 )
+from kvtiers.core.primary import SlotState
 from kvtiers.errors import UnknownKeyError
 from kvtiers.service import protocol as p
 from kvtiers.service.client import ServiceClient, ServiceDown
@@ -54,8 +55,10 @@ from kvtiers.service.worker import CheckedSlots, ServiceWorker
 if TYPE_CHECKING:
     from kvtiers.config.tiers import ServiceTierConfig
     from kvtiers.core.config import OffloadingConfig
+    from kvtiers.core.geometry import ChunkGeometry
     from kvtiers.core.mover import HostRegion
     from kvtiers.core.tier import BuiltTier
+    from kvtiers.core.worker import KVCacheTensors
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -448,6 +451,28 @@ class ServiceTierManager(OffloadingManager):
             if entry[1] <= 0:
                 del self._pinned[key]
 
+    # -- core's slotted primary (a sharded engine's shard check addresses slots) ------
+    @property
+    def free_slots(self) -> int:
+        """Slots leased to this engine and not handed to a store yet."""
+        return len(self._lease)
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        """The slot this engine is writing ``key`` into, else the pool's slot holding it
+        (from the mirror), else ``None``."""
+        slot = self._reserved.get(key)
+        if slot is not None:
+            return slot
+        found = self.region.find(tag_of(self._digest, key))
+        return found if found >= 0 else None
+
+    def slot_state(self, key: OffloadKey) -> SlotState:
+        if key in self._reserved:
+            return SlotState.WRITING
+        return SlotState.READY if self.region.find(tag_of(self._digest, key)) >= 0 else (
+            SlotState.FREE
+        )
+
     def on_new_request(self, ctx: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
@@ -494,7 +519,7 @@ def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
     store larger than what this engine may take is refused, not evicted for."""
     from kvtiers.core.geometry import ChunkGeometry
     from kvtiers.core.tier import BuiltTier
-    from kvtiers.core.worker import KVCacheTensors, OffloadingWorker
+    from kvtiers.core.worker import OffloadingWorker
     from kvtiers.errors import ConfigError
     from kvtiers.filemapper import NamespaceIdentity
 
@@ -517,3 +542,33 @@ def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
         return ServiceWorker(kv, region, geometry)
 
     return BuiltTier(name=name, manager=manager, region=region, make_worker=make_worker)
+
+
+def attach_rank(config: ServiceTierConfig, offloading: OffloadingConfig, kv: KVCacheTensors,
+                rank_geometry: ChunkGeometry, *, shard: tuple[int, int], writes: bool = True
+                ) -> tuple[ServiceWorker, ServiceClient]:
+    """A tensor-parallel rank's worker over the service's pool, in the rank's process: it
+    attaches with the engine's namespace identity (``offloading``, which counts every
+    rank's bytes) and maps the pool, and copies its ``shard`` of each slot (see
+    :mod:`kvtiers.integrations.vllm.spec`). It takes no lease: the scheduler's tier owns
+    the engine's slots. The caller closes the client after the worker."""
+    from kvtiers.core.geometry import ChunkGeometry
+    from kvtiers.errors import ConfigError
+    from kvtiers.filemapper import NamespaceIdentity
+
+    identity = NamespaceIdentity.from_config(offloading)
+    chunk_bytes = ChunkGeometry.from_config(offloading).max_chunk_bytes
+    try:
+        client = ServiceClient(config.socket, identity.canonical_json(), chunk_bytes,
+                               engine=identity.namespace, timeout_s=config.timeout_s,
+                               retry_s=config.retry_s)
+    except ServiceDown as exc:
+        raise ConfigError(f"{exc}; start it with kvtiers serve", path="tiers[0].socket"
+                          ) from None
+    assert client.pool is not None
+    try:
+        return ServiceWorker(kv, client.pool, rank_geometry, shard=shard,
+                             writes=writes), client
+    except BaseException:
+        client.close()
+        raise

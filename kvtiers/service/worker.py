@@ -50,8 +50,12 @@ class ServiceWorker(CpuWorker):
 
     thread_name = "kvtiers-service-worker"
 
-    def __init__(self, kv: KVCacheTensors, pool: PoolView, geometry: ChunkGeometry) -> None:
-        super().__init__(kv, pool, geometry)  # type: ignore[arg-type]
+    def __init__(self, kv: KVCacheTensors, pool: PoolView, geometry: ChunkGeometry, *,
+                 shard: tuple[int, int] = (0, 1), writes: bool = True) -> None:
+        # ``shard`` and ``writes``: a tensor-parallel rank's part of each slot, as the
+        # CPU worker's (every rank checks the whole slot's header around its copy).
+        super().__init__(kv, pool, geometry, shard=shard,  # type: ignore[arg-type]
+                         writes=writes)
         self._pool = pool
 
     def _execute(self, job: QueuedJob) -> int:

@@ -15,16 +15,18 @@ vLLM (0.32 to 0.34) loads it through ``OffloadingSpecFactory`` from ``spec_name`
 Stores are self-describing (vLLM's ``self_describing_kv_events``) unless the extra config
 turns that off (docs/vllm.md, "What a router sees").
 
-Tensor and pipeline parallelism on one node (``world_size`` > 1, a ``cpu`` primary): every
-rank's worker maps the same primary region and copies its own pages into the same slots,
+Tensor and pipeline parallelism on one node (``world_size`` > 1, a ``cpu`` or ``service``
+primary): every rank's worker maps the same primary region (a service's pool: each rank
+attaches with the engine's identity) and copies its own pages into the same slots,
 rank innermost (:mod:`kvtiers.tiers.cpu.worker`), so one slot holds the whole chunk and
 the scheduler's one stack (its manager, movers, cascade and promotion) handles every
 rank's shard at once: a file or object holds one blob per chunk with every shard. The
 cache identity counts a block's bytes over all ranks. vLLM completes a job once every
 rank reported it; before the manager publishes a stored chunk it checks the shard ledger
 (:mod:`kvtiers.tiers.cpu.shards`), where each rank stamped the slots it wrote for that
-job. A rank's failed store is therefore reported to vLLM as finished and refused by the
-scheduler instead. Ranks on other nodes cannot map the region: such an engine is refused
+job (beside a cpu primary's region, or per engine beside a service's pool). A rank's
+failed store is therefore reported to vLLM as finished and refused by the scheduler
+instead. Ranks on other nodes cannot map the region: such an engine is refused
 at start-up.
 """
 
@@ -43,6 +45,7 @@ from kvtiers.config import (
     load_stack_config,
     resolve_factory,
 )
+from kvtiers.config.tiers import ServiceTierConfig
 from kvtiers.core.config import OffloadingConfig
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.tier import BuiltTier
@@ -64,16 +67,26 @@ from kvtiers.integrations.vllm.translate import (
 from kvtiers.integrations.vllm.worker import (
     KVTiersWorker,
     check_one_node,
+    engine_ledger_name,
     kv_cache_tensors,
     share_primary,
     slot_region,
 )
 from kvtiers.stack.builder import build_primary_worker, load_stack
-from kvtiers.tiers.cpu.region import SlotRegion
 from kvtiers.tiers.cpu.shards import ShardLedger, ledger_name
 from kvtiers.tiers.cpu.worker import CpuWorker
 
 logger = logging.getLogger(__name__)
+
+
+def _num_slots(tier: BuiltTier) -> int:
+    """The slots of a sharded engine's primary ``tier``: a cpu tier's region or the
+    service's pool."""
+    from kvtiers.service.pool import PoolView
+
+    if isinstance(tier.region, PoolView):
+        return tier.region.num_slots
+    return slot_region(tier).num_slots
 
 _CONFIG_INFO_KEYS = (
     "cpu_num_chunks", "cpu_blocks_per_chunk", "cpu_kv_cache_size_bytes", "kvtiers_tiers"
@@ -190,12 +203,21 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
             persistent=persistent,
         )
         self.stack_config = share_primary(stack_config, config.engine_id)
-        if self.ranks > 1 and not isinstance(self.stack_config.tiers[0], CPUTierConfig):
+        primary = self.stack_config.tiers[0]
+        if self.ranks > 1 and not isinstance(primary, CPUTierConfig | ServiceTierConfig):
             raise ConfigError(
                 f"with {self.ranks} ranks (tensor / pipeline parallel) the first tier must be "
-                f"a cpu tier, which every rank shares; got kind "
-                f"{self.stack_config.tiers[0].kind!r}",
+                f"a cpu or service tier, which every rank shares; got kind {primary.kind!r}",
                 path="tiers[0].kind",
+            )
+        #: The shard ledger's /dev/shm name (a sharded engine): beside a cpu primary's
+        #: region, or per engine beside the service's pool (the pool is the service's).
+        self.ledger_name = ""
+        if self.ranks > 1:
+            self.ledger_name = (
+                ledger_name(primary.shared_memory_name)
+                if isinstance(primary, CPUTierConfig) and primary.shared_memory_name
+                else engine_ledger_name(config.engine_id)
             )
         refuse_sharded_tenants(self.stack_config, self.ranks)
         if persistent:
@@ -218,7 +240,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
             ledger = None
             if self.ranks > 1:
                 try:
-                    ledger = self._ledger(slot_region(stack.tiers[0]))
+                    ledger = self._ledger(_num_slots(stack.tiers[0]))
                 except BaseException:
                     stack.shutdown()
                     raise
@@ -246,18 +268,19 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
         worker, primary = build_primary_worker(self.stack_config, self.offloading, kv)
         return KVTiersWorker(worker, kv, primary.shutdown)
 
-    def _ledger(self, region: SlotRegion) -> ShardLedger:
-        """The shard ledger beside the shared primary ``region`` (see the module docstring)."""
-        primary = self.stack_config.tiers[0]
-        # __init__ made sure of both for a sharded engine.
-        assert isinstance(primary, CPUTierConfig) and primary.shared_memory_name is not None
-        return ShardLedger(region.num_slots, self.ranks, ledger_name(primary.shared_memory_name))
+    def _ledger(self, num_slots: int) -> ShardLedger:
+        """The shard ledger over the shared primary's ``num_slots`` slots (see the module
+        docstring)."""
+        return ShardLedger(num_slots, self.ranks, self.ledger_name)
 
     def _rank_worker(self, kv: KVCacheTensors) -> KVTiersWorker:
         """This rank's worker: its pages go to its place in the shared primary's slots
         (see the module docstring)."""
         rank = self.config.parallel.rank
         geometry = ChunkGeometry(self.offloading.cache.blocks_per_chunk, self.rank_group_bytes)
+        tier_config = self.stack_config.tiers[0]
+        if isinstance(tier_config, ServiceTierConfig):
+            return self._service_rank_worker(tier_config, kv, geometry)
         owned: BuiltTier | None = None
         if self._manager is not None:
             region = slot_region(self._manager.stack.tiers[0])
@@ -269,7 +292,7 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
             region = slot_region(owned)
         ledger: ShardLedger | None = None
         try:
-            ledger = self._ledger(region)
+            ledger = self._ledger(region.num_slots)
             if self.replicated:  # one copy in each slot, written by rank 0
                 worker = CpuWorker(kv, region, geometry, writes=rank == 0)
             else:
@@ -286,6 +309,34 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
             closing.close()
             if owned is not None:
                 owned.shutdown()
+
+        return KVTiersWorker(worker, kv, close, shard=(rank, ledger))
+
+    def _service_rank_worker(self, tier_config: ServiceTierConfig, kv: KVCacheTensors,
+                             geometry: ChunkGeometry) -> KVTiersWorker:
+        """This rank's worker over the service's pool, attached from the rank's process
+        with the engine's identity; the ledger is the engine's own, beside the pool."""
+        from kvtiers.service.tier import attach_rank
+
+        rank = self.config.parallel.rank
+        worker, client = attach_rank(
+            tier_config, self.offloading, kv, geometry,
+            shard=(0, 1) if self.replicated else (rank, self.ranks),
+            writes=rank == 0 or not self.replicated,
+        )
+        ledger: ShardLedger | None = None
+        try:
+            assert client.pool is not None
+            ledger = self._ledger(client.pool.num_slots)
+        except BaseException:
+            worker.shutdown()
+            client.close()
+            raise
+        closing = ledger
+
+        def close() -> None:
+            closing.close()
+            client.close()
 
         return KVTiersWorker(worker, kv, close, shard=(rank, ledger))
 

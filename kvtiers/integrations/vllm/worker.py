@@ -43,7 +43,7 @@ from kvtiers.core.worker import KVCacheTensors, KVTensorRef, OffloadingWorker, T
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm import compat
 from kvtiers.tiers.cpu.region import SlotRegion, remove_left_overs
-from kvtiers.tiers.cpu.shards import ShardLedger
+from kvtiers.tiers.cpu.shards import ShardLedger, ledger_name
 
 logger = logging.getLogger(__name__)
 
@@ -374,6 +374,15 @@ def slot_region(tier: BuiltTier) -> SlotRegion:
             path="tiers[0].kind",
         )
     return tier.region
+
+
+def engine_ledger_name(engine_id: str) -> str:
+    """The ``/dev/shm`` name of the shard ledger of a sharded engine whose primary is a
+    service's pool: the engine's own, beside the pool (the pool is the service's), named
+    as a cpu primary's ledger would be. Left-overs of ended engines are removed first, as
+    :func:`share_primary` does."""
+    remove_left_overs(_shared_memory_prefix())
+    return ledger_name(shared_memory_name(engine_id))
 
 
 def share_primary(stack: StackConfig, engine_id: str) -> StackConfig:
