@@ -1856,23 +1856,24 @@ def run_noreuse(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path |
         for r in range(plan.rounds):
             noreuse_round(runner, noreuse, r, started)
             if out is not None:
-                _merge_noreuse(out, noreuse)
+                merge_into(out, lambda results: {**results, "noreuse": noreuse})
     finally:
         s3.stop()
     print_noreuse(noreuse)
     if out is not None:
-        _merge_noreuse(out, noreuse)
+        merge_into(out, lambda results: {**results, "noreuse": noreuse})
         print(f"bench_serve: wrote {out / 'serve.md'}")
     shutil.rmtree(scratch / "model", ignore_errors=True)
 
 
-def _merge_noreuse(out: Path, noreuse: dict[str, Any]) -> None:
+def merge_into(out: Path, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Rewrite ``out``'s serve.json (and serve.md, the plots) as ``change`` of what it
+    holds: a partial run (``--no-reuse``, ``--ladder-only``, ``--service``) replaces its
+    own section and keeps the others' numbers."""
     path = out / "serve.json"
     if not path.exists():
         raise SystemExit(f"bench_serve: {path} is missing; run the whole benchmark first")
-    results = from_document(read_result(path))
-    results["noreuse"] = noreuse
-    write(results, out)
+    write(change(from_document(read_result(path))), out)
 
 
 def merge_ladder(results: dict[str, Any], ladder_run: dict[str, Any]) -> dict[str, Any]:
@@ -1883,13 +1884,6 @@ def merge_ladder(results: dict[str, Any], ladder_run: dict[str, Any]) -> dict[st
     records = [{**r, "groups": {name: g for name, g in r["groups"].items()
                                 if name != "ladder"}} for r in results["records"]]
     return {**results, "groups": groups, "records": records, "ladder_run": ladder_run}
-
-
-def _merge_ladder(out: Path, ladder_run: dict[str, Any]) -> None:
-    path = out / "serve.json"
-    if not path.exists():
-        raise SystemExit(f"bench_serve: {path} is missing; run the whole benchmark first")
-    write(merge_ladder(from_document(read_result(path)), ladder_run), out)
 
 
 def run_ladder(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -> None:
@@ -1929,7 +1923,7 @@ def run_ladder(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | 
             ladder_run["runtime_s"] = time.perf_counter() - started
             if out is not None:
                 # What a run cut short measured stays.
-                _merge_ladder(out, ladder_run)
+                merge_into(out, lambda results: merge_ladder(results, ladder_run))
     finally:
         s3.stop()
     summary = summarize_ladder(ladder_run)
@@ -1985,7 +1979,7 @@ def run_service(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path |
         service["runtime_s"] = time.perf_counter() - started
         if out is not None:
             # What a run cut short measured stays.
-            _merge_service(out, service)
+            merge_into(out, lambda results: {**results, "service": service})
     for t in summarize_service(service)["targets"]:
         target = "" if t["target"] is None else f" (target <= {t['target']}x)"
         print(f"service: {t['what']}: median {t['median']:.2f}x, p90 {t['p90']:.2f}x, "
@@ -1996,15 +1990,6 @@ def run_service(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path |
     if out is not None:
         print(f"bench_serve: wrote {out / 'serve.md'}")
     shutil.rmtree(scratch / "model", ignore_errors=True)
-
-
-def _merge_service(out: Path, service: dict[str, Any]) -> None:
-    path = out / "serve.json"
-    if not path.exists():
-        raise SystemExit(f"bench_serve: {path} is missing; run the whole benchmark first")
-    results = from_document(read_result(path))
-    results["service"] = service
-    write(results, out)
 
 
 def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -> None:
