@@ -35,6 +35,7 @@ from kvtiers.tiers.file.walk import Walked, walk_in_children, walk_namespace
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.local import LocalStore
 from kvtiers.tiers.object.manager import ObjectTierManager
+from kvtiers.tiers.persistent import PersistentTierManager
 
 from .test_file_support import CTX, GEOMETRY, IDENTITY, Tier, chunk_files, open_tier
 
@@ -542,3 +543,83 @@ def test_stopping_a_build_kills_its_walk_process(tmp_path: Path) -> None:
     assert started[0].poll() is not None  # killed, and reaped
     assert started[0].stdin is not None
     started[0].stdin.close()
+
+
+# -- the names-only walk and its stat pass ------------------------------------------
+def names_first_tier(root: Path, gate: Gate | None = None, **kwargs: Any) -> Tier:
+    """A restarted tier walking names first; its stat pass waits for ``gate``."""
+    return open_tier(
+        root, background_index=True, snapshot=False, walk_processes=0,
+        before_stat_pass=None if gate is None else (lambda: gate(0)), **kwargs,
+    )
+
+
+def test_a_names_only_index_answers_lookups_before_its_stat_pass(
+    tmp_path: Path, gates: list[Gate]
+) -> None:
+    stored_tier(tmp_path, range(12), slots=12)
+    sizes = sum(path.stat().st_size for path in chunk_files(
+        FileMapper(tmp_path, IDENTITY).namespace_dir))
+    gate = Gate(open_below=0)
+    gates.append(gate)
+    tier = names_first_tier(tmp_path, gate)
+    try:
+        manager = tier.manager
+        PersistentTierManager.wait_index(manager)  # the names-only pass, not the stat
+        assert gate.held.wait(30), "the stat pass never began"
+        assert manager.index_complete and not manager.index_stat_done
+        # Answered by the index at once: no probe, no RETRY.
+        keys = [conformance_key(i) for i in range(12)]
+        assert [manager.lookup(key, CTX) for key in keys] == [HIT] * 12
+        assert manager.lookup(conformance_key(100), CTX) is MISS
+        # Counted at the largest blob's size until the stat pass (never below the truth).
+        assert manager.usage_bytes == 12 * manager.reserve_bytes >= sizes
+        result, data = tier.load(3)
+        assert result.success and data
+        gate.release()
+        manager.wait_index()
+        assert manager.index_stat_done
+        assert manager.usage_bytes == sizes
+        assert manager.stat_dropped == 0
+    finally:
+        close(tier, gate)
+
+
+def test_the_stat_pass_drops_what_is_no_chunk_file(tmp_path: Path) -> None:
+    stored_tier(tmp_path, range(6), slots=6)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    not_regular = mapper.path(conformance_key(1))
+    not_regular.unlink()
+    not_regular.mkdir()  # a directory under a chunk's name
+    with open(mapper.path(conformance_key(2)), "ab") as grown:
+        grown.write(b"\0" * 7)  # larger than any chunk of this geometry
+    tier = names_first_tier(tmp_path)
+    try:
+        manager = tier.manager
+        manager.wait_index()
+        assert manager.stat_dropped == 2
+        answers = [manager.lookup(conformance_key(i), CTX) for i in range(6)]
+        assert answers == [HIT, MISS, MISS, HIT, HIT, HIT]
+        assert manager.get_stats()["chunks"] == 4
+        assert not_regular.is_dir()  # dropped from the index, left on disk
+    finally:
+        tier.close()
+
+
+def test_eviction_order_after_the_stat_pass_is_by_mtime(tmp_path: Path) -> None:
+    stored_tier(tmp_path, range(6), slots=6)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    by_name = sorted(range(6), key=lambda i: mapper.path(conformance_key(i)).name)
+    # Oldest by mtime is last by name: name order would evict the other end.
+    for age, i in enumerate(reversed(by_name)):
+        os.utime(mapper.path(conformance_key(i)), ns=(10**18, 10**18 + age * 10**9))
+    tier = names_first_tier(tmp_path, capacity_chunks=6)
+    try:
+        manager = tier.manager
+        manager.wait_index()
+        assert manager.index_stat_done
+        tier.store([20, 21])  # two chunks evicted: the two oldest by mtime
+        evicted = {i for i in range(6) if manager.lookup(conformance_key(i), CTX) is MISS}
+        assert evicted == set(by_name[-2:])
+    finally:
+        tier.close()
