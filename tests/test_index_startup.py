@@ -623,3 +623,34 @@ def test_eviction_order_after_the_stat_pass_is_by_mtime(tmp_path: Path) -> None:
         assert evicted == set(by_name[-2:])
     finally:
         tier.close()
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_names_then_stat_find_what_the_stat_walk_finds(tmp_path: Path, processes: int) -> None:
+    """A names-only walk (in this process or in children) and its stat pass: the chunks
+    that stat as regular files in their places are the stat walk's, with its sizes and
+    mtimes; what is no regular file there (a directory, a link, a FIFO under a chunk's
+    name), which names alone cannot tell, stats as not regular."""
+    namespace_dir = messier_namespace(tmp_path / "a")
+    twin = messier_namespace(tmp_path / "b")
+    full = walk_namespace(twin, _Build(), temp_cutoff=1.0)  # type: ignore[arg-type]
+    if processes:
+        names = walk_in_children(namespace_dir, _Build(),  # type: ignore[arg-type]
+                                 temp_cutoff=1.0, processes=processes, assume_size=7)
+    else:
+        names = walk_namespace(namespace_dir, _Build(),  # type: ignore[arg-type]
+                               temp_cutoff=1.0, assume_size=7)
+    assert names is not None and names.names_only
+    keys = names.packed.keys
+    stat = walk_module.stat_chunks(namespace_dir, keys, lambda: False)
+    assert stat is not None
+    sizes, mtimes = stat
+    kept = {(key, int(size), int(mtime))
+            for key, size, mtime in zip(keys, sizes, mtimes, strict=True) if size >= 0}
+    twin_mapper = FileMapper(tmp_path / "b", IDENTITY)
+    expected = {(key, size, os.lstat(twin_mapper.path(key)).st_mtime_ns)
+                for key, size in zip(full.packed.keys, full.packed.sizes, strict=True)}
+    assert kept == expected and len(kept) == 30
+    assert full.unindexed == 3 and names.unindexed == 0
+    assert list(sizes).count(walk_module.STAT_NOT_REGULAR) == len(keys) - 30 == 3
+    assert set(names.packed.sizes) == {7}

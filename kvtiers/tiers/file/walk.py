@@ -62,6 +62,12 @@ _RESULT = struct.Struct("<QHQQ")
 # A chunk's place below the namespace directory (its two fan-out levels).
 _PLACE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/")
 _GROUPS = 2 ** (8 * GROUP_INDEX_BYTES)
+# The names-only pass: chunks' names (as _CHUNK_NAME) matched over a directory's listing
+# joined by newlines, one line each, by one scan in C.
+_CHUNK_LINES = re.compile(
+    r"^((?:[0-9a-f]{2}){2,})_g(0|[1-9][0-9]{0,9})" + re.escape(CHUNK_SUFFIX) + "$", re.M
+)
+_GROUP_ZERO = bytes(GROUP_INDEX_BYTES)
 
 
 @dataclass
@@ -166,6 +172,11 @@ def _take_chunks(path: str, prefix: str, part: _Part, assume_size: int | None) -
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except (FileNotFoundError, NotADirectoryError):
         return others
+    if assume_size is not None:
+        try:
+            return _take_names(os.listdir(fd), start, part, assume_size)
+        finally:
+            os.close(fd)
     # Names bound once: this loop runs once a chunk.
     fullmatch, lstat, is_regular = _CHUNK_NAME.fullmatch, os.lstat, stat.S_ISREG
     keys, sizes, mtimes = part.keys.append, part.sizes.append, part.mtimes.append
@@ -179,12 +190,6 @@ def _take_chunks(path: str, prefix: str, part: _Part, assume_size: int | None) -
             group = int(digits)
             if group >= _GROUPS:
                 others.add(name)
-                continue
-            if assume_size is not None:
-                keys(OffloadKey(bytes.fromhex(hex_hash) + group.to_bytes(GROUP_INDEX_BYTES,
-                                                                         "big")))
-                sizes(assume_size)
-                mtimes(0)
                 continue
             try:
                 st = lstat(name, dir_fd=fd)
@@ -258,6 +263,43 @@ def stat_chunks(
         if fd >= 0:
             os.close(fd)
     return sizes, mtimes
+
+
+def _take_names(names: list[str], start: str, part: _Part, assume_size: int) -> set[str]:
+    """The names-only way of :func:`_take_chunks` through one chunk place's ``names``
+    (their fan-out prefix ``start``): the chunks' names matched in one scan of the joined
+    listing, each taken at ``assume_size``; returns the other names (the slow way's)."""
+    text = "\n".join(names)
+    if text.count("\n") != len(names) - 1:
+        # A name holding a newline: matched one by one instead.
+        found = [(n, *m.groups()) for n in names
+                 for m in [_CHUNK_NAME.fullmatch(n)] if m is not None]
+    else:
+        found = [(m.group(0), m.group(1), m.group(2)) for m in _CHUNK_LINES.finditer(text)]
+    keys, fromhex, zero = part.keys.append, bytes.fromhex, _GROUP_ZERO
+    taken: set[str] | None = None if len(found) == len(names) else set()
+    for name, hex_hash, digits in found:
+        if not hex_hash.startswith(start):
+            continue
+        if digits == "0":
+            keys(OffloadKey(fromhex(hex_hash) + zero))
+        else:
+            group = int(digits)
+            if group >= _GROUPS:
+                continue
+            keys(OffloadKey(fromhex(hex_hash) + group.to_bytes(GROUP_INDEX_BYTES, "big")))
+        if taken is not None:
+            taken.add(name)
+    added = len(part.keys) - len(part.sizes)
+    part.sizes.extend([assume_size] * added)
+    part.mtimes.extend([0] * added)
+    if taken is None and added == len(names):
+        return set()
+    if taken is None:
+        # Some names were left (a foreign place or a group past range): find them.
+        taken = {name for name, hex_hash, digits in found
+                 if hex_hash.startswith(start) and int(digits) < _GROUPS}
+    return set(names) - taken
 
 
 def _walk_parts(
