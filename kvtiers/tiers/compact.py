@@ -677,38 +677,41 @@ class CompactChunkIndex:
         return self._fresh is not None
 
     def refine_unverified(
-        self, sizes: np.ndarray, mtimes: np.ndarray, max_size: int
+        self, sizes: np.ndarray, by_mtime: np.ndarray, max_size: int
     ) -> list[OffloadKey]:
-        """Take in the stat pass of the last ``merge_oldest(unverified=True)``: ``sizes``
-        and ``mtimes`` by the merged chunks' positions (a negative size: the file is gone
-        or not a regular file). Of the merged entries still untouched since (``READY``,
-        never stored over, touched or removed), those whose size is negative or above
-        ``max_size`` are dropped (announced removed; their files are left alone), the
-        others take their size (``usage`` follows) and are reordered among themselves
-        oldest mtime first, keeping the places they hold (still the least recently used:
-        nothing touched them). Entries touched since keep their assumed size until they
-        leave. Returns the dropped keys; the index is over capacity if the true sizes are
-        larger (the caller evicts)."""
+        """Take in the stat pass of the last ``merge_oldest(unverified=True)``: ``sizes`` by the
+        merged chunks' positions (a negative size: the file is gone or not a regular file) and
+        ``by_mtime``, those positions oldest mtime first (stable; made off this thread,
+        :func:`stable_order`). Of the merged entries still untouched since (``READY``, never stored
+        over, touched or removed), those whose size is negative or above ``max_size`` are dropped
+        (announced removed; their files are left alone), the others take their size (``usage``
+        follows) and are reordered among themselves oldest mtime first, keeping the places they hold
+        (still the least recently used: nothing touched them). Entries touched since keep their
+        assumed size until they leave. Returns the dropped keys; the index is over capacity if the
+        true sizes are larger (the caller evicts)."""
         fresh_flags = self._fresh
         self._fresh = None
         if fresh_flags is None:
             return []
         flags = np.frombuffer(fresh_flags, dtype=np.uint8)
         states = np.frombuffer(self._states, dtype=np.uint8)[: len(flags)]
-        slots = np.flatnonzero((flags == 1) & (states == _READY)).astype(np.int32)
+        fresh = (flags == 1) & (states == _READY)
         del flags, states
-        found = sizes[slots]
-        bad = (found < 0) | (found > max_size)
-        dropped_slots = slots[bad]
-        slots = slots[~bad]
+        bad = (sizes < 0) | (sizes > max_size)
+        dropped_slots = np.flatnonzero(fresh & bad)
+        good = fresh & ~bad
+        slots = np.flatnonzero(good).astype(np.int32)
         index_sizes = np.frombuffer(self._sizes, dtype=np.int64)
-        self.usage += int(found[~bad].sum()) - int(index_sizes[slots].sum())
-        index_sizes[slots] = found[~bad]
-        del index_sizes
+        found = sizes[slots]
+        self.usage += int(found.sum()) - int(index_sizes[slots].sum())
+        index_sizes[slots] = found
+        del index_sizes, found
         places = np.frombuffer(self._places, dtype=np.int32)
         log = np.frombuffer(self._log, dtype=np.int32)
-        held = np.sort(places[slots])
-        by_age = slots[stable_order(mtimes[slots])]
+        # A fresh slot never moved: the merge placed slot i at place i and the log's
+        # compaction keeps the order, so their places ascend with the slots (no sort).
+        held = places[slots]
+        by_age = by_mtime[good[by_mtime]].astype(np.int32)
         log[held] = by_age
         places[by_age] = held
         del places, log

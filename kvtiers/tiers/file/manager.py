@@ -110,7 +110,7 @@ from kvtiers.filemapper.manifest import MANIFEST_NAME
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
-from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
+from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks, stable_order
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.snapshot import (
     current_generation,
@@ -656,7 +656,9 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
                       ) -> tuple[np.ndarray, np.ndarray] | None:
             if before is not None:
                 before()
-            return stat_chunks(namespace_dir, keys, lambda: build.stopping)
+            found = stat_chunks(namespace_dir, keys, lambda: build.stopping)
+            # The mtime order made here, off the scheduler's thread.
+            return None if found is None else (found[0], stable_order(found[1]))
 
         self._stat_pass = IndexBuild(stat_pass, name="kvtiers-file-stat")
 
@@ -676,8 +678,8 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             # The entries stay unverified: no snapshot will take their assumed sizes.
             self._restore_capacity()
             return
-        sizes, mtimes = stat_pass.result
-        dropped = index.refine_unverified(sizes, mtimes, self.reserve_bytes)
+        sizes, by_mtime = stat_pass.result
+        dropped = index.refine_unverified(sizes, by_mtime, self.reserve_bytes)
         self.stat_dropped += len(dropped)
         self.stat_pass_s = stat_pass.elapsed_s
         self._unwant(dropped)
