@@ -7,7 +7,11 @@ at a time, in child processes (``walk_processes``, two; its per-entry objects ne
 process, :mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
 interrupted publishes (older than this opening) and finds the chunks — names and places
 parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
-(never opening a file), recency seeded from mtimes. The constructor waits for it unless
+(never opening a file), recency seeded from mtimes; with ``background_index`` the walk
+takes names only (no ``stat``; chunks at the largest blob's size, in name order) and a
+stat pass on a thread of its own refines sizes and order afterwards
+(:meth:`FileTierManager._merge_names`, docs/architecture.md). The constructor waits for
+the build unless
 ``background_index`` (and then still when the namespace has no fan-out directory, so
 nothing to find, and ``capacity_scope`` is the namespace's); until it is merged, index
 misses are probed as in a shared directory, and keys dropped meanwhile stay dropped
@@ -409,7 +413,10 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     long a key whose load failed is a miss (see :mod:`kvtiers.tiers.backoff`).
     ``capacity_scope``: ``"namespace"`` (the capacity is this namespace's) or ``"root"``
     (one budget for every namespace under the root; see the module docstring), which
-    needs a ``capacity_bytes``.
+    needs a ``capacity_bytes``. ``names_first`` (with ``background_index`` and
+    ``capacity_scope="namespace"``): a walk takes names only and stats them afterwards
+    (module docstring); ``before_stat_pass`` runs on the stat pass's thread before it
+    begins (tests hold it there).
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
