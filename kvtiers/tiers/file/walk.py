@@ -6,7 +6,10 @@ One pass both indexes the chunk files (names and places parsed as
 opening a file) and removes the temp files of interrupted publishes older than a cutoff.
 A chunk's name in its own fan-out directory costs one match and one ``lstat`` by the
 directory's descriptor, no entry object; anything else is taken as the scan's entries
-are (:func:`_walk_part`; a test holds the two ways equal).
+are (:func:`_walk_part`; a test holds the two ways equal). The names-only pass
+(``assume_size``) skips that ``lstat``: a chunk place's names are matched in one scan of
+its listing and each chunk is taken at the assumed size and mtime 0 (name order);
+:func:`stat_chunks` measures them afterwards, off the scheduler's thread.
 Each top-level directory is one part, walked by one of ``threads`` threads (``stat`` and
 ``scandir`` release the GIL: on a network filesystem their latencies overlap);
 ``before_part(i)`` runs on the walking thread before part ``i`` (parts in name order),
