@@ -654,3 +654,31 @@ def test_names_then_stat_find_what_the_stat_walk_finds(tmp_path: Path, processes
     assert full.unindexed == 3 and names.unindexed == 0
     assert list(sizes).count(walk_module.STAT_NOT_REGULAR) == len(keys) - 30 == 3
     assert set(names.packed.sizes) == {7}
+
+
+def test_nothing_is_evicted_on_the_assumed_sizes_before_the_stat_pass(
+    tmp_path: Path, gates: list[Gate]
+) -> None:
+    """Reopened over its capacity (6 chunks, room for 3): the names-only merge deletes
+    nothing; the stat pass's merge gives the capacity back, evicting the oldest by mtime."""
+    stored_tier(tmp_path, range(6), slots=6)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    by_name = sorted(range(6), key=lambda i: mapper.path(conformance_key(i)).name)
+    for age, i in enumerate(reversed(by_name)):
+        os.utime(mapper.path(conformance_key(i)), ns=(10**18, 10**18 + age * 10**9))
+    gate = Gate(open_below=0)
+    gates.append(gate)
+    tier = names_first_tier(tmp_path, gate, capacity_chunks=3)
+    try:
+        manager = tier.manager
+        PersistentTierManager.wait_index(manager)
+        assert gate.held.wait(30), "the stat pass never began"
+        assert [manager.lookup(conformance_key(i), CTX) for i in range(6)] == [HIT] * 6
+        assert len(chunk_files(mapper.namespace_dir)) == 6
+        gate.release()
+        manager.wait_index()
+        kept = {i for i in range(6) if manager.lookup(conformance_key(i), CTX) is HIT}
+        assert kept == set(by_name[:3])  # the three newest by mtime
+        assert manager.usage_bytes <= 3 * manager.reserve_bytes
+    finally:
+        close(tier, gate)
