@@ -35,6 +35,7 @@ from kvtiers.tiers.file.walk import Walked, walk_in_children, walk_namespace
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.object.local import LocalStore
 from kvtiers.tiers.object.manager import ObjectTierManager
+from kvtiers.tiers.persistent import PersistentTierManager
 
 from .test_file_support import CTX, GEOMETRY, IDENTITY, Tier, chunk_files, open_tier
 
@@ -542,3 +543,142 @@ def test_stopping_a_build_kills_its_walk_process(tmp_path: Path) -> None:
     assert started[0].poll() is not None  # killed, and reaped
     assert started[0].stdin is not None
     started[0].stdin.close()
+
+
+# -- the names-only walk and its stat pass ------------------------------------------
+def names_first_tier(root: Path, gate: Gate | None = None, **kwargs: Any) -> Tier:
+    """A restarted tier walking names first; its stat pass waits for ``gate``."""
+    return open_tier(
+        root, background_index=True, snapshot=False, walk_processes=0,
+        before_stat_pass=None if gate is None else (lambda: gate(0)), **kwargs,
+    )
+
+
+def test_a_names_only_index_answers_lookups_before_its_stat_pass(
+    tmp_path: Path, gates: list[Gate]
+) -> None:
+    stored_tier(tmp_path, range(12), slots=12)
+    sizes = sum(path.stat().st_size for path in chunk_files(
+        FileMapper(tmp_path, IDENTITY).namespace_dir))
+    gate = Gate(open_below=0)
+    gates.append(gate)
+    tier = names_first_tier(tmp_path, gate)
+    try:
+        manager = tier.manager
+        PersistentTierManager.wait_index(manager)  # the names-only pass, not the stat
+        assert gate.held.wait(30), "the stat pass never began"
+        assert manager.index_complete and not manager.index_stat_done
+        # Answered by the index at once: no probe, no RETRY.
+        keys = [conformance_key(i) for i in range(12)]
+        assert [manager.lookup(key, CTX) for key in keys] == [HIT] * 12
+        assert manager.lookup(conformance_key(100), CTX) is MISS
+        # Counted at the largest blob's size until the stat pass (never below the truth).
+        assert manager.usage_bytes == 12 * manager.reserve_bytes >= sizes
+        result, data = tier.load(3)
+        assert result.success and data
+        gate.release()
+        manager.wait_index()
+        assert manager.index_stat_done
+        assert manager.usage_bytes == sizes
+        assert manager.stat_dropped == 0
+    finally:
+        close(tier, gate)
+
+
+def test_the_stat_pass_drops_what_is_no_chunk_file(tmp_path: Path) -> None:
+    stored_tier(tmp_path, range(6), slots=6)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    not_regular = mapper.path(conformance_key(1))
+    not_regular.unlink()
+    not_regular.mkdir()  # a directory under a chunk's name
+    with open(mapper.path(conformance_key(2)), "ab") as grown:
+        grown.write(b"\0" * 7)  # larger than any chunk of this geometry
+    tier = names_first_tier(tmp_path)
+    try:
+        manager = tier.manager
+        manager.wait_index()
+        assert manager.stat_dropped == 2
+        answers = [manager.lookup(conformance_key(i), CTX) for i in range(6)]
+        assert answers == [HIT, MISS, MISS, HIT, HIT, HIT]
+        assert manager.get_stats()["chunks"] == 4
+        assert not_regular.is_dir()  # dropped from the index, left on disk
+    finally:
+        tier.close()
+
+
+def test_eviction_order_after_the_stat_pass_is_by_mtime(tmp_path: Path) -> None:
+    stored_tier(tmp_path, range(6), slots=6)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    by_name = sorted(range(6), key=lambda i: mapper.path(conformance_key(i)).name)
+    # Oldest by mtime is last by name: name order would evict the other end.
+    for age, i in enumerate(reversed(by_name)):
+        os.utime(mapper.path(conformance_key(i)), ns=(10**18, 10**18 + age * 10**9))
+    tier = names_first_tier(tmp_path, capacity_chunks=6)
+    try:
+        manager = tier.manager
+        manager.wait_index()
+        assert manager.index_stat_done
+        tier.store([20, 21])  # two chunks evicted: the two oldest by mtime
+        evicted = {i for i in range(6) if manager.lookup(conformance_key(i), CTX) is MISS}
+        assert evicted == set(by_name[-2:])
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("processes", [0, 2])
+def test_names_then_stat_find_what_the_stat_walk_finds(tmp_path: Path, processes: int) -> None:
+    """A names-only walk (in this process or in children) and its stat pass: the chunks
+    that stat as regular files in their places are the stat walk's, with its sizes and
+    mtimes; what is no regular file there (a directory, a link, a FIFO under a chunk's
+    name), which names alone cannot tell, stats as not regular."""
+    namespace_dir = messier_namespace(tmp_path / "a")
+    twin = messier_namespace(tmp_path / "b")
+    full = walk_namespace(twin, _Build(), temp_cutoff=1.0)  # type: ignore[arg-type]
+    if processes:
+        names = walk_in_children(namespace_dir, _Build(),  # type: ignore[arg-type]
+                                 temp_cutoff=1.0, processes=processes, assume_size=7)
+    else:
+        names = walk_namespace(namespace_dir, _Build(),  # type: ignore[arg-type]
+                               temp_cutoff=1.0, assume_size=7)
+    assert names is not None and names.names_only
+    keys = names.packed.keys
+    stat = walk_module.stat_chunks(namespace_dir, keys, lambda: False)
+    assert stat is not None
+    sizes, mtimes = stat
+    kept = {(key, int(size), int(mtime))
+            for key, size, mtime in zip(keys, sizes, mtimes, strict=True) if size >= 0}
+    twin_mapper = FileMapper(tmp_path / "b", IDENTITY)
+    expected = {(key, size, os.lstat(twin_mapper.path(key)).st_mtime_ns)
+                for key, size in zip(full.packed.keys, full.packed.sizes, strict=True)}
+    assert kept == expected and len(kept) == 30
+    assert full.unindexed == 3 and names.unindexed == 0
+    assert list(sizes).count(walk_module.STAT_NOT_REGULAR) == len(keys) - 30 == 3
+    assert set(names.packed.sizes) == {7}
+
+
+def test_nothing_is_evicted_on_the_assumed_sizes_before_the_stat_pass(
+    tmp_path: Path, gates: list[Gate]
+) -> None:
+    """Reopened over its capacity (6 chunks, room for 3): the names-only merge deletes
+    nothing; the stat pass's merge gives the capacity back, evicting the oldest by mtime."""
+    stored_tier(tmp_path, range(6), slots=6)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    by_name = sorted(range(6), key=lambda i: mapper.path(conformance_key(i)).name)
+    for age, i in enumerate(reversed(by_name)):
+        os.utime(mapper.path(conformance_key(i)), ns=(10**18, 10**18 + age * 10**9))
+    gate = Gate(open_below=0)
+    gates.append(gate)
+    tier = names_first_tier(tmp_path, gate, capacity_chunks=3)
+    try:
+        manager = tier.manager
+        PersistentTierManager.wait_index(manager)
+        assert gate.held.wait(30), "the stat pass never began"
+        assert [manager.lookup(conformance_key(i), CTX) for i in range(6)] == [HIT] * 6
+        assert len(chunk_files(mapper.namespace_dir)) == 6
+        gate.release()
+        manager.wait_index()
+        kept = {i for i in range(6) if manager.lookup(conformance_key(i), CTX) is HIT}
+        assert kept == set(by_name[:3])  # the three newest by mtime
+        assert manager.usage_bytes <= 3 * manager.reserve_bytes
+    finally:
+        close(tier, gate)

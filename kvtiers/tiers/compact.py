@@ -280,6 +280,9 @@ class CompactChunkIndex:
         self._pins: dict[int, int] = {}
         self._doomed: set[OffloadKey] = set()
         self._hot: dict[object, int] = {}
+        # After merge_oldest(unverified=True): 1 for each slot still holding a merged
+        # entry never touched, stored over or removed since (see refine_unverified).
+        self._fresh: bytearray | None = None
 
     # -- slots ----------------------------------------------------------------------
     def _find(self, key: object) -> int:
@@ -363,8 +366,14 @@ class CompactChunkIndex:
         self._pins.pop(slot, None)
         self._free.append(slot)
         self._live -= 1
+        fresh = self._fresh
+        if fresh is not None and slot < len(fresh):
+            fresh[slot] = 0
 
     def _to_end(self, slot: int) -> None:
+        fresh = self._fresh
+        if fresh is not None and slot < len(fresh):
+            fresh[slot] = 0
         log = self._log
         self._places[slot] = len(log)
         log.append(slot)
@@ -606,13 +615,17 @@ class CompactChunkIndex:
         return self._settle(added)
 
     def merge_oldest(
-        self, packed: PackedChunks, gone: Collection[OffloadKey] = ()
+        self, packed: PackedChunks, gone: Collection[OffloadKey] = (), *,
+        unverified: bool = False,
     ) -> IndexChange:
         """Take in ``packed`` (a rebuild's chunks, oldest first) as ``READY`` entries less
         recently used than every indexed one, leaving out keys already indexed and keys in
         ``gone`` (removed from the medium since the rebuild began); then as
         :meth:`add_ready`: evicted back within the capacity, announced. The work on this
-        thread is in proportion to the keys indexed now and ``gone``, not to ``packed``."""
+        thread is in proportion to the keys indexed now and ``gone``, not to ``packed``.
+
+        ``unverified``: ``packed`` is a names-only pass's (sizes assumed, order by name);
+        :meth:`refine_unverified` later takes their ``stat`` in."""
         current = [(self._key(slot), slot) for slot in self._order()]
         old_sizes, old_states, old_pins = self._sizes, self._states, self._pins
         doomed = self._doomed
@@ -630,6 +643,7 @@ class CompactChunkIndex:
         self._live = self._filled = count
         self._table = packed.table
         self._mask = len(packed.table) - 1
+        self._fresh = bytearray(b"\1") * count if unverified else None
         base_usage = int(np.frombuffer(packed.sizes, dtype=np.int64).sum()) if count else 0
         # Base slots are packed's positions: the ones released are left out of the
         # announcement by slicing around them (C copies, not a loop over every key).
@@ -656,6 +670,53 @@ class CompactChunkIndex:
         self.ready_count += len(added)
         # The announcement takes the list as it is: no pass over every found key here.
         return self._settle(added, owned=True)
+
+    @property
+    def unverified(self) -> bool:
+        """Whether a names-only merge awaits :meth:`refine_unverified`."""
+        return self._fresh is not None
+
+    def refine_unverified(
+        self, sizes: np.ndarray, by_mtime: np.ndarray, max_size: int
+    ) -> list[OffloadKey]:
+        """Take in the stat pass of the last ``merge_oldest(unverified=True)``: ``sizes`` by the
+        merged chunks' positions (a negative size: the file is gone or not a regular file) and
+        ``by_mtime``, those positions oldest mtime first (stable; made off this thread,
+        :func:`stable_order`). Of the merged entries still untouched since (``READY``, never stored
+        over, touched or removed), those whose size is negative or above ``max_size`` are dropped
+        (announced removed; their files are left alone), the others take their size (``usage``
+        follows) and are reordered among themselves oldest mtime first, keeping the places they hold
+        (still the least recently used: nothing touched them). Entries touched since keep their
+        assumed size until they leave. Returns the dropped keys; the index is over capacity if the
+        true sizes are larger (the caller evicts)."""
+        fresh_flags = self._fresh
+        self._fresh = None
+        if fresh_flags is None:
+            return []
+        flags = np.frombuffer(fresh_flags, dtype=np.uint8)
+        states = np.frombuffer(self._states, dtype=np.uint8)[: len(flags)]
+        fresh = (flags == 1) & (states == _READY)
+        del flags, states
+        bad = (sizes < 0) | (sizes > max_size)
+        dropped_slots = np.flatnonzero(fresh & bad)
+        good = fresh & ~bad
+        slots = np.flatnonzero(good).astype(np.int32)
+        index_sizes = np.frombuffer(self._sizes, dtype=np.int64)
+        found = sizes[slots]
+        self.usage += int(found.sum()) - int(index_sizes[slots].sum())
+        index_sizes[slots] = found
+        del index_sizes, found
+        places = np.frombuffer(self._places, dtype=np.int32)
+        log = np.frombuffer(self._log, dtype=np.int32)
+        # A fresh slot never moved: the merge placed slot i at place i and the log's
+        # compaction keeps the order, so their places ascend with the slots (no sort).
+        held = places[slots]
+        by_age = by_mtime[good[by_mtime]].astype(np.int32)
+        log[held] = by_age
+        places[by_age] = held
+        del places, log
+        dropped = [self._key(int(slot)) for slot in dropped_slots]
+        return self.discard(dropped)
 
     def _settle(self, added: list[OffloadKey], *, owned: bool = False) -> IndexChange:
         """Evict back within the capacity after ``added`` came in; announce (see

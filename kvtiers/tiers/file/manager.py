@@ -7,7 +7,11 @@ at a time, in child processes (``walk_processes``, two; its per-entry objects ne
 process, :mod:`kvtiers.tiers.file.walk`), that both removes stale temp files of
 interrupted publishes (older than this opening) and finds the chunks — names and places
 parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
-(never opening a file), recency seeded from mtimes. The constructor waits for it unless
+(never opening a file), recency seeded from mtimes; with ``background_index`` the walk
+takes names only (no ``stat``; chunks at the largest blob's size, in name order) and a
+stat pass on a thread of its own refines sizes and order afterwards
+(:meth:`FileTierManager._merge_names`, docs/architecture.md). The constructor waits for
+the build unless
 ``background_index`` (and then still when the namespace has no fan-out directory, so
 nothing to find, and ``capacity_scope`` is the namespace's); until it is merged, index
 misses are probed as in a shared directory, and keys dropped meanwhile stay dropped
@@ -84,6 +88,8 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
@@ -108,7 +114,7 @@ from kvtiers.filemapper.manifest import MANIFEST_NAME
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
-from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
+from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks, stable_order
 from kvtiers.tiers.file.io import IO_POSIX
 from kvtiers.tiers.file.snapshot import (
     current_generation,
@@ -121,6 +127,7 @@ from kvtiers.tiers.file.walk import (
     DEFAULT_WALK_PROCESSES,
     DEFAULT_WALK_THREADS,
     Walked,
+    stat_chunks,
     walk_in_children,
     walk_namespace,
 )
@@ -406,7 +413,10 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     long a key whose load failed is a miss (see :mod:`kvtiers.tiers.backoff`).
     ``capacity_scope``: ``"namespace"`` (the capacity is this namespace's) or ``"root"``
     (one budget for every namespace under the root; see the module docstring), which
-    needs a ``capacity_bytes``.
+    needs a ``capacity_bytes``. ``names_first`` (with ``background_index`` and
+    ``capacity_scope="namespace"``): a walk takes names only and stats them afterwards
+    (module docstring); ``before_stat_pass`` runs on the stat pass's thread before it
+    begins (tests hold it there).
 
     ``get_stats``: ``hits``, ``misses``, ``stores``, ``store_failures``, ``evictions``,
     ``loads``, ``chunks``, ``usage_bytes``, ``capacity_bytes`` (0 when unbounded),
@@ -442,6 +452,8 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         walk_processes: int = DEFAULT_WALK_PROCESSES,
         snapshot: bool = True,
         before_walk_part: Callable[[int], None] | None = None,
+        names_first: bool = True,
+        before_stat_pass: Callable[[], None] | None = None,
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
@@ -514,6 +526,14 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         self._complete = False
         self._cleared = False  # clear() while the index is built
         self._capacity_scope = capacity_scope
+        # The names-only walk (module docstring): its stat pass, the capacity it holds
+        # back while the assumed sizes stand, and what the stat pass dropped.
+        self._names_first = names_first and background_index and capacity_scope == "namespace"
+        self._before_stat = before_stat_pass
+        self._stat_pass: IndexBuild[tuple[np.ndarray, np.ndarray] | None] | None = None
+        self._held_capacity: int | None = None
+        self.stat_dropped = 0
+        self.stat_pass_s: float | None = None
         opened = open_generation(self.namespace_dir)
         # Snapshots only where this tier is the namespace's one writer (not shared): other
         # writers' chunks and temp files would be missed until a walk.
@@ -568,10 +588,11 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             if found is not None:
                 walked = Walked(found)
                 self.index_source = "snapshot"
+        assume = self.reserve_bytes if self._names_first else None
         if walked is None and processes > 0 and before_part is None:
             walked = walk_in_children(
                 self.namespace_dir, build, temp_cutoff=temp_cutoff, threads=threads,
-                processes=processes,
+                processes=processes, assume_size=assume,
             )
             if walked is None and not build.stopping:
                 logger.warning("file tier %s: walking in this process instead",
@@ -579,7 +600,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         if walked is None:
             walked = walk_namespace(
                 self.namespace_dir, build, temp_cutoff=temp_cutoff, threads=threads,
-                before_part=before_part,
+                before_part=before_part, assume_size=assume,
             )
         foreign = None
         if self._capacity_scope == "root" and not build.stopping:
@@ -597,7 +618,10 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             walked.packed = PackedChunks.pack([], [])
         # Chunks found at start are least recently used, by mtime; beyond capacity the
         # oldest go. What was stored, found or removed meanwhile stands.
-        self._delete(index.merge_oldest(walked.packed, gone).victims)
+        if walked.names_only and len(walked.packed):
+            self._merge_names(walked.packed, gone)
+        else:
+            self._delete(index.merge_oldest(walked.packed, gone).victims)
         self.unindexed_entries = walked.unindexed
         if foreign is not None and self.capacity_bytes is not None:
             self._share_root(self.capacity_bytes, foreign)
@@ -615,6 +639,74 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             self.namespace_dir, len(walked.packed), self.index.usage, self.index_source,
             self.index_build_s or 0.0,
         )
+
+    def _merge_names(self, packed: PackedChunks, gone: set[OffloadKey]) -> None:
+        """Take a names-only walk in (module docstring) and start its stat pass. The
+        chunks count at the largest blob's size, which a chunk's file never exceeds, so
+        ``usage`` is not below the truth; nothing is evicted on that estimate (it could
+        delete chunks that fit): the capacity is held at the estimate's usage, never
+        above the configured one plus what the namespace already holds, until the stat
+        pass gives the true sizes and the configured capacity back."""
+        index = self.index
+        capacity = index.capacity
+        index.capacity = None
+        index.merge_oldest(packed, gone, unverified=True)
+        # No eviction happened (no capacity): the announcement is what merge_oldest
+        # recorded, taken with the next take_events.
+        if capacity is not None:
+            self._held_capacity = capacity
+            index.capacity = max(capacity, index.usage)
+        keys = packed.keys
+        namespace_dir, before = self.namespace_dir, self._before_stat
+
+        def stat_pass(build: IndexBuild[tuple[np.ndarray, np.ndarray] | None]
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
+            if before is not None:
+                before()
+            found = stat_chunks(namespace_dir, keys, lambda: build.stopping)
+            # The mtime order made here, off the scheduler's thread.
+            return None if found is None else (found[0], stable_order(found[1]))
+
+        self._stat_pass = IndexBuild(stat_pass, name="kvtiers-file-stat")
+
+    def _poll_stat_pass(self) -> None:
+        """Take the stat pass in once it is done (scheduler thread; O(1) until then):
+        sizes and mtime order refined, entries that are no chunk file dropped, the
+        configured capacity back (least recently used chunks evicted down to it)."""
+        stat_pass = self._stat_pass
+        if stat_pass is None or not stat_pass.done.is_set():
+            return
+        self._stat_pass = None
+        index = self.index
+        if stat_pass.error is not None or stat_pass.result is None:
+            if stat_pass.error is not None:
+                logger.error("file tier %s: the stat pass failed (%s); chunks keep their "
+                             "assumed sizes", self.namespace_dir, stat_pass.error)
+            # The entries stay unverified: no snapshot will take their assumed sizes.
+            self._restore_capacity()
+            return
+        sizes, by_mtime = stat_pass.result
+        dropped = index.refine_unverified(sizes, by_mtime, self.reserve_bytes)
+        self.stat_dropped += len(dropped)
+        self.stat_pass_s = stat_pass.elapsed_s
+        self._unwant(dropped)
+        if dropped:
+            logger.warning(
+                "file tier %s: %d entries named like chunks are not chunk files (not regular, "
+                "gone, or larger than any chunk) and were dropped from the index; `kvtiers "
+                "verify` lists them", self.namespace_dir, len(dropped),
+            )
+        self._restore_capacity()
+
+    def _restore_capacity(self) -> None:
+        held = self._held_capacity
+        if held is None:
+            return
+        self._held_capacity = None
+        index = self.index
+        index.capacity = held
+        if index.usage > held:
+            self._delete(index.evict_lru(index.usage - held))
 
     def _share_root(self, capacity: int, foreign: _Foreign) -> None:
         """Given the other namespaces under the root (measured by the build), trim them
@@ -703,6 +795,8 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     def _drain_forgotten(self) -> None:
         if self._build is not None:
             self._poll_build()
+        if self._stat_pass is not None:
+            self._poll_stat_pass()
         reported = self._reports.drain()
         if reported:
             self._unwant(self.index.discard(reported))
@@ -1007,7 +1101,25 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         stats["io_backend"] = self.io_backend
         return stats
 
+    @property
+    def index_stat_done(self) -> bool:
+        """Whether the index is complete and no stat pass is pending (sizes and the
+        eviction order are the files')."""
+        return self._complete and self._stat_pass is None
+
+    def wait_index(self) -> None:
+        """Block until the index is built and its stat pass (if any) taken in. For tests
+        and tools: the scheduler never blocks."""
+        super().wait_index()
+        stat_pass = self._stat_pass
+        if stat_pass is not None:
+            stat_pass.done.wait()
+            self._poll_stat_pass()
+
     def _close(self) -> None:
+        if self._stat_pass is not None:
+            self._stat_pass.stop()
+            self._stat_pass = None
         self._prober.close()
         # Handed over and never released: nobody reads them any more.
         self._deleter.delete(self._handed.values())
@@ -1023,6 +1135,8 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         if self._generation is None or not self._complete:
             return
         index = self.index
+        if index.unverified:
+            return  # assumed sizes and name order: the next start walks
         if len(index) != index.ready_count or self._deleter.failures:
             return
         if current_generation(self.namespace_dir) != self._generation + 1:

@@ -6,7 +6,10 @@ One pass both indexes the chunk files (names and places parsed as
 opening a file) and removes the temp files of interrupted publishes older than a cutoff.
 A chunk's name in its own fan-out directory costs one match and one ``lstat`` by the
 directory's descriptor, no entry object; anything else is taken as the scan's entries
-are (:func:`_walk_part`; a test holds the two ways equal).
+are (:func:`_walk_part`; a test holds the two ways equal). The names-only pass
+(``assume_size``) skips that ``lstat``: a chunk place's names are matched in one scan of
+its listing and each chunk is taken at the assumed size and mtime 0 (name order);
+:func:`stat_chunks` measures them afterwards, off the scheduler's thread.
 Each top-level directory is one part, walked by one of ``threads`` threads (``stat`` and
 ``scandir`` release the GIL: on a network filesystem their latencies overlap);
 ``before_part(i)`` runs on the walking thread before part ``i`` (parts in name order),
@@ -43,7 +46,7 @@ from typing import IO, Any
 import numpy as np
 
 from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
-from kvtiers.filemapper import QUARANTINE_DIR, key_from_chunk_name, remove_temp
+from kvtiers.filemapper import CHUNK_SUFFIX, QUARANTINE_DIR, key_from_chunk_name, remove_temp
 from kvtiers.filemapper.mapper import CHUNK_NAME as _CHUNK_NAME
 from kvtiers.filemapper.scan import ScannedEntry
 from kvtiers.tiers.build import IndexBuild
@@ -62,6 +65,12 @@ _RESULT = struct.Struct("<QHQQ")
 # A chunk's place below the namespace directory (its two fan-out levels).
 _PLACE = re.compile(r"[0-9a-f]{2}/[0-9a-f]{2}/")
 _GROUPS = 2 ** (8 * GROUP_INDEX_BYTES)
+# The names-only pass: chunks' names (as _CHUNK_NAME) matched over a directory's listing
+# joined by newlines, one line each, by one scan in C.
+_CHUNK_LINES = re.compile(
+    r"^((?:[0-9a-f]{2}){2,})_g(0|[1-9][0-9]{0,9})" + re.escape(CHUNK_SUFFIX) + "$", re.M
+)
+_GROUP_ZERO = bytes(GROUP_INDEX_BYTES)
 
 
 @dataclass
@@ -72,6 +81,9 @@ class Walked:
     removed_temps: int = 0
     #: Entries named like chunks that are not regular files (never indexed).
     unindexed: int = 0
+    #: Names only (``assume_size``): chunks in name order at the assumed size, not yet
+    #: ``stat``-ed (:func:`stat_chunks` does that afterwards).
+    names_only: bool = False
 
 
 @dataclass
@@ -122,18 +134,22 @@ def _list_parts(namespace_dir: Path, temp_cutoff: float) -> tuple[_Part, list[tu
     return top, parts
 
 
-def _walk_part(path: str, prefix: str, part: _Part, temp_cutoff: float) -> None:
+def _walk_part(
+    path: str, prefix: str, part: _Part, temp_cutoff: float, assume_size: int | None = None,
+) -> None:
     """Take every entry below ``path`` into ``part`` as :func:`scan_namespace` yields them
     (``prefix``: the names' prefix, ``"ab/"``). In a chunk's place (``ab/cd/``) a chunk's
     name (nearly every entry) takes the short way: the name parsed by one match, one
     ``lstat`` relative to the directory's descriptor (no lookup of the whole path, no
     entry object). Any other entry goes the slow way, :meth:`_Part.take` as before: the
     directory is listed again for them (they are rare: temp files, strays, deeper
-    directories)."""
+    directories). With ``assume_size`` a chunk's name is not ``lstat``-ed at all: it is
+    taken at that size and mtime 0 (the names-only pass)."""
     stack = [(path, prefix)]
     while stack:
         path, prefix = stack.pop()
-        others = _take_chunks(path, prefix, part) if _PLACE.fullmatch(prefix) else None
+        others = (_take_chunks(path, prefix, part, assume_size)
+                  if _PLACE.fullmatch(prefix) else None)
         if others is not None and not others:
             continue
         try:
@@ -149,15 +165,21 @@ def _walk_part(path: str, prefix: str, part: _Part, temp_cutoff: float) -> None:
                 part.take(ScannedEntry(name, entry), temp_cutoff)
 
 
-def _take_chunks(path: str, prefix: str, part: _Part) -> set[str]:
+def _take_chunks(path: str, prefix: str, part: _Part, assume_size: int | None) -> set[str]:
     """The short way of :func:`_walk_part` through the chunk place ``path`` (``prefix``
-    ``ab/cd/``); returns the names of the entries left for the slow way."""
+    ``ab/cd/``); returns the names of the entries left for the slow way. With
+    ``assume_size`` a chunk's name is taken as it is, no ``lstat``."""
     start = f"{prefix[0:2]}{prefix[3:5]}"
     others: set[str] = set()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except (FileNotFoundError, NotADirectoryError):
         return others
+    if assume_size is not None:
+        try:
+            return _take_names(os.listdir(fd), start, part, assume_size)
+        finally:
+            os.close(fd)
     # Names bound once: this loop runs once a chunk.
     fullmatch, lstat, is_regular = _CHUNK_NAME.fullmatch, os.lstat, stat.S_ISREG
     keys, sizes, mtimes = part.keys.append, part.sizes.append, part.mtimes.append
@@ -188,9 +210,104 @@ def _take_chunks(path: str, prefix: str, part: _Part) -> set[str]:
     return others
 
 
+#: :func:`stat_chunks`'s size of a chunk whose file is gone, and of one that is not a
+#: regular file.
+STAT_MISSING = -1
+STAT_NOT_REGULAR = -2
+# Chunks stat-ed between two looks at whether the stat pass is stopping.
+_STAT_SLICE = 4096
+
+
+def stat_chunks(
+    namespace_dir: Path, keys: Sequence[OffloadKey], stopping: Callable[[], bool],
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The stat pass after a names-only walk (off the scheduler's thread): each of
+    ``keys``' chunk files ``lstat``-ed in its place, by its directory's descriptor, in
+    slices of :data:`_STAT_SLICE` between which ``stopping()`` is asked (``None`` once it
+    says so). Returns the sizes (or :data:`STAT_MISSING`, :data:`STAT_NOT_REGULAR`) and
+    mtimes (ns) in ``keys``' order. ``keys`` come from the walk in directory order, so
+    each directory is opened once in a row of its chunks."""
+    count = len(keys)
+    sizes = np.full(count, STAT_MISSING, dtype=np.int64)
+    mtimes = np.zeros(count, dtype=np.int64)
+    lstat, is_regular = os.lstat, stat.S_ISREG
+    fd, fd_place = -1, ""
+    try:
+        for start in range(0, count, _STAT_SLICE):
+            if stopping():
+                return None
+            for i in range(start, min(start + _STAT_SLICE, count)):
+                key = keys[i]
+                hex_hash = key[:-GROUP_INDEX_BYTES].hex()
+                place = f"{hex_hash[0:2]}/{hex_hash[2:4]}"
+                if place != fd_place:
+                    if fd >= 0:
+                        os.close(fd)
+                        fd = -1
+                    fd_place = place
+                    try:
+                        fd = os.open(namespace_dir / place,
+                                     os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                    except OSError:
+                        continue
+                if fd < 0:
+                    continue
+                group = int.from_bytes(key[-GROUP_INDEX_BYTES:], "big")
+                try:
+                    st = lstat(f"{hex_hash}_g{group}{CHUNK_SUFFIX}", dir_fd=fd)
+                except OSError:
+                    continue
+                if not is_regular(st.st_mode):
+                    sizes[i] = STAT_NOT_REGULAR
+                    continue
+                sizes[i] = st.st_size
+                mtimes[i] = st.st_mtime_ns
+    finally:
+        if fd >= 0:
+            os.close(fd)
+    return sizes, mtimes
+
+
+def _take_names(names: list[str], start: str, part: _Part, assume_size: int) -> set[str]:
+    """The names-only way of :func:`_take_chunks` through one chunk place's ``names``
+    (their fan-out prefix ``start``): the chunks' names matched in one scan of the joined
+    listing, each taken at ``assume_size``; returns the other names (the slow way's)."""
+    text = "\n".join(names)
+    if text.count("\n") != len(names) - 1:
+        # A name holding a newline: matched one by one instead.
+        found = [(n, *m.groups()) for n in names
+                 for m in [_CHUNK_NAME.fullmatch(n)] if m is not None]
+    else:
+        found = [(m.group(0), m.group(1), m.group(2)) for m in _CHUNK_LINES.finditer(text)]
+    keys, fromhex, zero = part.keys.append, bytes.fromhex, _GROUP_ZERO
+    taken: set[str] | None = None if len(found) == len(names) else set()
+    for name, hex_hash, digits in found:
+        if not hex_hash.startswith(start):
+            continue
+        if digits == "0":
+            keys(OffloadKey(fromhex(hex_hash) + zero))
+        else:
+            group = int(digits)
+            if group >= _GROUPS:
+                continue
+            keys(OffloadKey(fromhex(hex_hash) + group.to_bytes(GROUP_INDEX_BYTES, "big")))
+        if taken is not None:
+            taken.add(name)
+    added = len(part.keys) - len(part.sizes)
+    part.sizes.extend([assume_size] * added)
+    part.mtimes.extend([0] * added)
+    if taken is None and added == len(names):
+        return set()
+    if taken is None:
+        # Some names were left (a foreign place or a group past range): find them.
+        taken = {name for name, hex_hash, digits in found
+                 if hex_hash.startswith(start) and int(digits) < _GROUPS}
+    return set(names) - taken
+
+
 def _walk_parts(
     parts: Sequence[tuple[str, str]], temp_cutoff: float, threads: int,
-    before: Callable[[int], bool],
+    before: Callable[[int], bool], assume_size: int | None = None,
 ) -> list[_Part]:
     """Walk ``parts``, ``threads`` at a time; ``before(i)`` runs first on the walking
     thread and returns False to skip part ``i``."""
@@ -200,7 +317,7 @@ def _walk_parts(
         if not before(i):
             return part
         path, prefix = parts[i]
-        _walk_part(path, prefix, part, temp_cutoff)
+        _walk_part(path, prefix, part, temp_cutoff, assume_size)
         return part
 
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtiers-file-walk") as pool:
@@ -220,10 +337,11 @@ def walk_namespace(
     temp_cutoff: float,
     threads: int = DEFAULT_WALK_THREADS,
     before_part: Callable[[int], None] | None = None,
+    assume_size: int | None = None,
 ) -> Walked:
     """Index ``namespace_dir``'s chunk files and remove its temp files modified before
     ``temp_cutoff`` (seconds since the epoch), in this process; see the module
-    docstring."""
+    docstring. ``assume_size``: the names-only pass (:class:`Walked`'s ``names_only``)."""
     top, parts = _list_parts(namespace_dir, temp_cutoff)
 
     def before(i: int) -> bool:
@@ -240,7 +358,7 @@ def walk_namespace(
         build.part_done()
         return True
 
-    done = [top, *_walk_parts(parts, temp_cutoff, threads, counted)]
+    done = [top, *_walk_parts(parts, temp_cutoff, threads, counted, assume_size)]
     keys = [key for part in done for key in part.keys]
     mtimes = np.fromiter((m for part in done for m in part.mtimes), dtype=np.int64,
                          count=len(keys))
@@ -249,6 +367,7 @@ def walk_namespace(
         _pack(keys, sizes, mtimes),
         removed_temps=sum(part.removed_temps for part in done),
         unindexed=sum(part.unindexed for part in done),
+        names_only=assume_size is not None,
     )
 
 
@@ -272,6 +391,7 @@ def walk_in_children(
     temp_cutoff: float,
     threads: int = DEFAULT_WALK_THREADS,
     processes: int = DEFAULT_WALK_PROCESSES,
+    assume_size: int | None = None,
 ) -> Walked | None:
     """:func:`walk_namespace` with the fan-out directories walked by ``processes`` child
     processes (module docstring); ``None`` when a child could not be started or did not
@@ -297,7 +417,8 @@ def walk_in_children(
         for block in blocks:
             if not block:
                 continue
-            args = [repr(temp_cutoff), str(threads)]
+            args = [repr(temp_cutoff), str(threads),
+                    "-" if assume_size is None else str(assume_size)]
             for path, _ in block:
                 args.append(path)
             with lock:
@@ -331,7 +452,9 @@ def walk_in_children(
                            namespace_dir, answer, child.returncode)
             return None
         found.append(answer)
-    return _merge(top, found)
+    walked = _merge(top, found)
+    walked.names_only = assume_size is not None
+    return walked
 
 
 def _read_exact(stream: IO[bytes], nbytes: int) -> bytes:
@@ -406,12 +529,14 @@ def _merge(top: _Part, blocks: list[_Block]) -> Walked:
 
 
 def _child(argv: list[str]) -> int:
-    """A walking child (module docstring): ``CUTOFF THREADS DIR...``."""
+    """A walking child (module docstring): ``CUTOFF THREADS SIZE DIR...`` (``SIZE``: the
+    names-only pass's assumed size, ``-`` to ``lstat`` every chunk)."""
     out = sys.stdout.buffer
     lock = threading.Lock()
     try:
         temp_cutoff, threads = float(argv[0]), int(argv[1])
-        parts = [(path, f"{os.path.basename(path)}/") for path in argv[2:]]
+        assume_size = None if argv[2] == "-" else int(argv[2])
+        parts = [(path, f"{os.path.basename(path)}/") for path in argv[3:]]
 
         def progress(i: int) -> bool:
             with lock:
@@ -419,7 +544,7 @@ def _child(argv: list[str]) -> int:
                 out.flush()
             return True
 
-        done = _walk_parts(parts, temp_cutoff, threads, progress)
+        done = _walk_parts(parts, temp_cutoff, threads, progress, assume_size)
         keys = [key for part in done for key in part.keys]
         width = max((len(key) for key in keys), default=0)
         padded = b"".join(keys) if all(len(k) == width for k in keys) else b"".join(
