@@ -387,6 +387,42 @@ def bench_s3(objects: int) -> dict[str, Any]:
         server.stop()
 
 
+def keep_file_rows(earlier: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Add to ``rows`` (in place, then ordered by size) ``earlier``'s file rows, their
+    rounds with them, for the sizes ``rows`` lacks, and return those kept. Each kept row
+    gets a ``run``: the date, loads and command of the run that measured it (a row carried
+    a second time keeps the one it has)."""
+    measured = {row["n"] for row in rows}
+    machine = earlier["machine"]
+    run = {"date": machine.get("date", "unknown"), "load": machine.get("load", "unknown"),
+           "load_end": machine.get("load_end", "unknown"),
+           "command": earlier.get("command", "unknown")}
+    kept = [{"run": run, **row} for row in earlier["file"]
+            if row["n"] not in measured and "walk" in row]
+    rows += kept
+    rows.sort(key=lambda row: int(row["n"]))
+    return kept
+
+
+def reused_sentence(earlier: dict[str, Any], kept: list[dict[str, Any]]) -> str:
+    """The page's account of which rows ``--reuse`` carried over, and from which run."""
+    by_run: dict[str, list[dict[str, Any]]] = {}
+    for row in kept:
+        by_run.setdefault(json.dumps(row["run"], sort_keys=True), []).append(row)
+    sentence = ""
+    for rows in by_run.values():
+        run = rows[0]["run"]
+        sizes = " and ".join(f"{row['n']:,}" for row in rows)
+        sentence += (f"The file rows at {sizes} chunks (walk and snapshot, marked with their "
+                     f"run) are from the run of {run['date']} (load {run['load']}, at its end "
+                     f"{run['load_end']}; `{run['command']}`). ")
+    before = "The before rows and the SeaweedFS row are carried over from earlier runs"
+    if "reused" in earlier:
+        before += (f" (the note of the page of {earlier['machine'].get('date')}, on that "
+                   f"page's rows: \"{earlier['reused']}\")")
+    return sentence + before + ". This run (the machine line above) measured the rest."
+
+
 def _index_cells(r: dict[str, Any]) -> list[str]:
     """The measured cells of one start that builds an index in the background."""
     usable = r.get("usable_s", r["full_s"])
@@ -428,7 +464,9 @@ def render(report: dict[str, Any]) -> str:
                           *[f"{b['ctor_s']:.2f} s"] * 4, "n/a", f"{b['ctor_s'] * 1e3:.0f} ms",
                           "n/a", f"{b['rss_bytes']:.0f}", "n/a", "n/a",
                           f"{b['hit_ns'] / 1e3:.1f} / {b['miss_ns'] / 1e3:.1f} µs"])
-        cells += [["file", f"{row['n']:,}", row[phase]["source"], *_index_cells(row[phase])]
+        # A row --reuse kept from an earlier run says so (the note below names the run).
+        tier = f"file (run {row['run']['date']})" if "run" in row else "file"
+        cells += [[tier, f"{row['n']:,}", row[phase]["source"], *_index_cells(row[phase])]
                   for phase in ("walk", "snapshot")]
     s3 = report.get("s3")
     if s3:
@@ -511,8 +549,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="walk and snapshot starts a size, in turn (medians kept)")
     parser.add_argument("--reuse", type=Path, default=None,
-                        help="an earlier scale.json whose before and SeaweedFS rows are "
-                             "kept where this run does not measure them")
+                        help="an earlier scale.json whose before, file and SeaweedFS rows "
+                             "are kept where this run does not measure them")
     args = parser.parse_args()
     if args.one_file:
         print(json.dumps(one_file(Path(args.one_file[0]), int(args.one_file[1]),
@@ -554,10 +592,8 @@ def main() -> int:
     elif earlier is not None and "s3" in earlier:
         report["s3"] = earlier["s3"]
     if earlier is not None:
-        report["reused"] = (f"The before rows and the SeaweedFS row are from the run of "
-                            f"{machine_sentence(earlier['machine']).split(';')[0]} (same code "
-                            "for the tiers' "
-                            "listings; this run re-measured the rest).")
+        kept = keep_file_rows(earlier, report["file"])
+        report["reused"] = reused_sentence(earlier, kept)
     report["machine"] = finish_note(note)
     report["command"] = "benchmarks/bench_scale.py " + " ".join(sys.argv[1:])
     if not (args.quick or args.no_write):
