@@ -437,3 +437,80 @@ def test_admin_needs_a_token_and_a_metrics_section(monkeypatch: pytest.MonkeyPat
         build({"admin_token_env": "KVT_TEST_ADMIN"}, metrics={"port": 0})
     with pytest.raises(ConfigError, match="add a metrics: section"):
         build({"admin_token_env": "KVT_TEST_ADMIN"})
+
+
+# -- pins per tenant -----------------------------------------------------------------
+
+def tenant_request(name: str, tenant: str, envelope: Any = None) -> ReqContext:
+    params: dict[str, Any] = {"kvtiers_tenant": tenant}
+    if envelope is not None:
+        params["kv_hints"] = envelope
+    return ReqContext(req_id=name, kv_transfer_params=params)
+
+
+def tenant_store(stack: Stack, keys: list[OffloadKey], ctx: ReqContext) -> None:
+    """``store`` through the stack's tenant layer (keys scoped by ``ctx``'s tenant)."""
+    manager = stack.tenants
+    assert manager is not None
+    manager.on_new_request(ctx)
+    accepted = manager.prepare_store(keys, ctx)
+    assert accepted is not None
+    manager.complete_store(accepted, ctx)
+    manager.on_request_finished(ctx)
+
+
+def tenant_build(members: list[dict[str, Any]], cap: int = 2 * SLOT) -> tuple[Stack, Clock]:
+    """A 128 KiB primary (16 chunks), pins capped at ``cap``, tenants ``members``."""
+    return build({"max_pinned_bytes": cap}, capacity="128KiB",
+                 tenants={"members": members})
+
+
+def test_each_tenant_pins_up_to_its_own_cap() -> None:
+    # The cap is 2 chunks per tenant: a's pins up to it leave b's allowance whole; a's
+    # next pin is refused (counted) while b's succeeds.
+    stack, _ = tenant_build([{"name": "a"}, {"name": "b"}])
+    with stack:
+        book = stack.manager.retention
+        assert book is not None
+        tenant_store(stack, [key(0), key(1)], tenant_request("a1", "a", hints(pin_s=100)))
+        assert book.pinned_bytes("a") == 2 * SLOT
+        assert book.pinned_bytes("b") == 0
+        tenant_store(stack, [key(2), key(3)], tenant_request("b1", "b", hints(pin_s=100)))
+        assert book.pinned_bytes("b") == 2 * SLOT
+        tenant_store(stack, [key(4)], tenant_request("a2", "a", hints(pin_s=100)))
+        assert stats(stack)["retention_pins_refused"] == 1
+        assert book.pinned_bytes("a") == 2 * SLOT
+        assert stats(stack)["retention_pinned_bytes"] == 4 * SLOT
+        # b, at its cap too, is refused alike; the default tenant still has its own.
+        tenant_store(stack, [key(5)], tenant_request("b2", "b", hints(pin_s=100)))
+        assert stats(stack)["retention_pins_refused"] == 2
+        tenant_store(stack, [key(6)], request("d1", hints(pin_s=100)))
+        assert book.pinned_bytes("default") == SLOT
+        assert stats(stack)["retention_pins"] == 3
+
+
+def test_a_tenants_cap_is_its_own_at_most_its_cpu_quota() -> None:
+    stack, _ = tenant_build([
+        {"name": "big", "max_pinned_bytes": 6 * SLOT},
+        {"name": "quota", "max_pinned_bytes": 6 * SLOT, "quota": {"cpu": 3 * SLOT}},
+        {"name": "plain"},
+    ])
+    with stack:
+        book = stack.manager.retention
+        assert book is not None
+        assert [book.cap(t) for t in ("big", "quota", "plain", "default")] == [
+            6 * SLOT, 3 * SLOT, 2 * SLOT, 2 * SLOT]
+        tenant_store(stack, [key(i) for i in range(5)],
+                     tenant_request("big", "big", hints(pin_s=100)))
+        assert book.pinned_bytes("big") == 5 * SLOT
+
+
+def test_without_tenants_every_pin_shares_the_stacks_cap() -> None:
+    # Requests naming tenants are one scope when the stack has no tenants: section.
+    stack, _ = build({"max_pinned_bytes": 2 * SLOT}, capacity="128KiB")
+    with stack:
+        assert stack.tenants is None and stack.manager.retention_scope is None
+        store(stack, [key(0), key(1)], tenant_request("a1", "a", hints(pin_s=100)))
+        store(stack, [key(2)], tenant_request("b1", "b", hints(pin_s=100)))
+        assert stats(stack)["retention_pins_refused"] == 1
+        assert stats(stack)["retention_pinned_bytes"] == 2 * SLOT

@@ -261,7 +261,24 @@ def retention_book(config: StackConfig, identity: OffloadingConfig) -> Retention
         capacity = getattr(config.tiers[0], "capacity", None)
         cap = 0 if capacity is None else int(capacity) // 2
     return RetentionBook(hash_bytes=hash_bytes, max_pinned_bytes=cap,
-                         max_pin_s=section.max_pin_s, max_ttl_s=section.max_ttl_s)
+                         max_pin_s=section.max_pin_s, max_ttl_s=section.max_ttl_s,
+                         cap_for=None if config.tenants is None else tenant_pin_caps(
+                             config, cap))
+
+
+def tenant_pin_caps(config: StackConfig, stack_cap: int) -> Callable[[str | None], int]:
+    """The pin cap of each scope of a stack with a ``tenants:`` section: a tenant's own
+    ``max_pinned_bytes``, else ``stack_cap`` (the retention section's), at most its
+    quota on the primary; scope ``None`` (an admin pin naming no tenant) and an unlisted
+    tenant have ``stack_cap``."""
+    assert config.tenants is not None
+    primary = config.tiers[0].name
+    caps: dict[str | None, int] = {}
+    for tenant in config.tenants.members:
+        cap = stack_cap if tenant.max_pinned_bytes is None else tenant.max_pinned_bytes
+        quota = tenant.quota_bytes().get(primary)
+        caps[tenant.name] = cap if quota is None else min(cap, quota)
+    return lambda scope: caps.get(scope, stack_cap)
 
 
 def _admin_token(config: StackConfig) -> str | None:
