@@ -395,6 +395,8 @@ def test_admin_refuses_an_unauthenticated_call(admin: tuple[Stack, int, Clock]) 
     ("/admin/pin", {"block_hashes": [], "seconds": 5}, "block_hashes must be"),
     ("/admin/pin", {"token_ids": [1, 2], "seconds": 5}, "token ids are not accepted"),
     ("/admin/unpin", {"block_hashes": [HASH], "seconds": 5}, "unpin takes no seconds"),
+    ("/admin/pin", {"block_hashes": [HASH], "seconds": 5, "tenant": "a"},
+     "tenant needs a stack with a tenants: section"),
 ])
 def test_admin_bad_input_is_a_400(admin: tuple[Stack, int, Clock], path: str, body: Any,
                                   phrase: str) -> None:
@@ -514,3 +516,38 @@ def test_without_tenants_every_pin_shares_the_stacks_cap() -> None:
         store(stack, [key(2)], tenant_request("b1", "b", hints(pin_s=100)))
         assert stats(stack)["retention_pins_refused"] == 1
         assert stats(stack)["retention_pinned_bytes"] == 2 * SLOT
+
+
+def test_admin_pins_by_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tenant's hashes are scoped as its requests' keys are, and its pins count against
+    # its own cap (2 chunks): a's over-cap pin is a 409, b's pin after it lands.
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setenv("KVT_TEST_ADMIN", TOKEN)
+    stack, _ = build({"admin_token_env": "KVT_TEST_ADMIN", "max_pinned_bytes": 2 * SLOT},
+                     capacity="128KiB", metrics={"port": 0},
+                     tenants={"members": [{"name": "a"}, {"name": "b"}]})
+    with stack:
+        assert stack.metrics is not None and stack.tenants is not None
+        port = stack.metrics.port
+        book = stack.manager.retention
+        assert book is not None
+        scope = stack.tenants.keys.scope
+        two = [(i).to_bytes(16, "big").hex() for i in (7, 8)]
+        assert call(port, "/admin/pin", {"block_hashes": two, "seconds": 60,
+                                         "tenant": "a"}) == (200, {"pinned": 2, "seconds": 60.0})
+        assert book.is_pinned(scope(key(7), "a")) and not book.is_pinned(key(7))
+        assert book.pinned_bytes("a") == 2 * SLOT
+        status, answer = call(port, "/admin/pin", {"block_hashes": [(9).to_bytes(16, "big").hex()],
+                                                   "seconds": 60, "tenant": "a"})
+        assert status == 409 and "tenant 'a'" in answer["error"]
+        assert call(port, "/admin/pin", {"block_hashes": two, "seconds": 60,
+                                         "tenant": "b"})[0] == 200
+        assert book.is_pinned(scope(key(7), "b"))
+        # No tenant named: the default tenant's chunks (keys unchanged), its own cap.
+        assert call(port, "/admin/pin", {"block_hashes": [HASH], "seconds": 60})[0] == 200
+        assert book.is_pinned(key(7)) and book.pinned_bytes("default") == SLOT
+        status, answer = call(port, "/admin/unpin", {"block_hashes": [HASH], "tenant": "c"})
+        assert status == 400 and "no tenant 'c'" in answer["error"]
+        assert call(port, "/admin/unpin", {"block_hashes": two, "tenant": "a"}) == (
+            200, {"unpinned": 2})
+        assert book.pinned_bytes("a") == 0

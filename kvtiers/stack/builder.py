@@ -178,7 +178,8 @@ def load_stack(
         manager.refresh_stats_snapshot()
         try:
             stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,
-                                          manager.latency, admin=_admin(token, manager))
+                                          manager.latency,
+                                          admin=_admin(token, manager, stack.tenants))
             if stack.tenants is not None:
                 from kvtiers.stack.tenants import tenant_bytes_families
 
@@ -298,8 +299,10 @@ def _admin_token(config: StackConfig) -> str | None:
     return token
 
 
-def _admin(token: str | None, manager: TieredManager) -> Callable[[Any], Any] | None:
-    """The maker of the retention admin app over the metrics app (``None``: no token)."""
+def _admin(token: str | None, manager: TieredManager,
+           tenants: TenantStack | None) -> Callable[[Any], Any] | None:
+    """The maker of the retention admin app over the metrics app (``None``: no token);
+    with ``tenants``, its calls name a tenant."""
     if token is None or manager.retention is None:
         return None
     from kvtiers.stack.admin import RetentionAdmin
@@ -307,7 +310,8 @@ def _admin(token: str | None, manager: TieredManager) -> Callable[[Any], Any] | 
     book = manager.retention
     key_bytes = manager.key_format.key_bytes
     hash_bytes = None if key_bytes is None else key_bytes - GROUP_INDEX_BYTES
-    return lambda app: RetentionAdmin(book, token, app, hash_bytes=hash_bytes)
+    keys = None if tenants is None else tenants.keys
+    return lambda app: RetentionAdmin(book, token, app, hash_bytes=hash_bytes, tenants=keys)
 
 
 def _build_tier(
