@@ -395,6 +395,8 @@ def test_admin_refuses_an_unauthenticated_call(admin: tuple[Stack, int, Clock]) 
     ("/admin/pin", {"block_hashes": [], "seconds": 5}, "block_hashes must be"),
     ("/admin/pin", {"token_ids": [1, 2], "seconds": 5}, "token ids are not accepted"),
     ("/admin/unpin", {"block_hashes": [HASH], "seconds": 5}, "unpin takes no seconds"),
+    ("/admin/pin", {"block_hashes": [HASH], "seconds": 5, "tenant": "a"},
+     "tenant needs a stack with a tenants: section"),
 ])
 def test_admin_bad_input_is_a_400(admin: tuple[Stack, int, Clock], path: str, body: Any,
                                   phrase: str) -> None:
@@ -437,3 +439,115 @@ def test_admin_needs_a_token_and_a_metrics_section(monkeypatch: pytest.MonkeyPat
         build({"admin_token_env": "KVT_TEST_ADMIN"}, metrics={"port": 0})
     with pytest.raises(ConfigError, match="add a metrics: section"):
         build({"admin_token_env": "KVT_TEST_ADMIN"})
+
+
+# -- pins per tenant -----------------------------------------------------------------
+
+def tenant_request(name: str, tenant: str, envelope: Any = None) -> ReqContext:
+    params: dict[str, Any] = {"kvtiers_tenant": tenant}
+    if envelope is not None:
+        params["kv_hints"] = envelope
+    return ReqContext(req_id=name, kv_transfer_params=params)
+
+
+def tenant_store(stack: Stack, keys: list[OffloadKey], ctx: ReqContext) -> None:
+    """``store`` through the stack's tenant layer (keys scoped by ``ctx``'s tenant)."""
+    manager = stack.tenants
+    assert manager is not None
+    manager.on_new_request(ctx)
+    accepted = manager.prepare_store(keys, ctx)
+    assert accepted is not None
+    manager.complete_store(accepted, ctx)
+    manager.on_request_finished(ctx)
+
+
+def tenant_build(members: list[dict[str, Any]], cap: int = 2 * SLOT) -> tuple[Stack, Clock]:
+    """A 128 KiB primary (16 chunks), pins capped at ``cap``, tenants ``members``."""
+    return build({"max_pinned_bytes": cap}, capacity="128KiB",
+                 tenants={"members": members})
+
+
+def test_each_tenant_pins_up_to_its_own_cap() -> None:
+    # The cap is 2 chunks per tenant: a's pins up to it leave b's allowance whole; a's
+    # next pin is refused (counted) while b's succeeds.
+    stack, _ = tenant_build([{"name": "a"}, {"name": "b"}])
+    with stack:
+        book = stack.manager.retention
+        assert book is not None
+        tenant_store(stack, [key(0), key(1)], tenant_request("a1", "a", hints(pin_s=100)))
+        assert book.pinned_bytes("a") == 2 * SLOT
+        assert book.pinned_bytes("b") == 0
+        tenant_store(stack, [key(2), key(3)], tenant_request("b1", "b", hints(pin_s=100)))
+        assert book.pinned_bytes("b") == 2 * SLOT
+        tenant_store(stack, [key(4)], tenant_request("a2", "a", hints(pin_s=100)))
+        assert stats(stack)["retention_pins_refused"] == 1
+        assert book.pinned_bytes("a") == 2 * SLOT
+        assert stats(stack)["retention_pinned_bytes"] == 4 * SLOT
+        # b, at its cap too, is refused alike; the default tenant still has its own.
+        tenant_store(stack, [key(5)], tenant_request("b2", "b", hints(pin_s=100)))
+        assert stats(stack)["retention_pins_refused"] == 2
+        tenant_store(stack, [key(6)], request("d1", hints(pin_s=100)))
+        assert book.pinned_bytes("default") == SLOT
+        assert stats(stack)["retention_pins"] == 3
+
+
+def test_a_tenants_cap_is_its_own_at_most_its_cpu_quota() -> None:
+    stack, _ = tenant_build([
+        {"name": "big", "max_pinned_bytes": 6 * SLOT},
+        {"name": "quota", "max_pinned_bytes": 6 * SLOT, "quota": {"cpu": 3 * SLOT}},
+        {"name": "plain"},
+    ])
+    with stack:
+        book = stack.manager.retention
+        assert book is not None
+        assert [book.cap(t) for t in ("big", "quota", "plain", "default")] == [
+            6 * SLOT, 3 * SLOT, 2 * SLOT, 2 * SLOT]
+        tenant_store(stack, [key(i) for i in range(5)],
+                     tenant_request("big", "big", hints(pin_s=100)))
+        assert book.pinned_bytes("big") == 5 * SLOT
+
+
+def test_without_tenants_every_pin_shares_the_stacks_cap() -> None:
+    # Requests naming tenants are one scope when the stack has no tenants: section.
+    stack, _ = build({"max_pinned_bytes": 2 * SLOT}, capacity="128KiB")
+    with stack:
+        assert stack.tenants is None and stack.manager.retention_scope is None
+        store(stack, [key(0), key(1)], tenant_request("a1", "a", hints(pin_s=100)))
+        store(stack, [key(2)], tenant_request("b1", "b", hints(pin_s=100)))
+        assert stats(stack)["retention_pins_refused"] == 1
+        assert stats(stack)["retention_pinned_bytes"] == 2 * SLOT
+
+
+def test_admin_pins_by_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A tenant's hashes are scoped as its requests' keys are, and its pins count against
+    # its own cap (2 chunks): a's over-cap pin is a 409, b's pin after it lands.
+    pytest.importorskip("prometheus_client")
+    monkeypatch.setenv("KVT_TEST_ADMIN", TOKEN)
+    stack, _ = build({"admin_token_env": "KVT_TEST_ADMIN", "max_pinned_bytes": 2 * SLOT},
+                     capacity="128KiB", metrics={"port": 0},
+                     tenants={"members": [{"name": "a"}, {"name": "b"}]})
+    with stack:
+        assert stack.metrics is not None and stack.tenants is not None
+        port = stack.metrics.port
+        book = stack.manager.retention
+        assert book is not None
+        scope = stack.tenants.keys.scope
+        two = [(i).to_bytes(16, "big").hex() for i in (7, 8)]
+        assert call(port, "/admin/pin", {"block_hashes": two, "seconds": 60,
+                                         "tenant": "a"}) == (200, {"pinned": 2, "seconds": 60.0})
+        assert book.is_pinned(scope(key(7), "a")) and not book.is_pinned(key(7))
+        assert book.pinned_bytes("a") == 2 * SLOT
+        status, answer = call(port, "/admin/pin", {"block_hashes": [(9).to_bytes(16, "big").hex()],
+                                                   "seconds": 60, "tenant": "a"})
+        assert status == 409 and "tenant 'a'" in answer["error"]
+        assert call(port, "/admin/pin", {"block_hashes": two, "seconds": 60,
+                                         "tenant": "b"})[0] == 200
+        assert book.is_pinned(scope(key(7), "b"))
+        # No tenant named: the default tenant's chunks (keys unchanged), its own cap.
+        assert call(port, "/admin/pin", {"block_hashes": [HASH], "seconds": 60})[0] == 200
+        assert book.is_pinned(key(7)) and book.pinned_bytes("default") == SLOT
+        status, answer = call(port, "/admin/unpin", {"block_hashes": [HASH], "tenant": "c"})
+        assert status == 400 and "no tenant 'c'" in answer["error"]
+        assert call(port, "/admin/unpin", {"block_hashes": two, "tenant": "a"}) == (
+            200, {"unpinned": 2})
+        assert book.pinned_bytes("a") == 0

@@ -22,8 +22,9 @@ class RetentionConfig(Section):
     endpoint sets retention)."""
     max_pinned_bytes: Size | None = None
     """The most bytes pinned at once (a block hash counts one primary slot per KV-cache
-    group); a pin past it is refused whole, counted and warned about. Default: half the
-    primary's capacity, so pins never fill it."""
+    group); a pin past it is refused whole, counted and warned about. With a ``tenants:``
+    section it caps each tenant's pins (unless the member sets its own). Default: half
+    the primary's capacity, so pins never fill it."""
     max_pin_s: Annotated[float, Range(0, above=True)] = 86400.0
     """The longest pin a hint or the admin endpoint may ask for, seconds."""
     max_ttl_s: Annotated[float, Range(0, above=True)] = 30 * 86400.0

@@ -22,7 +22,7 @@ from typing import Annotated, Any, ClassVar
 
 from kvtiers.config.paths import item_path, key_path
 from kvtiers.config.schema import Matches, Section, example, suggestion
-from kvtiers.config.sizes import parse_size
+from kvtiers.config.sizes import Size, parse_size
 from kvtiers.errors import ConfigError
 
 TENANTS_PATH = "tenants"
@@ -74,6 +74,10 @@ class TenantSection(Section):
     protected: Mapping[str, Any] = field(default_factory=dict)
     """Bytes of this tenant's chunks, per tier named, that other tenants' stores never
     evict (at most its quota there)."""
+    max_pinned_bytes: Size | None = None
+    """The most bytes this tenant's retention pins hold at once, with a ``retention:``
+    section (docs/retention.md); a pin past it is refused whole. Default: the retention
+    section's ``max_pinned_bytes``; never more than this tenant's quota on the primary."""
 
     def _check(self) -> None:
         quota = _sizes(self.quota, "quota")

@@ -3,13 +3,15 @@ endpoint").
 
 ``POST /admin/pin``, ``/admin/unpin`` and ``/admin/expire`` take a JSON object::
 
-    {"block_hashes": ["<hex>", ...], "seconds": 3600}
+    {"block_hashes": ["<hex>", ...], "seconds": 3600, "tenant": "team-a"}
 
 ``block_hashes`` are the hex digests of chunks' block hashes as vLLM hashes them (the
 last block hash of each chunk: the one its offload key carries, which the self-describing
 ``BlockStored`` events list last); ``seconds`` is how long a pin lasts (required for
 ``pin``, at most ``retention.max_pin_s``) or, for ``expire``, how long from now the
-chunks expire (default 0: now). Token ids are not accepted: vLLM's block hashes depend
+chunks expire (default 0: now). ``tenant`` (a stack with a ``tenants:`` section only)
+names whose chunks the hashes are, and whose pin cap a pin counts against (default: the
+default tenant); an unknown tenant is a 400. Token ids are not accepted: vLLM's block hashes depend
 on the engine's hash seed, ``cache_salt``, LoRA and multi-modal inputs, which this
 endpoint cannot reproduce.
 
@@ -26,9 +28,13 @@ import hmac
 import json
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
 from kvtiers.policies.retention import RetentionBook
+
+if TYPE_CHECKING:
+    from kvtiers.stack.tenants import TenantKeys
 
 #: The paths the endpoint answers, and the action each names.
 ACTIONS = ("pin", "unpin", "expire")
@@ -53,16 +59,18 @@ class AdminError(Exception):
 
 class RetentionAdmin:
     """The WSGI app of ``/admin/*`` over ``book``; other paths go to ``fallback`` (the
-    metrics app). ``hash_bytes`` is the length of a block hash (``None``: any length)."""
+    metrics app). ``hash_bytes`` is the length of a block hash (``None``: any length);
+    ``tenants``, a ``tenants:`` section's keys, scopes hashes and pins by tenant."""
 
     def __init__(self, book: RetentionBook, token: str, fallback: WsgiApp, *,
-                 hash_bytes: int | None) -> None:
+                 hash_bytes: int | None, tenants: TenantKeys | None = None) -> None:
         if not token:
             raise ValueError("the admin endpoint needs a non-empty token")
         self.book = book
         self._token = token.encode()
         self._fallback = fallback
         self.hash_bytes = hash_bytes
+        self.tenants = tenants
 
     def __call__(self, environ: dict[str, Any], start: StartResponse) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
@@ -109,10 +117,11 @@ class RetentionAdmin:
         return data
 
     def _hashes(self, data: dict[str, Any]) -> list[bytes]:
-        unknown = sorted(set(data) - {"block_hashes", "seconds"})
+        unknown = sorted(set(data) - {"block_hashes", "seconds", "tenant"})
         if unknown:
             raise AdminError("400 Bad Request", f"unknown key(s) {', '.join(unknown)}; "
-                             "known: block_hashes, seconds (token ids are not accepted)")
+                             "known: block_hashes, seconds, tenant (token ids are not "
+                             "accepted)")
         raw = data.get("block_hashes")
         if not isinstance(raw, list) or not raw or len(raw) > MAX_HASHES:
             raise AdminError("400 Bad Request",
@@ -130,6 +139,31 @@ class RetentionAdmin:
             hashes.append(value)
         return hashes
 
+    def _tenant(self, data: dict[str, Any]) -> str | None:
+        """The tenant ``data`` names (the default one when none), ``None`` without
+        tenants."""
+        name = data.get("tenant")
+        if self.tenants is None:
+            if name is not None:
+                raise AdminError("400 Bad Request", "tenant needs a stack with a tenants: "
+                                 "section; this one has none")
+            return None
+        if name is None:
+            return self.tenants.default
+        if not isinstance(name, str) or name not in self.tenants.names:
+            raise AdminError("400 Bad Request", f"no tenant {str(name)[:80]!r}; the "
+                             f"tenants: {', '.join(self.tenants.names)}")
+        return name
+
+    def _scoped(self, hashes: list[bytes], tenant: str | None) -> list[bytes]:
+        """``hashes`` as ``tenant``'s chunks carry them (a tenant's keys are scoped)."""
+        if self.tenants is None or tenant is None:
+            return hashes
+        group = bytes(GROUP_INDEX_BYTES)
+        scope = self.tenants.scope
+        return [bytes(scope(OffloadKey(h + group), tenant))[:-GROUP_INDEX_BYTES]
+                for h in hashes]
+
     def _seconds(self, data: dict[str, Any], required: bool, limit: float) -> float | None:
         value = data.get("seconds")
         if value is None:
@@ -144,7 +178,8 @@ class RetentionAdmin:
 
     def _act(self, action: str, data: dict[str, Any]) -> dict[str, Any]:
         book = self.book
-        hashes = self._hashes(data)
+        tenant = self._tenant(data)
+        hashes = self._scoped(self._hashes(data), tenant)
         if action == "unpin":
             if "seconds" in data:
                 raise AdminError("400 Bad Request", "unpin takes no seconds")
@@ -154,9 +189,11 @@ class RetentionAdmin:
             return {"expired": book.expire_hashes(hashes, book.clock() + delay), "in_s": delay}
         seconds = self._seconds(data, True, book.max_pin_s)
         assert seconds is not None
-        if not book.pin_hashes(hashes, book.clock() + seconds):
+        if not book.pin_hashes(hashes, book.clock() + seconds, tenant):
+            whose = "" if tenant is None else f"tenant {tenant!r}'s "
             raise AdminError("409 Conflict", f"pinning {len(hashes)} chunk(s) would pass "
-                             "retention.max_pinned_bytes; nothing was pinned")
+                             f"{whose}pin cap (retention.max_pinned_bytes); nothing was "
+                             "pinned")
         return {"pinned": len(hashes), "seconds": seconds}
 
 

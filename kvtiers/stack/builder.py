@@ -178,7 +178,8 @@ def load_stack(
         manager.refresh_stats_snapshot()
         try:
             stack.metrics = serve_metrics(manager, config.metrics.addr, config.metrics.port,
-                                          manager.latency, admin=_admin(token, manager))
+                                          manager.latency,
+                                          admin=_admin(token, manager, stack.tenants))
             if stack.tenants is not None:
                 from kvtiers.stack.tenants import tenant_bytes_families
 
@@ -261,7 +262,24 @@ def retention_book(config: StackConfig, identity: OffloadingConfig) -> Retention
         capacity = getattr(config.tiers[0], "capacity", None)
         cap = 0 if capacity is None else int(capacity) // 2
     return RetentionBook(hash_bytes=hash_bytes, max_pinned_bytes=cap,
-                         max_pin_s=section.max_pin_s, max_ttl_s=section.max_ttl_s)
+                         max_pin_s=section.max_pin_s, max_ttl_s=section.max_ttl_s,
+                         cap_for=None if config.tenants is None else tenant_pin_caps(
+                             config, cap))
+
+
+def tenant_pin_caps(config: StackConfig, stack_cap: int) -> Callable[[str | None], int]:
+    """The pin cap of each scope of a stack with a ``tenants:`` section: a tenant's own
+    ``max_pinned_bytes``, else ``stack_cap`` (the retention section's), at most its
+    quota on the primary; scope ``None`` (an admin pin naming no tenant) and an unlisted
+    tenant have ``stack_cap``."""
+    assert config.tenants is not None
+    primary = config.tiers[0].name
+    caps: dict[str | None, int] = {}
+    for tenant in config.tenants.members:
+        cap = stack_cap if tenant.max_pinned_bytes is None else tenant.max_pinned_bytes
+        quota = tenant.quota_bytes().get(primary)
+        caps[tenant.name] = cap if quota is None else min(cap, quota)
+    return lambda scope: caps.get(scope, stack_cap)
 
 
 def _admin_token(config: StackConfig) -> str | None:
@@ -281,8 +299,10 @@ def _admin_token(config: StackConfig) -> str | None:
     return token
 
 
-def _admin(token: str | None, manager: TieredManager) -> Callable[[Any], Any] | None:
-    """The maker of the retention admin app over the metrics app (``None``: no token)."""
+def _admin(token: str | None, manager: TieredManager,
+           tenants: TenantStack | None) -> Callable[[Any], Any] | None:
+    """The maker of the retention admin app over the metrics app (``None``: no token);
+    with ``tenants``, its calls name a tenant."""
     if token is None or manager.retention is None:
         return None
     from kvtiers.stack.admin import RetentionAdmin
@@ -290,7 +310,8 @@ def _admin(token: str | None, manager: TieredManager) -> Callable[[Any], Any] | 
     book = manager.retention
     key_bytes = manager.key_format.key_bytes
     hash_bytes = None if key_bytes is None else key_bytes - GROUP_INDEX_BYTES
-    return lambda app: RetentionAdmin(book, token, app, hash_bytes=hash_bytes)
+    keys = None if tenants is None else tenants.keys
+    return lambda app: RetentionAdmin(book, token, app, hash_bytes=hash_bytes, tenants=keys)
 
 
 def _build_tier(

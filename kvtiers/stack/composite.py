@@ -180,6 +180,10 @@ class TieredManager(OffloadingManager):
         self.retention: RetentionBook | None = None
         #: Whether requests' ``kv_hints`` are read (``retention.hints``).
         self.retention_hints = True
+        #: The scope of a request's pins (its tenant, set by a ``tenants:`` section's
+        #: :class:`~kvtiers.stack.tenants.TenantStack`); ``None``: every pin is the
+        #: stack's, under the one cap.
+        self.retention_scope: Callable[[ReqContext], str] | None = None
         self._arrivals = Arrivals(holder, self._lower, lambda: self.clock(), self._stats)
 
     @property
@@ -458,14 +462,15 @@ class TieredManager(OffloadingManager):
 
     def _retain(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         """Record the retention ``ctx``'s request asked for (parsed once per request) for
-        the ``keys`` it stores or loads."""
+        the ``keys`` it stores or loads, its pins in the request's scope (its tenant)."""
         book = self.retention
         assert book is not None
         parsed = ctx.get_state(_Hint)
         if parsed is None:
             parsed = _Hint(parse_hint(ctx, book) if self.retention_hints else None)
             ctx.set_state(parsed)
-        book.record(keys, parsed.hint)
+        scope = None if self.retention_scope is None else self.retention_scope(ctx)
+        book.record(keys, parsed.hint, scope)
 
     def get_spec(self, keys: Collection[OffloadKey]) -> LoadStoreSpec:
         if self._closed:

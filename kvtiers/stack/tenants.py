@@ -188,6 +188,8 @@ class TenantStack(OffloadingManager):
                  refresh_s: float = 1.0) -> None:
         self.inner = inner
         self.keys = TenantKeys(config)
+        # A request's pins count against its tenant's cap (the book's cap_for).
+        inner.retention_scope = self.keys.tenant_of
         names = [tier.name for tier in inner.tiers]
         self._quota: list[dict[str, int]] = [{} for _ in names]
         self._protected: list[dict[str, int]] = [{} for _ in names]
