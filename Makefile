@@ -86,7 +86,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 typecheck: $(STAMP)
-	$(VENV)/bin/mypy kvtiers tests
+	$(VENV)/bin/mypy kvtiers tests benchmarks
 
 # KVTIERS_REQUIRE_SGLANG: the SGLang tests fail instead of skipping if SGLang is missing.
 pytest: $(STAMP) prometheus-tools

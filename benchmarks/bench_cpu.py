@@ -28,6 +28,7 @@ import sys
 import time
 import tracemalloc
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,7 +84,8 @@ def bench_worker(
     blocks_per_group = max(per_chunk, total_bytes // (num_groups * LAYERS_PER_GROUP * page_bytes))
     blocks_per_group -= blocks_per_group % per_chunk
     num_blocks = 2 * blocks_per_group  # room to load into blocks other than the stored ones
-    tensors, groups = [], []
+    tensors: list[torch.Tensor] = []
+    groups = []
     for _ in range(num_groups):
         refs = []
         for _ in range(LAYERS_PER_GROUP):
@@ -219,7 +221,7 @@ def bench_scheduler(
 
 
 # -- (c) memory per tracked chunk ----------------------------------------------------
-def bench_memory(policy: str, chunks: int) -> dict[str, float]:
+def bench_memory(policy: str, chunks: int) -> dict[str, Any]:
     """Bytes per tracked chunk after a fill, and after a full turnover (as many evicting
     stores as the tier holds: CPython's dicts regrow under churn, and ghost lists fill)."""
     keys = random_keys(chunks, seed=3)
@@ -418,7 +420,7 @@ def main() -> None:
     total = (16 if args.quick else 64) << 20
     repeats = args.repeats or (3 if args.quick else 7)
     note = machine_note(torch=torch.__version__, torch_threads=torch.get_num_threads())
-    results: dict[str, object] = {
+    results: dict[str, Any] = {
         "machine": note,
         "quick": args.quick,
         "command": " ".join(sys.argv[1:]),

@@ -87,7 +87,7 @@ from harness import (
 from kvtiers.core.geometry import ChunkGeometry
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext
-from kvtiers.core.specs import CPULoadStoreSpec
+from kvtiers.core.specs import CPULoadStoreSpec, LoadStoreSpec
 from kvtiers.filemapper import FileMapper, NamespaceIdentity
 from kvtiers.tiers.file.io import PosixBackend, PublishSettings
 from kvtiers.tiers.file.manager import FileTierManager
@@ -282,7 +282,7 @@ class KvtiersFiles:
     def paths(self, keys: Sequence[OffloadKey]) -> list[Path]:
         return [self.mapper.path(key) for key in keys]
 
-    def _job(self, src: object, dst: object) -> tuple[float, Any]:
+    def _job(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[float, Any]:
         start = time.perf_counter()
         self.mover.submit(next(self.jobs), src, dst)
         self.mover.drain()
@@ -704,7 +704,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"took {elapsed:.0f} s")
     if args.quick or args.no_write:
         return 0
-    data = {
+    report = {
         "machine": finish_note(note),
         "command": " ".join(["/tmp/lmcache-venv/bin/python benchmarks/bench_lmcache.py",
                              *sys.argv[1:]]),
@@ -713,8 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "integrity": {"kvtiers": kvt, "lmcache": lmc}, "lmcache_remove_drift": drift,
     }
     notes = kept_section(args.out / "lmcache.md", NOTES)
-    page = render(data) + ("\n" + notes if notes else "")
-    for path in write_result(to_document("lmcache", data, **LAYOUT), args.out, "lmcache", page):
+    page = render(report) + ("\n" + notes if notes else "")
+    for path in write_result(to_document("lmcache", report, **LAYOUT), args.out, "lmcache", page):
         print(f"wrote {path}")
     return 0
 
