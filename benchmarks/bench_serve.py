@@ -1886,6 +1886,23 @@ def merge_ladder(results: dict[str, Any], ladder_run: dict[str, Any]) -> dict[st
     return {**results, "groups": groups, "records": records, "ladder_run": ladder_run}
 
 
+Side = Callable[[int], list[dict[str, Any]]]
+
+
+def alternating_rounds(rounds: int, ours: Side, baseline: Side, records: list[dict[str, Any]],
+                       after_round: Callable[[int], None]) -> None:
+    """``rounds`` rounds of ``ours`` beside ``baseline``, which goes first alternating (so
+    a drift in the machine's load does not favour one side); each record is tagged with
+    its round and appended to ``records``, and ``after_round(r)`` runs after round ``r``."""
+    for r in range(rounds):
+        sides = (ours, baseline) if r % 2 == 0 else (baseline, ours)
+        for side in sides:
+            for record in side(r):
+                record["round"] = r
+                records.append(record)
+        after_round(r)
+
+
 def run_ladder(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -> None:
     """Only the ladder, through the phases that load it from each tier and the baseline's
     recompute, ``plan.rounds`` rounds (which side goes first alternating); merged into
@@ -1910,13 +1927,8 @@ def run_ladder(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | 
     s3.start()
     try:
         runner = Runner(args, model, scratch, s3, [group], tokenizer, ladder_only=True)
-        for r in range(plan.rounds):
-            sides = (runner.kvtiers, runner.baseline) if r % 2 == 0 else (
-                runner.baseline, runner.kvtiers)
-            for side in sides:
-                for record in side(r):
-                    record["round"] = r
-                    ladder_run["records"].append(record)
+
+        def after_round(r: int) -> None:
             ladder_run["rounds_done"] = r + 1
             note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
             ladder_run["machine"] = finish_note(note)
@@ -1924,6 +1936,9 @@ def run_ladder(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | 
             if out is not None:
                 # What a run cut short measured stays.
                 merge_into(out, lambda results: merge_ladder(results, ladder_run))
+
+        alternating_rounds(plan.rounds, runner.kvtiers, runner.baseline,
+                           ladder_run["records"], after_round)
     finally:
         s3.stop()
     summary = summarize_ladder(ladder_run)
@@ -1966,13 +1981,8 @@ def run_service(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path |
           flush=True)
     s3 = S3Servers(scratch)  # not started: the service mode's servers use no S3
     runner = Runner(args, model, scratch, s3, groups, tokenizer)
-    for r in range(plan.rounds):
-        sides = (runner.service, runner.baseline) if r % 2 == 0 else (
-            runner.baseline, runner.service)
-        for side in sides:
-            for record in side(r):
-                record["round"] = r
-                service["records"].append(record)
+
+    def after_round(r: int) -> None:
         service["rounds_done"] = r + 1
         note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
         note.update(finish_note(note))
@@ -1980,6 +1990,9 @@ def run_service(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path |
         if out is not None:
             # What a run cut short measured stays.
             merge_into(out, lambda results: {**results, "service": service})
+
+    alternating_rounds(plan.rounds, runner.service, runner.baseline, service["records"],
+                       after_round)
     for t in summarize_service(service)["targets"]:
         target = "" if t["target"] is None else f" (target <= {t['target']}x)"
         print(f"service: {t['what']}: median {t['median']:.2f}x, p90 {t['p90']:.2f}x, "
@@ -2014,13 +2027,8 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
           flush=True)
     try:
         runner = Runner(args, model, scratch, s3, groups, tokenizer, noreuse_groups)
-        for r in range(plan.rounds):
-            sides = (runner.kvtiers, runner.baseline) if r % 2 == 0 else (
-                runner.baseline, runner.kvtiers)
-            for side in sides:
-                for record in side(r):
-                    record["round"] = r
-                    results["records"].append(record)
+
+        def after_round(r: int) -> None:
             noreuse_round(runner, results["noreuse"], r, started)
             results["rounds_done"] = r + 1
             note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
@@ -2029,6 +2037,9 @@ def run(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path | None) -
             if out is not None:
                 # What a run cut short measured stays (--render redraws it).
                 write(results, out)
+
+        alternating_rounds(plan.rounds, runner.kvtiers, runner.baseline, results["records"],
+                           after_round)
         if not args.no_gil:
             chunk = args.block_size * LLAMA_KV_BYTES_PER_TOKEN
             results["gil"] = measure_gil(s3, chunk, 20 if args.quick else 200)

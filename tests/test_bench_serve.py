@@ -92,6 +92,24 @@ def test_multiturn_trace_repeats_each_conversation_so_far(tmp_path: Path) -> Non
             assert len(after["hash_ids"]) == len(before["hash_ids"]) + 4
 
 
+def test_rounds_alternate_which_side_goes_first() -> None:
+    order: list[tuple[str, int]] = []
+    finished: list[int] = []
+
+    def side(name: str) -> Any:
+        def run(r: int) -> list[dict[str, Any]]:
+            order.append((name, r))
+            return [{"phase": name}]
+        return run
+
+    records: list[dict[str, Any]] = []
+    bench.alternating_rounds(3, side("ours"), side("base"), records, finished.append)
+    assert order == [("ours", 0), ("base", 0), ("base", 1), ("ours", 1), ("ours", 2),
+                     ("base", 2)]
+    assert [(r["phase"], r["round"]) for r in records] == order
+    assert finished == [0, 1, 2]
+
+
 def test_targets_pair_the_sides_within_each_round() -> None:
     summary = bench.summarize(_results())
     targets = {t["what"]: t["ratio"] for t in summary["targets"]}
