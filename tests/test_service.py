@@ -507,6 +507,81 @@ def test_metrics_export_the_pool_namespaces_and_engines(tmp_path: Path, pool_nam
         assert proc.stop() == 0
 
 
+def test_an_engine_of_another_wire_protocol_is_refused_with_the_reason(
+    service: ServiceProcess, monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from kvtiers.errors import ConfigError
+    from kvtiers.stack.builder import load_stack
+
+    # An engine of the release before the protocol was versioned sends no protocol.
+    old = _raw(service)
+    old.sendall(_framed(["Attach", 0, IDENTITY, SLOT, "old"]))
+    reply = _reply_then_closed(old)
+    assert isinstance(reply, p.Error) and "wire protocol 1" in reply.message
+    # A newer one: refused at start with the reason, not "no service answers".
+    monkeypatch.setattr(p, "PROTOCOL", p.PROTOCOL + 1)
+    with pytest.raises(ServiceDown, match="run the same kvtiers release"):
+        ServiceClient(service.socket, IDENTITY, SLOT, timeout_s=5.0)
+    assert any("run the same kvtiers release" in r.getMessage() for r in caplog.records)
+    config = {"tiers": [{"kind": "service", "socket": str(service.socket)}], "model": MODEL}
+    with pytest.raises(ConfigError, match="wire protocol") as info:
+        load_stack(config)
+    assert "start it with kvtiers serve" not in str(info.value)
+    monkeypatch.undo()
+    good = engine(service)
+    assert store(good, keys(1)) == keys(1)
+    good.shutdown()
+
+
+def test_each_engine_reports_its_lookups_and_hits_to_the_service(tmp_path: Path,
+                                                                 pool_name: str) -> None:
+    pytest.importorskip("prometheus_client")
+    from kvtiers.testing.serve import free_port, scrape
+
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
+    )
+    port = free_port()
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT, metrics_port=port)
+    proc.start(fresh=True)
+    try:
+        writer = engine(proc)
+        stored = store(writer, keys(3))
+        # One engine per process here (both would have the same pid label).
+        writer.shutdown()
+        reader = engine(proc)
+        ctx = ReqContext("r")
+        # The reader's lookups read the mirror: the service hears of them only by report.
+        answers = [reader.lookup(k, ctx) for k in [*stored, *keys(2, salt=9)]]
+        assert answers == [HIT] * 3 + [MISS] * 2
+        reader.flush(wait=True)
+        engines = read_status(proc.socket)["engines"]
+        assert [(e["lookups"], e["hits"]) for e in engines] == [(5, 3)]
+        samples = scrape(f"http://127.0.0.1:{port}/metrics")
+        looked = {k: v for k, v in samples.items()
+                  if k.startswith("kvtiers_service_engine_lookups_total{")}
+        hits = {k: v for k, v in samples.items()
+                if k.startswith("kvtiers_service_engine_hits_total{")}
+        assert list(looked.values()) == [5.0] and list(hits.values()) == [3.0]
+        stored_by = {k: v for k, v in samples.items()
+                     if k.startswith("kvtiers_service_engine_stored_bytes_total{")}
+        assert list(stored_by.values()) == [0.0]  # the reader stored nothing
+        store(reader, keys(2, salt=5))
+        assert [(e["stored"], e["stored_bytes"]) for e in
+                read_status(proc.socket)["engines"]] == [(2, 2 * SLOT)]
+        assert str(os.getpid()) in next(iter(looked))
+        liar = ServiceClient(proc.socket, IDENTITY, SLOT, timeout_s=5.0)
+        with pytest.raises(ServiceDown, match="refused a request"):
+            liar.call([p.Report(1, liar.ns, 2, 3)])
+        liar.close()
+        assert read_exact(reader, stored)
+        reader.shutdown()
+    finally:
+        assert proc.stop() == 0
+
+
 def test_an_engines_service_tier_counters_are_on_its_stack_exporter(
     service: ServiceProcess,
 ) -> None:

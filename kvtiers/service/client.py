@@ -33,6 +33,8 @@ from kvtiers.service import protocol as p
 from kvtiers.service.pool import PoolView
 
 log = logging.getLogger("kvtiers.service")
+#: How a :class:`ServiceDown` from an error reply begins.
+REFUSED = "the service refused a request"
 
 #: Bytes of calls an engine keeps unsent while the service is behind before it waits.
 MAX_PENDING = 4 << 20
@@ -78,8 +80,12 @@ class ServiceClient:
         self._next_try = 0.0
         self.downs = 0
         self.reattaches = 0
+        #: Why the service last refused an attach ("" when it did not).
+        self.refusal = ""
         if not self._attach():
-            raise ServiceDown(f"no kvtiers service answers on {self.socket_path}")
+            raise ServiceDown(f"the kvtiers service on {self.socket_path}: {self.refusal}"
+                              if self.refusal else
+                              f"no kvtiers service answers on {self.socket_path}")
 
     @property
     def up(self) -> bool:
@@ -94,12 +100,18 @@ class ServiceClient:
             sock.connect(self.socket_path)
             self.sock = sock
             reply = self._round_trip(
-                [p.Attach(0, self.identity, self.chunk_bytes, self.engine)]
+                [p.Attach(0, self.identity, self.chunk_bytes, self.engine, p.PROTOCOL)]
             )[0]
         except (OSError, ServiceDown) as exc:
             sock.close()
             self.sock = None
             self._next_try = time.monotonic() + self.retry_s
+            refused = isinstance(exc, ServiceDown) and str(exc).startswith(REFUSED)
+            if refused and str(exc) != self.refusal:
+                # A service that answers and says no (another release, a pool's slots
+                # too small): once per reason, not at every retry.
+                log.warning("kvtiers: the service at %s: %s", self.socket_path, exc)
+            self.refusal = str(exc) if refused else ""
             log.debug("kvtiers: attach to %s failed: %s", self.socket_path, exc)
             return False
         assert isinstance(reply, p.Attached)
@@ -262,7 +274,7 @@ class ServiceClient:
         for request, reply in zip(requests, replies, strict=True):
             if isinstance(reply, p.Error):
                 self._down()
-                raise ServiceDown(f"the service refused a request: {reply.message}")
+                raise ServiceDown(f"{REFUSED}: {reply.message}")
             if reply.seq != request.seq:
                 self._down()
                 raise ServiceDown("a reply out of order")

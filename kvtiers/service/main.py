@@ -165,7 +165,8 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
               f"{ns['hits']} hits, {ns['adopted']} adopted")
     for engine in state["engines"]:
         print(f"engine pid {engine['pid']} ({engine['engine'] or 'no name'}): namespaces "
-              f"{engine['namespaces']}, {engine['pins']} pins")
+              f"{engine['namespaces']}, {engine['pins']} pins, {engine['hits']} hits of "
+              f"{engine['lookups']} lookups, {engine['stored']} chunks stored")
     lowers = state.get("lower_tiers", [])
     if not lowers:
         print("lower tiers: none (the service runs the pool only)")

@@ -12,15 +12,18 @@ Families: ``kvtiers_service_pool_slots{state}`` (total, used, ready, pinned, lea
 ``kvtiers_service_namespace_{hits,misses,stored}_total{namespace}``,
 ``kvtiers_service_namespace_adopted_chunks{namespace}`` (re-adopted at the last start),
 ``kvtiers_service_namespace_engines{namespace}`` (attached now), ``kvtiers_service_engines``,
-``kvtiers_service_engine_{pins,leased_slots}{pid,engine}``,
+``kvtiers_service_engine_{pins,leased_slots}{pid,engine}``, counters
+``kvtiers_service_engine_{lookups,hits}_total{pid,engine}`` (as each engine reports
+them with its step's end write) and ``kvtiers_service_engine_stored{,_bytes}_total
+{pid,engine}`` (what it stored into the pool),
 ``kvtiers_service_tenant_{bytes,chunks}{tenant}`` (with a ``tenants:`` section: each
 tenant's chunks in the pool, counted by their keys' tags, in whole slots)
 and ``kvtiers_service_events_total{event}`` (attaches, detaches, connections, evictions,
 refused_peers, bad_messages, slow_clients, duplicate_stores, adopted and the
 adoption's torn, corrupt and foreign slots). Engines look chunks up in the mirror
-without a round trip, so a namespace's hits are counted at its pins and an engine's
-lookups only on that engine's own stack exporter (its ``kind: service`` tier's
-``kvtiers_tier_*`` families).
+without a round trip, so a namespace's hits are counted at its pins, and an engine's
+lookups are what it reports (the same counts as its own stack exporter's ``kind:
+service`` tier families, ``kvtiers_tier_*``, as of its last step).
 """
 
 from __future__ import annotations
@@ -91,12 +94,25 @@ class _Collector:
         leased = GaugeMetricFamily("kvtiers_service_engine_leased_slots",
                                    "Slots leased per attached engine (slots)",
                                    labels=["pid", "engine"])
+        engine_counts = {
+            name: CounterMetricFamily(f"kvtiers_service_engine_{name}", help_text,
+                                      labels=["pid", "engine"])
+            for name, help_text in (
+                ("lookups", "Lookups the engine answered from the pool's mirror, as it "
+                 "reports them (lookups)"),
+                ("hits", "Of those, the chunks found in the pool (lookups)"),
+                ("stored", "Chunks the engine stored into the pool (chunks)"),
+                ("stored_bytes", "Bytes the engine stored into the pool (bytes)"))
+        }
         for engine in state["engines"]:
             labels = [str(engine["pid"]), engine["engine"]]
             pins.add_metric(labels, engine["pins"])
             leased.add_metric(labels, engine["leased"])
+            for name, counted in engine_counts.items():
+                counted.add_metric(labels, engine[name])
         yield pins
         yield leased
+        yield from engine_counts.values()
         tenant_bytes = GaugeMetricFamily("kvtiers_service_tenant_bytes",
                                          "Pool bytes held per tenant, in whole slots (bytes)",
                                          labels=["tenant"])

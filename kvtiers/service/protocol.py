@@ -28,13 +28,21 @@ class _Msg(msgspec.Struct, array_like=True, tag=True, forbid_unknown_fields=True
     seq: int
 
 
+#: The wire format's version: an engine attaches only to a service that speaks the same
+#: one (1: the format before it was versioned, whose Attach had no ``protocol``).
+#: Raised with every change of a message's shape or a new message.
+PROTOCOL = 2
+
+
 class Attach(_Msg):
     """Attach a namespace: ``identity`` is the cache identity's canonical JSON (the
-    service takes its sha256 itself); ``chunk_bytes`` the engine's largest chunk."""
+    service takes its sha256 itself); ``chunk_bytes`` the engine's largest chunk;
+    ``protocol`` the engine's :data:`PROTOCOL`."""
 
     identity: bytes
     chunk_bytes: int
     engine: str = ""
+    protocol: int = 1
 
 
 class Reserve(_Msg):
@@ -101,6 +109,17 @@ class Probe(_Msg):
     keys: list[bytes]
 
 
+class Report(_Msg):
+    """The engine's own counts for namespace ``ns`` since the engine started:
+    ``lookups`` it answered from the pool's mirror (no round trip reaches the service
+    for them) and ``hits`` among them. Totals, not increments, so a write lost with a
+    restarted service loses nothing."""
+
+    ns: int
+    lookups: int
+    hits: int
+
+
 #: A :class:`Probe`'s answer per key (its reply's ``slots[i]``).
 PROBE_MISS, PROBE_PENDING, PROBE_RETRY, PROBE_HIT = 0, 1, 2, 3
 
@@ -109,7 +128,9 @@ class Status(_Msg):
     """The service's state (as ``kvtiers status`` shows it)."""
 
 
-Request = Union[Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Probe, Status]  # noqa: UP007
+Request = Union[  # noqa: UP007
+    Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Probe, Report, Status
+]
 
 
 class Attached(_Msg):

@@ -124,6 +124,12 @@ class _Conn:
     reserved: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     leased: set[int] = field(default_factory=set)
     pins: Counter[int] = field(default_factory=Counter)
+    #: The engine's own lookups and hits (its Report: it reads the mirror, not us).
+    lookups: int = 0
+    hits: int = 0
+    #: Chunks (and their bytes) this connection stored into the pool.
+    stored: int = 0
+    stored_bytes: int = 0
     closing: bool = False
 
 
@@ -524,6 +530,12 @@ class Service:
         if isinstance(request, p.Unpin):
             self._unpin(conn, request.slots)
             return p.Done(request.seq)
+        if isinstance(request, p.Report):
+            if not 0 <= request.hits <= request.lookups:
+                raise Refused(f"a report of {request.hits} hits in {request.lookups} "
+                              "lookups")
+            conn.lookups, conn.hits = request.lookups, request.hits
+            return p.Done(request.seq)
         for key in request.keys:
             if not 0 < len(key) <= MAX_KEY:
                 raise Refused(f"a key of {len(key)} bytes (1 to {MAX_KEY} expected)")
@@ -547,6 +559,12 @@ class Service:
         return p.Slots(request.seq, [ns.ready.get(key, PRESENT) for key in request.keys])
 
     def _attach(self, conn: _Conn, request: p.Attach) -> p.Reply:
+        if request.protocol != p.PROTOCOL:
+            raise Refused(
+                f"the engine speaks the service's wire protocol {request.protocol}, this "
+                f"service {p.PROTOCOL}: run the same kvtiers release in the engines and "
+                "the service"
+            )
         if request.chunk_bytes > self.pool.slot_bytes or request.chunk_bytes < 1:
             raise Refused(
                 f"chunks of {request.chunk_bytes} bytes do not fit the pool's slots of "
@@ -819,6 +837,8 @@ class Service:
                     continue
             self._publish(ns, key, slot, length)
             ns.stored += 1
+            conn.stored += 1
+            conn.stored_bytes += length
             outcome.append(1)
         stored = [key for key, done in zip(request.keys, outcome, strict=True) if done == 1]
         self._trim(stored)
@@ -919,6 +939,10 @@ class Service:
                     "engine": conn.engine,
                     "namespaces": sorted(conn.attached),
                     "pins": sum(conn.pins.values()),
+                    "lookups": conn.lookups,
+                    "hits": conn.hits,
+                    "stored": conn.stored,
+                    "stored_bytes": conn.stored_bytes,
                     "reserved": len(conn.reserved),
                     "leased": len(conn.leased),
                 }

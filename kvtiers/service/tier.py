@@ -47,7 +47,7 @@ from kvtiers.core.manager import (
 from kvtiers.core.primary import SlotState
 from kvtiers.errors import UnknownKeyError
 from kvtiers.service import protocol as p
-from kvtiers.service.client import ServiceClient, ServiceDown
+from kvtiers.service.client import REFUSED, ServiceClient, ServiceDown
 from kvtiers.service.pool import tag_of
 from kvtiers.service.server import NO_ROOM
 from kvtiers.service.worker import CheckedSlots, ServiceWorker
@@ -139,6 +139,8 @@ class ServiceTierManager(OffloadingManager):
         self._step = 0
         self._probe_queue: list[bytes] = []
         self._probing: dict[OffloadKey, list[int]] = {}
+        #: The (lookups, hits) last sent in a Report (None: none this session).
+        self._reported: tuple[int, int] | None = None
         self.stats = {"lookups": 0, "hits": 0, "round_trips": 0, "lost_loads": 0,
                       "down_lookups": 0, "duplicate_stores": 0, "pins_missed": 0,
                       "owed_waits": 0, "probes": 0, "probes_given_up": 0}
@@ -160,6 +162,7 @@ class ServiceTierManager(OffloadingManager):
     def _new_session(self) -> None:
         """The service restarted (or we reattached): what we held belongs to no one."""
         self._session = self.client.session
+        self._reported = None
         self._reserved.clear()
         self._lease.clear()
         for entry in self._pinned.values():
@@ -177,7 +180,8 @@ class ServiceTierManager(OffloadingManager):
 
     def _queued(self, lease: bool) -> list[p.Request]:
         """The queued commits, pins and unpins (each pin before any unpin of its slot),
-        and a lease top-up, as requests (taken from the queues)."""
+        probes, the engine's lookup counts when they changed, and a lease top-up, as
+        requests (taken from the queues)."""
         client = self.client
         size = client.chunk_bytes
         queued: list[p.Request] = []
@@ -206,6 +210,11 @@ class ServiceTierManager(OffloadingManager):
             queued.append(p.Probe(client.next_seq(), client.ns,
                                   self._probe_queue[at : at + COMMIT_BATCH]))
         self._probe_queue = []
+        counts = (self.stats["lookups"], self.stats["hits"])
+        if counts != self._reported:
+            # The service's per-engine counts (it sees no lookup: they read the mirror).
+            queued.append(p.Report(client.next_seq(), client.ns, *counts))
+            self._reported = counts
         if self._lease_min and lease:
             target = min(self._lease_cap,
                          max(self._lease_min, LEASE_STEPS * self._stored_since_flush))
@@ -533,8 +542,7 @@ def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
                                geometry.max_chunk_bytes, engine=identity.namespace,
                                timeout_s=config.timeout_s, retry_s=config.retry_s)
     except ServiceDown as exc:
-        raise ConfigError(f"tier {name!r}: {exc}; start it with kvtiers serve",
-                          path="socket") from None
+        raise ConfigError(f"tier {name!r}: {exc}{_start_hint(exc)}", path="socket") from None
     manager = ServiceTierManager(client, lease_slots=config.lease_slots)
     region = manager.region
 
@@ -563,8 +571,7 @@ def attach_rank(config: ServiceTierConfig, offloading: OffloadingConfig, kv: KVC
                                engine=identity.namespace, timeout_s=config.timeout_s,
                                retry_s=config.retry_s)
     except ServiceDown as exc:
-        raise ConfigError(f"{exc}; start it with kvtiers serve", path="tiers[0].socket"
-                          ) from None
+        raise ConfigError(f"{exc}{_start_hint(exc)}", path="tiers[0].socket") from None
     assert client.pool is not None
     try:
         return ServiceWorker(kv, client.pool, rank_geometry, shard=shard,
@@ -572,3 +579,8 @@ def attach_rank(config: ServiceTierConfig, offloading: OffloadingConfig, kv: KVC
     except BaseException:
         client.close()
         raise
+
+
+def _start_hint(exc: ServiceDown) -> str:
+    # A service that answered and refused is running: its reason says what to change.
+    return "" if REFUSED in str(exc) else "; start it with kvtiers serve"
