@@ -441,6 +441,12 @@ class S3Servers:
         return boto3.client("s3", endpoint_url=url, region_name="us-east-1",
                             aws_access_key_id="testing", aws_secret_access_key="testing")
 
+    def count_objects(self, prefix: str) -> int:
+        """Objects under ``prefix`` on SeaweedFS (not timed)."""
+        client = self._client(self.seaweed.endpoint_url)
+        return sum(page.get("KeyCount", 0) for page in client.get_paginator(
+            "list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix))
+
     def copy_to_moto(self, prefix: str) -> int:
         """Copy every object under ``prefix`` from SeaweedFS to moto (not timed)."""
         source, target = self._client(self.seaweed.endpoint_url), self._client(self.moto_url)
@@ -580,51 +586,82 @@ class Runner:
         return records
 
     def service(self, r: int) -> list[dict[str, Any]]:
-        """Round ``r`` through ``kvtiers serve`` (a new service over a new pool): *cold*
-        (engine 1 on the empty pool), *engine-restart* (engine 1 again, a new process,
-        the service kept), *second-engine* (another engine beside it on the same
-        service), *service-killed* (the service ``kill -9``-ed before the phase, the
-        second engine's own prefix cache emptied: every lookup misses, it recomputes)
-        and *service-restarted* (the service started again on the same pool, which it
-        re-adopts; the second engine's prefix cache emptied again, so its hits are the
-        re-adopted chunks)."""
+        """Round ``r`` through ``kvtiers serve`` (a new service over a new pool, with an
+        S3 tier on SeaweedFS below it, ``write: through`` under a prefix of the round's):
+        *cold* (engine 1 on the empty pool; its stores cascade to S3), *engine-restart*
+        (engine 1 again, a new process, the service kept), *second-engine* (another
+        engine beside it on the same service), *service-killed* (the service
+        ``kill -9``-ed before the phase, the second engine's own prefix cache emptied:
+        every lookup misses, it recomputes), *service-restarted* (the service started
+        again on the same pool, which it re-adopts; the second engine's prefix cache
+        emptied again, so its hits are the re-adopted chunks) and
+        *second-server-seaweedfs* (what another node sees: a new service on a new,
+        empty pool over the same bucket prefix and a new engine on it, whose hits the
+        service promotes from S3)."""
         from kvtiers.testing.service import ServiceProcess
 
-        pool = Path("/dev/shm", f"kvtiers-bench-serve-{os.getpid()}-{r}")
-        config = self.scratch / f"service-{r}.yaml"
-        config.write_text(json.dumps({"tiers": [{
-            "kind": "cpu", "capacity": self.args.cpu_capacity,
-            "shared_memory_name": pool.name}]}))
-        service = ServiceProcess(config, self.scratch / f"svc-{r}.sock",
-                                 slot_bytes=self.args.slot_bytes
-                                 or self.args.block_size * LLAMA_KV_BYTES_PER_TOKEN)
-        stack = {"tiers": [{"kind": "service", "socket": str(service.socket)}]}
         records: list[dict[str, Any]] = []
+        pools: list[Path] = []
+        services: list[ServiceProcess] = []
 
-        def phase(server: Any, name: str) -> None:
+        def new_service(name: str) -> ServiceProcess:
+            pool = Path("/dev/shm", f"kvtiers-bench-serve-{os.getpid()}-{name}-{r}")
+            pools.append(pool)
+            config = self.scratch / f"service-{name}-{r}.yaml"
+            config.write_text(json.dumps({"tiers": [
+                {"kind": "cpu", "capacity": self.args.cpu_capacity,
+                 "shared_memory_name": pool.name},
+                {"kind": "s3", "bucket": BUCKET, "prefix": f"service{r}",
+                 "endpoint_url": self.s3.seaweed.endpoint_url, "threads": 4},
+            ]}))
+            service = ServiceProcess(config, self.scratch / f"svc-{name}-{r}.sock",
+                                     slot_bytes=self.args.slot_bytes
+                                     or self.args.block_size * LLAMA_KV_BYTES_PER_TOKEN,
+                                     env={k: v for k, v in SERVER_ENV.items()
+                                          if k.startswith("AWS_")})
+            services.append(service)
+            return service
+
+        def phase(service: ServiceProcess, server: Any, name: str) -> None:
             alive = service.proc is not None and service.proc.poll() is None
-            others = {"service": [service.proc.pid] if alive and service.proc else []}
+            others = {**self.s3.pids(),
+                      "service": [service.proc.pid] if alive and service.proc else []}
             records.append(Phase(server, None, others).run(name, "service", self.groups,
                                                             self.tokenizer, self.log))
 
-        service.start(fresh=True)
+        def stack(service: ServiceProcess) -> dict[str, Any]:
+            return {"tiers": [{"kind": "service", "socket": str(service.socket)}]}
+
+        node = new_service("node")
+        node.start(fresh=True)
         try:
-            with self.server(f"svc-engine1-{r}", stack, metrics=False) as (server, _):
-                phase(server, "cold")
-            with self.server(f"svc-engine1-restart-{r}", stack, metrics=False) as (first, _):
-                phase(first, "engine-restart")
-                with self.server(f"svc-engine2-{r}", stack, metrics=False) as (second, _):
-                    phase(second, "second-engine")
-                    service.kill()
+            with self.server(f"svc-engine1-{r}", stack(node), metrics=False) as (server, _):
+                phase(node, server, "cold")
+            with self.server(f"svc-engine1-restart-{r}", stack(node), metrics=False
+                             ) as (first, _):
+                phase(node, first, "engine-restart")
+                with self.server(f"svc-engine2-{r}", stack(node), metrics=False
+                                 ) as (second, _):
+                    phase(node, second, "second-engine")
+                    node.kill()
                     reset_prefix_cache(second.url)
-                    phase(second, "service-killed")
-                    records[-1]["service_ready"] = service.start()
+                    phase(node, second, "service-killed")
+                    records[-1]["service_ready"] = node.start()
                     reset_prefix_cache(second.url)
-                    phase(second, "service-restarted")
+                    phase(node, second, "service-restarted")
+            node.stop()
+            records[-1]["objects_below_pool"] = self.s3.count_objects(f"service{r}")
+            other = new_service("other-node")
+            other.start(fresh=True)
+            with self.server(f"svc-other-node-{r}", stack(other), metrics=False
+                             ) as (server, _):
+                phase(other, server, "second-server-seaweedfs")
         finally:
-            if service.proc is not None and service.proc.poll() is None:
-                service.stop()
-            pool.unlink(missing_ok=True)
+            for service in services:
+                if service.proc is not None and service.proc.poll() is None:
+                    service.stop()
+            for pool in pools:
+                pool.unlink(missing_ok=True)
         return records
 
     def baseline(self, r: int) -> list[dict[str, Any]]:
@@ -1024,19 +1061,28 @@ def render_noreuse(noreuse: dict[str, Any]) -> list[str]:
 
 #: The service mode's phases (``Runner.service``), in the order they run.
 SERVICE_PHASES = ("cold", "engine-restart", "second-engine", "service-killed",
-                  "service-restarted")
-#: Its ratios (issue 41, items 4 and 6): the first request of each prefix, the service's
-#: phase over the baseline's, paired within each round; ``None``: no target, reported.
-SERVICE_TARGETS: tuple[tuple[str, str, str, float | None], ...] = (
-    ("engine restart vs vLLM's local prefix-cache hit", "engine-restart", "warm", 1.25),
+                  "service-restarted", "second-server-seaweedfs")
+#: Its ratios (issue 41, items 4 and 6): (label, service phase, baseline phase, statistic
+#: of :func:`group_stats`, target), the service's phase over the baseline's, paired
+#: within each round; ``None``: no target, reported. ``first_mean`` is the first request
+#: of each prefix; ``tpot_mean`` the decode time per token of the phase's requests.
+SERVICE_TARGETS: tuple[tuple[str, str, str, str, float | None], ...] = (
+    ("engine restart vs vLLM's local prefix-cache hit", "engine-restart", "warm",
+     "first_mean", 1.25),
     ("second engine on the node vs vLLM's local prefix-cache hit", "second-engine", "warm",
-     1.25),
-    ("engine restart vs recompute", "engine-restart", "restart", 0.25),
-    ("second engine on the node vs recompute", "second-engine", "restart", 0.25),
-    ("service restarted (re-adopted pool) vs recompute", "service-restarted", "restart",
+     "first_mean", 1.25),
+    ("engine restart vs recompute", "engine-restart", "restart", "first_mean", 0.25),
+    ("second engine on the node vs recompute", "second-engine", "restart", "first_mean",
      0.25),
-    ("service killed vs recompute", "service-killed", "restart", None),
-    ("cold (new prompts through the service) vs no offloading", "cold", "cold", None),
+    ("service restarted (re-adopted pool) vs recompute", "service-restarted", "restart",
+     "first_mean", 0.25),
+    ("second server (its own service) through SeaweedFS vs recompute",
+     "second-server-seaweedfs", "restart", "first_mean", 0.4),
+    ("service killed vs recompute", "service-killed", "restart", "first_mean", None),
+    ("cold (new prompts through the service) vs no offloading", "cold", "cold",
+     "first_mean", None),
+    ("TPOT while stores cascade below the pool (cold) vs no offloading", "cold", "cold",
+     "tpot_mean", TARGETS["tpot_cold"]),
 )
 
 
@@ -1074,10 +1120,10 @@ def summarize_service(service: dict[str, Any]) -> dict[str, Any]:
         identical[f"{side}/{phase}"] = (same, total)
     targets = []
     for gname, group in groups.items():
-        for label, phase, base_phase, target in SERVICE_TARGETS:
+        for label, phase, base_phase, key, target in SERVICE_TARGETS:
             ours, base = by.get(("service", phase), {}), by.get(("baseline", base_phase), {})
-            ratios = [group_stats(ours[r]["groups"][gname], group)["first_mean"]
-                      / group_stats(base[r]["groups"][gname], group)["first_mean"]
+            ratios = [group_stats(ours[r]["groups"][gname], group)[key]
+                      / group_stats(base[r]["groups"][gname], group)[key]
                       for r in sorted(set(ours) & set(base))]
             if not ratios:
                 continue
@@ -1124,7 +1170,9 @@ def render_service(service: dict[str, Any]) -> list[str]:
         f"{note.get('start_s', '?')} s; command `{service.get('command', '?')}`). The same "
         "model and prefix groups as above; the servers' stack is one `kind: service` tier, "
         "the service (`kvtiers serve`, its own process) a CPU pool of "
-        f"{service.get('pool', '?')} in `/dev/shm` and no lower tier. Each round: a new "
+        f"{service.get('pool', '?')} in `/dev/shm`"
+        + (" with an S3 tier on SeaweedFS below it (`write: through`, a prefix per round)"
+           if service.get("lower") else " and no lower tier") + ". Each round: a new "
         "service on a new pool; *cold*: engine 1 on the empty pool; *engine-restart*: "
         "engine 1 stopped and started again (a new process), the service kept; "
         "*second-engine*: another engine started beside it on the same service; "
@@ -1132,7 +1180,11 @@ def render_service(service: dict[str, Any]) -> list[str]:
         "engine's own prefix cache emptied (`/reset_prefix_cache`), so every lookup "
         "misses and it recomputes; *service-restarted*: the service started again over "
         "the same pool (re-adopting its chunks after checking each), the second engine's "
-        "prefix cache emptied again, so its hits are re-adopted chunks. Beside them, in "
+        "prefix cache emptied again, so its hits are re-adopted chunks"
+        + ("; *second-server-seaweedfs*: what another node sees, a new service on a new, "
+           "empty pool over the same bucket prefix and a new engine on it (its hits are "
+           "promoted from S3 by the service)" if service.get("lower") else "")
+        + ". Beside them, in "
         "the same rounds (which side goes first alternates), a server without offloading: "
         "*cold*, *warm* (the same server again: vLLM's own local prefix-cache hit) and "
         "*restart* (a new server: recompute). Medians over rounds (lowest-highest); TTFT "
@@ -1972,27 +2024,31 @@ def run_service(args: argparse.Namespace, plan: Plan, scratch: Path, out: Path |
     service: dict[str, Any] = {
         "machine": note, "plan": {**plan.__dict__}, "model": model_text,
         "command": " ".join(["benchmarks/bench_serve.py", *sys.argv[1:]]),
-        "pool": args.cpu_capacity,
+        "pool": args.cpu_capacity, "lower": "s3-seaweedfs",
         "groups": {g.name: {"first": g.first, "lengths": g.lengths} for g in groups},
         "records": [],
     }
     print(f"bench_serve --service: {plan.rounds} round(s), groups "
           f"{', '.join(f'{g.name} ({len(g.requests)})' for g in groups)}; scratch {scratch}",
           flush=True)
-    s3 = S3Servers(scratch)  # not started: the service mode's servers use no S3
-    runner = Runner(args, model, scratch, s3, groups, tokenizer)
+    s3 = S3Servers(scratch)
+    s3.start()
+    try:
+        runner = Runner(args, model, scratch, s3, groups, tokenizer)
 
-    def after_round(r: int) -> None:
-        service["rounds_done"] = r + 1
-        note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
-        note.update(finish_note(note))
-        service["runtime_s"] = time.perf_counter() - started
-        if out is not None:
-            # What a run cut short measured stays.
-            merge_into(out, lambda results: {**results, "service": service})
+        def after_round(r: int) -> None:
+            service["rounds_done"] = r + 1
+            note["start_s"] = f"{min(runner.starts):.0f}-{max(runner.starts):.0f}"
+            note.update(finish_note(note))
+            service["runtime_s"] = time.perf_counter() - started
+            if out is not None:
+                # What a run cut short measured stays.
+                merge_into(out, lambda results: {**results, "service": service})
 
-    alternating_rounds(plan.rounds, runner.service, runner.baseline, service["records"],
-                       after_round)
+        alternating_rounds(plan.rounds, runner.service, runner.baseline, service["records"],
+                           after_round)
+    finally:
+        s3.stop()
     for t in summarize_service(service)["targets"]:
         target = "" if t["target"] is None else f" (target <= {t['target']}x)"
         print(f"service: {t['what']}: median {t['median']:.2f}x, p90 {t['p90']:.2f}x, "

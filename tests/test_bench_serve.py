@@ -260,8 +260,8 @@ def _service() -> dict[str, Any]:
     groups = {"prefix-2048": {"first": [True, False], "lengths": [2048, 2048]}}
 
     def record(side: str, phase: str, r: int, first: float, texts: str = "same",
-               hits: float = 0.0) -> dict[str, Any]:
-        group = {"ttft": [first / 1000, 0.1], "tpot": [0.04, 0.04],
+               hits: float = 0.0, tpot: float = 0.04) -> dict[str, Any]:
+        group = {"ttft": [first / 1000, 0.1], "tpot": [tpot, tpot],
                  "texts": [f"{texts}-0", f"{texts}-1"], "request_throughput": 1.0}
         return {"side": side, "phase": phase, "round": r, "wall_s": 1.0,
                 "groups": {"prefix-2048": group},
@@ -275,12 +275,13 @@ def _service() -> dict[str, Any]:
             record("baseline", "cold", r, 4000 * scale),
             record("baseline", "warm", r, 100 * scale),
             record("baseline", "restart", r, 4000 * scale),
-            record("service", "cold", r, 4400 * scale),
+            record("service", "cold", r, 4400 * scale, tpot=0.04 * (1.0 if r == 0 else 1.1)),
             record("service", "engine-restart", r, 120 * scale, hits=2048),
             record("service", "second-engine", r, 100 * (1.0 if r == 0 else 3.0), hits=2048),
             record("service", "service-killed", r, 4000 * scale,
                    texts="same" if r == 0 else "other"),
             record("service", "service-restarted", r, 200 * scale, hits=2048),
+            record("service", "second-server-seaweedfs", r, 1200 * scale, hits=2048),
         ]
     return {"groups": groups, "records": records, "pool": "2GiB", "command": "c",
             "machine": {"date": "now", "load": "3.0, 3.0, 3.0", "load_end": "4.0, 4.0, 4.0",
@@ -301,6 +302,11 @@ def test_service_ratios_pair_the_rounds_and_need_median_and_p90_within() -> None
     assert targets["service restarted (re-adopted pool) vs recompute"]["median"] == \
         pytest.approx(0.05)
     assert targets["service killed vs recompute"]["met"] is None
+    other_node = targets["second server (its own service) through SeaweedFS vs recompute"]
+    assert other_node["median"] == pytest.approx(0.3) and other_node["met"] is True
+    # TPOT 1.0x then 1.1x: a ratio of the decode time, not of the first request's TTFT.
+    tpot = targets["TPOT while stores cascade below the pool (cold) vs no offloading"]
+    assert (tpot["low"], tpot["high"]) == pytest.approx((1.0, 1.1)) and tpot["met"] is False
     assert summary["identical"]["service/service-killed"] == (2, 4)
     assert summary["identical"]["service/engine-restart"] == (4, 4)
     assert summary["table"]["service/engine-restart/external_hit_tokens"] == (2048,) * 3

@@ -33,8 +33,10 @@ class ServiceProcess:
     """``kvtiers serve`` over ``config`` on ``socket``; :meth:`start` waits for ready."""
 
     def __init__(self, config: Path, socket: Path, *, slot_bytes: int = 4096,
-                 metrics_port: int | None = None) -> None:
+                 metrics_port: int | None = None, env: dict[str, str] | None = None) -> None:
         self.config = config
+        #: Added to this process's environment for the service's (S3 credentials, ...).
+        self.env = env or {}
         self.metrics_port = metrics_port
         self.socket = socket
         self.slot_bytes = slot_bytes
@@ -49,7 +51,8 @@ class ServiceProcess:
         if self.metrics_port is not None:
             command += ["--metrics-port", str(self.metrics_port)]
         self.proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+                                     env={**os.environ, **self.env,
+                                          "PYTHONPATH": os.pathsep.join(sys.path)})
         assert self.proc.stdout is not None
         # Blocks until the service prints it (or exits: an empty line).
         self.ready_line = self.proc.stdout.readline()
