@@ -83,11 +83,13 @@ def start(tmp_path: Path, pool_name: str, lower: str) -> ServiceProcess:
     return proc
 
 
-def engine(socket: Path, *, probe_steps: int = 10**6) -> ServiceTierManager:
+def engine(socket: Path, *, probe_steps: int = 10**6, probe_wait_s: float = 0.0
+           ) -> ServiceTierManager:
     """An engine's tier reserving by round trip; ``probe_steps`` as large as a test that
-    waits for the service's own answer needs."""
+    waits for the service's own answer needs (no bound in time unless asked)."""
     client = ServiceClient(socket, IDENTITY, CHUNK, timeout_s=5.0, retry_s=0.0)
-    return ServiceTierManager(client, liveness_s=0.0, lease_slots=0, probe_steps=probe_steps)
+    return ServiceTierManager(client, liveness_s=0.0, lease_slots=0, probe_steps=probe_steps,
+                              probe_wait_s=probe_wait_s)
 
 
 def store(manager: ServiceTierManager, wanted: list[OffloadKey], *,
@@ -344,6 +346,55 @@ def test_a_promotion_is_served_ahead_of_the_cascades_queued_before_it(
         b.shutdown()
     finally:
         blocked_stores.set()
+        svc.stop()
+        thread.join()
+        pool.close()
+
+
+def test_a_probe_waits_out_a_slow_promotion_in_time_not_only_in_steps(
+    tmp_path: Path, pool_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvtiers.tiers.file.mover import FileMover
+
+    gate = threading.Event()
+    gate.set()
+    load_one = FileMover._load_one
+
+    def gated(self: FileMover, chunk: Any) -> int:
+        assert gate.wait(DEADLINE_S), "the load path stayed blocked"
+        return load_one(self, chunk)
+
+    monkeypatch.setattr(FileMover, "_load_one", gated)
+    config = tmp_path / "serve.yaml"
+    config.write_text(stack_yaml(pool_name, file_tier(tmp_path / "root")))
+    pool = Pool(Path("/dev/shm", pool_name), Layout(SLOTS, CHUNK), fresh=True)
+    socket = tmp_path / "local.sock"
+    svc = Service(pool, socket, lower=load_stack_config(config))
+    thread = threading.Thread(target=svc.serve)
+    thread.start()
+    try:
+        a = engine(socket)
+        target = key(1)
+        store(a, [target], settle=socket)
+        store(a, [key(100 + i) for i in range(SLOTS)], settle=socket)  # evicts the target
+        wait_status(socket, lambda s: lower_counter(s, "cascades") >= 1 + SLOTS)
+        gate.clear()  # the promotion it starts cannot land
+        b = engine(socket, probe_steps=2, probe_wait_s=5.0)
+        now = [1000.0]
+        b._clock = lambda: now[0]
+        ctx = ReqContext("b")
+        assert b.lookup(target, ctx) is RETRY
+        for _ in range(4):  # past the steps, not the time: still waiting for it
+            step(b)
+            assert b.lookup(target, ctx) is RETRY
+        now[0] += 5.0
+        assert b.lookup(target, ctx) is MISS
+        assert b.stats["probes_given_up"] == 1
+        gate.set()
+        a.shutdown()
+        b.shutdown()
+    finally:
+        gate.set()
         svc.stop()
         thread.join()
         pool.close()

@@ -301,6 +301,11 @@ class ServiceTierConfig(TierConfig):
     in one round trip a step); more are leased when a step stores more. A key two engines
     store at once is then held once but may be written twice. 0: each store reserves its
     slots by a round trip, and such a key is written once."""
+    probe_wait_s: Annotated[float, Range(0.0, 600.0)] = 10.0
+    """With tiers below the service's pool: how long a lookup that missed the pool may
+    answer ``RETRY`` while the service finds the chunk below and promotes it (and at
+    least 16 scheduler steps); past both it is a miss, recomputed. An idle engine's steps
+    take microseconds, so a bound in steps alone gave up on promotions that take seconds."""
 
     @property
     def can_be_primary(self) -> bool:

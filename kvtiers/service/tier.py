@@ -17,8 +17,9 @@ answering as the CPU tier does, with the pool in another process:
 - with tiers below the pool in the service, a lookup that misses the mirror answers
   ``RETRY`` and queues the key for a ``Probe`` sent with the step's end write: the service
   promotes a lower-tier hit into the pool, and the key is a ``HIT`` once the mirror shows
-  it; a key held nowhere, or not in the pool within ``probe_steps`` steps of its first
-  lookup (a lower tier failing, a promotion still running), is a ``MISS`` (recomputed);
+  it; a key held nowhere, or not in the pool within ``probe_steps`` steps and
+  ``probe_wait_s`` seconds of its first lookup (a lower tier failing, a promotion still
+  running), is a ``MISS`` (recomputed);
 - while the service is down every lookup is a ``MISS``, ``prepare_store`` returns
   ``None``, and the keys of ``prepare_load`` get an out-of-range slot in ``get_spec`` so
   the worker fails their job (vLLM recomputes).
@@ -63,9 +64,11 @@ if TYPE_CHECKING:
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 _RETRY = LookupResult.RETRY
-#: Steps a key that missed the pool may answer ``RETRY`` while the service looks for it
-#: below the pool; then it is a ``MISS`` (and stays one for ``PROBE_FORGET`` x as many).
+#: Steps and seconds a key that missed the pool may answer ``RETRY`` while the service
+#: looks for it below the pool (both must pass); then it is a ``MISS`` (and stays one
+#: for ``PROBE_FORGET`` x as many steps).
 PROBE_STEPS = 16
+PROBE_WAIT_S = 10.0
 PROBE_FORGET = 4
 #: A probe's answer not read yet (the service's answers: ``protocol.PROBE_*``).
 _ASKED = -1
@@ -95,7 +98,8 @@ class ServiceTierManager(OffloadingManager):
     capabilities = TierCapabilities(persistent=False, evicts=True, recency=True, events=False)
 
     def __init__(self, client: ServiceClient, *, liveness_s: float = LIVENESS_S,
-                 lease_slots: int = DEFAULT_LEASE, probe_steps: int = PROBE_STEPS) -> None:
+                 lease_slots: int = DEFAULT_LEASE, probe_steps: int = PROBE_STEPS,
+                 probe_wait_s: float = PROBE_WAIT_S) -> None:
         import time
 
         self._clock = time.monotonic
@@ -134,8 +138,10 @@ class ServiceTierManager(OffloadingManager):
         self._unpins: list[int] = []
         self._session = client.session
         #: Probes of keys that missed the pool (see the module docstring): the steps
-        #: counted by on_schedule_end, the keys to send, and key → [first step, answer].
+        #: counted by on_schedule_end, the keys to send, and key → [first step, answer,
+        #: first time in ms on ``_clock``].
         self._probe_steps = probe_steps
+        self._probe_wait_s = probe_wait_s
         self._step = 0
         self._probe_queue: list[bytes] = []
         self._probing: dict[OffloadKey, list[int]] = {}
@@ -318,17 +324,19 @@ class ServiceTierManager(OffloadingManager):
     def _probe(self, key: OffloadKey) -> LookupResult:
         """A key that missed the mirror, with tiers below the pool: ``RETRY`` while the
         service looks for it (re-asked each step until it answers for good), ``MISS`` once
-        it is held nowhere, in the pool yet not in the mirror, or past ``probe_steps``."""
+        it is held nowhere, in the pool yet not in the mirror, or past both
+        ``probe_steps`` steps and ``probe_wait_s`` seconds."""
         entry = self._probing.get(key)
         if entry is None:
-            self._probing[key] = [self._step, _ASKED]
+            self._probing[key] = [self._step, _ASKED, int(self._clock() * 1000)]
             self._probe_queue.append(bytes(key))
             self.stats["probes"] += 1
             return _RETRY
         answer = entry[1]
         if answer in (p.PROBE_MISS, p.PROBE_HIT):
             return _MISS
-        if self._step - entry[0] >= self._probe_steps:
+        if (self._step - entry[0] >= self._probe_steps
+                and self._clock() * 1000 - entry[2] >= self._probe_wait_s * 1000):
             entry[1] = p.PROBE_MISS
             self.stats["probes_given_up"] += 1
             return _MISS
@@ -543,7 +551,8 @@ def build_tier(config: ServiceTierConfig, offloading: OffloadingConfig, *,
                                timeout_s=config.timeout_s, retry_s=config.retry_s)
     except ServiceDown as exc:
         raise ConfigError(f"tier {name!r}: {exc}{_start_hint(exc)}", path="socket") from None
-    manager = ServiceTierManager(client, lease_slots=config.lease_slots)
+    manager = ServiceTierManager(client, lease_slots=config.lease_slots,
+                                 probe_wait_s=config.probe_wait_s)
     region = manager.region
 
     def make_worker(kv: KVCacheTensors) -> OffloadingWorker:
