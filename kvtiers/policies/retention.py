@@ -198,6 +198,12 @@ class RetentionBook:
         return len(self._live_pins(scope)) * self.hash_bytes
 
     @_locked
+    def pinned_bytes_by_scope(self) -> dict[str | None, int]:
+        """The bytes pinned now in each scope that ever pinned (0 once its pins ran out)."""
+        return {scope: len(self._live_pins(scope)) * self.hash_bytes
+                for scope in list(self._pinned)}
+
+    @_locked
     def pinned_hashes(self) -> set[bytes]:
         """Every live pin's block hash, all scopes (at most the caps' worth)."""
         live: set[bytes] = set()

@@ -181,9 +181,18 @@ def load_stack(
                                           manager.latency,
                                           admin=_admin(token, manager, stack.tenants))
             if stack.tenants is not None:
-                from kvtiers.stack.tenants import tenant_bytes_families
+                from kvtiers.stack.tenants import (
+                    PINNED_BYTES_STAT,
+                    pinned_bytes_families,
+                    tenant_bytes_families,
+                )
 
                 stack.metrics.add_families(tenant_bytes_families(stack.tenants))
+                if book is not None:
+                    # Pinned bytes per tenant: each tenant's pins have a cap of their own.
+                    stack.metrics.add_families(
+                        pinned_bytes_families(book, stack.tenants.keys),
+                        replaces=(PINNED_BYTES_STAT,))
         except BaseException as exc:
             # Nothing built may outlive a failed start; the error says where in the file.
             stack.shutdown()
