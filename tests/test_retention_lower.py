@@ -208,3 +208,36 @@ def test_the_index_ranks_keys_not_slots_and_keeps_ranks_across_a_merge() -> None
     assert put(8) == [key(5)]
     assert put(10) == [key(6)]
     assert put(11) == [key(8)]  # key 7 outranks the rest
+
+
+def test_the_default_level_walk_finds_keys_that_return_to_it() -> None:
+    """The walk of the default priority starts past the ranked keys at the head of the
+    recency log; a key given the default priority again, and the log's compaction, keep
+    it exact."""
+    from kvtiers.core.manager import Medium
+    from kvtiers.tiers.compact import CompactChunkIndex
+
+    book = RetentionBook(hash_bytes=SLOT, max_pinned_bytes=0, clock=Clock())
+    index = CompactChunkIndex(4, tier="t", medium=Medium.STORAGE)
+    index.honour_retention(book, groups=1)
+
+    def put(i: int) -> list[OffloadKey]:
+        change = index.reserve([key(i)], 1)
+        assert change is not None
+        index.finish([key(i)], True)
+        return change.victims
+
+    book.record([key(0), key(1)], RetentionHint(priority=5))
+    for i in range(4):
+        put(i)
+    assert put(4) == [key(2)]
+    # Key 0 returns to the default priority when next touched: the most recent default.
+    book.record([key(0)], RetentionHint(priority=0))
+    index.touch([key(0)])
+    assert put(5) == [key(3)]
+    assert put(6) == [key(4)]
+    # Enough touches of key 1 to compact the recency log: the walk's place restarts.
+    for _ in range(1100):
+        index.touch([key(1)])
+    assert put(7) == [key(0)]
+    assert put(8) == [key(5)]

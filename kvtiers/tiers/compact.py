@@ -29,8 +29,10 @@ others lowest priority first, each priority least recently used first, the chunk
 retention pins last (only when nothing else makes the room). A key takes its priority when
 it is indexed and again when it is touched, finished or pinned for a load: the slots of
 keys with a priority other than 0 are kept per priority in recency order (small dicts);
-the default priority's order is the recency log's. Without a book, or with an empty one
-and no ranked slot, nothing of this runs.
+the default priority's order is the recency log's, walked from a place past the ranked
+slots at its head (kept as victims are picked, so ranked chunks that outlive everything
+else are not passed again at every eviction). Without a book, or with an empty one and no
+ranked slot, nothing of this runs.
 
 :meth:`CompactChunkIndex.merge_oldest` takes in a :class:`PackedChunks` built off the
 scheduler's thread (a background rebuild, :mod:`kvtiers.tiers.build`) as the least
@@ -304,6 +306,10 @@ class CompactChunkIndex:
         # priority -> those slots, least recently used first.
         self._rank_of: dict[int, int] = {}
         self._levels: dict[int, dict[int, None]] = {}
+        # A place in the recency log before which no live slot has the default priority:
+        # a slot only takes that priority as it moves to the log's end, so the walk of
+        # the default level starts here instead of passing the ranked slots again.
+        self._default_from = 0
 
     def honour_retention(self, book: RetentionBook, groups: int) -> None:
         """Pick victims in ``book``'s retention order from now on (module docstring);
@@ -433,6 +439,7 @@ class CompactChunkIndex:
         current = places[log] == np.arange(self._head, self._head + len(log), dtype=np.int32)
         kept = log[current]
         places[kept] = np.arange(len(kept), dtype=np.int32)
+        self._default_from = 0
         del log, places
         self._log = array("i")
         self._log.frombytes(kept.tobytes())
@@ -920,14 +927,11 @@ class CompactChunkIndex:
         chosen: set[int] = set()
         freed = 0
 
-        def default_level() -> Iterator[int]:
-            return (slot for slot in self._order() if slot not in rank_of)
-
         def ordered() -> Iterator[tuple[int, bool]]:
             for slot in self._expired_slots():
                 yield slot, False
             for priority in sorted({0, *self._levels}):
-                level = self._levels[priority] if priority else default_level()
+                level = self._levels[priority] if priority else self._default_level()
                 for slot in level:
                     if slot not in spared:
                         yield slot, False
@@ -950,6 +954,26 @@ class CompactChunkIndex:
                     book.count_overridden(overridden)
                 return victims
         return None
+
+    def _default_level(self) -> Iterator[int]:
+        """The live slots of default priority, least recently used first, from the place
+        before which there is none (moved up to the first one found)."""
+        log, places, rank_of = self._log, self._places, self._rank_of
+        i = max(self._default_from, self._head)
+        while i < len(log):
+            slot = log[i]
+            if places[slot] == i and slot not in rank_of:
+                self._default_from = i
+                break
+            i += 1
+        else:
+            self._default_from = i
+            return
+        while i < len(log):
+            slot = log[i]
+            if places[slot] == i and slot not in rank_of:
+                yield slot
+            i += 1
 
     def _expired_slots(self) -> list[int]:
         """The slots of keys past their expiry, least recently used first. A block hash
