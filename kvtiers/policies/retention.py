@@ -223,6 +223,8 @@ class RetentionBook:
         """A request with ``hint`` (``None``: none) stores ``keys``. Without a hint an
         expired entry is forgotten (the chunk is stored afresh); with one, priority and
         expiry are set and the pin is asked for (refused whole past the cap)."""
+        if hint is None and not self._expiring:
+            return  # nothing expires, so nothing to forget: no key is looked at
         hashes = list(dict.fromkeys(block_hash(k) for k in keys))
         if hint is None:
             for h in hashes:
