@@ -551,3 +551,36 @@ def test_admin_pins_by_tenant(monkeypatch: pytest.MonkeyPatch) -> None:
         assert call(port, "/admin/unpin", {"block_hashes": two, "tenant": "a"}) == (
             200, {"unpinned": 2})
         assert book.pinned_bytes("a") == 0
+
+
+def scrape_pinned(port: int) -> dict[tuple[tuple[str, str], ...], float]:
+    """The ``kvtiers_stack_retention_pinned_bytes`` samples of one scrape, by labels."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    (family,) = [f for f in text_string_to_metric_families(text)
+                 if f.name == "kvtiers_stack_retention_pinned_bytes"]
+    return {tuple(sorted(s.labels.items())): s.value for s in family.samples}
+
+
+def test_pinned_bytes_are_exported_per_tenant_with_tenants() -> None:
+    pytest.importorskip("prometheus_client")
+    stack, _ = build({"max_pinned_bytes": 2 * SLOT}, capacity="128KiB", metrics={"port": 0},
+                     tenants={"members": [{"name": "a"}, {"name": "b"}]})
+    with stack:
+        assert stack.metrics is not None
+        tenant_store(stack, [key(0), key(1)], tenant_request("a1", "a", hints(pin_s=100)))
+        tenant_store(stack, [key(2)], request("d1", hints(pin_s=100)))
+        stack.manager.refresh_stats_snapshot()
+        # One labelled series per tenant (every tenant, pinned or not); no unlabelled one.
+        assert scrape_pinned(stack.metrics.port) == {
+            (("tenant", "a"),): 2 * SLOT, (("tenant", "b"),): 0.0,
+            (("tenant", "default"),): SLOT}
+
+
+def test_pinned_bytes_are_one_series_without_tenants(admin: tuple[Stack, int, Clock]) -> None:
+    stack, port, _ = admin
+    store(stack, [key(0)], request("p", hints(pin_s=100)))
+    stack.manager.refresh_stats_snapshot()
+    assert scrape_pinned(port) == {(): SLOT}

@@ -141,7 +141,7 @@ class TierConfig(Section):
     read-only (it still serves promotions). On a file, s3 or fsspec tier, ``write``,
     ``write_after_hits`` and ``write_promoted`` say when and which."""
     event_medium: Annotated[str, Matches(r"[A-Za-z][A-Za-z0-9_.-]{0,63}",
-                                         "a medium name such as shared_storage")] | None = None
+                                         "a medium name such as DISK")] | None = None
     """The ``medium`` this tier's KV events announce to routers (with vLLM, through
     ``KVTiersConnector``); default vLLM's own: ``CPU`` for the cpu tier, ``STORAGE`` for
     the others. docs/retention.md ("Medium names for routers") lists what routers score."""

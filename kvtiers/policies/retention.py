@@ -150,6 +150,8 @@ class RetentionBook:
         self._cap_for = cap_for
         self._max_entries = max_entries
         self._entries: OrderedDict[bytes, _Entry] = OrderedDict()
+        # How many entries have an expiry (none: is_expired need not look a key up).
+        self._expiring = 0
         self._pinned: dict[str | None, set[bytes]] = {}
         self.bad_hints = RateLimitedWarning(warn_interval_s, clock)
         self.refused_pins = RateLimitedWarning(warn_interval_s, clock)
@@ -158,11 +160,17 @@ class RetentionBook:
             "retention_pins_overridden": 0, "retention_expired_misses": 0,
         }
         self._lock = threading.RLock()
-        # (expiry, block hash) of every expiry set, a stale one included: what
-        # pop_expired hands out, oldest first; rebuilt when stale entries outnumber.
-        self._deadlines: list[tuple[float, bytes]] = []
+        # One heap per reader of expiries (expiry_feed): (expiry, block hash) of every
+        # expiry set since the reader came, a stale one included, popped oldest first;
+        # rebuilt when stale entries outnumber. The first is pop_expired's.
+        self._feeds: list[list[tuple[float, bytes]]] = [[]]
 
     # -- reading ---------------------------------------------------------------------
+
+    def hinted(self) -> bool:
+        """Whether any block hash has an entry (none: every key has the defaults, which
+        a reader may assume without looking the key up)."""
+        return bool(self._entries)
 
     def priority(self, key: bytes) -> int:
         entry = self._entries.get(block_hash(key))
@@ -178,12 +186,22 @@ class RetentionBook:
         return None if entry is None else entry.expires_at
 
     def is_expired(self, key: bytes) -> bool:
+        """Whether ``key``'s expiry passed. The composite asks it at every lookup: while
+        no entry has an expiry it answers without looking ``key`` up."""
+        if not self._expiring:
+            return False
         expires = self.expires_at(key)
         return expires is not None and expires <= self.clock()
 
     @_locked
     def pinned_bytes(self, scope: str | None = None) -> int:
         return len(self._live_pins(scope)) * self.hash_bytes
+
+    @_locked
+    def pinned_bytes_by_scope(self) -> dict[str | None, int]:
+        """The bytes pinned now in each scope that ever pinned (0 once its pins ran out)."""
+        return {scope: len(self._live_pins(scope)) * self.hash_bytes
+                for scope in list(self._pinned)}
 
     @_locked
     def pinned_hashes(self) -> set[bytes]:
@@ -205,6 +223,8 @@ class RetentionBook:
         """A request with ``hint`` (``None``: none) stores ``keys``. Without a hint an
         expired entry is forgotten (the chunk is stored afresh); with one, priority and
         expiry are set and the pin is asked for (refused whole past the cap)."""
+        if hint is None and not self._expiring:
+            return  # nothing expires, so nothing to forget: no key is looked at
         hashes = list(dict.fromkeys(block_hash(k) for k in keys))
         if hint is None:
             for h in hashes:
@@ -272,15 +292,29 @@ class RetentionBook:
             count += 1
         return count
 
-    @_locked
     def pop_expired(self) -> list[bytes]:
         """The block hashes whose expiry passed since the last call (each once, unless
-        its expiry is set again)."""
+        its expiry is set again). One reader's: another uses its own
+        :meth:`expiry_feed`."""
+        return self._pop(self._feeds[0])
+
+    @_locked
+    def expiry_feed(self) -> Callable[[], list[bytes]]:
+        """A new reader of expiries, for a tier that evicts expired chunks first beside
+        another that does (each tier sees every expiry): each call answers as
+        :meth:`pop_expired` does, for this reader. It starts with every expiry set now."""
+        feed = [(e.expires_at, h) for h, e in self._entries.items()
+                if e.expires_at is not None]
+        heapq.heapify(feed)
+        self._feeds.append(feed)
+        return functools.partial(self._pop, feed)
+
+    @_locked
+    def _pop(self, feed: list[tuple[float, bytes]]) -> list[bytes]:
         now = self.clock()
         found = []
-        deadlines = self._deadlines
-        while deadlines and deadlines[0][0] <= now:
-            at, h = heapq.heappop(deadlines)
+        while feed and feed[0][0] <= now:
+            at, h = heapq.heappop(feed)
             entry = self._entries.get(h)
             if entry is not None and entry.expires_at == at:
                 found.append(h)
@@ -306,14 +340,17 @@ class RetentionBook:
     # -- internals -------------------------------------------------------------------
 
     def _set_expiry(self, h: bytes, entry: _Entry, at: float | None) -> None:
+        self._expiring += (at is not None) - (entry.expires_at is not None)
         entry.expires_at = at
         if at is None:
             return
-        heapq.heappush(self._deadlines, (at, h))
-        if len(self._deadlines) > 2 * len(self._entries) + 1024:
-            self._deadlines = [(e.expires_at, k) for k, e in self._entries.items()
-                               if e.expires_at is not None]
-            heapq.heapify(self._deadlines)
+        for feed in self._feeds:
+            heapq.heappush(feed, (at, h))
+            if len(feed) > 2 * len(self._entries) + 1024:
+                # Rebuilt in place: its reader holds this list.
+                feed[:] = [(e.expires_at, k) for k, e in self._entries.items()
+                           if e.expires_at is not None]
+                heapq.heapify(feed)
 
     def _live_pins(self, scope: str | None) -> set[bytes]:
         """The scope's pinned hashes, expired pins swept out (bounded by the cap)."""
@@ -342,6 +379,8 @@ class RetentionBook:
 
     def _forget(self, h: bytes) -> None:
         entry = self._entries.pop(h, None)
+        if entry is not None and entry.expires_at is not None:
+            self._expiring -= 1
         if entry is not None and entry.pinned_until is not None:
             self._pinned.get(entry.scope, set()).discard(h)
 

@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from kvtiers.config import StackConfig, load_stack_config, resolve_factory
 from kvtiers.config.paths import join_path
@@ -181,9 +181,18 @@ def load_stack(
                                           manager.latency,
                                           admin=_admin(token, manager, stack.tenants))
             if stack.tenants is not None:
-                from kvtiers.stack.tenants import tenant_bytes_families
+                from kvtiers.stack.tenants import (
+                    PINNED_BYTES_STAT,
+                    pinned_bytes_families,
+                    tenant_bytes_families,
+                )
 
                 stack.metrics.add_families(tenant_bytes_families(stack.tenants))
+                if book is not None:
+                    # Pinned bytes per tenant: each tenant's pins have a cap of their own.
+                    stack.metrics.add_families(
+                        pinned_bytes_families(book, stack.tenants.keys),
+                        replaces=(PINNED_BYTES_STAT,))
         except BaseException as exc:
             # Nothing built may outlive a failed start; the error says where in the file.
             stack.shutdown()
@@ -299,6 +308,14 @@ def _admin_token(config: StackConfig) -> str | None:
     return token
 
 
+@runtime_checkable
+class RetentionOrdered(Protocol):
+    """A tier that can evict in a retention book's order (the file and object tiers:
+    :meth:`~kvtiers.tiers.persistent.PersistentTierManager.honour_retention`)."""
+
+    def honour_retention(self, book: RetentionBook, groups: int) -> None: ...
+
+
 def _admin(token: str | None, manager: TieredManager,
            tenants: TenantStack | None) -> Callable[[Any], Any] | None:
     """The maker of the retention admin app over the metrics app (``None``: no token);
@@ -324,7 +341,7 @@ def _build_tier(
     # The primary's staging is decided here, from the stack, before it is built.
     more: dict[str, object] = {"staging": stages(config)} if index == 0 else {}
     if index == 0 and retention is not None and tier_config.kind == "cpu":
-        # The cpu primary's policy honours retention; other tiers keep their own order.
+        # The cpu primary's policy honours retention; a persistent tier is told below.
         more["retention"] = retention
     try:
         tier = factory(tier_config, identity, primary_region=primary_region,
@@ -333,6 +350,9 @@ def _build_tier(
         # A factory names the key within its tier (``capacity``); say which tier and file.
         source = "" if config.source == "<mapping>" else config.source
         raise ConfigError(exc.message, path=join_path(where, exc.path), source=source) from None
+    if retention is not None and isinstance(tier.manager, RetentionOrdered):
+        # Told after it is built: a tier kind's factory need not know of retention.
+        tier.manager.honour_retention(retention, len(identity.groups))
     if isinstance(tier_config, LowerTierConfig):
         # The write rules are the composite's business, the same for every kind: set here
         # rather than by each factory.

@@ -82,6 +82,8 @@ class _StatsCollector:
         self.latency = latency
         self.sources: list[StatsSource] = []
         self.families: list[FamiliesSource] = []
+        #: The composite's stats a families source exports in a labelled form instead.
+        self.replaced: set[str] = set()
 
     def collect(self) -> Iterator[Any]:
         # name → (spec, label names, samples of (label values, value))
@@ -104,6 +106,8 @@ class _StatsCollector:
             snapshot.update(counts)
         for full_name, value in snapshot.items():
             tier, _, stat = full_name.rpartition(".")
+            if not tier and stat in self.replaced:
+                continue
             if not tier:
                 known = STACK.get(stat) or ENGINE.get(stat)
                 add(known or tier_fallback(stat), {} if known else {"tier": "stack"},
@@ -160,10 +164,14 @@ class MetricsServer:
         those it does not return are exported as zero)."""
         self._collector.sources.append(source)
 
-    def add_families(self, source: FamiliesSource) -> None:
+    def add_families(self, source: FamiliesSource, *, replaces: Iterable[str] = ()) -> None:
         """Export the metric families ``source()`` yields at every scrape (series with
-        labels of their own, such as :mod:`kvtiers.stack.tenants`' per-tenant bytes)."""
+        labels of their own, such as :mod:`kvtiers.stack.tenants`' per-tenant bytes).
+        ``replaces``: the composite's stats (:data:`~kvtiers.stack.metrics_catalog.STACK`
+        names) whose family ``source`` yields with labels of its own; their unlabelled
+        series are no longer exported (a family never mixes the two)."""
         self._collector.families.append(source)
+        self._collector.replaced.update(replaces)
 
     def close(self) -> None:
         self._server.shutdown()

@@ -60,7 +60,9 @@ from kvtiers.core.manager import (
 from kvtiers.core.specs import LoadStoreSpec
 from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import InvalidKeyError
+from kvtiers.policies.retention import RetentionBook
 from kvtiers.stack.composite import TieredManager
+from kvtiers.stack.metrics_catalog import STACK, with_unit
 
 logger = logging.getLogger(__name__)
 
@@ -459,6 +461,35 @@ class TenantStack(OffloadingManager):
 
 #: The Prometheus family of :meth:`TenantStack.usage_snapshot`.
 TENANT_BYTES = "kvtiers_tenant_bytes"
+
+
+#: The composite's stat that :func:`pinned_bytes_families` exports per tenant.
+PINNED_BYTES_STAT = "retention_pinned_bytes"
+
+
+def pinned_bytes_families(book: RetentionBook, keys: TenantKeys
+                          ) -> Callable[[], Iterator[Any]]:
+    """A :meth:`~kvtiers.stack.metrics.MetricsServer.add_families` source, replacing the
+    composite's :data:`PINNED_BYTES_STAT`: ``kvtiers_stack_retention_pinned_bytes{tenant}``,
+    the bytes each tenant's retention pins hold now (every tenant from the first scrape;
+    a pin of no scope, which only a direct call on the book makes, counts as the default
+    tenant's). Read from the book under its lock at each scrape (the admin endpoint's
+    threads share it the same way)."""
+    spec = STACK[PINNED_BYTES_STAT]
+
+    def families() -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        pinned = dict.fromkeys(keys.names, 0)
+        for scope, nbytes in book.pinned_bytes_by_scope().items():
+            name = keys.default if scope is None else scope
+            pinned[name] = pinned.get(name, 0) + nbytes
+        family = GaugeMetricFamily(spec.name, with_unit(spec), labels=["tenant"])
+        for tenant, nbytes in pinned.items():
+            family.add_metric([tenant], float(nbytes))
+        yield family
+
+    return families
 
 
 def tenant_bytes_families(tenants: TenantStack) -> Callable[[], Iterator[Any]]:

@@ -22,6 +22,18 @@ about lately costs one dict probe. Every operation answers as a plain model of t
 does (tests/test_chunk_index.py runs one against it), so eviction order, hit rate and
 events are those of an LRU-ordered dict of entries.
 
+With a retention book (:meth:`CompactChunkIndex.honour_retention`) victims are picked in
+retention order instead, as the cpu tier's policy picks them
+(:class:`~kvtiers.policies.retention.RetainingPolicy`): expired chunks first, then the
+others lowest priority first, each priority least recently used first, the chunks of live
+retention pins last (only when nothing else makes the room). A key takes its priority when
+it is indexed and again when it is touched, finished or pinned for a load: the slots of
+keys with a priority other than 0 are kept per priority in recency order (small dicts);
+the default priority's order is the recency log's, walked from a place past the ranked
+slots at its head (kept as victims are picked, so ranked chunks that outlive everything
+else are not passed again at every eviction). Without a book, or with an empty one and no
+ranked slot, nothing of this runs.
+
 :meth:`CompactChunkIndex.merge_oldest` takes in a :class:`PackedChunks` built off the
 scheduler's thread (a background rebuild, :mod:`kvtiers.tiers.build`) as the least
 recently used entries, under everything indexed since: the scheduler's thread then does
@@ -32,15 +44,16 @@ from __future__ import annotations
 
 from array import array
 from collections import Counter
-from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
 
-from kvtiers.core.keys import OffloadKey
+from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
 from kvtiers.core.manager import Locality, LookupResult, Medium, OffloadingEvent
 from kvtiers.errors import UnknownKeyError
+from kvtiers.policies.retention import RetentionBook
 from kvtiers.tiers.index import ChunkEntry, ChunkState, IndexChange
 
 _FREE, _WRITING, _READY = 0, 1, 2
@@ -260,6 +273,12 @@ class CompactChunkIndex:
         #: When a set, every key leaving the index otherwise than by a failed store is
         #: added to it (a background rebuild's keys that are gone; see merge_oldest).
         self.removed: set[OffloadKey] | None = None
+        #: The retention book whose order victims follow (:meth:`honour_retention`).
+        self.retention: RetentionBook | None = None
+        self._expiries: Callable[[], list[bytes]] | None = None
+        # Block hashes past their expiry that may have keys here (evicted first).
+        self._expired: set[bytes] = set()
+        self._groups: list[bytes] = []
         self._reset_storage()
 
     def _reset_storage(self) -> None:
@@ -283,6 +302,22 @@ class CompactChunkIndex:
         # After merge_oldest(unverified=True): 1 for each slot still holding a merged
         # entry never touched, stored over or removed since (see refine_unverified).
         self._fresh: bytearray | None = None
+        # Retention: slot -> priority of the slots whose key's priority is not 0, and
+        # priority -> those slots, least recently used first.
+        self._rank_of: dict[int, int] = {}
+        self._levels: dict[int, dict[int, None]] = {}
+        # A place in the recency log before which no live slot has the default priority:
+        # a slot only takes that priority as it moves to the log's end, so the walk of
+        # the default level starts here instead of passing the ranked slots again.
+        self._default_from = 0
+
+    def honour_retention(self, book: RetentionBook, groups: int) -> None:
+        """Pick victims in ``book``'s retention order from now on (module docstring);
+        ``groups``: the KV-cache groups a block hash has a key for (its pins and
+        expiries name block hashes)."""
+        self.retention = book
+        self._expiries = book.expiry_feed()
+        self._groups = [g.to_bytes(GROUP_INDEX_BYTES, "big") for g in range(groups)]
 
     # -- slots ----------------------------------------------------------------------
     def _find(self, key: object) -> int:
@@ -350,6 +385,8 @@ class CompactChunkIndex:
         table[cell] = slot
         self._live += 1
         self._to_end(slot)
+        if self.retention is not None:
+            self._rank(slot, key)
         return slot
 
     def _release(self, slot: int) -> None:
@@ -364,6 +401,8 @@ class CompactChunkIndex:
         self._states[slot] = _FREE
         self._places[slot] = -1
         self._pins.pop(slot, None)
+        if self._rank_of:
+            self._unrank(slot)
         self._free.append(slot)
         self._live -= 1
         fresh = self._fresh
@@ -400,6 +439,7 @@ class CompactChunkIndex:
         current = places[log] == np.arange(self._head, self._head + len(log), dtype=np.int32)
         kept = log[current]
         places[kept] = np.arange(len(kept), dtype=np.int32)
+        self._default_from = 0
         del log, places
         self._log = array("i")
         self._log.frombytes(kept.tobytes())
@@ -522,9 +562,12 @@ class CompactChunkIndex:
                 done.append(key)
                 slots.append(slot)
         if success:
-            for slot in slots:
+            ranked = self.retention is not None
+            for key, slot in zip(done, slots, strict=True):
                 self._states[slot] = _READY
                 self._to_end(slot)
+                if ranked:
+                    self._rank(slot, key)
             self.ready_count += len(done)
             self._counters["stores"] += len(done)
             if done:
@@ -551,9 +594,12 @@ class CompactChunkIndex:
                 )
             slots.append(slot)
         pins = self._pins
-        for slot in slots:
+        ranked = self.retention is not None
+        for key, slot in zip(keys, slots, strict=True):
             pins[slot] = pins.get(slot, 0) + 1
             self._to_end(slot)
+            if ranked:
+                self._rank(slot, key)
         self._counters["loads"] += len(keys)
 
     def unpin(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
@@ -590,10 +636,13 @@ class CompactChunkIndex:
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         """Make ``READY`` keys the most recently used, the last one most; others are
         ignored."""
+        ranked = self.retention is not None
         for key in keys:
             slot = self._find(key)
             if slot >= 0 and self._states[slot] == _READY:
                 self._to_end(slot)
+                if ranked:
+                    self._rank(slot, key)
 
     # -- entries found outside the scheduler's own stores ----------------------------
     def add_ready(self, found: Iterable[tuple[OffloadKey, int]]) -> IndexChange:
@@ -844,7 +893,11 @@ class CompactChunkIndex:
         self, shortfall: int, protected: Collection[OffloadKey]
     ) -> list[tuple[OffloadKey, int]] | None:
         """Least recently used ``READY``, unpinned keys outside ``protected`` (with their
-        slots) freeing ``shortfall``, or ``None`` when they cannot. Changes nothing."""
+        slots) freeing ``shortfall``, or ``None`` when they cannot. Changes nothing (with
+        retention, :meth:`_pick_retained`: in retention order)."""
+        book = self.retention
+        if book is not None and (self._rank_of or book.hinted()):
+            return self._pick_retained(shortfall, protected, book)
         victims = []
         freed = 0
         states, pins, sizes = self._states, self._pins, self._sizes
@@ -859,6 +912,117 @@ class CompactChunkIndex:
             if freed >= shortfall:
                 return victims
         return None
+
+    def _pick_retained(
+        self, shortfall: int, protected: Collection[OffloadKey], book: RetentionBook
+    ) -> list[tuple[OffloadKey, int]] | None:
+        """As :meth:`_pick_victims`, in retention order (module docstring): expired keys,
+        then unpinned keys by priority, then the keys of live retention pins. Answered
+        victims are evicted by every caller, so the pins among them are counted as
+        overridden here; ``None`` changes nothing."""
+        states, pins, sizes = self._states, self._pins, self._sizes
+        rank_of, places = self._rank_of, self._places
+        spared = self._retention_pinned()
+        victims: list[tuple[OffloadKey, int]] = []
+        chosen: set[int] = set()
+        freed = 0
+
+        def ordered() -> Iterator[tuple[int, bool]]:
+            for slot in self._expired_slots():
+                yield slot, False
+            for priority in sorted({0, *self._levels}):
+                level = self._levels[priority] if priority else self._default_level()
+                for slot in level:
+                    if slot not in spared:
+                        yield slot, False
+            for slot in sorted(spared, key=lambda s: (rank_of.get(s, 0), places[s])):
+                yield slot, True
+
+        overridden = 0
+        for slot, pinned in ordered():
+            if states[slot] != _READY or slot in pins or slot in chosen:
+                continue
+            key = self._key(slot)
+            if key in protected:
+                continue
+            victims.append((key, slot))
+            chosen.add(slot)
+            overridden += pinned
+            freed += sizes[slot]
+            if freed >= shortfall:
+                if overridden:
+                    book.count_overridden(overridden)
+                return victims
+        return None
+
+    def _default_level(self) -> Iterator[int]:
+        """The live slots of default priority, least recently used first, from the place
+        before which there is none (moved up to the first one found)."""
+        log, places, rank_of = self._log, self._places, self._rank_of
+        i = max(self._default_from, self._head)
+        while i < len(log):
+            slot = log[i]
+            if places[slot] == i and slot not in rank_of:
+                self._default_from = i
+                break
+            i += 1
+        else:
+            self._default_from = i
+            return
+        while i < len(log):
+            slot = log[i]
+            if places[slot] == i and slot not in rank_of:
+                yield slot
+            i += 1
+
+    def _expired_slots(self) -> list[int]:
+        """The slots of keys past their expiry, least recently used first. A block hash
+        with no key here, or whose expiry was renewed, is forgotten."""
+        book = self.retention
+        assert book is not None and self._expiries is not None
+        expired = self._expired
+        expired.update(self._expiries())
+        found: list[int] = []
+        for h in list(expired):
+            slots = [slot for g in self._groups if (slot := self._find(h + g)) >= 0]
+            if not slots or not book.is_expired(h + self._groups[0]):
+                expired.discard(h)
+                continue
+            found.extend(slots)
+        places = self._places
+        found.sort(key=lambda slot: places[slot])
+        return found
+
+    def _retention_pinned(self) -> set[int]:
+        """The slots of keys a live retention pin names (at most the pin caps' worth)."""
+        book = self.retention
+        assert book is not None
+        return {slot for h in book.pinned_hashes() for g in self._groups
+                if (slot := self._find(h + g)) >= 0}
+
+    def _rank(self, slot: int, key: OffloadKey) -> None:
+        """Give ``slot`` the retention priority ``key`` has now, as its level's most
+        recently used; nothing to do for a default-priority key none was ranked."""
+        book = self.retention
+        assert book is not None
+        rank_of = self._rank_of
+        if not rank_of and not book.hinted():
+            return
+        priority = book.priority(key)
+        if slot in rank_of:
+            self._unrank(slot)
+        if priority:
+            rank_of[slot] = priority
+            self._levels.setdefault(priority, {})[slot] = None
+
+    def _unrank(self, slot: int) -> None:
+        priority = self._rank_of.pop(slot, None)
+        if priority is None:
+            return
+        level = self._levels[priority]
+        del level[slot]
+        if not level:
+            del self._levels[priority]
 
     def _evict(self, picked: list[tuple[OffloadKey, int]]) -> None:
         if not picked:

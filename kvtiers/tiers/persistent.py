@@ -29,6 +29,7 @@ from kvtiers.core.manager import (
     RequestOffloadingContext,
     TierCapabilities,
 )
+from kvtiers.policies.retention import RetentionBook
 from kvtiers.tiers.backoff import LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
 from kvtiers.tiers.compact import CompactChunkIndex
@@ -110,10 +111,19 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
         self._reports.load_failed(key, where, error, lasting=lasting)
 
     # -- eviction chosen from above ---------------------------------------------------
+    def honour_retention(self, book: RetentionBook, groups: int) -> None:
+        """Evict in ``book``'s retention order from now on — every eviction: a store's
+        room, a full medium's, a quota's (:meth:`CompactChunkIndex.honour_retention
+        <kvtiers.tiers.compact.CompactChunkIndex.honour_retention>`). The book lives in
+        the engine's process: after a restart the chunks found have the default
+        priority until a request or the admin endpoint gives them another."""
+        self.index.honour_retention(book, groups)
+
     def evict_outside(self, nbytes: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Evict least recently used ready, unpinned chunks not in ``protected`` freeing
-        at least ``nbytes`` (or every such chunk when they free less), deleting them from
-        the medium as the tier's own evictions are; returns their keys. A tenant's quota
+        """Evict ready, unpinned chunks not in ``protected`` freeing at least ``nbytes``
+        (or every such chunk when they free less), least recently used first (in
+        retention order with a book: :meth:`honour_retention`), deleting them from the
+        medium as the tier's own evictions are; returns their keys. A tenant's quota
         (:mod:`kvtiers.stack.tenants`) takes its own chunks this way."""
         victims = self.index.evict_lru_outside(nbytes, protected)
         self._delete(victims)
