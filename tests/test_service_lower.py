@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.service.client import ServiceClient, read_status
 from kvtiers.service.lower import identity_config
 from kvtiers.service.main import print_status
-from kvtiers.service.pool import Layout, Pool
+from kvtiers.service.pool import IdentityRecords, Layout, Pool, RecordDamaged
 from kvtiers.service.server import Service
 from kvtiers.service.tier import ServiceTierManager
 from kvtiers.stack.builder import load_stack
@@ -73,6 +74,7 @@ def pool_name(tmp_path: Path) -> Iterator[str]:
     name = f"kvtiers-test-{os.getpid()}-{tmp_path.name}"
     yield name
     Path("/dev/shm", name).unlink(missing_ok=True)
+    shutil.rmtree(Path("/dev/shm", f"{name}.identities"), ignore_errors=True)
 
 
 def start(tmp_path: Path, pool_name: str, lower: str) -> ServiceProcess:
@@ -405,5 +407,115 @@ def test_a_probe_or_commit_of_a_key_not_this_caches_is_refused(tmp_path: Path,
         assert a.lookup(key(1), ReqContext("a")) is HIT
         assert read_status(service.socket)["counters"]["bad_messages"] == 2
         a.shutdown()
+    finally:
+        service.stop()
+
+
+# -- lower tiers built at the service's start (identity records beside the pool) -------
+def root_holds(root: Path, wanted: list[OffloadKey]) -> bool:
+    """Whether an in-process stack over the file ``root`` finds every key, byte-exact."""
+    with load_stack({"tiers": [{"kind": "cpu", "capacity": 4 * CHUNK},
+                               {"kind": "file", "root": str(root)}]}, OFFLOADING) as check:
+        check.wait_index()
+        lower = check.tiers[1].manager
+        if not all(k in lower.index for k in wanted):
+            return False
+        manager = check.manager
+        for k in wanted:
+            ctx = ReqContext("check")
+            assert manager.lookup(k, ctx) is LookupResult.HIT_PENDING  # promoted
+            manager.on_schedule_end(ScheduleEndContext())
+            manager.wait_idle()
+            assert manager.lookup(k, ctx) is HIT
+            manager.prepare_load([k], ctx)
+            slot = int(manager.get_spec([k]).block_ids[0])
+            same = bytes(check.tiers[0].region.view(slot)[:CHUNK]) == payload(k)
+            manager.complete_load([k], ctx)
+            manager.on_request_finished(ctx)
+            if not same:
+                return False
+        return True
+
+
+def test_identity_records_read_back_whole_or_refused(tmp_path: Path) -> None:
+    import hashlib
+
+    records = IdentityRecords(tmp_path / "pool")
+    digest = hashlib.sha256(IDENTITY).digest()
+    assert records.read(digest) is None
+    records.write(IDENTITY)
+    assert records.read(digest) == IDENTITY
+    assert [p.name for p in records.directory.iterdir()] == [f"{digest.hex()}.json"]
+    # Filed under another digest, cut short, or a link: refused, never parsed.
+    (records.directory / f"{digest.hex()}.json").write_bytes(IDENTITY[:-1])
+    with pytest.raises(RecordDamaged, match="identity of its digest"):
+        records.read(digest)
+    (records.directory / f"{digest.hex()}.json").unlink()
+    (records.directory / f"{digest.hex()}.json").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RecordDamaged):
+        records.read(digest)
+    records.write(IDENTITY)  # replaces the link
+    assert records.read(digest) == IDENTITY
+    records.prune([])
+    assert records.read(digest) is None
+
+
+def test_lower_tiers_come_up_at_the_start_and_take_the_readopted_chunks(
+    tmp_path: Path, pool_name: str
+) -> None:
+    service = start(tmp_path, pool_name, file_tier(tmp_path / "first"))
+    try:
+        a = engine(service.socket)
+        wanted = [key(i) for i in range(8)]
+        store(a, wanted, settle=service.socket)
+        a.shutdown()
+        assert service.stop() == 0
+        # Restarted over an empty root: no engine attaches, yet the namespace's lower
+        # tiers are built from the record and the re-adopted chunks cascade into it.
+        second = tmp_path / "second"
+        service.config.write_text(stack_yaml(pool_name, file_tier(second)))
+        service.start()
+        state = wait_status(service.socket, functools.partial(cascaded, len(wanted)))
+        assert state["engines"] == []
+        assert state["counters"].get("attaches", 0) == 0
+        assert state["counters"]["adopted"] == len(wanted)
+        assert [entry["tiers"][0]["name"] for entry in state["lower_tiers"]] == ["file"]
+        assert root_holds(second, wanted)
+
+        # The first engine's probe is answered from them: evicted, promoted, byte-exact.
+        b = engine(service.socket)
+        store(b, [key(100 + i) for i in range(SLOTS)], settle=service.socket)
+        assert b.lookup(wanted[0], ReqContext("b")) is not HIT
+        result, _ = resolve(b, wanted[0])
+        assert result is HIT
+        assert read_exact(b, wanted[0])
+        assert read_status(service.socket)["counters"]["promoted"] >= 1
+        b.shutdown()
+    finally:
+        service.stop()
+
+
+def test_a_damaged_identity_record_waits_for_the_first_attach(tmp_path: Path,
+                                                               pool_name: str) -> None:
+    service = start(tmp_path, pool_name, file_tier(tmp_path / "root"))
+    try:
+        a = engine(service.socket)
+        store(a, [key(1)], settle=service.socket)
+        a.shutdown()
+        service.stop()
+        records = IdentityRecords(Path("/dev/shm", pool_name))
+        (record,) = records.directory.iterdir()
+        record.write_bytes(b'{"model_name": "another"}')
+        service.start()
+        state = read_status(service.socket)
+        assert state["counters"]["identity_records_damaged"] == 1
+        assert state["lower_tiers"] == [] and not state["lower_tiers_refused"]
+        assert state["counters"]["adopted"] == 1
+        # The first attach builds them as for a new namespace and writes the record anew.
+        b = engine(service.socket)
+        wait_status(service.socket, lambda s: bool(s["lower_tiers"]))
+        assert record.read_bytes() == IDENTITY
+        assert resolve(b, key(1)) == (HIT, 0)
+        b.shutdown()
     finally:
         service.stop()

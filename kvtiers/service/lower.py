@@ -292,6 +292,9 @@ class LowerTiers:
             raise
         self.tiers = tiers
         self._probes = 0
+        #: Chunks the pool re-adopted at the service's start, cascaded once every lower
+        #: tier's index is complete (each tier skips the chunks it holds already).
+        self._readopted: dict[bytes, None] = {}
 
     def probe(self, keys: list[bytes]) -> list[int]:
         """Each key's probe answer (:data:`~kvtiers.service.protocol.PROBE_HIT`...); a
@@ -321,15 +324,34 @@ class LowerTiers:
             self.manager.complete_store([OffloadKey(k) for k in keys],
                                         ReqContext(req_id="kvtiers-commit"))
 
+    def readopted(self, keys: Iterable[bytes]) -> None:
+        """The pool re-adopted ``keys`` (this namespace's) at the service's start: a chunk
+        committed just before the last stop may not have reached the lower tiers, so each
+        is cascaded once the tiers' indexes are complete, if the pool holds it still."""
+        self._readopted.update(dict.fromkeys(self.valid(keys)))
+
+    def _indexing(self) -> bool:
+        """Whether a lower tier's index is still being built (one whose build failed
+        is not: its tier then takes what it already holds as a new store)."""
+        return any(getattr(t.manager, "index_building", False) for t in self.tiers[1:])
+
     def step(self) -> None:
-        """Submit the promotions held and take in the movers' finished jobs."""
+        """Take in the movers' finished jobs (and the lower tiers' finished index
+        builds), submit the promotions held, and cascade the re-adopted chunks once the
+        lower tiers know what they hold."""
         self.manager.on_schedule_end(_STEP)
+        if self._readopted and not self._indexing():
+            primary = self.primary
+            keys = [k for k in self._readopted
+                    if primary.slot_state(OffloadKey(k)) is SlotState.READY]
+            self._readopted = {}
+            self.committed(keys)
 
     @property
     def busy(self) -> bool:
         """Whether a copy is in flight or a lower tier still works on its own (an index
-        being built): the loop then polls."""
-        return self.manager.has_pending_work()
+        being built), or re-adopted chunks wait for their cascade: the loop then polls."""
+        return bool(self._readopted) or self.manager.has_pending_work()
 
     def state(self) -> list[dict[str, Any]]:
         """What ``kvtiers status`` shows of each lower tier."""

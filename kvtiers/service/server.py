@@ -11,7 +11,9 @@ connection did not attach, a slot it did not reserve or a pin it does not hold, 
 are not affected. Closing a connection drops its pins and frees its reservations.
 
 With tiers below the pool (``lower``: the service's stack file) each namespace gets its
-own :class:`~kvtiers.service.lower.LowerTiers` when an engine first attaches it: the
+own :class:`~kvtiers.service.lower.LowerTiers`, built at the service's start for the
+namespaces whose identity the pool's :class:`~kvtiers.service.pool.IdentityRecords` keep
+(written at each namespace's first attach) and at the first attach for the others: the
 loop hands them each commit (cascaded, write-behind), answers :class:`~kvtiers.service.
 protocol.Probe` from them (a lower-tier hit is promoted into the pool), and polls their
 movers while copies are in flight (every ``POLL_S``; it waits for sockets only when none
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtiers.core.keys import OffloadKey
 from kvtiers.service import protocol as p
-from kvtiers.service.pool import MAX_KEY, Adoption, Pool
+from kvtiers.service.pool import MAX_KEY, Adoption, IdentityRecords, Pool, RecordDamaged
 
 if TYPE_CHECKING:
     from kvtiers.config import StackConfig
@@ -175,6 +177,8 @@ class Service:
         self._namespaces: dict[int, _Namespace] = {}
         self.counters: Counter[str] = Counter()
         self._init_tenants(tenants, pool_tier)
+        #: Re-adopted keys per namespace, handed to its lower tiers once they are built.
+        self._adopted_keys: dict[int, list[bytes]] = {}
         self.adoption = self._adopt() if not pool.created else Adoption()
         taken = {s for slots in self.adoption.adopted.values() for s in slots}
         # First in, first out: a freed slot is reused after every slot freed before it,
@@ -206,6 +210,11 @@ class Service:
         #: Keys committed while their namespace's build was under way: cascaded once it
         #: ends (those still in the pool then).
         self._uncascaded: dict[int, dict[bytes, None]] = {}
+        #: Each namespace's identity, kept beside the pool (with lower tiers only: the
+        #: next start builds them from it), and the digests whose record is known whole.
+        self._records = IdentityRecords(pool.path) if self.lower is not None else None
+        self._recorded: set[bytes] = set()
+        self._build_recorded()
 
     # -- set-up ---------------------------------------------------------------------
     def _init_tenants(self, tenants: TenantsConfig | None, pool_tier: str) -> None:
@@ -246,8 +255,10 @@ class Service:
             self._namespaces[index] = _Namespace(index, digest, digest.hex()[:16])
         for index, slots in found.adopted.items():
             ns = self._namespaces[index]
+            keys = self._adopted_keys[index] = []
             for slot in slots:
                 _, _, _, length, _, _, _, key = self.pool.header(slot)
+                keys.append(key)
                 ns.ready[key] = slot
                 ns.lengths[slot] = length
                 self._owner[slot] = (index, key)
@@ -263,6 +274,31 @@ class Service:
             "freed)", found.total, self.pool.path, found.torn, found.corrupt, found.foreign,
         )
         return found
+
+    def _build_recorded(self) -> None:
+        """At start, with lower tiers: start the build of each namespace in the pool's
+        table whose identity record reads back whole. A namespace without a record, or
+        with a damaged one (counted, logged), has its lower tiers built at its first
+        attach, which writes the record anew. Records of namespaces not in the table
+        (a pool made anew) are removed."""
+        records = self._records
+        if records is None:
+            return
+        records.prune([ns.digest for ns in self._namespaces.values()])
+        for ns in list(self._namespaces.values()):
+            try:
+                identity = records.read(ns.digest)
+            except RecordDamaged as exc:
+                self.counters["identity_records_damaged"] += 1
+                log.warning("kvtiers serve: namespace %s: %s; its lower tiers are built "
+                            "at its first attach", ns.name, exc)
+                continue
+            if identity is None:
+                self.counters["identity_records_missing"] += 1
+                continue
+            self._recorded.add(ns.digest)
+            ns.name = _namespace_name(identity)
+            self._start_build(ns.index, ns.name, identity)
 
     def _listen(self, path: Path) -> socket.socket:
         if path.exists() or path.is_symlink():
@@ -562,6 +598,14 @@ class Service:
         if ns is None:
             ns = self._namespaces[index] = _Namespace(index, digest, name)
         ns.name = name
+        if self._records is not None and digest not in self._recorded:
+            try:
+                self._records.write(request.identity)
+                self._recorded.add(digest)
+            except OSError as exc:  # the next start builds this namespace at attach
+                self.counters["identity_record_failures"] += 1
+                log.warning("kvtiers serve: namespace %s: its identity record could not "
+                            "be written: %s", name, exc)
         conn.attached.add(index)
         self.counters["attaches"] += 1
         conn.engine = request.engine[:200]
@@ -577,13 +621,15 @@ class Service:
         if self.lower is None or ns.index in self._lower_refused:
             return 0
         if ns.index not in self._lowers and ns.index not in self._building:
-            thread = threading.Thread(target=self._build_lowers,
-                                      args=(ns.index, ns.name, request.identity),
-                                      name=f"kvtiers-serve-lower-{ns.index}", daemon=True)
-            self._building[ns.index] = thread
-            self._uncascaded[ns.index] = {}
-            thread.start()
+            self._start_build(ns.index, ns.name, request.identity)
         return len(self.lower.tiers) - 1
+
+    def _start_build(self, index: int, name: str, identity: bytes) -> None:
+        thread = threading.Thread(target=self._build_lowers, args=(index, name, identity),
+                                  name=f"kvtiers-serve-lower-{index}", daemon=True)
+        self._building[index] = thread
+        self._uncascaded[index] = {}
+        thread.start()
 
     def _build_lowers(self, index: int, name: str, identity: bytes) -> None:
         """On its own thread: build namespace ``index``'s lower tiers and hand them (or
@@ -613,6 +659,8 @@ class Service:
         try:
             # Committed before the door below the pool existed: keys it refuses stay out.
             built.committed(built.valid(key for key in waiting if key in ready))
+            built.readopted(key for key in self._adopted_keys.pop(index, ())
+                            if key not in waiting)
         except Exception:  # a defect below the pool must not stop the loop
             log.exception("kvtiers serve: cascading the chunks committed during the build "
                           "of namespace %d", index)
