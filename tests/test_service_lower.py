@@ -25,6 +25,7 @@ pytest.importorskip("msgspec")
 from kvtiers.config import load_stack_config
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.service.client import ServiceClient, read_status
 from kvtiers.service.lower import identity_config
@@ -428,8 +429,10 @@ def root_holds(root: Path, wanted: list[OffloadKey]) -> bool:
             manager.wait_idle()
             assert manager.lookup(k, ctx) is HIT
             manager.prepare_load([k], ctx)
-            slot = int(manager.get_spec([k]).block_ids[0])
-            same = bytes(check.tiers[0].region.view(slot)[:CHUNK]) == payload(k)
+            spec = manager.get_spec([k])
+            region = check.tiers[0].region
+            assert isinstance(spec, CPULoadStoreSpec) and region is not None
+            same = bytes(region.view(int(spec.block_ids[0]))[:CHUNK]) == payload(k)
             manager.complete_load([k], ctx)
             manager.on_request_finished(ctx)
             if not same:
