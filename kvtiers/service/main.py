@@ -3,8 +3,8 @@
 The service's configuration is a stack file: its first tier must be ``kind: cpu``, whose
 ``capacity`` sizes the pool and ``shared_memory_name`` names it (``kvtiers-serve`` when
 unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB, or
-``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through``) are the
-service's own: built per namespace, under it (:mod:`kvtiers.service.lower`). A
+``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through`` or
+``back``) are the service's own: built per namespace, under it (:mod:`kvtiers.service.lower`). A
 ``tenants:`` section names the tenants whose engines share the pool and caps them in the
 pool (its first tier) only: :func:`check_service_tenants`.
 """
@@ -86,10 +86,6 @@ def pool_settings(config_path: str, slot_bytes: int | None) -> tuple[str, int, i
     if not isinstance(primary, CPUTierConfig):
         raise ConfigError("kvtiers serve needs a cpu tier first: its capacity sizes the pool",
                           path="tiers[0]", source=config.source)
-    if len(config.tiers) > 1:
-        from kvtiers.service.lower import check_lower_tiers
-
-        check_lower_tiers(config)
     try:
         check_service_tenants(config)
     except ConfigError as exc:

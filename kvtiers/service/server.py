@@ -15,9 +15,10 @@ own :class:`~kvtiers.service.lower.LowerTiers`, built at the service's start for
 namespaces whose identity the pool's :class:`~kvtiers.service.pool.IdentityRecords` keep
 (written at each namespace's first attach) and at the first attach for the others: the
 loop hands them each commit (cascaded, write-behind), answers :class:`~kvtiers.service.
-protocol.Probe` from them (a lower-tier hit is promoted into the pool), and polls their
-movers while copies are in flight (every ``POLL_S``; it waits for sockets only when none
-is).
+protocol.Probe` from them (a lower-tier hit is promoted into the pool), lends them
+slots held out of the pool's free list and LRU (a ``write: back`` tier's demotion copies
+an evicted chunk from its held slot, :meth:`Service.evict_held`), and polls their movers
+while copies are in flight (every ``POLL_S``; it waits for sockets only when none is).
 
 With a ``tenants:`` section (the service's stack file, :mod:`kvtiers.config.tenants`) the
 pool's chunks are counted per tenant, the tenant read from each key's tag
@@ -39,11 +40,13 @@ import struct
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtiers.core.keys import OffloadKey
+from kvtiers.errors import UnknownKeyError
 from kvtiers.service import protocol as p
 from kvtiers.service.pool import MAX_KEY, Adoption, IdentityRecords, Pool, RecordDamaged
 
@@ -174,6 +177,10 @@ class Service:
         self._owner: list[tuple[int, bytes] | None] = [None] * num_slots
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pins: Counter[int] = Counter()
+        #: Slots held for the lower tiers (a demotion's copy of an evicted chunk, a
+        #: second hop's staging, an abandoned promotion), each with its namespace: never
+        #: free, never reused, until released.
+        self._demoting: dict[int, int] = {}
         self._namespaces: dict[int, _Namespace] = {}
         self.counters: Counter[str] = Counter()
         self._init_tenants(tenants, pool_tier)
@@ -388,6 +395,8 @@ class Service:
                 self._lower_refused[index] = f"failed: {type(exc).__name__}: {exc}"
                 with contextlib.suppress(Exception):
                     lowers.shutdown()
+                # Its movers are stopped: the slots held for its copies are free again.
+                self.release_held([s for s, of in self._demoting.items() if of == index])
         return busy
 
     def _drain_wake(self) -> None:
@@ -639,7 +648,8 @@ class Service:
         assert self.lower is not None
         built: LowerTiers | str
         try:
-            built = LowerTiers(self.lower, identity_config(identity), self.pool, self, index)
+            built = LowerTiers(self.lower, identity_config(identity), self.pool, self, index,
+                               headroom=self._per_conn)
         except Exception as exc:  # this namespace goes without; the others are served
             built = f"{type(exc).__name__}: {exc}"
             log.warning("kvtiers serve: no lower tiers for namespace %s: %s", name, exc)
@@ -719,6 +729,55 @@ class Service:
     def free_slot_count(self) -> int:
         return len(self._free)
 
+    def eviction_count(self) -> int:
+        return self.counters["evictions"]
+
+    def evict_held(self, ns: int, count: int, protected: Container[bytes]) -> dict[bytes, int]:
+        picked: list[tuple[int, tuple[int, bytes]]] = []
+        tenants = self._tenants
+        for slot in self._lru:
+            if len(picked) >= count:
+                break
+            owner = self._owner[slot]
+            if owner is None or owner[0] != ns or slot in self._pins or owner[1] in protected:
+                continue
+            if tenants is not None:
+                who = tenants.owner(OffloadKey(owner[1]))
+                if len(self._held[who]) <= self._protected.get(who, 0):
+                    continue  # within its tenant's protected share
+            picked.append((slot, owner))
+        held = {}
+        for slot, owner in picked:
+            # Gone from the tables and the mirror; the header and bytes stay as they are
+            # (a load planned before reads the chunk it planned for) until released.
+            self._evict(slot, owner)
+            self._demoting[slot] = ns
+            held[owner[1]] = slot
+        return held
+
+    def hold_free(self, ns: int, count: int) -> list[int]:
+        slots: list[int] = []
+        while self._free and len(slots) < count:
+            slot = self._free.popleft()
+            self.pool.set_writing(slot)
+            self._demoting[slot] = ns
+            slots.append(slot)
+        return slots
+
+    def detach_promotion(self, ns: int, key: bytes, slot: int) -> None:
+        del self._namespaces[ns].writing[key]
+        self._owner[slot] = None
+        self._demoting[slot] = ns
+
+    def release_held(self, slots: Iterable[int]) -> None:
+        slots = list(dict.fromkeys(slots))
+        unknown = [slot for slot in slots if slot not in self._demoting]
+        if unknown:
+            raise UnknownKeyError(f"release_held: slots {unknown} are not held")
+        for slot in slots:
+            del self._demoting[slot]
+            self._release(slot)
+
     def _take_slot(self, batch: set[bytes], tenant: str | None = None) -> int:
         """A slot for a chunk of ``tenant`` (``None``: not known, as for a lease).
 
@@ -751,6 +810,10 @@ class Service:
                 who = tenants.owner(OffloadKey(owner[1]))
                 if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
                     continue  # within another tenant's protected share
+            lowers = self._lowers.get(owner[0])
+            if lowers is not None and lowers.lost_at_eviction(owner[1]):
+                # Evicted for room before a demotion took it: the back tier never gets it.
+                self.counters["demotions_dropped"] += 1
             self._evict(slot, owner)
             return slot
         return -1
@@ -944,6 +1007,7 @@ class Service:
             "used_slots": used,
             "ready_slots": len(self._lru),
             "pinned_slots": len(self._pins),
+            "held_slots": len(self._demoting),
             "leased_slots": sum(len(c.leased) for c in self._conns.values()),
             "counters": dict(self.counters),
             "namespaces": [
