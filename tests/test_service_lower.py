@@ -81,10 +81,12 @@ def pool_name(tmp_path: Path) -> Iterator[str]:
     shutil.rmtree(Path("/dev/shm", f"{name}.identities"), ignore_errors=True)
 
 
-def start(tmp_path: Path, pool_name: str, lower: str) -> ServiceProcess:
+def start(tmp_path: Path, pool_name: str, lower: str, *,
+          metrics_port: int | None = None) -> ServiceProcess:
     config = tmp_path / "serve.yaml"
     config.write_text(stack_yaml(pool_name, lower))
-    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=CHUNK)
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=CHUNK,
+                          metrics_port=metrics_port)
     proc.start(fresh=True)
     return proc
 
@@ -546,8 +548,11 @@ def store_settled(manager: ServiceTierManager, socket: Path, wanted: list[Offloa
 
 def test_write_back_demotes_the_pools_evictions_byte_exact(tmp_path: Path,
                                                            pool_name: str) -> None:
+    pytest.importorskip("prometheus_client")
+    from kvtiers.testing.serve import free_port, scrape
+
     root = tmp_path / "root"
-    service = start(tmp_path, pool_name, back_tier(root))
+    service = start(tmp_path, pool_name, back_tier(root), metrics_port=free_port())
     try:
         a = engine(service.socket)
         wanted = [key(i) for i in range(8)]
@@ -568,6 +573,27 @@ def test_write_back_demotes_the_pools_evictions_byte_exact(tmp_path: Path,
             result, _ = resolve(b, k)
             assert result is HIT
             assert read_exact(b, k)
+
+        # The lower tier's own families on the service's exporter, per namespace (the
+        # promotions' demotions ended first: nothing moves while it is scraped).
+        state = wait_status(service.socket, settled)
+        samples = scrape(f"http://127.0.0.1:{service.metrics_port}/metrics")
+        ns = f'namespace="{state["namespaces"][0]["name"]}"'
+        tier = f'{ns},tier="file"'
+        demoted = lower_counter(state, "demotions")
+        assert samples[f"kvtiers_service_lower_demoted_chunks_total{{{tier}}}"] == demoted
+        assert samples[f"kvtiers_service_lower_demoted_bytes_total{{{tier}}}"] >= (
+            demoted * CHUNK)
+        assert samples[f'kvtiers_service_lower_demotions_total{{{ns},outcome="done"}}'] == (
+            demoted)
+        assert samples[f'kvtiers_service_lower_demotions_total{{{ns},outcome="dropped"}}'] == 0
+        assert samples[f'kvtiers_service_lower_promotions_total{{{ns},outcome="done"}}'] >= 2
+        assert samples[f"kvtiers_service_lower_promoted_chunks_total{{{tier}}}"] >= 2
+        assert samples[f"kvtiers_service_lower_cascaded_chunks_total{{{tier}}}"] == 0
+        assert samples[f"kvtiers_service_lower_chunks{{{tier}}}"] >= len(wanted)
+        assert samples[f"kvtiers_service_lower_index_complete{{{tier}}}"] == 1
+        assert samples[f"kvtiers_service_lower_corrupt_chunks_total{{{ns}}}"] == 0
+        assert samples['kvtiers_service_pool_slots{state="held"}'] == 0
         a.shutdown()
         b.shutdown()
     finally:

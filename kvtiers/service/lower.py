@@ -333,6 +333,8 @@ class LowerTiers:
         self.tiers = tiers
         self._probes = 0
         self.manager.keep_free(headroom)
+        #: Chunks the pool evicted before a demotion took them (see evicted_by_pool).
+        self._dropped = 0
         #: The tiers a chunk evicted from the pool is not lost from once they hold it.
         self._writing = [t.manager for t in tiers[1:] if t.admission != "never"]
         #: Whether a ``write: back`` tier is below the pool (demotions at eviction).
@@ -366,10 +368,12 @@ class LowerTiers:
             kept.append(key)
         return kept
 
-    def lost_at_eviction(self, key: bytes) -> bool:
-        """Whether the pool evicting ``key`` by itself (not a demotion) loses it: a
-        ``write: back`` tier is below and no lower tier holds it."""
-        return self.demotes and not any(holds(m, OffloadKey(key)) for m in self._writing)
+    def evicted_by_pool(self, key: bytes) -> bool:
+        """The pool evicted ``key`` by itself (not a demotion): whether that lost it to
+        the ``write: back`` tiers (none holds it; counted as dropped)."""
+        lost = self.demotes and not any(holds(m, OffloadKey(key)) for m in self._writing)
+        self._dropped += lost
+        return lost
 
     def committed(self, keys: list[bytes]) -> None:
         """Engines committed ``keys`` into the pool: cascade them (write-behind)."""
@@ -417,18 +421,22 @@ class LowerTiers:
                 "name": tier.name,
                 "chunks": len(index) if index is not None else None,
                 "indexed": bool(getattr(manager, "index_complete", True)),
-                "cascaded": stats.get(f"{tier.name}.cascaded", 0),
-                "promoted": stats.get(f"{tier.name}.promoted", 0),
+                **{f"{moved}{unit}": stats.get(f"{tier.name}.{moved}{unit}", 0)
+                   for moved in ("cascaded", "promoted", "demoted")
+                   for unit in ("", "_bytes")},
             })
         return rows
 
     def counters(self) -> dict[str, float]:
-        """The composite's own counters (promotions, cascades, failures)."""
+        """The composite's own counters (promotions, cascades, demotions, failures), the
+        chunks the pool evicted before their demotion among the dropped."""
         stats = self.manager.get_stats()
-        return {name: stats[name] for name in (
+        counters = {name: stats[name] for name in (
             "promotions", "promotion_failures", "promotions_refused", "cascades",
             "cascade_failures", "cascades_refused", "demotions", "demotion_failures",
             "demotions_refused", "demotions_dropped", "corrupt_chunks")}
+        counters["demotions_dropped"] += self._dropped
+        return counters
 
     def wait_idle(self) -> None:
         """Finish every copy in flight (at a graceful stop)."""

@@ -167,12 +167,14 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
         print("lower tiers: none (the service runs the pool only)")
     for entry in lowers:
         print(f"namespace {entry['namespace']}: {entry['promotions']} promoted, "
-              f"{entry['cascades']} cascaded ({entry['promotion_failures']} and "
-              f"{entry['cascade_failures']} failed)")
+              f"{entry['cascades']} cascaded, {entry['demotions']} demoted "
+              f"({entry['promotion_failures']}, {entry['cascade_failures']} and "
+              f"{entry['demotion_failures']} failed, {entry['demotions_dropped']} dropped)")
         for tier in entry["tiers"]:
             indexed = "indexed" if tier["indexed"] else "indexing"
             print(f"  lower tier {tier['name']}: {tier['chunks']} chunks ({indexed}), "
-                  f"{tier['cascaded']} cascaded, {tier['promoted']} promoted")
+                  f"{tier['cascaded']} cascaded, {tier['promoted']} promoted, "
+                  f"{tier['demoted']} demoted")
     for index, why in state.get("lower_tiers_refused", {}).items():
         print(f"namespace {index}: no lower tiers ({why})")
     for tenant in state.get("tenants", []):

@@ -811,7 +811,7 @@ class Service:
                 if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
                     continue  # within another tenant's protected share
             lowers = self._lowers.get(owner[0])
-            if lowers is not None and lowers.lost_at_eviction(owner[1]):
+            if lowers is not None and lowers.evicted_by_pool(owner[1]):
                 # Evicted for room before a demotion took it: the back tier never gets it.
                 self.counters["demotions_dropped"] += 1
             self._evict(slot, owner)
