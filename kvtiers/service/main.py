@@ -4,9 +4,10 @@ The service's configuration is a stack file: its first tier must be ``kind: cpu`
 ``capacity`` sizes the pool and ``shared_memory_name`` names it (``kvtiers-serve`` when
 unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB, or
 ``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through`` or
-``back``) are the service's own: built per namespace, under it (:mod:`kvtiers.service.lower`). A
-``tenants:`` section names the tenants whose engines share the pool and caps them in the
-pool (its first tier) only: :func:`check_service_tenants`.
+``back``) are the service's own: built per namespace, under it
+(:mod:`kvtiers.service.lower`). A ``tenants:`` section names the tenants whose engines
+share the pool and caps them in the pool (its first tier) only:
+:func:`check_service_tenants`.
 """
 
 from __future__ import annotations

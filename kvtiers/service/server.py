@@ -663,6 +663,7 @@ class Service:
         waiting = self._uncascaded.pop(index, {})
         if isinstance(built, str):
             self._lower_refused[index] = built
+            self._adopted_keys.pop(index, None)
             return
         self._lowers[index] = built
         ready = self._namespaces[index].ready
