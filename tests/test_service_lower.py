@@ -11,6 +11,10 @@ from __future__ import annotations
 import functools
 import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,11 +28,12 @@ pytest.importorskip("msgspec")
 from kvtiers.config import load_stack_config
 from kvtiers.core.keys import OffloadKey
 from kvtiers.core.manager import LookupResult, ReqContext, ScheduleEndContext
+from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.service.client import ServiceClient, read_status
 from kvtiers.service.lower import identity_config
 from kvtiers.service.main import print_status
-from kvtiers.service.pool import Layout, Pool
+from kvtiers.service.pool import IdentityRecords, Layout, Pool, RecordDamaged
 from kvtiers.service.server import Service
 from kvtiers.service.tier import ServiceTierManager
 from kvtiers.stack.builder import load_stack
@@ -73,12 +78,15 @@ def pool_name(tmp_path: Path) -> Iterator[str]:
     name = f"kvtiers-test-{os.getpid()}-{tmp_path.name}"
     yield name
     Path("/dev/shm", name).unlink(missing_ok=True)
+    shutil.rmtree(Path("/dev/shm", f"{name}.identities"), ignore_errors=True)
 
 
-def start(tmp_path: Path, pool_name: str, lower: str) -> ServiceProcess:
+def start(tmp_path: Path, pool_name: str, lower: str, *,
+          metrics_port: int | None = None) -> ServiceProcess:
     config = tmp_path / "serve.yaml"
     config.write_text(stack_yaml(pool_name, lower))
-    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=CHUNK)
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=CHUNK,
+                          metrics_port=metrics_port)
     proc.start(fresh=True)
     return proc
 
@@ -160,16 +168,6 @@ def test_identity_round_trips_to_the_config_the_tiers_take() -> None:
     assert NamespaceIdentity.from_config(config).canonical_json() == IDENTITY
     with pytest.raises(Exception, match="JSON"):
         identity_config(b"{")
-
-
-def test_a_write_back_tier_below_the_pool_is_refused(tmp_path: Path, pool_name: str) -> None:
-    from kvtiers.errors import ConfigError
-    from kvtiers.service.main import pool_settings
-
-    config = tmp_path / "serve.yaml"
-    config.write_text(stack_yaml(pool_name, file_tier(tmp_path) + "    write: back\n"))
-    with pytest.raises(ConfigError, match="write: through"):
-        pool_settings(str(config), CHUNK)
 
 
 @pytest.fixture(params=["file", "s3"])
@@ -455,6 +453,330 @@ def test_a_probe_or_commit_of_a_key_not_this_caches_is_refused(tmp_path: Path,
         store(a, [key(1)])
         assert a.lookup(key(1), ReqContext("a")) is HIT
         assert read_status(service.socket)["counters"]["bad_messages"] == 2
+        a.shutdown()
+    finally:
+        service.stop()
+
+
+# -- lower tiers built at the service's start (identity records beside the pool) -------
+def root_holds(root: Path, wanted: list[OffloadKey]) -> bool:
+    """Whether an in-process stack over the file ``root`` finds every key, byte-exact."""
+    return tier_holds({"kind": "file", "root": str(root)}, wanted)
+
+
+def tier_holds(tier: dict[str, Any], wanted: list[OffloadKey]) -> bool:
+    """Whether an in-process stack over ``tier`` (a lower tier's stack entry) finds every
+    key, byte-exact."""
+    with load_stack({"tiers": [{"kind": "cpu", "capacity": 4 * CHUNK}, tier]},
+                    OFFLOADING) as check:
+        check.wait_index()
+        lower = check.tiers[1].manager
+        if not all(k in lower.index for k in wanted):
+            return False
+        manager = check.manager
+        for k in wanted:
+            ctx = ReqContext("check")
+            assert manager.lookup(k, ctx) is LookupResult.HIT_PENDING  # promoted
+            manager.on_schedule_end(ScheduleEndContext())
+            manager.wait_idle()
+            assert manager.lookup(k, ctx) is HIT
+            manager.prepare_load([k], ctx)
+            spec = manager.get_spec([k])
+            region = check.tiers[0].region
+            assert isinstance(spec, CPULoadStoreSpec) and region is not None
+            same = bytes(region.view(int(spec.block_ids[0]))[:CHUNK]) == payload(k)
+            manager.complete_load([k], ctx)
+            manager.on_request_finished(ctx)
+            if not same:
+                return False
+        return True
+
+
+def test_identity_records_read_back_whole_or_refused(tmp_path: Path) -> None:
+    import hashlib
+
+    records = IdentityRecords(tmp_path / "pool")
+    digest = hashlib.sha256(IDENTITY).digest()
+    assert records.read(digest) is None
+    records.write(IDENTITY)
+    assert records.read(digest) == IDENTITY
+    assert [p.name for p in records.directory.iterdir()] == [f"{digest.hex()}.json"]
+    # Filed under another digest, cut short, or a link: refused, never parsed.
+    (records.directory / f"{digest.hex()}.json").write_bytes(IDENTITY[:-1])
+    with pytest.raises(RecordDamaged, match="identity of its digest"):
+        records.read(digest)
+    (records.directory / f"{digest.hex()}.json").unlink()
+    (records.directory / f"{digest.hex()}.json").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(RecordDamaged):
+        records.read(digest)
+    records.write(IDENTITY)  # replaces the link
+    assert records.read(digest) == IDENTITY
+    records.prune([])
+    assert records.read(digest) is None
+
+
+def test_lower_tiers_come_up_at_the_start_and_take_the_readopted_chunks(
+    tmp_path: Path, pool_name: str
+) -> None:
+    service = start(tmp_path, pool_name, file_tier(tmp_path / "first"))
+    try:
+        a = engine(service.socket)
+        wanted = [key(i) for i in range(8)]
+        store(a, wanted, settle=service.socket)
+        a.shutdown()
+        assert service.stop() == 0
+        # Restarted over an empty root: no engine attaches, yet the namespace's lower
+        # tiers are built from the record and the re-adopted chunks cascade into it.
+        second = tmp_path / "second"
+        service.config.write_text(stack_yaml(pool_name, file_tier(second)))
+        service.start()
+        state = wait_status(service.socket, functools.partial(cascaded, len(wanted)))
+        assert state["engines"] == []
+        assert state["counters"].get("attaches", 0) == 0
+        assert state["counters"]["adopted"] == len(wanted)
+        assert [entry["tiers"][0]["name"] for entry in state["lower_tiers"]] == ["file"]
+        assert root_holds(second, wanted)
+
+        # The first engine's probe is answered from them: evicted, promoted, byte-exact.
+        b = engine(service.socket)
+        store(b, [key(100 + i) for i in range(SLOTS)], settle=service.socket)
+        assert b.lookup(wanted[0], ReqContext("b")) is not HIT
+        result, _ = resolve(b, wanted[0])
+        assert result is HIT
+        assert read_exact(b, wanted[0])
+        assert read_status(service.socket)["counters"]["promoted"] >= 1
+        b.shutdown()
+    finally:
+        service.stop()
+
+
+def test_a_damaged_identity_record_waits_for_the_first_attach(tmp_path: Path,
+                                                               pool_name: str) -> None:
+    service = start(tmp_path, pool_name, file_tier(tmp_path / "root"))
+    try:
+        a = engine(service.socket)
+        store(a, [key(1)], settle=service.socket)
+        a.shutdown()
+        service.stop()
+        records = IdentityRecords(Path("/dev/shm", pool_name))
+        (record,) = records.directory.iterdir()
+        record.write_bytes(b'{"model_name": "another"}')
+        service.start()
+        state = read_status(service.socket)
+        assert state["counters"]["identity_records_damaged"] == 1
+        assert state["lower_tiers"] == [] and not state["lower_tiers_refused"]
+        assert state["counters"]["adopted"] == 1
+        # The first attach builds them as for a new namespace and writes the record anew.
+        b = engine(service.socket)
+        wait_status(service.socket, lambda s: bool(s["lower_tiers"]))
+        assert record.read_bytes() == IDENTITY
+        assert resolve(b, key(1)) == (HIT, 0)
+        b.shutdown()
+    finally:
+        service.stop()
+
+
+# -- write: back below the pool: demotions from held slots --------------------------------
+#: The slots the service keeps free by demoting (an eighth of the pool).
+HEADROOM = SLOTS // 8
+
+
+def back_tier(root: Path) -> str:
+    return file_tier(root) + "    write: back\n    threads: 1\n"
+
+
+def settled(state: dict[str, Any]) -> bool:
+    """No demotion in flight and the headroom free again."""
+    return state["held_slots"] == 0 and state["num_slots"] - state["used_slots"] >= HEADROOM
+
+
+def store_settled(manager: ServiceTierManager, socket: Path, wanted: list[OffloadKey]) -> None:
+    """Store ``wanted`` batch by batch, each after the demotions the one before caused."""
+    for at in range(0, len(wanted), HEADROOM):
+        store(manager, wanted[at : at + HEADROOM])
+        wait_status(socket, settled)
+
+
+def test_write_back_demotes_the_pools_evictions_byte_exact(tmp_path: Path,
+                                                           pool_name: str) -> None:
+    pytest.importorskip("prometheus_client")
+    from kvtiers.testing.serve import free_port, scrape
+
+    root = tmp_path / "root"
+    service = start(tmp_path, pool_name, back_tier(root), metrics_port=free_port())
+    try:
+        a = engine(service.socket)
+        wanted = [key(i) for i in range(8)]
+        store_settled(a, service.socket, wanted)
+        assert lower_counter(read_status(service.socket), "demotions") == 0  # not at store
+        store_settled(a, service.socket, [key(100 + i) for i in range(SLOTS)])
+        state = read_status(service.socket)
+        assert all(a.lookup(k, ReqContext("a")) is not HIT for k in wanted)
+        # Every chunk evicted went down first: none dropped, none failed.
+        assert lower_counter(state, "demotions") >= len(wanted)
+        assert state["counters"].get("demotions_dropped", 0) == 0
+        assert lower_counter(state, "demotion_failures") == 0
+        assert lower_counter(state, "cascades") == 0  # write: back writes at eviction only
+        assert root_holds(root, wanted)
+        # Another engine's lookup is promoted from the back tier, byte-exact.
+        b = engine(service.socket)
+        for k in wanted[:2]:
+            result, _ = resolve(b, k)
+            assert result is HIT
+            assert read_exact(b, k)
+
+        # The lower tier's own families on the service's exporter, per namespace (the
+        # promotions' demotions ended first: nothing moves while it is scraped).
+        state = wait_status(service.socket, settled)
+        samples = scrape(f"http://127.0.0.1:{service.metrics_port}/metrics")
+        ns = f'namespace="{state["namespaces"][0]["name"]}"'
+        tier = f'{ns},tier="file"'
+        demoted = lower_counter(state, "demotions")
+        assert samples[f"kvtiers_service_lower_demoted_chunks_total{{{tier}}}"] == demoted
+        assert samples[f"kvtiers_service_lower_demoted_bytes_total{{{tier}}}"] >= (
+            demoted * CHUNK)
+        assert samples[f'kvtiers_service_lower_demotions_total{{{ns},outcome="done"}}'] == (
+            demoted)
+        assert samples[f'kvtiers_service_lower_demotions_total{{{ns},outcome="dropped"}}'] == 0
+        assert samples[f'kvtiers_service_lower_promotions_total{{{ns},outcome="done"}}'] >= 2
+        assert samples[f"kvtiers_service_lower_promoted_chunks_total{{{tier}}}"] >= 2
+        assert samples[f"kvtiers_service_lower_cascaded_chunks_total{{{tier}}}"] == 0
+        assert samples[f"kvtiers_service_lower_chunks{{{tier}}}"] >= len(wanted)
+        assert samples[f"kvtiers_service_lower_index_complete{{{tier}}}"] == 1
+        assert samples[f"kvtiers_service_lower_corrupt_chunks_total{{{ns}}}"] == 0
+        assert samples['kvtiers_service_pool_slots{state="held"}'] == 0
+        a.shutdown()
+        b.shutdown()
+    finally:
+        service.stop()
+
+
+_GATED_SERVE = """
+import sys, threading
+from pathlib import Path
+
+from kvtiers.tiers.file.mover import FileMover
+
+marker = Path(sys.argv.pop(1))
+
+
+def gated(self, job, chunk):
+    marker.touch()
+    threading.Event().wait()  # this store thread stops here until the process is killed
+    raise AssertionError("unreachable")
+
+
+FileMover._store_one = gated
+from kvtiers.cli import main
+
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+def test_a_demotion_killed_mid_copy_loses_nothing_and_serves_nothing_torn(
+    tmp_path: Path, pool_name: str
+) -> None:
+    root = tmp_path / "root"
+    config = tmp_path / "serve.yaml"
+    config.write_text(stack_yaml(pool_name, back_tier(root)))
+    socket, marker, script = tmp_path / "serve.sock", tmp_path / "demoting", tmp_path / "g.py"
+    script.write_text(_GATED_SERVE)
+    # The service's file tier cannot finish a store: the first demotion's copy stops.
+    gated = subprocess.Popen(
+        [sys.executable, str(script), str(marker), "serve", "--config", str(config),
+         "--socket", str(socket), "--slot-bytes", str(CHUNK), "--fresh"],
+        stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert gated.stdout is not None
+        assert gated.stdout.readline().startswith("kvtiers serve: ready")
+        a = engine(socket)
+        wanted = [key(i) for i in range(HEADROOM)]
+        store(a, wanted)
+        store(a, [key(100 + i) for i in range(SLOTS - HEADROOM)])
+        # The pool full: its oldest chunks, ``wanted``, are evicted with their slots held
+        # while their copy down is stuck.
+        wait_status(socket, lambda s: s["held_slots"] == HEADROOM and marker.exists())
+        # Stores go on meanwhile: they take other slots, never a held one.
+        store(a, [key(200 + i) for i in range(HEADROOM)])
+        state = read_status(socket)
+        assert state["held_slots"] == HEADROOM
+        assert state["counters"]["demotions_dropped"] >= HEADROOM  # fillers, not wanted
+        a.shutdown()
+        gated.send_signal(signal.SIGKILL)
+        gated.wait(timeout=30)
+    finally:
+        if gated.poll() is None:
+            gated.kill()
+            gated.wait(timeout=30)
+        if gated.stdout is not None:
+            gated.stdout.close()
+    # Restarted (stores unblocked): the chunks whose demotion was cut short are still
+    # whole in the pool, re-adopted and served byte-exact; the back tier holds nothing of
+    # them, so nothing torn is ever served from it.
+    service = ServiceProcess(config, socket, slot_bytes=CHUNK)
+    service.start()
+    try:
+        b = engine(socket)
+        for k in wanted:
+            assert resolve(b, k) == (HIT, 0)
+            assert read_exact(b, k)
+        b.shutdown()
+    finally:
+        service.stop()
+    with load_stack({"tiers": [{"kind": "cpu", "capacity": 4 * CHUNK},
+                               {"kind": "file", "root": str(root)}]}, OFFLOADING) as check:
+        check.wait_index()
+        assert not any(k in check.tiers[1].manager.index for k in wanted)
+
+
+def test_a_failed_demotion_loses_the_chunk_cleanly(tmp_path: Path, pool_name: str) -> None:
+    root = tmp_path / "root"
+    service = start(tmp_path, pool_name, back_tier(root))
+    try:
+        a = engine(service.socket)
+        wait_status(service.socket, lambda s: bool(s["lower_tiers"]))
+        # The namespace's directory becomes a plain file: every copy down fails.
+        (namespace_dir,) = root.iterdir()
+        shutil.rmtree(namespace_dir)
+        namespace_dir.write_bytes(b"not a directory")
+        wanted = [key(i) for i in range(HEADROOM)]
+        store(a, wanted)
+        store(a, [key(100 + i) for i in range(SLOTS - HEADROOM)])
+        state = wait_status(service.socket, lambda s: lower_counter(s, "demotion_failures")
+                            >= HEADROOM and s["held_slots"] == 0)
+        assert lower_counter(state, "demotions") == 0
+        # Gone from the pool, held nowhere: a miss (recomputed), never wrong bytes; the
+        # held slots are free again and the pool keeps serving.
+        for k in wanted:
+            assert resolve(a, k)[0] is MISS
+        assert state["num_slots"] - state["used_slots"] >= HEADROOM
+        store(a, [key(300)])
+        assert read_exact(a, key(300))
+        a.shutdown()
+    finally:
+        service.stop()
+
+
+def test_a_second_hop_demotes_the_file_tiers_evictions_to_s3(
+    tmp_path: Path, pool_name: str, s3_endpoint: MotoServer
+) -> None:
+    # A file tier (write: through) of 40 chunks over S3 (write: back): what the file tier
+    # evicts is handed down to S3. The pool (32 slots) evicted those chunks before, so
+    # each is read from its file into a held free slot of the pool and stored from there.
+    lower = (file_tier(tmp_path / "root") + f"    capacity: {40 * 2 * CHUNK}\n"
+             + s3_tier(s3_endpoint.endpoint_url) + "    write: back\n")
+    service = start(tmp_path, pool_name, lower)
+    try:
+        a = engine(service.socket)
+        wanted = [key(i) for i in range(48)]
+        store(a, wanted, settle=service.socket)
+        state = wait_status(service.socket, lambda s: lower_counter(s, "demotions") >= 8
+                            and s["held_slots"] == 0)
+        assert lower_counter(state, "demotion_failures") == 0
+        assert all(a.lookup(k, ReqContext("a")) is not HIT for k in wanted[:8])
+        assert tier_holds({"kind": "s3", "bucket": BUCKET, "prefix": "served",
+                           "endpoint_url": s3_endpoint.endpoint_url}, wanted[:8])
         a.shutdown()
     finally:
         service.stop()

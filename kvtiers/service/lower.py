@@ -15,11 +15,9 @@ listing and deletion on the background one, below it: a read never queues behind
 write).
 
 Owns: :class:`PoolPrimary`, :class:`LowerTiers` (one namespace's stack, its probes and
-its status), :func:`identity_config` (a namespace identity's JSON back to the
+its status) and :func:`identity_config` (a namespace identity's JSON back to the
 :class:`~kvtiers.core.config.OffloadingConfig` the tier factories take; refused unless it
-gives back the very same identity), and :func:`check_lower_tiers` (what the service
-accepts below its pool: no ``write: back`` tier, since the pool cannot hold an evicted
-slot for a copy).
+gives back the very same identity).
 
 Probe answers (:data:`~kvtiers.service.protocol.PROBE_HIT` and the others) are what the
 engine's ``kind: service`` tier turns into ``HIT``/``RETRY``/``MISS``. A
@@ -32,7 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Container, Iterable, Mapping
 from typing import Any, Protocol
 
 from kvtiers.config import StackConfig
@@ -57,7 +55,7 @@ from kvtiers.core.manager import (
     TierCapabilities,
 )
 from kvtiers.core.mover import HostRegion
-from kvtiers.core.primary import SlotState
+from kvtiers.core.primary import SlotState, holds
 from kvtiers.core.specs import CPULoadStoreSpec
 from kvtiers.core.tier import BuiltTier
 from kvtiers.errors import ConfigError, UnknownKeyError
@@ -105,11 +103,38 @@ class PoolKeeper(Protocol):
 
     def free_slot_count(self) -> int: ...
 
+    def eviction_count(self) -> int:
+        """Chunks the pool evicted so far (every namespace's)."""
+        ...
+
+    def evict_held(self, ns: int, count: int, protected: Container[bytes]) -> dict[bytes, int]:
+        """Evict up to ``count`` of namespace ``ns``'s least recently used ready chunks,
+        neither pinned, in ``protected`` nor within another tenant's protected share,
+        holding their slots (never reused, their bytes unchanged) until
+        :meth:`release_held`; key → slot."""
+        ...
+
+    def hold_free(self, ns: int, count: int) -> list[int]:
+        """Hold up to ``count`` free slots for namespace ``ns`` (a second hop's
+        staging)."""
+        ...
+
+    def detach_promotion(self, ns: int, key: bytes, slot: int) -> None:
+        """Give up ``key``'s promotion into ``slot`` (the key is gone), holding the slot
+        until :meth:`release_held`."""
+        ...
+
+    def release_held(self, slots: Iterable[int]) -> None:
+        """Free held slots; :class:`~kvtiers.errors.UnknownKeyError`, changing nothing,
+        for a slot not held."""
+        ...
+
 
 class PoolPrimary(OffloadingManager):
     """One namespace's part of the pool as a composite's primary (a
-    :class:`~kvtiers.core.primary.SlottedPrimary`; it does not hold evicted slots, so no
-    ``write: back`` tier goes below it).
+    :class:`~kvtiers.core.primary.HoldingPrimary`: the composite's demotions to
+    ``write: back`` tiers evict this namespace's chunks with their slots held while the
+    movers copy them down, as in process).
 
     ``prepare_store``/``complete_store`` are a promotion's: a slot reserved by the service,
     published with its checksum when the bytes arrived. A key the engines store is
@@ -146,6 +171,31 @@ class PoolPrimary(OffloadingManager):
         if self._keeper.writing_slot(self._ns, key) is not None:
             return SlotState.WRITING
         return SlotState.FREE
+
+    # -- HoldingPrimary -----------------------------------------------------------------
+    @property
+    def evictions(self) -> int:
+        return self._keeper.eviction_count()
+
+    def evict_held(self, count: int,
+                   protected: Collection[OffloadKey] = ()) -> dict[OffloadKey, int]:
+        held = self._keeper.evict_held(self._ns, count, protected)
+        return {OffloadKey(key): slot for key, slot in held.items()}
+
+    def hold_free(self, count: int) -> list[int]:
+        return self._keeper.hold_free(self._ns, count)
+
+    def detach_writing(self, keys: Collection[OffloadKey]) -> dict[OffloadKey, int]:
+        held: dict[OffloadKey, int] = {}
+        for key in keys:
+            slot = self._promoting.pop(key, None)
+            if slot is not None:
+                self._keeper.detach_promotion(self._ns, key, slot)
+                held[key] = slot
+        return held
+
+    def release_held(self, slots: Iterable[int]) -> None:
+        self._keeper.release_held(slots)
 
     # -- the manager contract -----------------------------------------------------------
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
@@ -258,24 +308,14 @@ def identity_config(identity: bytes) -> OffloadingConfig:
     return config
 
 
-def check_lower_tiers(config: StackConfig) -> None:
-    """Refuse what the service cannot run below its pool: a ``write: back`` tier (the pool
-    cannot hold an evicted chunk's slot while it is copied down)."""
-    for index, tier in enumerate(config.tiers[1:], start=1):
-        if isinstance(tier, LowerTierConfig) and tier.write == "back":
-            raise ConfigError(
-                f"tier {tier.name!r}: kvtiers serve cascades to its lower tiers with "
-                "write: through only (the pool cannot hold an evicted slot for a "
-                "write: back copy)",
-                path=f"tiers[{index}].write", source=config.source,
-            )
-
-
 class LowerTiers:
     """One namespace's lower tiers under the pool (see the module docstring)."""
 
     def __init__(self, config: StackConfig, offloading: OffloadingConfig, region: HostRegion,
-                 keeper: PoolKeeper, ns: int) -> None:
+                 keeper: PoolKeeper, ns: int, *, headroom: int = 0) -> None:
+        """``headroom``: with ``write: back`` tiers, the pool's slots kept free at each
+        step by demoting this namespace's least recently used chunks (the engines'
+        stores take slots the composite does not see reserved)."""
         geometry = ChunkGeometry.from_config(offloading)
         self.primary = PoolPrimary(keeper, ns, geometry.max_chunk_bytes)
         head = config.tiers[0]
@@ -292,6 +332,19 @@ class LowerTiers:
             raise
         self.tiers = tiers
         self._probes = 0
+        self.manager.keep_free(headroom)
+        #: Chunks the pool evicted before a demotion took them (see evicted_by_pool).
+        self._dropped = 0
+        #: The tiers a chunk evicted from the pool is not lost from once they hold it.
+        self._writing = [t.manager for t in tiers[1:] if t.admission != "never"]
+        #: Whether a ``write: back`` tier is below the pool (demotions at eviction).
+        self.demotes = any(
+            isinstance(tier, LowerTierConfig) and tier.write == "back"
+            for tier in config.tiers[1:]
+        )
+        #: Chunks the pool re-adopted at the service's start, cascaded once every lower
+        #: tier's index is complete (each tier skips the chunks it holds already).
+        self._readopted: dict[bytes, None] = {}
 
     def probe(self, keys: list[bytes]) -> list[int]:
         """Each key's probe answer (:data:`~kvtiers.service.protocol.PROBE_HIT`...); a
@@ -315,21 +368,47 @@ class LowerTiers:
             kept.append(key)
         return kept
 
+    def evicted_by_pool(self, key: bytes) -> bool:
+        """The pool evicted ``key`` by itself (not a demotion): whether that lost it to
+        the ``write: back`` tiers (none holds it; counted as dropped)."""
+        lost = self.demotes and not any(holds(m, OffloadKey(key)) for m in self._writing)
+        self._dropped += lost
+        return lost
+
     def committed(self, keys: list[bytes]) -> None:
         """Engines committed ``keys`` into the pool: cascade them (write-behind)."""
         if keys:
             self.manager.complete_store([OffloadKey(k) for k in keys],
                                         ReqContext(req_id="kvtiers-commit"))
 
+    def readopted(self, keys: Iterable[bytes]) -> None:
+        """The pool re-adopted ``keys`` (this namespace's) at the service's start: a chunk
+        committed just before the last stop may not have reached the lower tiers, so each
+        is cascaded once the tiers' indexes are complete, if the pool holds it still."""
+        self._readopted.update(dict.fromkeys(self.valid(keys)))
+
+    def _indexing(self) -> bool:
+        """Whether a lower tier's index is still being built (one whose build failed
+        is not: its tier then takes what it already holds as a new store)."""
+        return any(getattr(t.manager, "index_building", False) for t in self.tiers[1:])
+
     def step(self) -> None:
-        """Submit the promotions held and take in the movers' finished jobs."""
+        """Take in the movers' finished jobs (and the lower tiers' finished index
+        builds), submit the promotions held, and cascade the re-adopted chunks once the
+        lower tiers know what they hold."""
         self.manager.on_schedule_end(_STEP)
+        if self._readopted and not self._indexing():
+            primary = self.primary
+            keys = [k for k in self._readopted
+                    if primary.slot_state(OffloadKey(k)) is SlotState.READY]
+            self._readopted = {}
+            self.committed(keys)
 
     @property
     def busy(self) -> bool:
         """Whether a copy is in flight or a lower tier still works on its own (an index
-        being built): the loop then polls."""
-        return self.manager.has_pending_work()
+        being built), or re-adopted chunks wait for their cascade: the loop then polls."""
+        return bool(self._readopted) or self.manager.has_pending_work()
 
     def state(self) -> list[dict[str, Any]]:
         """What ``kvtiers status`` shows of each lower tier."""
@@ -342,17 +421,22 @@ class LowerTiers:
                 "name": tier.name,
                 "chunks": len(index) if index is not None else None,
                 "indexed": bool(getattr(manager, "index_complete", True)),
-                "cascaded": stats.get(f"{tier.name}.cascaded", 0),
-                "promoted": stats.get(f"{tier.name}.promoted", 0),
+                **{f"{moved}{unit}": stats.get(f"{tier.name}.{moved}{unit}", 0)
+                   for moved in ("cascaded", "promoted", "demoted")
+                   for unit in ("", "_bytes")},
             })
         return rows
 
     def counters(self) -> dict[str, float]:
-        """The composite's own counters (promotions, cascades, failures)."""
+        """The composite's own counters (promotions, cascades, demotions, failures), the
+        chunks the pool evicted before their demotion among the dropped."""
         stats = self.manager.get_stats()
-        return {name: stats[name] for name in (
+        counters = {name: stats[name] for name in (
             "promotions", "promotion_failures", "promotions_refused", "cascades",
-            "cascade_failures", "cascades_refused", "corrupt_chunks")}
+            "cascade_failures", "cascades_refused", "demotions", "demotion_failures",
+            "demotions_refused", "demotions_dropped", "corrupt_chunks")}
+        counters["demotions_dropped"] += self._dropped
+        return counters
 
     def wait_idle(self) -> None:
         """Finish every copy in flight (at a graceful stop)."""

@@ -3,10 +3,11 @@
 The service's configuration is a stack file: its first tier must be ``kind: cpu``, whose
 ``capacity`` sizes the pool and ``shared_memory_name`` names it (``kvtiers-serve`` when
 unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB, or
-``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through``) are the
-service's own: built per namespace, under it (:mod:`kvtiers.service.lower`). A
-``tenants:`` section names the tenants whose engines share the pool and caps them in the
-pool (its first tier) only: :func:`check_service_tenants`.
+``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through`` or
+``back``) are the service's own: built per namespace, under it
+(:mod:`kvtiers.service.lower`). A ``tenants:`` section names the tenants whose engines
+share the pool and caps them in the pool (its first tier) only:
+:func:`check_service_tenants`.
 """
 
 from __future__ import annotations
@@ -86,10 +87,6 @@ def pool_settings(config_path: str, slot_bytes: int | None) -> tuple[str, int, i
     if not isinstance(primary, CPUTierConfig):
         raise ConfigError("kvtiers serve needs a cpu tier first: its capacity sizes the pool",
                           path="tiers[0]", source=config.source)
-    if len(config.tiers) > 1:
-        from kvtiers.service.lower import check_lower_tiers
-
-        check_lower_tiers(config)
     try:
         check_service_tenants(config)
     except ConfigError as exc:
@@ -172,12 +169,14 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
         print("lower tiers: none (the service runs the pool only)")
     for entry in lowers:
         print(f"namespace {entry['namespace']}: {entry['promotions']} promoted, "
-              f"{entry['cascades']} cascaded ({entry['promotion_failures']} and "
-              f"{entry['cascade_failures']} failed)")
+              f"{entry['cascades']} cascaded, {entry['demotions']} demoted "
+              f"({entry['promotion_failures']}, {entry['cascade_failures']} and "
+              f"{entry['demotion_failures']} failed, {entry['demotions_dropped']} dropped)")
         for tier in entry["tiers"]:
             indexed = "indexed" if tier["indexed"] else "indexing"
             print(f"  lower tier {tier['name']}: {tier['chunks']} chunks ({indexed}), "
-                  f"{tier['cascaded']} cascaded, {tier['promoted']} promoted")
+                  f"{tier['cascaded']} cascaded, {tier['promoted']} promoted, "
+                  f"{tier['demoted']} demoted")
     for index, why in state.get("lower_tiers_refused", {}).items():
         print(f"namespace {index}: no lower tiers ({why})")
     for tenant in state.get("tenants", []):

@@ -6,7 +6,8 @@ state` (:meth:`Service.snapshot`, answered on the loop's thread within a bounded
 so the HTTP thread never reads the loop's tables. prometheus-client (the ``metrics``
 extra) is imported only here.
 
-Families: ``kvtiers_service_pool_slots{state}`` (total, used, ready, pinned, leased),
+Families: ``kvtiers_service_pool_slots{state}`` (total, used, ready, pinned, held,
+leased; held: evicted or staged slots a lower tier's copy still reads),
 ``kvtiers_service_slot_bytes``, ``kvtiers_service_namespace_chunks{namespace}``,
 ``kvtiers_service_namespace_bytes{namespace}``, counters
 ``kvtiers_service_namespace_{hits,misses,stored}_total{namespace}``,
@@ -20,10 +21,18 @@ them with its step's end write) and ``kvtiers_service_engine_stored{,_bytes}_tot
 tenant's chunks in the pool, counted by their keys' tags, in whole slots)
 and ``kvtiers_service_events_total{event}`` (attaches, detaches, connections, evictions,
 refused_peers, bad_messages, slow_clients, duplicate_stores, adopted and the
-adoption's torn, corrupt and foreign slots). Engines look chunks up in the mirror
-without a round trip, so a namespace's hits are counted at its pins, and an engine's
-lookups are what it reports (the same counts as its own stack exporter's ``kind:
-service`` tier families, ``kvtiers_tier_*``, as of its last step).
+adoption's torn, corrupt and foreign slots). With tiers below the pool, per namespace
+and lower tier: ``kvtiers_service_lower_chunks{namespace,tier}`` (indexed),
+``kvtiers_service_lower_index_complete{namespace,tier}`` (1 once the background index is
+merged), counters ``kvtiers_service_lower_{cascaded,promoted,demoted}_chunks_total`` and
+``…_bytes_total{namespace,tier}``; per namespace
+``kvtiers_service_lower_{promotions,cascades}_total{namespace,outcome}`` (done, failed,
+refused), ``kvtiers_service_lower_demotions_total{namespace,outcome}`` (done, failed,
+refused, dropped: evicted from the pool before a demotion took it) and
+``kvtiers_service_lower_corrupt_chunks_total{namespace}``. Engines look chunks up in the
+mirror without a round trip, so a namespace's hits are counted at its pins, and an
+engine's lookups are what it reports (the same counts as its own stack exporter's
+``kind: service`` tier families, ``kvtiers_tier_*``, as of its last step).
 """
 
 from __future__ import annotations
@@ -48,7 +57,7 @@ class _Collector:
                                   "Slots of the pool by state (slots)", labels=["state"])
         for name, key in (("total", "num_slots"), ("used", "used_slots"),
                           ("ready", "ready_slots"), ("pinned", "pinned_slots"),
-                          ("leased", "leased_slots")):
+                          ("held", "held_slots"), ("leased", "leased_slots")):
             slots.add_metric([name], state[key])
         yield slots
         yield GaugeMetricFamily("kvtiers_service_slot_bytes", "Size of one slot (bytes)",
@@ -124,12 +133,73 @@ class _Collector:
             tenant_chunks.add_metric([tenant["name"]], tenant["chunks"])
         yield tenant_bytes
         yield tenant_chunks
+        yield from _lower_families(state)
         events = CounterMetricFamily("kvtiers_service_events",
                                      "Service events since its start (events)",
                                      labels=["event"])
         for name, value in sorted(state["counters"].items()):
             events.add_metric([name], value)
         yield events
+
+
+#: Per namespace: each family's outcomes and the composite's counter of each.
+_OUTCOMES = {
+    "promotions": (("done", "promotions"), ("failed", "promotion_failures"),
+                   ("refused", "promotions_refused")),
+    "cascades": (("done", "cascades"), ("failed", "cascade_failures"),
+                 ("refused", "cascades_refused")),
+    "demotions": (("done", "demotions"), ("failed", "demotion_failures"),
+                  ("refused", "demotions_refused"), ("dropped", "demotions_dropped")),
+}
+
+
+def _lower_families(state: dict[str, Any]) -> Iterator[Any]:
+    """The lower tiers' families (see the module docstring)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    names = {ns["index"]: ns["name"] for ns in state["namespaces"]}
+    both = ["namespace", "tier"]
+    chunks = GaugeMetricFamily("kvtiers_service_lower_chunks",
+                               "Chunks indexed per lower tier (chunks)", labels=both)
+    complete = GaugeMetricFamily("kvtiers_service_lower_index_complete",
+                                 "Whether a lower tier's index is complete (1) or still "
+                                 "being built (0)", labels=both)
+    moved = {
+        (name, unit): CounterMetricFamily(
+            f"kvtiers_service_lower_{name}_{unit}",
+            f"{what} per lower tier ({unit})", labels=both)
+        for name, what in (("cascaded", "Written from the pool (write-behind)"),
+                           ("promoted", "Read into the pool"),
+                           ("demoted", "Written from the pool at its eviction"))
+        for unit in ("chunks", "bytes")
+    }
+    outcomes = {
+        kind: CounterMetricFamily(f"kvtiers_service_lower_{kind}",
+                                  f"Chunks in {kind} below the pool by outcome (chunks)",
+                                  labels=["namespace", "outcome"])
+        for kind in _OUTCOMES
+    }
+    corrupt = CounterMetricFamily("kvtiers_service_lower_corrupt_chunks",
+                                  "Chunks found corrupt below the pool (chunks)",
+                                  labels=["namespace"])
+    for entry in state.get("lower_tiers", []):
+        namespace = names.get(entry["namespace"], str(entry["namespace"]))
+        for tier in entry["tiers"]:
+            labels = [namespace, tier["name"]]
+            if tier["chunks"] is not None:
+                chunks.add_metric(labels, tier["chunks"])
+            complete.add_metric(labels, 1 if tier["indexed"] else 0)
+            for (name, unit), family in moved.items():
+                family.add_metric(labels, tier[name if unit == "chunks" else f"{name}_bytes"])
+        for kind, pairs in _OUTCOMES.items():
+            for outcome, counter in pairs:
+                outcomes[kind].add_metric([namespace, outcome], entry[counter])
+        corrupt.add_metric([namespace], entry["corrupt_chunks"])
+    yield chunks
+    yield complete
+    yield from moved.values()
+    yield from outcomes.values()
+    yield corrupt
 
 
 def start_exporter(snapshot: Callable[[], dict[str, Any] | None], *, port: int,

@@ -19,16 +19,21 @@ Invariants the restart check (:meth:`Pool.adopt`) relies on: a ``READY`` header'
 checksum is xxh3-128 over digest, key, length and the slot's first ``length`` bytes,
 computed by the service when the store was committed; its tag is xxh3-128 over digest
 and key; its digest is in the namespace table. Anything else is freed, never served.
+
+Beside the pool file, :class:`IdentityRecords` keeps each namespace's identity (the table
+holds digests only), for a restarted service to build its lower tiers at start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import logging
 import mmap
 import os
 import stat
 import struct
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -41,6 +46,8 @@ from kvtiers.errors import ConfigError
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("kvtiers.service")
+
 MAGIC = b"KVTPOOL\x01"
 LAYOUT_VERSION = 1
 PAGE = 4096
@@ -51,6 +58,8 @@ MIRROR_ENTRY = 24
 SLOT_HEADER = 192
 MAX_KEY = 96
 DIGEST_BYTES = 32
+#: The largest namespace identity record read back (an identity is a few KiB).
+MAX_IDENTITY = 1 << 20
 
 _SUPER = struct.Struct("<8sIIQQQQQ")
 _NS = struct.Struct("<II32s")
@@ -476,3 +485,88 @@ class Pool(PoolView):
             self.mirror_add(tag, slot)
             found.adopted.setdefault(namespace, []).append(slot)
         return found
+
+
+class RecordDamaged(Exception):
+    """A namespace's identity record that cannot be used (unreadable, not a regular file
+    of this user, over the bound, or not the identity of its digest)."""
+
+
+class IdentityRecords:
+    """Each namespace's identity (the canonical JSON an engine attached with), kept in a
+    directory beside the pool: ``<pool file>.identities/<sha256 hex>.json``.
+
+    The pool's namespace table keeps only digests; the lower tiers' factories need the
+    identity itself. A record is written whole or not at all (a temporary file renamed
+    over it) and read back only if it is a regular file of this user whose sha256 is the
+    digest it is filed under: anything else is :class:`RecordDamaged`, and that
+    namespace's lower tiers wait for its next attach (which writes the record anew).
+    The directory is the service's alone (mode 0700); engines never read it."""
+
+    def __init__(self, pool_path: Path) -> None:
+        self.directory = pool_path.with_name(pool_path.name + ".identities")
+
+    def _path(self, digest: bytes) -> Path:
+        return self.directory / f"{digest.hex()}.json"
+
+    def _ensure_directory(self) -> None:
+        self.directory.mkdir(mode=0o700, exist_ok=True)
+        info = self.directory.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise OSError(f"{self.directory} is not a directory of this user")
+
+    def write(self, identity: bytes) -> None:
+        """Keep ``identity`` under its digest (replacing any record there); ``OSError``
+        when the directory cannot be used."""
+        self._ensure_directory()
+        path = self._path(hashlib.sha256(identity).digest())
+        temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(identity)
+            os.replace(temporary, path)
+        except BaseException:
+            temporary.unlink(missing_ok=True)
+            raise
+
+    def read(self, digest: bytes) -> bytes | None:
+        """The identity filed under ``digest``; ``None`` when there is no record,
+        :class:`RecordDamaged` when there is one that cannot be used."""
+        path = self._path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise RecordDamaged(f"{path}: {exc}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+                raise RecordDamaged(f"{path} is not a regular file of this user")
+            if info.st_size > MAX_IDENTITY:
+                raise RecordDamaged(f"{path} is over {MAX_IDENTITY} bytes")
+            identity = os.read(fd, MAX_IDENTITY + 1)
+        except OSError as exc:
+            raise RecordDamaged(f"{path}: {exc}") from None
+        finally:
+            os.close(fd)
+        if hashlib.sha256(identity).digest() != digest:
+            raise RecordDamaged(f"{path} does not hold the identity of its digest")
+        return identity
+
+    def prune(self, keep: Collection[bytes]) -> None:
+        """Remove the records of namespaces not in ``keep`` (digests): a pool made anew
+        (``--fresh``) starts with an empty table."""
+        names = {f"{digest.hex()}.json" for digest in keep}
+        try:
+            entries = list(self.directory.iterdir())
+        except OSError:
+            return
+        for entry in entries:
+            if entry.name not in names:
+                try:
+                    entry.unlink()
+                except OSError as exc:
+                    log.warning("kvtiers serve: could not remove %s: %s", entry, exc)

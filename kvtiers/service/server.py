@@ -11,11 +11,14 @@ connection did not attach, a slot it did not reserve or a pin it does not hold, 
 are not affected. Closing a connection drops its pins and frees its reservations.
 
 With tiers below the pool (``lower``: the service's stack file) each namespace gets its
-own :class:`~kvtiers.service.lower.LowerTiers` when an engine first attaches it: the
+own :class:`~kvtiers.service.lower.LowerTiers`, built at the service's start for the
+namespaces whose identity the pool's :class:`~kvtiers.service.pool.IdentityRecords` keep
+(written at each namespace's first attach) and at the first attach for the others: the
 loop hands them each commit (cascaded, write-behind), answers :class:`~kvtiers.service.
-protocol.Probe` from them (a lower-tier hit is promoted into the pool), and polls their
-movers while copies are in flight (every ``POLL_S``; it waits for sockets only when none
-is).
+protocol.Probe` from them (a lower-tier hit is promoted into the pool), lends them
+slots held out of the pool's free list and LRU (a ``write: back`` tier's demotion copies
+an evicted chunk from its held slot, :meth:`Service.evict_held`), and polls their movers
+while copies are in flight (every ``POLL_S``; it waits for sockets only when none is).
 
 With a ``tenants:`` section (the service's stack file, :mod:`kvtiers.config.tenants`) the
 pool's chunks are counted per tenant, the tenant read from each key's tag
@@ -37,13 +40,15 @@ import struct
 import threading
 import time
 from collections import Counter, OrderedDict, deque
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvtiers.core.keys import OffloadKey
+from kvtiers.errors import UnknownKeyError
 from kvtiers.service import protocol as p
-from kvtiers.service.pool import MAX_KEY, Adoption, Pool
+from kvtiers.service.pool import MAX_KEY, Adoption, IdentityRecords, Pool, RecordDamaged
 
 if TYPE_CHECKING:
     from kvtiers.config import StackConfig
@@ -178,9 +183,15 @@ class Service:
         self._owner: list[tuple[int, bytes] | None] = [None] * num_slots
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._pins: Counter[int] = Counter()
+        #: Slots held for the lower tiers (a demotion's copy of an evicted chunk, a
+        #: second hop's staging, an abandoned promotion), each with its namespace: never
+        #: free, never reused, until released.
+        self._demoting: dict[int, int] = {}
         self._namespaces: dict[int, _Namespace] = {}
         self.counters: Counter[str] = Counter()
         self._init_tenants(tenants, pool_tier)
+        #: Re-adopted keys per namespace, handed to its lower tiers once they are built.
+        self._adopted_keys: dict[int, list[bytes]] = {}
         self.adoption = self._adopt() if not pool.created else Adoption()
         taken = {s for slots in self.adoption.adopted.values() for s in slots}
         # First in, first out: a freed slot is reused after every slot freed before it,
@@ -212,6 +223,11 @@ class Service:
         #: Keys committed while their namespace's build was under way: cascaded once it
         #: ends (those still in the pool then).
         self._uncascaded: dict[int, dict[bytes, None]] = {}
+        #: Each namespace's identity, kept beside the pool (with lower tiers only: the
+        #: next start builds them from it), and the digests whose record is known whole.
+        self._records = IdentityRecords(pool.path) if self.lower is not None else None
+        self._recorded: set[bytes] = set()
+        self._build_recorded()
 
     # -- set-up ---------------------------------------------------------------------
     def _init_tenants(self, tenants: TenantsConfig | None, pool_tier: str) -> None:
@@ -252,8 +268,10 @@ class Service:
             self._namespaces[index] = _Namespace(index, digest, digest.hex()[:16])
         for index, slots in found.adopted.items():
             ns = self._namespaces[index]
+            keys = self._adopted_keys[index] = []
             for slot in slots:
                 _, _, _, length, _, _, _, key = self.pool.header(slot)
+                keys.append(key)
                 ns.ready[key] = slot
                 ns.lengths[slot] = length
                 self._owner[slot] = (index, key)
@@ -269,6 +287,31 @@ class Service:
             "freed)", found.total, self.pool.path, found.torn, found.corrupt, found.foreign,
         )
         return found
+
+    def _build_recorded(self) -> None:
+        """At start, with lower tiers: start the build of each namespace in the pool's
+        table whose identity record reads back whole. A namespace without a record, or
+        with a damaged one (counted, logged), has its lower tiers built at its first
+        attach, which writes the record anew. Records of namespaces not in the table
+        (a pool made anew) are removed."""
+        records = self._records
+        if records is None:
+            return
+        records.prune([ns.digest for ns in self._namespaces.values()])
+        for ns in list(self._namespaces.values()):
+            try:
+                identity = records.read(ns.digest)
+            except RecordDamaged as exc:
+                self.counters["identity_records_damaged"] += 1
+                log.warning("kvtiers serve: namespace %s: %s; its lower tiers are built "
+                            "at its first attach", ns.name, exc)
+                continue
+            if identity is None:
+                self.counters["identity_records_missing"] += 1
+                continue
+            self._recorded.add(ns.digest)
+            ns.name = _namespace_name(identity)
+            self._start_build(ns.index, ns.name, identity)
 
     def _listen(self, path: Path) -> socket.socket:
         if path.exists() or path.is_symlink():
@@ -358,6 +401,8 @@ class Service:
                 self._lower_refused[index] = f"failed: {type(exc).__name__}: {exc}"
                 with contextlib.suppress(Exception):
                     lowers.shutdown()
+                # Its movers are stopped: the slots held for its copies are free again.
+                self.release_held([s for s, of in self._demoting.items() if of == index])
         return busy
 
     def _drain_wake(self) -> None:
@@ -580,6 +625,14 @@ class Service:
         if ns is None:
             ns = self._namespaces[index] = _Namespace(index, digest, name)
         ns.name = name
+        if self._records is not None and digest not in self._recorded:
+            try:
+                self._records.write(request.identity)
+                self._recorded.add(digest)
+            except OSError as exc:  # the next start builds this namespace at attach
+                self.counters["identity_record_failures"] += 1
+                log.warning("kvtiers serve: namespace %s: its identity record could not "
+                            "be written: %s", name, exc)
         conn.attached.add(index)
         self.counters["attaches"] += 1
         conn.engine = request.engine[:200]
@@ -595,13 +648,15 @@ class Service:
         if self.lower is None or ns.index in self._lower_refused:
             return 0
         if ns.index not in self._lowers and ns.index not in self._building:
-            thread = threading.Thread(target=self._build_lowers,
-                                      args=(ns.index, ns.name, request.identity),
-                                      name=f"kvtiers-serve-lower-{ns.index}", daemon=True)
-            self._building[ns.index] = thread
-            self._uncascaded[ns.index] = {}
-            thread.start()
+            self._start_build(ns.index, ns.name, request.identity)
         return len(self.lower.tiers) - 1
+
+    def _start_build(self, index: int, name: str, identity: bytes) -> None:
+        thread = threading.Thread(target=self._build_lowers, args=(index, name, identity),
+                                  name=f"kvtiers-serve-lower-{index}", daemon=True)
+        self._building[index] = thread
+        self._uncascaded[index] = {}
+        thread.start()
 
     def _build_lowers(self, index: int, name: str, identity: bytes) -> None:
         """On its own thread: build namespace ``index``'s lower tiers and hand them (or
@@ -611,7 +666,8 @@ class Service:
         assert self.lower is not None
         built: LowerTiers | str
         try:
-            built = LowerTiers(self.lower, identity_config(identity), self.pool, self, index)
+            built = LowerTiers(self.lower, identity_config(identity), self.pool, self, index,
+                               headroom=self._per_conn)
         except Exception as exc:  # this namespace goes without; the others are served
             built = f"{type(exc).__name__}: {exc}"
             log.warning("kvtiers serve: no lower tiers for namespace %s: %s", name, exc)
@@ -625,12 +681,15 @@ class Service:
         waiting = self._uncascaded.pop(index, {})
         if isinstance(built, str):
             self._lower_refused[index] = built
+            self._adopted_keys.pop(index, None)
             return
         self._lowers[index] = built
         ready = self._namespaces[index].ready
         try:
             # Committed before the door below the pool existed: keys it refuses stay out.
             built.committed(built.valid(key for key in waiting if key in ready))
+            built.readopted(key for key in self._adopted_keys.pop(index, ())
+                            if key not in waiting)
         except Exception:  # a defect below the pool must not stop the loop
             log.exception("kvtiers serve: cascading the chunks committed during the build "
                           "of namespace %d", index)
@@ -689,6 +748,55 @@ class Service:
     def free_slot_count(self) -> int:
         return len(self._free)
 
+    def eviction_count(self) -> int:
+        return self.counters["evictions"]
+
+    def evict_held(self, ns: int, count: int, protected: Container[bytes]) -> dict[bytes, int]:
+        picked: list[tuple[int, tuple[int, bytes]]] = []
+        tenants = self._tenants
+        for slot in self._lru:
+            if len(picked) >= count:
+                break
+            owner = self._owner[slot]
+            if owner is None or owner[0] != ns or slot in self._pins or owner[1] in protected:
+                continue
+            if tenants is not None:
+                who = tenants.owner(OffloadKey(owner[1]))
+                if len(self._held[who]) <= self._protected.get(who, 0):
+                    continue  # within its tenant's protected share
+            picked.append((slot, owner))
+        held = {}
+        for slot, owner in picked:
+            # Gone from the tables and the mirror; the header and bytes stay as they are
+            # (a load planned before reads the chunk it planned for) until released.
+            self._evict(slot, owner)
+            self._demoting[slot] = ns
+            held[owner[1]] = slot
+        return held
+
+    def hold_free(self, ns: int, count: int) -> list[int]:
+        slots: list[int] = []
+        while self._free and len(slots) < count:
+            slot = self._free.popleft()
+            self.pool.set_writing(slot)
+            self._demoting[slot] = ns
+            slots.append(slot)
+        return slots
+
+    def detach_promotion(self, ns: int, key: bytes, slot: int) -> None:
+        del self._namespaces[ns].writing[key]
+        self._owner[slot] = None
+        self._demoting[slot] = ns
+
+    def release_held(self, slots: Iterable[int]) -> None:
+        slots = list(dict.fromkeys(slots))
+        unknown = [slot for slot in slots if slot not in self._demoting]
+        if unknown:
+            raise UnknownKeyError(f"release_held: slots {unknown} are not held")
+        for slot in slots:
+            del self._demoting[slot]
+            self._release(slot)
+
     def _take_slot(self, batch: set[bytes], tenant: str | None = None) -> int:
         """A slot for a chunk of ``tenant`` (``None``: not known, as for a lease).
 
@@ -721,6 +829,10 @@ class Service:
                 who = tenants.owner(OffloadKey(owner[1]))
                 if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
                     continue  # within another tenant's protected share
+            lowers = self._lowers.get(owner[0])
+            if lowers is not None and lowers.evicted_by_pool(owner[1]):
+                # Evicted for room before a demotion took it: the back tier never gets it.
+                self.counters["demotions_dropped"] += 1
             self._evict(slot, owner)
             return slot
         return -1
@@ -916,6 +1028,7 @@ class Service:
             "used_slots": used,
             "ready_slots": len(self._lru),
             "pinned_slots": len(self._pins),
+            "held_slots": len(self._demoting),
             "leased_slots": sum(len(c.leased) for c in self._conns.values()),
             "counters": dict(self.counters),
             "namespaces": [

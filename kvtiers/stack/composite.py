@@ -538,6 +538,15 @@ class TieredManager(OffloadingManager):
         self.stats_snapshot = dict(self.get_stats())
         self._snapshot_at = time.monotonic() if now is None else now
 
+    def keep_free(self, slots: int) -> None:
+        """With ``write: back`` tiers: keep at least ``slots`` primary slots free at each
+        step's end (demoting to make room), beside what the recent steps reserved. For a
+        primary other writers take slots from too (the node service's pool, whose
+        engines store without this manager), so that their stores find free room instead
+        of evicting chunks not yet written back. Without ``back`` tiers: nothing."""
+        if self._demotion is not None:
+            self._demotion.headroom.floor = slots
+
     def has_pending_work(self) -> bool:
         return any(lower.jobs.busy for lower in self._lower) or any(
             tier.manager.has_pending_work() for tier in self.tiers

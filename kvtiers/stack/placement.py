@@ -86,11 +86,14 @@ class Headroom:
     """How many primary slots to keep free for demotions: the most the primary reserved
     in one step (stores and promotions) over the last :data:`HEADROOM_STEPS` steps, so a
     step like the recent ones finds free slots and does not have to drop chunks not yet
-    written back."""
+    written back; never less than :attr:`floor` (the slots a primary shared with writers
+    outside the stack hands out between its steps, which the stack does not see)."""
 
     def __init__(self, steps: int = HEADROOM_STEPS) -> None:
         self._demand: deque[int] = deque(maxlen=steps)
         self._step = 0
+        #: The fewest free slots to keep, whatever the recent steps reserved.
+        self.floor = 0
 
     def reserved(self, count: int) -> None:
         """The primary reserved ``count`` slots in this step."""
@@ -100,4 +103,4 @@ class Headroom:
         """Close this step; the number of free slots to keep from now on."""
         self._demand.append(self._step)
         self._step = 0
-        return max(self._demand)
+        return max(max(self._demand), self.floor)

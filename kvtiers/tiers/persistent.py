@@ -71,6 +71,13 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
         """Whether every chunk found at start is indexed (the build was merged)."""
         return self._complete
 
+    @property
+    def index_building(self) -> bool:
+        """Whether the background build is still running or not yet merged (``False``
+        once merged, or once a failed build was logged: the index then stays
+        incomplete)."""
+        return self._build is not None
+
     def wait_index(self) -> None:
         """Block until the index is built, then merge it. For tests and tools: the
         scheduler never blocks (its calls merge the build once it is done)."""
