@@ -6,7 +6,10 @@ unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB
 ``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through``) are the
 service's own: built per namespace, under it (:mod:`kvtiers.service.lower`). A
 ``tenants:`` section names the tenants whose engines share the pool and caps them in the
-pool (its first tier) only: :func:`check_service_tenants`.
+pool (its first tier) only: :func:`check_service_tenants`. A ``retention:`` section has
+the pool honour the retention hints engines send and, with ``admin_token_env``, serves
+the admin endpoint on the exporter's port (``--metrics-port``):
+:mod:`kvtiers.service.retention`.
 """
 
 from __future__ import annotations
@@ -67,6 +70,20 @@ def check_service_tenants(config: StackConfig) -> None:
                     )
 
 
+def admin_token(config: StackConfig, metrics_port: int | None) -> str | None:
+    """The admin endpoint's token when ``retention.admin_token_env`` names its variable
+    (the stack's rule: set and non-empty); the endpoint is on the exporter, so the
+    service then needs ``--metrics-port``."""
+    from kvtiers.stack.builder import _admin_token
+
+    token = _admin_token(config)
+    if token is not None and metrics_port is None:
+        raise ConfigError("the admin endpoint is served on the service's exporter: give "
+                          "--metrics-port", path="retention.admin_token_env",
+                          source=config.source)
+    return token
+
+
 def _located(error: ConfigError, config_path: str) -> ConfigError:
     """``error`` with its source as ``<file>:<line>`` (the line of its path)."""
     from kvtiers.config.yamlfile import read_yaml
@@ -117,6 +134,8 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     name, num_slots, slot = pool_settings(config_path, slot_bytes)
+    config = load_stack_config(config_path)
+    token = admin_token(config, metrics_port)
     gid = grp.getgrnam(group).gr_gid if group is not None else None
     path = socket_path or default_socket()
     _socket_dir(path, gid)
@@ -124,15 +143,30 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
                 fresh=fresh)
     if gid is not None:
         os.chown(pool.path, -1, gid)
+    ledger = None
     try:
-        config = load_stack_config(config_path)
+        book = None
+        if config.retention is not None:
+            from kvtiers.service.retention import service_book
+
+            book = service_book(config, slot)
         service = Service(pool, path, group=gid, lower=config, tenants=config.tenants,
-                          pool_tier=config.tiers[0].name)
+                          pool_tier=config.tiers[0].name, retention=book)
+        service.retention_hints = config.retention is None or config.retention.hints
         exporter = None
         if metrics_port is not None:
             from kvtiers.service.metrics import start_exporter
+            from kvtiers.service.retention import service_admin
 
-            exporter = start_exporter(service.snapshot, port=metrics_port, addr=metrics_addr)
+            admin = None if token is None or book is None else service_admin(
+                config, book, token, service.snapshot)
+            exporter = start_exporter(service.snapshot, port=metrics_port, addr=metrics_addr,
+                                      admin=admin)
+        if book is not None and config.retention is not None and config.retention.ledger:
+            from kvtiers.stack.ledger import LedgerWriter
+
+            ledger = LedgerWriter(book, Path(config.retention.ledger),
+                                  config.retention.ledger_interval_s)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: service.stop())
         # The line a supervisor (or a test) waits for: the socket accepts from here on.
@@ -142,6 +176,8 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
         if exporter is not None:
             exporter.shutdown()
     finally:
+        if ledger is not None:
+            ledger.close()
         pool.close()
     return 0
 
@@ -184,3 +220,17 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
         print(f"tenant {tenant['name']}: {tenant['chunks']} chunks, {tenant['bytes']} bytes "
               f"in the pool (quota {'none' if quota is None else quota}, protected "
               f"{tenant['protected_bytes']})")
+    retention = state.get("retention")
+    if retention is not None:
+        print("retention: {} hints ({} ignored), {} pins ({} refused, {} overridden), {} "
+              "chunks evicted at their expiry".format(
+                  retention.get("retention_hints", 0),
+                  retention.get("retention_hints_ignored", 0),
+                  retention.get("retention_pins", 0),
+                  retention.get("retention_pins_refused", 0),
+                  retention.get("retention_pins_overridden", 0),
+                  state.get("counters", {}).get("retention_expired_evictions", 0)))
+        for pins in retention["pins"]:
+            whose = "the pool" if pins["tenant"] is None else f"tenant {pins['tenant']}"
+            print(f"  {whose}: {pins['pinned_bytes']} bytes pinned (cap "
+                  f"{pins['max_pinned_bytes']})")

@@ -22,11 +22,19 @@ pool's chunks are counted per tenant, the tenant read from each key's tag
 (:meth:`~kvtiers.stack.tenants.TenantKeys.owner`: engines scope their tenants' keys before
 the service sees them), and eviction respects the tenants' pool quotas and protected
 shares (:meth:`Service._take_slot`, :meth:`Service._trim`).
+
+With a ``retention:`` section (``retention``: its book, :mod:`kvtiers.service.retention`)
+the pool honours the hints engines send with their commits (:class:`~kvtiers.service.
+protocol.Retain`) and the pins of the admin endpoint (:mod:`kvtiers.service.metrics`):
+an expired chunk is evicted when its expiry passes (the loop wakes for it; a chunk a load
+holds goes when the load lets go), eviction takes a tenant's lower priorities first and
+spares pinned chunks while anything else can make the room (:meth:`Service._evict_first`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -48,7 +56,9 @@ from kvtiers.service.pool import MAX_KEY, Adoption, Pool
 if TYPE_CHECKING:
     from kvtiers.config import StackConfig
     from kvtiers.config.tenants import TenantsConfig
+    from kvtiers.policies.retention import RetentionBook
     from kvtiers.service.lower import LowerTiers
+    from kvtiers.service.retention import PoolRetention
     from kvtiers.stack.tenants import TenantKeys
 
 log = logging.getLogger("kvtiers.service")
@@ -156,6 +166,7 @@ class Service:
         lower: StackConfig | None = None,
         tenants: TenantsConfig | None = None,
         pool_tier: str = "cpu",
+        retention: RetentionBook | None = None,
     ) -> None:
         self.pool = pool
         self.socket_path = socket_path
@@ -175,6 +186,13 @@ class Service:
         self._namespaces: dict[int, _Namespace] = {}
         self.counters: Counter[str] = Counter()
         self._init_tenants(tenants, pool_tier)
+        self._retention: PoolRetention | None = None
+        #: Whether engines' hints are read (``retention.hints``; the admin's pins are).
+        self.retention_hints = True
+        if retention is not None:
+            from kvtiers.service.retention import PoolRetention
+
+            self._retention = PoolRetention(retention, self._tenant_of, pool.slot_bytes)
         self.adoption = self._adopt() if not pool.created else Adoption()
         taken = {s for slots in self.adoption.adopted.values() for s in slots}
         # First in, first out: a freed slot is reused after every slot freed before it,
@@ -235,10 +253,14 @@ class Service:
     def _held_add(self, slot: int, key: bytes) -> None:
         if self._tenants is not None:
             self._held[self._tenants.owner(OffloadKey(key))][slot] = None
+        if self._retention is not None:
+            self._retention.added(slot, key)
 
     def _held_touch(self, slot: int, key: bytes) -> None:
         if self._tenants is not None:
             self._held[self._tenants.owner(OffloadKey(key))].move_to_end(slot)
+        if self._retention is not None:
+            self._retention.touched(slot)
 
     def _adopt(self) -> Adoption:
         found = self.pool.adopt()
@@ -320,7 +342,11 @@ class Service:
         try:
             while not self._stopping:
                 busy = self._step_lowers()
-                for key, events in self._selector.select(POLL_S if busy else None):
+                timeout = POLL_S if busy else None
+                wake = self._expire()
+                if wake is not None:
+                    timeout = wake if timeout is None else min(timeout, wake)
+                for key, events in self._selector.select(timeout):
                     sock = key.fileobj
                     if sock is self._listener:
                         self._accept()
@@ -360,6 +386,8 @@ class Service:
                 pass
         except BlockingIOError:
             pass
+        # An admin call changed the book: what it expired goes before its snapshot.
+        self._expire()
         while self._asked:
             done, box = self._asked.pop()
             box.append(self.state())
@@ -543,6 +571,9 @@ class Service:
             return p.Slots(request.seq, self._pin(conn, ns, request.keys, request.slots))
         if isinstance(request, p.Probe):
             return p.Slots(request.seq, self._probe(ns, request.keys))
+        if isinstance(request, p.Retain):
+            self._retain(request)
+            return p.Done(request.seq)
         assert isinstance(request, p.Lookup)
         return p.Slots(request.seq, [ns.ready.get(key, PRESENT) for key in request.keys])
 
@@ -564,6 +595,8 @@ class Service:
         ns.name = name
         conn.attached.add(index)
         self.counters["attaches"] += 1
+        if self._retention is not None:
+            self._retention.attached(request.identity)
         conn.engine = request.engine[:200]
         log.info("kvtiers serve: pid %d (%s) attached namespace %s", conn.pid, conn.engine,
                  ns.name)
@@ -687,25 +720,75 @@ class Service:
                 slot = self._evict_first(self._held[tenant], batch, tenant)
                 self.counters["tenant_quota_evictions"] += slot >= 0
                 return slot
+        if not self._free and self._retention is not None:
+            self._expire()  # an expiry passed since the loop last looked: those go first
         if self._free:
             return self._free.popleft()
         return self._evict_first(self._lru, batch, tenant)
 
     def _evict_first(self, order: OrderedDict[int, None], batch: set[bytes],
                      tenant: str | None) -> int:
-        """Evict the first chunk of ``order`` that :meth:`_take_slot` may take."""
+        """Evict the first chunk of ``order`` that :meth:`_take_slot` may take. With
+        retention, a chunk pinned by it is passed over while any other may be taken, and
+        the chunk found gives way to the least recently used one of the lowest priority
+        below its own of the same tenant (:meth:`PoolRetention.lowest`)."""
         tenants = self._tenants
-        for slot in order:
+        retention = self._retention
+
+        def may_take(slot: int, spare_pins: bool) -> bool:
             owner = self._owner[slot]
             if slot in self._pins or owner is None or owner[1] in batch:
-                continue
-            if tenants is not None:
-                who = tenants.owner(OffloadKey(owner[1]))
-                if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
-                    continue  # within another tenant's protected share
-            self._evict(slot, owner)
-            return slot
+                return False
+            return not (spare_pins and retention is not None
+                        and retention.is_pinned(owner[1]))
+
+        for spare_pins in (True, False) if retention is not None else (False,):
+            for slot in order:
+                owner = self._owner[slot]
+                if owner is None or not may_take(slot, spare_pins):
+                    continue
+                if tenants is not None:
+                    who = tenants.owner(OffloadKey(owner[1]))
+                    if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
+                        continue  # within another tenant's protected share
+                if retention is not None:
+                    slot = retention.lowest(slot, functools.partial(may_take,
+                                                                    spare_pins=spare_pins))
+                    owner = self._owner[slot]
+                    assert owner is not None
+                    if not spare_pins and retention.is_pinned(owner[1]):
+                        retention.book.count_overridden(1)  # no other chunk could go
+                self._evict(slot, owner)
+                return slot
         return -1
+
+    def _expire(self) -> float | None:
+        """Evict the chunks past their expiry (one a load holds when it lets go); seconds
+        until the next expiry, ``None`` when none is set (or without retention)."""
+        retention = self._retention
+        if retention is None:
+            return None
+        for slot in retention.due():
+            owner = self._owner[slot]
+            if owner is None or self._namespaces[owner[0]].ready.get(owner[1]) != slot:
+                continue
+            if slot in self._pins:
+                retention.wait(slot)
+                continue
+            self._evict(slot, owner)
+            self._release(slot)
+            self.counters["retention_expired_evictions"] += 1
+        return retention.next_wake(retention.book.clock())
+
+    def _retain(self, request: p.Retain) -> None:
+        """Take in an engine's retention hint (a bad one is ignored, never refused); keys
+        it expires at once go now."""
+        retention = self._retention
+        if retention is None or not self.retention_hints:
+            self.counters["retention_hints_unread"] += 1
+            return
+        if retention.hint(request):
+            self._expire()  # a TTL of 0: gone before the reply
 
     def _tenant_of(self, key: bytes) -> str | None:
         return None if self._tenants is None else self._tenants.owner(OffloadKey(key))
@@ -737,6 +820,8 @@ class Service:
         del self._lru[slot]
         if self._tenants is not None:
             del self._held[self._tenants.owner(OffloadKey(key))][slot]
+        if self._retention is not None:
+            self._retention.removed(slot)
         self._owner[slot] = None
         self.pool.mirror_remove(self.pool.header(slot)[5], slot)
         self.counters["evictions"] += 1
@@ -941,4 +1026,6 @@ class Service:
                 }
                 for name, held in self._held.items()
             ],
+            "retention": None if self._retention is None else self._retention.state(
+                None if self._tenants is None else self._tenants.names),
         }
