@@ -306,3 +306,34 @@ def test_a_service_without_retention_gets_no_hints(
     assert state["retention"] is None
     assert state["counters"].get("bad_messages", 0) == 0
 
+
+
+def test_a_chunk_past_its_ttl_is_not_promoted_back_from_a_lower_tier(
+    tmp_path: Path, pool_name: str,  # noqa: F811 (the fixture above)
+) -> None:
+    from tests.test_service_lower import engine as raw_engine
+    from tests.test_service_lower import resolve, wait_status
+    from tests.test_service_lower import store as raw_store
+
+    config = serve_yaml(tmp_path, pool_name, "retention: {}\n",
+                        f"  - name: disk\n    kind: file\n    root: {tmp_path / 'root'}\n")
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=CHUNK)
+    proc.start(fresh=True)
+    try:
+        stored = raw_engine(proc.socket)
+        expired, kept = conformance_key(0), conformance_key(1)
+        raw_store(stored, [expired, kept], settle=proc.socket)  # on the file tier too
+        client = stored.client
+        reply = client.call([p.Retain(client.next_seq(), client.ns, [bytes(expired)],
+                                      0, None, 0)])
+        assert isinstance(reply[0], p.Done)
+        state = wait_status(proc.socket, lambda s: s["ready_slots"] == 1)
+        assert state["lower_tiers"][0]["tiers"][0]["chunks"] == 2
+        reader = raw_engine(proc.socket)
+        # Held below the pool, yet past its TTL: the probe answers "held nowhere".
+        assert resolve(reader, expired)[0] is LookupResult.MISS
+        assert resolve(reader, kept)[0] is LookupResult.HIT
+        stored.shutdown()
+        reader.shutdown()
+    finally:
+        proc.stop()

@@ -657,6 +657,13 @@ class Service:
     def _probe(self, ns: _Namespace, keys: list[bytes]) -> list[int]:
         """Answer a :class:`~kvtiers.service.protocol.Probe` (see there)."""
         lowers = self._lowers.get(ns.index)
+        retention = self._retention
+        if lowers is not None and retention is not None:
+            # Past its TTL a chunk is held nowhere: never promoted back into the pool.
+            live = [key for key in keys if not retention.book.is_expired(key)]
+            self.counters["probes"] += len(live)
+            found = dict(zip(live, lowers.probe(live), strict=True))
+            return [found.get(key, p.PROBE_MISS) for key in keys]
         if lowers is not None:
             self.counters["probes"] += len(keys)
             return lowers.probe(keys)
