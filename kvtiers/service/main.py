@@ -6,9 +6,9 @@ unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB
 ``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through``) are the
 service's own: built per namespace, under it (:mod:`kvtiers.service.lower`). A
 ``tenants:`` section names the tenants whose engines share the pool and caps them in the
-pool (its first tier) only: :func:`check_service_tenants`. A ``retention:`` section has
-the pool honour the retention hints engines send and, with ``admin_token_env``, serves
-the admin endpoint on the exporter's port (``--metrics-port``):
+pool (quotas and protected shares) and below it (quotas): :func:`check_service_tenants`.
+A ``retention:`` section has the pool honour the retention hints engines send and, with
+``admin_token_env``, serves the admin endpoint on the exporter's port (``--metrics-port``):
 :mod:`kvtiers.service.retention`.
 """
 
@@ -51,23 +51,23 @@ def _socket_dir(path: Path, group: int | None) -> None:
 
 
 def check_service_tenants(config: StackConfig) -> None:
-    """Refuse a quota or protected share on a tier below the pool: the service enforces
-    tenants' shares in its pool only (its lower tiers, one per namespace, evict by their
-    own capacity). The error's path is ``tenants.members[i].quota.<tier>``."""
+    """Refuse a protected share on a tier below the pool: the service protects tenants'
+    shares in its pool only (a quota below it is kept in each namespace's instance of
+    that tier, by evicting the tenant's own chunks there). The error's path is
+    ``tenants.members[i].protected.<tier>``."""
     if config.tenants is None:
         return
     pool = config.tiers[0].name
     for idx, tenant in enumerate(config.tenants.members):
-        for key, sizes in (("quota", tenant.quota), ("protected", tenant.protected)):
-            for tier in sizes:
-                if tier != pool:
-                    where = item_path(key_path(TENANTS_PATH, "members"), idx)
-                    raise ConfigError(
-                        f"kvtiers serve caps tenants in its pool (tier {pool!r}) only: "
-                        f"a {key} on tier {tier!r} would not be enforced; remove it or "
-                        f"move it to {pool!r}",
-                        path=key_path(key_path(where, key), tier),
-                    )
+        for tier in tenant.protected:
+            if tier != pool:
+                where = item_path(key_path(TENANTS_PATH, "members"), idx)
+                raise ConfigError(
+                    f"kvtiers serve protects tenants' shares in its pool (tier {pool!r}) "
+                    f"only: a protected share on tier {tier!r} would not be enforced; "
+                    f"remove it or move it to {pool!r}",
+                    path=key_path(key_path(where, "protected"), tier),
+                )
 
 
 def admin_token(config: StackConfig, metrics_port: int | None) -> str | None:
@@ -220,6 +220,9 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
         print(f"tenant {tenant['name']}: {tenant['chunks']} chunks, {tenant['bytes']} bytes "
               f"in the pool (quota {'none' if quota is None else quota}, protected "
               f"{tenant['protected_bytes']})")
+        for tier, held in tenant.get("lower_bytes", {}).items():
+            quota = tenant["lower_quota_bytes"].get(tier)
+            print(f"  tier {tier}: {held} bytes (quota {'none' if quota is None else quota})")
     retention = state.get("retention")
     if retention is not None:
         print("retention: {} hints ({} ignored), {} pins ({} refused, {} overridden), {} "

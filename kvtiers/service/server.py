@@ -74,6 +74,10 @@ NO_ROOM = -2
 #: How often the loop takes in the lower tiers' finished copies while some are in
 #: flight, seconds (the movers' threads do not wake the loop).
 POLL_S = 0.002
+#: While copies to a namespace's lower tiers are in flight, how often at most its
+#: tenants' quotas there are kept (a walk of each capped tier's index), seconds; once
+#: none is in flight they are kept at once.
+LOWER_QUOTA_S = 1.0
 
 
 class Refused(Exception):
@@ -235,6 +239,13 @@ class Service:
         self._held: dict[str, OrderedDict[int, None]] = {}
         self._quota: dict[str, int] = {}
         self._protected: dict[str, int] = {}
+        #: Quotas on the tiers below the pool: tier name → tenant → bytes, kept in each
+        #: namespace's instance of the tier (:meth:`_keep_lower_quotas`); the namespaces
+        #: with commits since their last pass, when that was, and what it counted.
+        self._lower_quota: dict[str, dict[str, int]] = {}
+        self._quota_due: set[int] = set()
+        self._quota_at: dict[int, float] = {}
+        self._lower_usage: dict[int, dict[str, Counter[str]]] = {}
         if tenants is None:
             return
         from kvtiers.stack.tenants import TenantKeys
@@ -249,6 +260,9 @@ class Service:
             share = tenant.protected_bytes().get(pool_tier)
             if share is not None:
                 self._protected[tenant.name] = -(-share // size)
+            for tier, bytes_ in tenant.quota_bytes().items():
+                if tier != pool_tier:
+                    self._lower_quota.setdefault(tier, {})[tenant.name] = bytes_
 
     def _held_add(self, slot: int, key: bytes) -> None:
         if self._tenants is not None:
@@ -370,6 +384,8 @@ class Service:
             try:
                 lowers.step()
                 busy = busy or lowers.busy
+                if index in self._quota_due:
+                    self._keep_lower_quotas(index, lowers)
             except Exception as exc:
                 log.exception("kvtiers serve: the lower tiers of namespace %d failed; "
                               "it keeps the pool alone", index)
@@ -379,6 +395,35 @@ class Service:
                 with contextlib.suppress(Exception):
                     lowers.shutdown()
         return busy
+
+    def _keep_lower_quotas(self, index: int, lowers: LowerTiers) -> None:
+        """Evict, in each of namespace ``index``'s lower tiers with quotas, every tenant's
+        own chunks past its quota there (:func:`~kvtiers.stack.tenants.trim_to_quotas`):
+        at once when no copy is in flight, else at most every ``LOWER_QUOTA_S``; the
+        namespace stays due until a pass found no copy in flight."""
+        from kvtiers.stack.tenants import AccountedTier, trim_to_quotas
+
+        assert self._tenants is not None
+        now = time.monotonic()
+        busy = lowers.busy
+        if busy and now - self._quota_at.get(index, -LOWER_QUOTA_S) < LOWER_QUOTA_S:
+            return
+        self._quota_at[index] = now
+        if not busy:
+            self._quota_due.discard(index)
+        owner = self._tenants.owner
+        for tier in lowers.tiers[1:]:
+            quotas = self._lower_quota.get(tier.name)
+            if quotas and isinstance(tier.manager, AccountedTier):
+                usage, evicted = trim_to_quotas(tier.manager, quotas, owner)
+                self._lower_usage.setdefault(index, {})[tier.name] = usage
+                self.counters["tenant_lower_quota_evictions"] += evicted
+
+    def _lower_bytes(self, tier: str, tenant: str) -> int:
+        """``tenant``'s bytes in lower tier ``tier``, summed over the namespaces, as their
+        last quota passes counted them."""
+        empty: Counter[str] = Counter()
+        return sum(usage.get(tier, empty)[tenant] for usage in self._lower_usage.values())
 
     def _drain_wake(self) -> None:
         try:
@@ -646,6 +691,8 @@ class Service:
         try:
             # Committed before the door below the pool existed: keys it refuses stay out.
             built.committed(built.valid(key for key in waiting if key in ready))
+            if self._lower_quota and waiting:
+                self._quota_due.add(index)
         except Exception:  # a defect below the pool must not stop the loop
             log.exception("kvtiers serve: cascading the chunks committed during the build "
                           "of namespace %d", index)
@@ -918,6 +965,8 @@ class Service:
         if lowers is not None:
             # Write-behind: the lower tiers' movers copy them on their background threads.
             lowers.committed(stored)
+            if self._lower_quota and stored:
+                self._quota_due.add(ns.index)
         elif ns.index in self._uncascaded:
             waiting = self._uncascaded[ns.index]
             waiting.update(dict.fromkeys(stored))
@@ -1030,6 +1079,11 @@ class Service:
                     "quota_bytes": (None if name not in self._quota
                                     else self._quota[name] * self.pool.slot_bytes),
                     "protected_bytes": self._protected.get(name, 0) * self.pool.slot_bytes,
+                    # Counted at the last quota pass of each namespace (summed).
+                    "lower_bytes": {tier: self._lower_bytes(tier, name)
+                                    for tier in self._lower_quota},
+                    "lower_quota_bytes": {tier: quotas.get(name)
+                                          for tier, quotas in self._lower_quota.items()},
                 }
                 for name, held in self._held.items()
             ],
