@@ -62,7 +62,9 @@ def retaining(tmp_path: Path, pool_name: str,  # noqa: F811 (the fixture above)
     from kvtiers.testing.serve import free_port
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
-    proc = ServiceProcess(serve_yaml(tmp_path, pool_name, SERVICE_RETENTION),
+    section = SERVICE_RETENTION.replace(
+        "retention:\n", f"retention:\n  ledger: {tmp_path / 'ledger.json'}\n")
+    proc = ServiceProcess(serve_yaml(tmp_path, pool_name, section),
                           tmp_path / "serve.sock", slot_bytes=CHUNK, metrics_port=free_port())
     proc.start(fresh=True)
     yield proc
@@ -229,11 +231,21 @@ def test_a_ttl_makes_a_miss_in_the_pool(retaining: ServiceProcess) -> None:
             time.sleep(0.05)
         assert held(other, soon, "a") == [False] * 4
         assert held(other, kept, "a") == [True] * 4
+        # The block hashes as tenant a's requests stored them.
+        scope = tenants_of(stack)[0].keys.scope
+        scoped = {bytes(scope(k, "a"))[:-GROUP_INDEX_BYTES] for k in kept}
     assert read_status(retaining.socket)["counters"]["retention_expired_evictions"] == 8
+    # The service's ledger (written at its stop) gives kvtiers gc the TTLs it holds.
+    assert retaining.stop() == 0
+    from kvtiers.stack.ledger import read_ledgers
+
+    expiries = read_ledgers([retaining.config.parent / "ledger.json"])
+    assert scoped <= set(expiries)
+    assert all(expiries[h] > time.time() + 3000 for h in scoped)
 
 
 def test_the_admin_endpoint_refuses_a_call_without_the_token(
-    retaining: ServiceProcess,
+    retaining: ServiceProcess, capsys: pytest.CaptureFixture[str],
 ) -> None:
     keys = keys_from(0, 2)
     with hinted_engine(retaining.socket) as stack:
@@ -249,6 +261,11 @@ def test_the_admin_endpoint_refuses_a_call_without_the_token(
         assert pinned(read_status(retaining.socket)) == {"default": 0, "a": 0, "b": 0}
         assert admin(retaining, "pin", body) == (200, {"pinned": 2, "seconds": 60.0})
         assert pinned(read_status(retaining.socket))["a"] == 2 * CHUNK
+        from kvtiers.cli import main
+
+        assert main(["status", "--socket", str(retaining.socket)]) == 0
+        assert (f"  tenant a: {2 * CHUNK} bytes pinned (cap {PIN_CAP * CHUNK})"
+                in capsys.readouterr().out)
         # Past a's cap: refused whole, b's allowance untouched.
         over = {"block_hashes": hashes(keys_from(10, PIN_CAP)), "seconds": 60,
                 "tenant": "a"}
