@@ -160,7 +160,8 @@ def test_a_noisy_tenant_evicts_its_own_chunks_never_the_quiet_share(
                 "noisy"]
         assert state["tenants"][1] == {"name": "quiet", "chunks": QUIET_SHARE,
                                        "bytes": QUIET_SHARE * CHUNK, "quota_bytes": None,
-                                       "protected_bytes": QUIET_SHARE * CHUNK}
+                                       "protected_bytes": QUIET_SHARE * CHUNK,
+                                       "lower_bytes": {}, "lower_quota_bytes": {}}
         samples = scrape(f"http://127.0.0.1:{service.metrics_port}/metrics")
         for name, count in counts.items():
             assert samples[f'kvtiers_service_tenant_bytes{{tenant="{name}"}}'] == count * CHUNK
@@ -198,15 +199,16 @@ def test_kvtiers_status_shows_usage_per_tenant(service: ServiceProcess,
 
 
 @pytest.mark.parametrize(("tenants", "lower", "line", "path", "words"), [
-    ("tenants:\n  members:\n    - name: a\n      quota: {lower: 1MiB}\n",
-     "  - name: lower\n    kind: file\n    root: ROOT\n", 12, "tenants.members[0].quota.lower",
-     "kvtiers serve caps tenants in its pool (tier 'pool') only"),
+    ("tenants:\n  members:\n    - name: a\n      protected: {lower: 1MiB}\n",
+     "  - name: lower\n    kind: file\n    root: ROOT\n", 12,
+     "tenants.members[0].protected.lower",
+     "kvtiers serve protects tenants' shares in its pool (tier 'pool') only"),
     ("tenants:\n  members:\n    - name: a\n      quota: {pool: 4KiB}\n"
      "      protected: {pool: 8KiB}\n", "", 10, "tenants.members[0].protected.pool",
      "larger than the quota"),
     ("tenants:\n  members:\n    - name: a\n      quota: {disk: 4KiB}\n", "", 9,
      "tenants.members[0].quota.disk", "no tier is named 'disk'"),
-], ids=["quota-below-the-pool", "share-over-quota", "unknown-tier"])
+], ids=["share-below-the-pool", "share-over-quota", "unknown-tier"])
 def test_a_bad_tenants_section_is_refused_at_start(
     tmp_path: Path, pool_name: str, tenants: str, lower: str, line: int, path: str,
     words: str,
@@ -222,3 +224,48 @@ def test_a_bad_tenants_section_is_refused_at_start(
     assert f"{config}:{line}: {path}: " in done.stderr
     assert words in done.stderr
     assert not (tmp_path / "serve.sock").exists()
+
+
+#: The quiet tenant's quota on the tier below the pool, bytes of that tier.
+LOWER_QUOTA_BYTES = 4 * CHUNK
+
+
+def test_a_tenants_quota_on_a_tier_below_the_pool_is_kept_there(
+    tmp_path: Path, pool_name: str,
+) -> None:
+    from tests.test_service_lower import wait_status
+
+    tenants = ("tenants:\n  members:\n"
+               f"    - {{name: quiet, quota: {{disk: {LOWER_QUOTA_BYTES}}}}}\n"
+               "    - {name: noisy}\n")
+    disk = f"  - name: disk\n    kind: file\n    root: {tmp_path / 'root'}\n"
+    proc = ServiceProcess(serve_yaml(tmp_path, pool_name, tenants, disk),
+                          tmp_path / "serve.sock", slot_bytes=CHUNK)
+    proc.start(fresh=True)
+    try:
+        with engine(proc.socket, 0) as stack:
+            store(stack, [conformance_key(100 + i) for i in range(8)], "noisy")
+            store(stack, [conformance_key(i) for i in range(12)], "quiet")
+
+            def lower_bytes(state: dict[str, Any], tenant: str) -> int:
+                row = next(t for t in state["tenants"] if t["name"] == tenant)
+                return int(row["lower_bytes"]["disk"])
+
+            # Written behind, then trimmed once no copy is in flight (the one wait that
+            # polls: on the service's own report).
+            state = wait_status(proc.socket, lambda s: bool(s["lower_tiers"]) and (
+                s["lower_tiers"][0]["cascades"] >= 20
+                and 0 < lower_bytes(s, "quiet") <= LOWER_QUOTA_BYTES))
+        # A chunk on the file tier takes more than its payload: count in its own size.
+        per_chunk = lower_bytes(state, "noisy") // 8
+        assert per_chunk >= CHUNK and lower_bytes(state, "noisy") == 8 * per_chunk
+        quiet_chunks = lower_bytes(state, "quiet") // per_chunk
+        assert quiet_chunks == LOWER_QUOTA_BYTES // per_chunk
+        # Only the quiet tenant's own chunks went; every one of them stays in the pool.
+        assert state["lower_tiers"][0]["tiers"][0]["chunks"] == 8 + quiet_chunks
+        assert state["counters"]["tenant_lower_quota_evictions"] == 12 - quiet_chunks
+        assert usage(state) == {"default": 0, "quiet": 12, "noisy": 8}
+        row = next(t for t in state["tenants"] if t["name"] == "quiet")
+        assert row["lower_quota_bytes"] == {"disk": LOWER_QUOTA_BYTES}
+    finally:
+        proc.stop()

@@ -24,7 +24,8 @@ class RetentionConfig(Section):
     """The most bytes pinned at once (a block hash counts one primary slot per KV-cache
     group); a pin past it is refused whole, counted and warned about. With a ``tenants:``
     section it caps each tenant's pins (unless the member sets its own). Default: half
-    the primary's capacity, so pins never fill it."""
+    the primary's capacity, so pins never fill it (with ``kvtiers serve``, half its pool;
+    an engine whose primary is ``kind: service`` leaves the cap to the service)."""
     max_pin_s: Annotated[float, Range(0, above=True)] = 86400.0
     """The longest pin a hint or the admin endpoint may ask for, seconds."""
     max_ttl_s: Annotated[float, Range(0, above=True)] = 30 * 86400.0
@@ -38,5 +39,6 @@ class RetentionConfig(Section):
     admin_token_env: Annotated[str, Matches(r"[A-Za-z_][A-Za-z0-9_]*",
                                             "an environment variable name")] | None = None
     """The environment variable holding the bearer token of the admin endpoint
-    (``/admin/retention`` on the metrics server, which needs a ``metrics:`` section);
-    unset: no admin endpoint. An empty or unset variable at start is an error."""
+    (``/admin/pin``, ``/admin/unpin``, ``/admin/expire`` on the metrics server, which needs
+    a ``metrics:`` section; with ``kvtiers serve``, on its ``--metrics-port``); unset: no
+    admin endpoint. An empty or unset variable at start is an error."""

@@ -321,6 +321,13 @@ class RetentionBook:
         return found
 
     @_locked
+    def next_expiry(self) -> float | None:
+        """The earliest expiry set and not handed out by :meth:`pop_expired` yet (a stale
+        one may come first: a wake-up at it finds nothing), or ``None``."""
+        feed = self._feeds[0]
+        return feed[0][0] if feed else None
+
+    @_locked
     def expiries(self) -> dict[bytes, float]:
         """Block hash → expiry of every entry that has one."""
         return {h: e.expires_at for h, e in self._entries.items() if e.expires_at is not None}

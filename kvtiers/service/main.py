@@ -6,8 +6,10 @@ unset). The slot size is the stack's ``model:`` section's chunk rounded to 4 KiB
 ``--slot-bytes``. Tiers below the pool (file, s3, fsspec; ``write: through`` or
 ``back``) are the service's own: built per namespace, under it
 (:mod:`kvtiers.service.lower`). A ``tenants:`` section names the tenants whose engines
-share the pool and caps them in the pool (its first tier) only:
-:func:`check_service_tenants`.
+share the pool and caps them in the pool (quotas and protected shares) and below it
+(quotas): :func:`check_service_tenants`. A ``retention:`` section has the pool honour the
+retention hints engines send and, with ``admin_token_env``, serves the admin endpoint on
+the exporter's port (``--metrics-port``): :mod:`kvtiers.service.retention`.
 """
 
 from __future__ import annotations
@@ -49,23 +51,37 @@ def _socket_dir(path: Path, group: int | None) -> None:
 
 
 def check_service_tenants(config: StackConfig) -> None:
-    """Refuse a quota or protected share on a tier below the pool: the service enforces
-    tenants' shares in its pool only (its lower tiers, one per namespace, evict by their
-    own capacity). The error's path is ``tenants.members[i].quota.<tier>``."""
+    """Refuse a protected share on a tier below the pool: the service protects tenants'
+    shares in its pool only (a quota below it is kept in each namespace's instance of
+    that tier, by evicting the tenant's own chunks there). The error's path is
+    ``tenants.members[i].protected.<tier>``."""
     if config.tenants is None:
         return
     pool = config.tiers[0].name
     for idx, tenant in enumerate(config.tenants.members):
-        for key, sizes in (("quota", tenant.quota), ("protected", tenant.protected)):
-            for tier in sizes:
-                if tier != pool:
-                    where = item_path(key_path(TENANTS_PATH, "members"), idx)
-                    raise ConfigError(
-                        f"kvtiers serve caps tenants in its pool (tier {pool!r}) only: "
-                        f"a {key} on tier {tier!r} would not be enforced; remove it or "
-                        f"move it to {pool!r}",
-                        path=key_path(key_path(where, key), tier),
-                    )
+        for tier in tenant.protected:
+            if tier != pool:
+                where = item_path(key_path(TENANTS_PATH, "members"), idx)
+                raise ConfigError(
+                    f"kvtiers serve protects tenants' shares in its pool (tier {pool!r}) "
+                    f"only: a protected share on tier {tier!r} would not be enforced; "
+                    f"remove it or move it to {pool!r}",
+                    path=key_path(key_path(where, "protected"), tier),
+                )
+
+
+def admin_token(config: StackConfig, metrics_port: int | None) -> str | None:
+    """The admin endpoint's token when ``retention.admin_token_env`` names its variable
+    (the stack's rule: set and non-empty); the endpoint is on the exporter, so the
+    service then needs ``--metrics-port``."""
+    from kvtiers.stack.builder import _admin_token
+
+    token = _admin_token(config)
+    if token is not None and metrics_port is None:
+        raise ConfigError("the admin endpoint is served on the service's exporter: give "
+                          "--metrics-port", path="retention.admin_token_env",
+                          source=config.source)
+    return token
 
 
 def _located(error: ConfigError, config_path: str) -> ConfigError:
@@ -114,6 +130,8 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     name, num_slots, slot = pool_settings(config_path, slot_bytes)
+    config = load_stack_config(config_path)
+    token = admin_token(config, metrics_port)
     gid = grp.getgrnam(group).gr_gid if group is not None else None
     path = socket_path or default_socket()
     _socket_dir(path, gid)
@@ -121,15 +139,30 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
                 fresh=fresh)
     if gid is not None:
         os.chown(pool.path, -1, gid)
+    ledger = None
     try:
-        config = load_stack_config(config_path)
+        book = None
+        if config.retention is not None:
+            from kvtiers.service.retention import service_book
+
+            book = service_book(config, slot)
         service = Service(pool, path, group=gid, lower=config, tenants=config.tenants,
-                          pool_tier=config.tiers[0].name)
+                          pool_tier=config.tiers[0].name, retention=book)
+        service.retention_hints = config.retention is None or config.retention.hints
         exporter = None
         if metrics_port is not None:
             from kvtiers.service.metrics import start_exporter
+            from kvtiers.service.retention import service_admin
 
-            exporter = start_exporter(service.snapshot, port=metrics_port, addr=metrics_addr)
+            admin = None if token is None or book is None else service_admin(
+                config, book, token, service.snapshot)
+            exporter = start_exporter(service.snapshot, port=metrics_port, addr=metrics_addr,
+                                      admin=admin)
+        if book is not None and config.retention is not None and config.retention.ledger:
+            from kvtiers.stack.ledger import LedgerWriter
+
+            ledger = LedgerWriter(book, Path(config.retention.ledger),
+                                  config.retention.ledger_interval_s)
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, lambda *_: service.stop())
         # The line a supervisor (or a test) waits for: the socket accepts from here on.
@@ -139,6 +172,8 @@ def serve(config_path: str, *, socket_path: Path | None = None, slot_bytes: int 
         if exporter is not None:
             exporter.shutdown()
     finally:
+        if ledger is not None:
+            ledger.close()
         pool.close()
     return 0
 
@@ -184,3 +219,20 @@ def print_status(state: dict[str, Any], *, as_json: bool) -> None:
         print(f"tenant {tenant['name']}: {tenant['chunks']} chunks, {tenant['bytes']} bytes "
               f"in the pool (quota {'none' if quota is None else quota}, protected "
               f"{tenant['protected_bytes']})")
+        for tier, held in tenant.get("lower_bytes", {}).items():
+            quota = tenant["lower_quota_bytes"].get(tier)
+            print(f"  tier {tier}: {held} bytes (quota {'none' if quota is None else quota})")
+    retention = state.get("retention")
+    if retention is not None:
+        print("retention: {} hints ({} ignored), {} pins ({} refused, {} overridden), {} "
+              "chunks evicted at their expiry".format(
+                  retention.get("retention_hints", 0),
+                  retention.get("retention_hints_ignored", 0),
+                  retention.get("retention_pins", 0),
+                  retention.get("retention_pins_refused", 0),
+                  retention.get("retention_pins_overridden", 0),
+                  state.get("counters", {}).get("retention_expired_evictions", 0)))
+        for pins in retention["pins"]:
+            whose = "the pool" if pins["tenant"] is None else f"tenant {pins['tenant']}"
+            print(f"  {whose}: {pins['pinned_bytes']} bytes pinned (cap "
+                  f"{pins['max_pinned_bytes']})")

@@ -203,15 +203,22 @@ def _lower_families(state: dict[str, Any]) -> Iterator[Any]:
 
 
 def start_exporter(snapshot: Callable[[], dict[str, Any] | None], *, port: int,
-                   addr: str = "127.0.0.1") -> Any:
+                   addr: str = "127.0.0.1", admin: Callable[[Any], Any] | None = None) -> Any:
     """Serve the service's metrics on ``addr:port``; returns the HTTP server (its
-    ``shutdown`` stops it). A port that cannot be bound is a :class:`ConfigError`."""
+    ``shutdown`` stops it). A port that cannot be bound is a :class:`ConfigError`.
+    ``admin``, given the metrics WSGI app, returns the app to serve instead (the
+    retention admin endpoint, :func:`kvtiers.service.retention.service_admin`)."""
     from prometheus_client import CollectorRegistry, start_http_server
 
     registry = CollectorRegistry()
     registry.register(_Collector(snapshot))
     try:
-        server, _thread = start_http_server(port, addr=addr, registry=registry)
+        if admin is None:
+            server, _thread = start_http_server(port, addr=addr, registry=registry)
+        else:
+            from kvtiers.stack.metrics import _metrics_app, _serve_app
+
+            server = _serve_app(admin(_metrics_app(registry)), addr, port)
     except OSError as exc:
         raise ConfigError(f"the service's metrics cannot listen on {addr}:{port}: "
                           f"{exc.strerror or exc}", path="metrics-port") from None

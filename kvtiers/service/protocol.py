@@ -124,12 +124,33 @@ class Report(_Msg):
 PROBE_MISS, PROBE_PENDING, PROBE_RETRY, PROBE_HIT = 0, 1, 2, 3
 
 
+class Retain(_Msg):
+    """Retention hints for ``keys`` (docs/retention.md): each takes ``priority``, is
+    pinned for ``pin_s`` seconds and expires ``ttl_s`` seconds from when the service
+    takes the message in (``None``: no pin, no expiry). The hint fields are checked by
+    the service, not by decoding: a value of the wrong type or out of its bounds, or
+    more than :data:`MAX_RETAIN_KEYS` keys, has the hint ignored (counted, with a
+    rate-limited warning), never the connection refused. The reply is :class:`Done`.
+    An engine sends it only to a service whose status has a ``retention`` entry (a
+    service of an earlier release would refuse the message)."""
+
+    ns: int
+    keys: list[bytes]
+    priority: Any = 0
+    pin_s: Any = None
+    ttl_s: Any = None
+
+
+#: The most keys one :class:`Retain` names (more: the hint is ignored).
+MAX_RETAIN_KEYS = 4096
+
+
 class Status(_Msg):
     """The service's state (as ``kvtiers status`` shows it)."""
 
 
 Request = Union[  # noqa: UP007
-    Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Probe, Report, Status
+    Attach, Reserve, Lease, Commit, Pin, Unpin, Lookup, Probe, Report, Retain, Status,
 ]
 
 
@@ -155,7 +176,7 @@ class Slots(_Msg):
 
 
 class Done(_Msg):
-    """Reply to :class:`Unpin`."""
+    """Reply to :class:`Unpin` and :class:`Retain`."""
 
 
 class StatusReply(_Msg):

@@ -25,11 +25,19 @@ pool's chunks are counted per tenant, the tenant read from each key's tag
 (:meth:`~kvtiers.stack.tenants.TenantKeys.owner`: engines scope their tenants' keys before
 the service sees them), and eviction respects the tenants' pool quotas and protected
 shares (:meth:`Service._take_slot`, :meth:`Service._trim`).
+
+With a ``retention:`` section (``retention``: its book, :mod:`kvtiers.service.retention`)
+the pool honours the hints engines send with their commits (:class:`~kvtiers.service.
+protocol.Retain`) and the pins of the admin endpoint (:mod:`kvtiers.service.metrics`):
+an expired chunk is evicted when its expiry passes (the loop wakes for it; a chunk a load
+holds goes when the load lets go), eviction takes a tenant's lower priorities first and
+spares pinned chunks while anything else can make the room (:meth:`Service._evict_first`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -53,7 +61,9 @@ from kvtiers.service.pool import MAX_KEY, Adoption, IdentityRecords, Pool, Recor
 if TYPE_CHECKING:
     from kvtiers.config import StackConfig
     from kvtiers.config.tenants import TenantsConfig
+    from kvtiers.policies.retention import RetentionBook
     from kvtiers.service.lower import LowerTiers
+    from kvtiers.service.retention import PoolRetention
     from kvtiers.stack.tenants import TenantKeys
 
 log = logging.getLogger("kvtiers.service")
@@ -69,6 +79,10 @@ NO_ROOM = -2
 #: How often the loop takes in the lower tiers' finished copies while some are in
 #: flight, seconds (the movers' threads do not wake the loop).
 POLL_S = 0.002
+#: While copies to a namespace's lower tiers are in flight, how often at most its
+#: tenants' quotas there are kept (a walk of each capped tier's index), seconds; once
+#: none is in flight they are kept at once.
+LOWER_QUOTA_S = 1.0
 
 
 class Refused(Exception):
@@ -167,6 +181,7 @@ class Service:
         lower: StackConfig | None = None,
         tenants: TenantsConfig | None = None,
         pool_tier: str = "cpu",
+        retention: RetentionBook | None = None,
     ) -> None:
         self.pool = pool
         self.socket_path = socket_path
@@ -192,6 +207,13 @@ class Service:
         self._init_tenants(tenants, pool_tier)
         #: Re-adopted keys per namespace, handed to its lower tiers once they are built.
         self._adopted_keys: dict[int, list[bytes]] = {}
+        self._retention: PoolRetention | None = None
+        #: Whether engines' hints are read (``retention.hints``; the admin's pins are).
+        self.retention_hints = True
+        if retention is not None:
+            from kvtiers.service.retention import PoolRetention
+
+            self._retention = PoolRetention(retention, self._tenant_of, pool.slot_bytes)
         self.adoption = self._adopt() if not pool.created else Adoption()
         taken = {s for slots in self.adoption.adopted.values() for s in slots}
         # First in, first out: a freed slot is reused after every slot freed before it,
@@ -239,6 +261,13 @@ class Service:
         self._held: dict[str, OrderedDict[int, None]] = {}
         self._quota: dict[str, int] = {}
         self._protected: dict[str, int] = {}
+        #: Quotas on the tiers below the pool: tier name → tenant → bytes, kept in each
+        #: namespace's instance of the tier (:meth:`_keep_lower_quotas`); the namespaces
+        #: with commits since their last pass, when that was, and what it counted.
+        self._lower_quota: dict[str, dict[str, int]] = {}
+        self._quota_due: set[int] = set()
+        self._quota_at: dict[int, float] = {}
+        self._lower_usage: dict[int, dict[str, Counter[str]]] = {}
         if tenants is None:
             return
         from kvtiers.stack.tenants import TenantKeys
@@ -253,14 +282,21 @@ class Service:
             share = tenant.protected_bytes().get(pool_tier)
             if share is not None:
                 self._protected[tenant.name] = -(-share // size)
+            for tier, bytes_ in tenant.quota_bytes().items():
+                if tier != pool_tier:
+                    self._lower_quota.setdefault(tier, {})[tenant.name] = bytes_
 
     def _held_add(self, slot: int, key: bytes) -> None:
         if self._tenants is not None:
             self._held[self._tenants.owner(OffloadKey(key))][slot] = None
+        if self._retention is not None:
+            self._retention.added(slot, key)
 
     def _held_touch(self, slot: int, key: bytes) -> None:
         if self._tenants is not None:
             self._held[self._tenants.owner(OffloadKey(key))].move_to_end(slot)
+        if self._retention is not None:
+            self._retention.touched(slot)
 
     def _adopt(self) -> Adoption:
         found = self.pool.adopt()
@@ -369,7 +405,11 @@ class Service:
         try:
             while not self._stopping:
                 busy = self._step_lowers()
-                for key, events in self._selector.select(POLL_S if busy else None):
+                timeout = POLL_S if busy else None
+                wake = self._expire()
+                if wake is not None:
+                    timeout = wake if timeout is None else min(timeout, wake)
+                for key, events in self._selector.select(timeout):
                     sock = key.fileobj
                     if sock is self._listener:
                         self._accept()
@@ -393,6 +433,8 @@ class Service:
             try:
                 lowers.step()
                 busy = busy or lowers.busy
+                if index in self._quota_due:
+                    self._keep_lower_quotas(index, lowers)
             except Exception as exc:
                 log.exception("kvtiers serve: the lower tiers of namespace %d failed; "
                               "it keeps the pool alone", index)
@@ -405,12 +447,43 @@ class Service:
                 self.release_held([s for s, of in self._demoting.items() if of == index])
         return busy
 
+    def _keep_lower_quotas(self, index: int, lowers: LowerTiers) -> None:
+        """Evict, in each of namespace ``index``'s lower tiers with quotas, every tenant's
+        own chunks past its quota there (:func:`~kvtiers.stack.tenants.trim_to_quotas`):
+        at once when no copy is in flight, else at most every ``LOWER_QUOTA_S``; the
+        namespace stays due until a pass found no copy in flight."""
+        from kvtiers.stack.tenants import AccountedTier, trim_to_quotas
+
+        assert self._tenants is not None
+        now = time.monotonic()
+        busy = lowers.busy
+        if busy and now - self._quota_at.get(index, -LOWER_QUOTA_S) < LOWER_QUOTA_S:
+            return
+        self._quota_at[index] = now
+        if not busy:
+            self._quota_due.discard(index)
+        owner = self._tenants.owner
+        for tier in lowers.tiers[1:]:
+            quotas = self._lower_quota.get(tier.name)
+            if quotas and isinstance(tier.manager, AccountedTier):
+                usage, evicted = trim_to_quotas(tier.manager, quotas, owner)
+                self._lower_usage.setdefault(index, {})[tier.name] = usage
+                self.counters["tenant_lower_quota_evictions"] += evicted
+
+    def _lower_bytes(self, tier: str, tenant: str) -> int:
+        """``tenant``'s bytes in lower tier ``tier``, summed over the namespaces, as their
+        last quota passes counted them."""
+        empty: Counter[str] = Counter()
+        return sum(usage.get(tier, empty)[tenant] for usage in self._lower_usage.values())
+
     def _drain_wake(self) -> None:
         try:
             while self._wake_r.recv(64):
                 pass
         except BlockingIOError:
             pass
+        # An admin call changed the book: what it expired goes before its snapshot.
+        self._expire()
         while self._asked:
             done, box = self._asked.pop()
             box.append(self.state())
@@ -600,6 +673,9 @@ class Service:
             return p.Slots(request.seq, self._pin(conn, ns, request.keys, request.slots))
         if isinstance(request, p.Probe):
             return p.Slots(request.seq, self._probe(ns, request.keys))
+        if isinstance(request, p.Retain):
+            self._retain(request)
+            return p.Done(request.seq)
         assert isinstance(request, p.Lookup)
         return p.Slots(request.seq, [ns.ready.get(key, PRESENT) for key in request.keys])
 
@@ -635,6 +711,8 @@ class Service:
                             "be written: %s", name, exc)
         conn.attached.add(index)
         self.counters["attaches"] += 1
+        if self._retention is not None:
+            self._retention.attached(request.identity)
         conn.engine = request.engine[:200]
         log.info("kvtiers serve: pid %d (%s) attached namespace %s", conn.pid, conn.engine,
                  ns.name)
@@ -690,6 +768,8 @@ class Service:
             built.committed(built.valid(key for key in waiting if key in ready))
             built.readopted(key for key in self._adopted_keys.pop(index, ())
                             if key not in waiting)
+            if self._lower_quota and waiting:
+                self._quota_due.add(index)
         except Exception:  # a defect below the pool must not stop the loop
             log.exception("kvtiers serve: cascading the chunks committed during the build "
                           "of namespace %d", index)
@@ -701,6 +781,13 @@ class Service:
     def _probe(self, ns: _Namespace, keys: list[bytes]) -> list[int]:
         """Answer a :class:`~kvtiers.service.protocol.Probe` (see there)."""
         lowers = self._lowers.get(ns.index)
+        retention = self._retention
+        if lowers is not None and retention is not None:
+            # Past its TTL a chunk is held nowhere: never promoted back into the pool.
+            live = [key for key in keys if not retention.book.is_expired(key)]
+            self.counters["probes"] += len(live)
+            found = dict(zip(live, lowers.probe(live), strict=True))
+            return [found.get(key, p.PROBE_MISS) for key in keys]
         if lowers is not None:
             self.counters["probes"] += len(keys)
             return lowers.probe(keys)
@@ -813,29 +900,80 @@ class Service:
                 slot = self._evict_first(self._held[tenant], batch, tenant)
                 self.counters["tenant_quota_evictions"] += slot >= 0
                 return slot
+        if not self._free and self._retention is not None:
+            self._expire()  # an expiry passed since the loop last looked: those go first
         if self._free:
             return self._free.popleft()
         return self._evict_first(self._lru, batch, tenant)
 
     def _evict_first(self, order: OrderedDict[int, None], batch: set[bytes],
                      tenant: str | None) -> int:
-        """Evict the first chunk of ``order`` that :meth:`_take_slot` may take."""
+        """Evict the first chunk of ``order`` that :meth:`_take_slot` may take. With
+        retention, a chunk pinned by it is passed over while any other may be taken, and
+        the chunk found gives way to the least recently used one of the lowest priority
+        below its own of the same tenant (:meth:`PoolRetention.lowest`)."""
         tenants = self._tenants
-        for slot in order:
+        retention = self._retention
+
+        def may_take(slot: int, spare_pins: bool) -> bool:
             owner = self._owner[slot]
             if slot in self._pins or owner is None or owner[1] in batch:
-                continue
-            if tenants is not None:
-                who = tenants.owner(OffloadKey(owner[1]))
-                if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
-                    continue  # within another tenant's protected share
-            lowers = self._lowers.get(owner[0])
-            if lowers is not None and lowers.evicted_by_pool(owner[1]):
-                # Evicted for room before a demotion took it: the back tier never gets it.
-                self.counters["demotions_dropped"] += 1
-            self._evict(slot, owner)
-            return slot
+                return False
+            return not (spare_pins and retention is not None
+                        and retention.is_pinned(owner[1]))
+
+        for spare_pins in (True, False) if retention is not None else (False,):
+            for slot in order:
+                owner = self._owner[slot]
+                if owner is None or not may_take(slot, spare_pins):
+                    continue
+                if tenants is not None:
+                    who = tenants.owner(OffloadKey(owner[1]))
+                    if who != tenant and len(self._held[who]) <= self._protected.get(who, 0):
+                        continue  # within another tenant's protected share
+                if retention is not None:
+                    slot = retention.lowest(slot, functools.partial(may_take,
+                                                                    spare_pins=spare_pins))
+                    owner = self._owner[slot]
+                    assert owner is not None
+                    if not spare_pins and retention.is_pinned(owner[1]):
+                        retention.book.count_overridden(1)  # no other chunk could go
+                lowers = self._lowers.get(owner[0])
+                if lowers is not None and lowers.evicted_by_pool(owner[1]):
+                    # Evicted for room before a demotion took it: the back tier never
+                    # gets it.
+                    self.counters["demotions_dropped"] += 1
+                self._evict(slot, owner)
+                return slot
         return -1
+
+    def _expire(self) -> float | None:
+        """Evict the chunks past their expiry (one a load holds when it lets go); seconds
+        until the next expiry, ``None`` when none is set (or without retention)."""
+        retention = self._retention
+        if retention is None:
+            return None
+        for slot in retention.due():
+            owner = self._owner[slot]
+            if owner is None or self._namespaces[owner[0]].ready.get(owner[1]) != slot:
+                continue
+            if slot in self._pins:
+                retention.wait(slot)
+                continue
+            self._evict(slot, owner)
+            self._release(slot)
+            self.counters["retention_expired_evictions"] += 1
+        return retention.next_wake(retention.book.clock())
+
+    def _retain(self, request: p.Retain) -> None:
+        """Take in an engine's retention hint (a bad one is ignored, never refused); keys
+        it expires at once go now."""
+        retention = self._retention
+        if retention is None or not self.retention_hints:
+            self.counters["retention_hints_unread"] += 1
+            return
+        if retention.hint(request):
+            self._expire()  # a TTL of 0: gone before the reply
 
     def _tenant_of(self, key: bytes) -> str | None:
         return None if self._tenants is None else self._tenants.owner(OffloadKey(key))
@@ -867,6 +1005,8 @@ class Service:
         del self._lru[slot]
         if self._tenants is not None:
             del self._held[self._tenants.owner(OffloadKey(key))][slot]
+        if self._retention is not None:
+            self._retention.removed(slot)
         self._owner[slot] = None
         self.pool.mirror_remove(self.pool.header(slot)[5], slot)
         self.counters["evictions"] += 1
@@ -958,6 +1098,8 @@ class Service:
         if lowers is not None:
             # Write-behind: the lower tiers' movers copy them on their background threads.
             lowers.committed(stored)
+            if self._lower_quota and stored:
+                self._quota_due.add(ns.index)
         elif ns.index in self._uncascaded:
             waiting = self._uncascaded[ns.index]
             waiting.update(dict.fromkeys(stored))
@@ -1075,7 +1217,14 @@ class Service:
                     "quota_bytes": (None if name not in self._quota
                                     else self._quota[name] * self.pool.slot_bytes),
                     "protected_bytes": self._protected.get(name, 0) * self.pool.slot_bytes,
+                    # Counted at the last quota pass of each namespace (summed).
+                    "lower_bytes": {tier: self._lower_bytes(tier, name)
+                                    for tier in self._lower_quota},
+                    "lower_quota_bytes": {tier: quotas.get(name)
+                                          for tier, quotas in self._lower_quota.items()},
                 }
                 for name, held in self._held.items()
             ],
+            "retention": None if self._retention is None else self._retention.state(
+                None if self._tenants is None else self._tenants.names),
         }

@@ -20,6 +20,11 @@ answering as the CPU tier does, with the pool in another process:
   it; a key held nowhere, or not in the pool within ``probe_steps`` steps and
   ``probe_wait_s`` seconds of its first lookup (a lower tier failing, a promotion still
   running), is a ``MISS`` (recomputed);
+- with retention (a ``retention:`` section in the engine's stack: the composite reads each
+  request's hint, :func:`~kvtiers.stack.composite.request_hint`), the hint of each
+  request that stores or loads keys is queued and sent as a ``Retain`` with the step's
+  end write, after its commits, to a service whose status says it reads them (asked once
+  per session, a round trip);
 - while the service is down every lookup is a ``MISS``, ``prepare_store`` returns
   ``None``, and the keys of ``prepare_load`` get an out-of-range slot in ``get_spec`` so
   the worker fails their job (vLLM recomputes).
@@ -52,6 +57,7 @@ from kvtiers.service.client import REFUSED, ServiceClient, ServiceDown
 from kvtiers.service.pool import tag_of
 from kvtiers.service.server import NO_ROOM
 from kvtiers.service.worker import CheckedSlots, ServiceWorker
+from kvtiers.stack.composite import request_hint
 
 if TYPE_CHECKING:
     from kvtiers.config.tiers import ServiceTierConfig
@@ -60,6 +66,7 @@ if TYPE_CHECKING:
     from kvtiers.core.mover import HostRegion
     from kvtiers.core.tier import BuiltTier
     from kvtiers.core.worker import KVCacheTensors
+    from kvtiers.policies.retention import RetentionHint
 
 _HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
@@ -147,9 +154,14 @@ class ServiceTierManager(OffloadingManager):
         self._probing: dict[OffloadKey, list[int]] = {}
         #: The (lookups, hits) last sent in a Report (None: none this session).
         self._reported: tuple[int, int] | None = None
+        #: Hints to send at the step's end: hint → its keys (this session's).
+        self._hints: dict[RetentionHint, dict[bytes, None]] = {}
+        #: Whether the service reads hints (``None``: not asked in this session yet).
+        self._service_retains: bool | None = None
         self.stats = {"lookups": 0, "hits": 0, "round_trips": 0, "lost_loads": 0,
                       "down_lookups": 0, "duplicate_stores": 0, "pins_missed": 0,
-                      "owed_waits": 0, "probes": 0, "probes_given_up": 0}
+                      "owed_waits": 0, "probes": 0, "probes_given_up": 0,
+                      "retention_hints_sent": 0, "retention_hints_unsent": 0}
         if lease_slots:
             self.flush(wait=True)
 
@@ -183,6 +195,8 @@ class ServiceTierManager(OffloadingManager):
         self._unpins.clear()
         self._probe_queue.clear()
         self._probing.clear()
+        self._hints.clear()
+        self._service_retains = None
 
     def _queued(self, lease: bool) -> list[p.Request]:
         """The queued commits, pins and unpins (each pin before any unpin of its slot),
@@ -212,6 +226,16 @@ class ServiceTierManager(OffloadingManager):
             queued.append(p.Unpin(client.next_seq(), client.ns,
                                   self._unpins[at : at + COMMIT_BATCH]))
         self._unpins = []
+        for hint, hinted in self._hints.items() if self._service_retains else ():
+            # After the commits: a hint names keys the service holds by now.
+            keys = list(hinted)
+            for at in range(0, len(keys), COMMIT_BATCH):
+                queued.append(p.Retain(client.next_seq(), client.ns,
+                                       keys[at : at + COMMIT_BATCH], hint.priority,
+                                       hint.pin_s, hint.ttl_s))
+            self.stats["retention_hints_sent"] += 1
+        if self._service_retains:
+            self._hints.clear()
         for at in range(0, len(self._probe_queue), COMMIT_BATCH):
             queued.append(p.Probe(client.next_seq(), client.ns,
                                   self._probe_queue[at : at + COMMIT_BATCH]))
@@ -307,6 +331,7 @@ class ServiceTierManager(OffloadingManager):
         """Send queued commits, pins and unpins and top the lease up, in one write,
         waiting for nothing; their replies are taken in as they arrive, at later calls
         (``wait``: now, so that the service has taken them in when this returns)."""
+        self._check_retains()
         self._exchange([], wait=wait)
 
     # -- the contract ---------------------------------------------------------------
@@ -403,6 +428,7 @@ class ServiceTierManager(OffloadingManager):
             if success:
                 self._commits[key] = slot
                 self._stored_since_flush += 1
+                self._hint(key, ctx)
             elif self._lease_min:
                 self._lease.append(slot)  # still leased to this connection
             else:
@@ -424,12 +450,30 @@ class ServiceTierManager(OffloadingManager):
             if slot < 0:
                 self.stats["lost_loads"] += 1
                 continue
+            self._hint(key, ctx)
             self._pins.append((bytes(key), slot))
             held = self._held.get(key)
             if held is None:
                 self._held[key] = [slot]
             else:
                 held.append(slot)
+
+    def _hint(self, key: OffloadKey, ctx: ReqContext) -> None:
+        """Queue ``ctx``'s retention hint, if it has one, for ``key``."""
+        hint = request_hint(ctx)
+        if hint is not None:
+            self._hints.setdefault(hint, {})[bytes(key)] = None
+
+    def _check_retains(self) -> None:
+        """Ask the service once per session whether it reads hints (a service without a
+        ``retention:`` section, or of an earlier release, does not: hints are dropped)."""
+        if self._service_retains is None and self._hints:
+            reply = self._call(p.Status(self.client.next_seq()))
+            if isinstance(reply, p.StatusReply):
+                self._service_retains = reply.state.get("retention") is not None
+        if self._service_retains is False and self._hints:
+            self.stats["retention_hints_unsent"] += len(self._hints)
+            self._hints.clear()
 
     def get_spec(self, keys: Collection[OffloadKey]) -> CheckedSlots:
         ids = []

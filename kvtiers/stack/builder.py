@@ -8,6 +8,7 @@ factory is imported lazily, so a stack without S3 never imports boto3.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,13 +261,16 @@ def retention_book(config: StackConfig, identity: OffloadingConfig) -> Retention
     """The retention book of ``config``'s ``retention:`` section: a block hash counts one
     primary slot per group; pins are capped at ``max_pinned_bytes``, by default half the
     primary's capacity (a primary without a capacity, a GDS file tier, has no default
-    cap beyond its own room: the cap is then 0 unless given)."""
+    cap beyond its own room: the cap is then 0 unless given; a ``kind: service`` primary's
+    pins are capped by the service, so the engine's own book is then not)."""
     section = config.retention
     assert section is not None, "only a stack with a retention: section has a book"
     hash_bytes = ChunkGeometry.from_config(identity).slot_bytes * len(identity.groups)
     cap: int
     if section.max_pinned_bytes is not None:
         cap = section.max_pinned_bytes
+    elif config.tiers[0].kind == "service":
+        cap = sys.maxsize
     else:
         capacity = getattr(config.tiers[0], "capacity", None)
         cap = 0 if capacity is None else int(capacity) // 2

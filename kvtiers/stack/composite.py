@@ -611,3 +611,11 @@ class _Hint:
     """A request's retention hint, parsed once (``None``: it asks for none)."""
 
     hint: RetentionHint | None
+
+
+def request_hint(ctx: ReqContext) -> RetentionHint | None:
+    """The retention hint the composite read for ``ctx``'s request when it stored or
+    loaded keys (``None``: it asks for none, or nothing was read yet): what a ``kind:
+    service`` primary sends on to the service."""
+    parsed = ctx.get_state(_Hint)
+    return None if parsed is None else parsed.hint

@@ -117,6 +117,28 @@ class AccountedTier(Protocol):
                       ) -> list[OffloadKey]: ...
 
 
+def trim_to_quotas(manager: AccountedTier, quotas: Mapping[str, int],
+                   owner: Callable[[OffloadKey], str]) -> tuple[Counter[str], int]:
+    """Evict, in the lower tier ``manager``, each tenant's own chunks (the tier's least
+    recently used first) until it holds at most its quota (``quotas``: tenant → bytes;
+    ``owner`` names a key's tenant). Returns the bytes each tenant holds there then and
+    how many chunks went. A walk of the tier's index: O(chunks held)."""
+    sizes: dict[OffloadKey, tuple[str, int]] = {
+        key: (owner(key), entry.size) for key, entry in manager.index.items()}
+    usage: Counter[str] = Counter()
+    for name, size in sizes.values():
+        usage[name] += size
+    evicted = 0
+    for tenant, quota in quotas.items():
+        over = usage.get(tenant, 0) - quota
+        if over > 0:
+            others = {key for key, (name, _) in sizes.items() if name != tenant}
+            for key in manager.evict_outside(over, others):
+                usage[tenant] -= sizes[key][1] if key in sizes else 0
+                evicted += 1
+    return usage, evicted
+
+
 class TenantKeys:
     """Which tenant a request is, a tenant's keys, and whose a key is."""
 
@@ -364,13 +386,7 @@ class TenantStack(OffloadingManager):
             manager = tier.manager
             if index == 0 or not quotas or not isinstance(manager, AccountedTier):
                 continue
-            usage = self._persistent_usage(manager)
-            owner = self.keys.owner
-            for tenant, quota in quotas.items():
-                over = usage.get(tenant, 0) - quota
-                if over > 0:
-                    others = {key for key, _ in manager.index.items() if owner(key) != tenant}
-                    manager.evict_outside(over, others)
+            trim_to_quotas(manager, quotas, self.keys.owner)
 
     def _persistent_usage(self, manager: AccountedTier) -> Counter[str]:
         owner = self.keys.owner
