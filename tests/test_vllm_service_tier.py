@@ -9,6 +9,8 @@ after ``kill -9``) and on the tier's ``drain_jobs``; a copy held back waits on a
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,10 +61,12 @@ def spec() -> _Spec:
     return make_spec()
 
 
-def build(service: ServiceProcess, primary: Primary, spec: _Spec, **more: Any) -> Any:
-    """The tier as vLLM's factory builds it from a ``secondary_tiers`` entry."""
+def build(service: ServiceProcess | Path, primary: Primary, spec: _Spec, **more: Any) -> Any:
+    """The tier as vLLM's factory builds it from a ``secondary_tiers`` entry (``service``:
+    the service, or its socket)."""
+    socket = service.socket if isinstance(service, ServiceProcess) else service
     config = {"type": "KVTiersServiceTier", "module_path": "kvtiers.integrations.vllm",
-              "socket": str(service.socket), "retry_s": 0.001, "lease_slots": 8, **more}
+              "socket": str(socket), "retry_s": 0.001, "lease_slots": 8, **more}
     return SecondaryTierFactory.create_secondary_tier(config, primary.view, spec)
 
 
@@ -79,7 +83,7 @@ def notice_now(tier: Any) -> None:
     tier.manager.client._next_try = 0.0
 
 
-def stored(service: ServiceProcess, spec: _Spec, ks: list[bytes]) -> list[bytes]:
+def stored(service: ServiceProcess | Path, spec: _Spec, ks: list[bytes]) -> list[bytes]:
     """Store ``ks`` through one engine's tier (rows 0..), commit, and detach; the
     payloads."""
     primary = Primary()
@@ -96,12 +100,24 @@ def stored(service: ServiceProcess, spec: _Spec, ks: list[bytes]) -> list[bytes]
     return payloads
 
 
+def store_in_child(socket: str, seed: int, count: int) -> None:
+    """An engine process of its own: store ``keys(seed, count)`` through its tier (the
+    payloads :func:`stored` gives them), then exit."""
+    stored(Path(socket), make_spec(), keys(seed, count))
+
+
 def test_a_chunk_stored_by_one_engine_is_a_pool_hit_loaded_byte_exact_by_another(
     service: ServiceProcess, spec: _Spec,
 ) -> None:
     ks = keys(1, 4)
-    payloads = stored(service, spec, ks)
-    # Another engine (its own connection and mapping), started after the first left.
+    # One engine process stores and exits...
+    subprocess.run(
+        [sys.executable, "-c", "import sys; from tests.test_vllm_service_tier import "
+         "store_in_child; store_in_child(sys.argv[1], 1, 4)", str(service.socket)],
+        check=True, timeout=120, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    payloads = [Primary().fill(row, seed=100 + row) for row in range(len(ks))]
+    # ...and another, with its own connection and mapping, finds its chunks in the pool.
     primary = Primary()
     second = build(service, primary, spec)
     try:
