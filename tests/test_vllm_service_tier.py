@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("msgspec")
@@ -28,6 +29,15 @@ from kvtiers.integrations.vllm.service_tier import KVTiersServiceTier, PoolMover
 from kvtiers.service.pool import tag_of
 from kvtiers.testing.service import ServiceProcess
 from tests.test_service import fill_until_refilled
+from tests.test_vllm_tiering import (
+    CHUNK_BYTES,
+    NO_STEP_CONTEXT,
+    chunks,
+    primary_rows,
+    settle,
+    store_through_primary,
+    tiering_manager,
+)
 from tests.test_vllm_tiers import (
     Primary,
     _Spec,
@@ -135,6 +145,41 @@ def test_a_chunk_stored_by_one_engine_is_a_pool_hit_loaded_byte_exact_by_another
         assert not second.has_pending_work()
     finally:
         second.shutdown()
+
+
+def test_under_vllms_tiering_manager_a_cascade_is_promoted_in_a_new_engine(
+    service: ServiceProcess,
+) -> None:
+    """vLLM's own TieringOffloadingManager cascades its CPU chunks into the pool; a new
+    engine's lookups find them there and vLLM promotes them into its CPU rows."""
+    tier = {"type": "KVTiersServiceTier", "module_path": "kvtiers.integrations.vllm",
+            "socket": str(service.socket)}
+    keys_, payloads = chunks(7, 3)
+    cold = tiering_manager(tier)
+    try:
+        assert isinstance(cold.secondary_tiers[0], KVTiersServiceTier)
+        store_through_primary(cold, keys_, payloads, "cold")
+    finally:
+        cold.shutdown()  # its commits are taken in before it detaches
+
+    warm = tiering_manager(tier)
+    try:
+        ctx = vbase.ReqContext(req_id="warm")
+        warm.on_new_request(ctx)
+        for key in keys_:
+            assert warm.lookup(key, ctx) is vbase.LookupResult.HIT_PENDING
+        warm.on_schedule_end(NO_STEP_CONTEXT)  # submits the promotion
+        settle(warm)
+        for key in keys_:
+            assert warm.lookup(key, ctx) is vbase.LookupResult.HIT
+        spec = warm.prepare_load(keys_, ctx)
+        rows = primary_rows(warm)
+        for chunk, payload in zip(spec.block_ids, payloads, strict=True):
+            assert np.array_equal(rows[chunk, :CHUNK_BYTES], payload)
+        warm.complete_load(keys_, ctx)
+        warm.on_request_finished(ctx)
+    finally:
+        warm.shutdown()
 
 
 def test_the_identity_is_route_twos_as_the_file_tiers(service: ServiceProcess, spec: _Spec,
