@@ -32,8 +32,8 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from kvtiers.errors import ConfigError
-from kvtiers.integrations.vllm import KVTiersFileTier, KVTiersS3Tier
 from kvtiers.integrations.vllm.compat import JOB_RESULT_DEFERS_RELEASE
+from kvtiers.integrations.vllm.tiers import _KVTiersSecondaryTier
 from kvtiers.testing.s3 import BUCKET, MotoServer
 
 F = 2
@@ -66,7 +66,7 @@ def tiering_manager(tier: dict[str, Any], *, cpu_bytes: int = 1 << 20) -> Any:
     )
     manager = OffloadingSpecFactory.create_spec(config).get_manager()
     assert isinstance(manager, TieringOffloadingManager)
-    assert isinstance(manager.secondary_tiers[0], (KVTiersFileTier, KVTiersS3Tier))
+    assert isinstance(manager.secondary_tiers[0], _KVTiersSecondaryTier)
     return manager
 
 

@@ -4,7 +4,8 @@
   (``spec_name: KVTiersOffloadingSpec``, ``spec_module_path: kvtiers.integrations.vllm``).
 * :class:`KVTiersFileTier`, :class:`KVTiersS3Tier` — kvtiers' file and S3 tiers as
   secondary tiers of vLLM's ``TieringOffloadingSpec`` (``module_path:
-  kvtiers.integrations.vllm``).
+  kvtiers.integrations.vllm``); :class:`KVTiersServiceTier` the pool of ``kvtiers serve``
+  the same way (loaded at first use: it needs the ``service`` extra).
 * :class:`KVTiersConnector` — vLLM's ``OffloadingConnector`` that hands the engine's
   configs to either route (``kv_connector: KVTiersConnector``,
   ``kv_connector_module_path: kvtiers.integrations.vllm``).
@@ -45,6 +46,17 @@ from kvtiers.integrations.vllm.tiers import (  # noqa: E402
 )
 from kvtiers.integrations.vllm.worker import KVTiersLoadStoreSpec, KVTiersWorker  # noqa: E402
 
+
+def __getattr__(name: str) -> object:
+    """``KVTiersServiceTier``, imported when vLLM's tier factory first asks for it (the
+    service's wire format, msgspec, is an optional extra the other classes do not need)."""
+    if name == "KVTiersServiceTier":
+        from kvtiers.integrations.vllm.service_tier import KVTiersServiceTier
+
+        return KVTiersServiceTier
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "KVTiersConnector",
     "KVTiersDirectManager",
@@ -53,6 +65,7 @@ __all__ = [
     "KVTiersManager",
     "KVTiersOffloadingSpec",
     "KVTiersS3Tier",
+    "KVTiersServiceTier",
     "KVTiersWorker",
     "MemoryviewRegion",
 ]

@@ -54,7 +54,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager
@@ -79,6 +79,10 @@ from kvtiers.integrations.vllm.translate import (
     with_request_contexts,
 )
 from kvtiers.tiers.jobs import FinishedJob, JobDriver
+
+if TYPE_CHECKING:
+    from kvtiers.core.config import OffloadingConfig
+    from kvtiers.core.tier import BuiltTier
 
 CHUNK_LAYOUT_SUFFIX = "+vllm-cpu-chunk"
 
@@ -211,8 +215,7 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
             kv_layout_suffix=CHUNK_LAYOUT_SUFFIX,
             canonical_format=canonical_format(config),
         )
-        factory = resolve_factory(tier_config.kind, path=f"{where}.type")
-        self.tier = factory(tier_config, offloading, primary_region=region, name=tier_config.name)
+        self.tier = self._build_tier(tier_config, offloading, region, where)
         assert self.tier.mover is not None
         self.manager = self.tier.manager
         self._mover = self.tier.mover
@@ -236,6 +239,13 @@ class _KVTiersSecondaryTier(SecondaryTierManager):
         # Promotions reported failed at their deadline while copies still ran: the
         # deferred_release event each sets once its copies ended.
         self._given_up: dict[int, threading.Event] = {}
+
+    def _build_tier(self, tier_config: TierConfig, offloading: OffloadingConfig,
+                    region: MemoryviewRegion, where: str) -> BuiltTier[Any]:
+        """The kvtiers tier below vLLM's CPU tier: its manager, and its mover copying
+        between ``region`` (vLLM's rows) and the tier's medium."""
+        factory = resolve_factory(tier_config.kind, path=f"{where}.type")
+        return factory(tier_config, offloading, primary_region=region, name=tier_config.name)
 
     # -- lookups and requests ---------------------------------------------------------
     def lookup(self, key: Any, req_context: Any) -> Any:
