@@ -598,7 +598,7 @@ class Runner:
         *second-server-seaweedfs* (what another node sees: a new service on a new,
         empty pool over the same bucket prefix and a new engine on it, whose hits the
         service promotes from S3)."""
-        from kvtiers.testing.service import ServiceProcess
+        from kvtiers.testing.service import ServiceProcess, remove_pool
 
         records: list[dict[str, Any]] = []
         pools: list[Path] = []
@@ -661,7 +661,7 @@ class Runner:
                 if service.proc is not None and service.proc.poll() is None:
                     service.stop()
             for pool in pools:
-                pool.unlink(missing_ok=True)
+                remove_pool(pool.name)
         return records
 
     def baseline(self, r: int) -> list[dict[str, Any]]:

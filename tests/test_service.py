@@ -29,7 +29,7 @@ from kvtiers.service.pool import SLOT_HEADER, Pool, SlotState, tag_of
 from kvtiers.service.server import Service, peer_allowed
 from kvtiers.service.tier import ServiceTierManager
 from kvtiers.service.worker import CheckedSlots, ServiceWorker
-from kvtiers.testing.service import ServiceProcess, chunk_bytes_of, run_peer
+from kvtiers.testing.service import ServiceProcess, chunk_bytes_of, remove_pool, run_peer
 
 IDENTITY = b'{"model_name":"test/model","x":1}'
 OTHER_IDENTITY = b'{"model_name":"test/other","x":2}'
@@ -45,7 +45,7 @@ def keys(n: int, salt: int = 0) -> list[OffloadKey]:
 def pool_name(tmp_path: Path) -> Iterator[str]:
     name = f"kvtiers-test-{os.getpid()}-{tmp_path.name}"
     yield name
-    Path("/dev/shm", name).unlink(missing_ok=True)
+    remove_pool(name)
 
 
 @pytest.fixture

@@ -40,7 +40,7 @@ from kvtiers.stack.builder import load_stack
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.objects import offloading_config
 from kvtiers.testing.s3 import BUCKET, MotoServer
-from kvtiers.testing.service import ServiceProcess
+from kvtiers.testing.service import ServiceProcess, remove_pool
 
 CHUNK = 4096
 SLOTS = 32
@@ -77,7 +77,7 @@ def s3_tier(endpoint: str) -> str:
 def pool_name(tmp_path: Path) -> Iterator[str]:
     name = f"kvtiers-test-{os.getpid()}-{tmp_path.name}"
     yield name
-    Path("/dev/shm", name).unlink(missing_ok=True)
+    remove_pool(name)
     shutil.rmtree(Path("/dev/shm", f"{name}.identities"), ignore_errors=True)
 
 

@@ -28,7 +28,7 @@ from kvtiers.stack.builder import Stack, load_stack
 from kvtiers.stack.tenants import TenantStack
 from kvtiers.testing.conformance import conformance_key, conformance_payload
 from kvtiers.testing.objects import offloading_config
-from kvtiers.testing.service import ServiceProcess
+from kvtiers.testing.service import ServiceProcess, remove_pool
 
 CHUNK = 4096
 SLOTS = 32
@@ -50,7 +50,7 @@ SERVICE_TENANTS = (
 def pool_name(tmp_path: Path) -> Iterator[str]:
     name = f"kvtiers-test-{os.getpid()}-{tmp_path.name}"
     yield name
-    Path("/dev/shm", name).unlink(missing_ok=True)
+    remove_pool(name)
 
 
 def serve_yaml(tmp_path: Path, pool_name: str, tenants: str, lower: str = "") -> Path:

@@ -16,7 +16,7 @@ from vllm.v1.kv_offload import base as vbase
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvtiers.service.worker import CheckedSlots
-from kvtiers.testing.service import ServiceProcess
+from kvtiers.testing.service import ServiceProcess, remove_pool
 from tests.test_vllm_contract import prefix, request, route1_config
 
 END = vbase.ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
@@ -32,7 +32,7 @@ def service(tmp_path: Path) -> Iterator[ServiceProcess]:
     proc.start(fresh=True)
     yield proc
     proc.stop()
-    Path("/dev/shm", pool).unlink(missing_ok=True)
+    remove_pool(pool)
 
 
 def engine(service: ServiceProcess) -> Any:

@@ -27,7 +27,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from kvtiers.errors import ConfigError
 from kvtiers.integrations.vllm.service_tier import KVTiersServiceTier, PoolMover
 from kvtiers.service.pool import tag_of
-from kvtiers.testing.service import ServiceProcess
+from kvtiers.testing.service import ServiceProcess, remove_pool
 from tests.test_service import fill_until_refilled
 from tests.test_vllm_tiering import (
     CHUNK_BYTES,
@@ -63,7 +63,7 @@ def service(tmp_path: Path) -> Iterator[ServiceProcess]:
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.stop()
-    Path("/dev/shm", pool).unlink(missing_ok=True)
+    remove_pool(pool)
 
 
 @pytest.fixture

@@ -24,7 +24,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from kvtiers.filemapper import NamespaceIdentity
-from kvtiers.testing.service import ServiceProcess
+from kvtiers.testing.service import ServiceProcess, remove_pool
 from tests.test_vllm_spec import canonical_kv, ctx, gpu_spec, make_request, vllm_config
 from tests.test_vllm_tp import (
     RANK_REPLY_S,
@@ -54,7 +54,7 @@ def service(tmp_path: Path) -> Iterator[ServiceProcess]:
     proc.start(fresh=True)
     yield proc
     proc.stop()
-    Path("/dev/shm", pool).unlink(missing_ok=True)
+    remove_pool(pool)
 
 
 def service_config(service: ServiceProcess, tmp_path: Path, *, world_size: int = RANKS,

@@ -29,6 +29,15 @@ def chunk_bytes_of(key: bytes, size: int) -> bytes:
     return (seed.to_bytes(8, "little") * (size // 8 + 1))[:size]
 
 
+def remove_pool(name: str) -> None:
+    """Remove the pool ``/dev/shm/<name>`` and the identity records kept beside it."""
+    import shutil
+
+    path = Path("/dev/shm", name)
+    path.unlink(missing_ok=True)
+    shutil.rmtree(path.with_name(name + ".identities"), ignore_errors=True)
+
+
 class ServiceProcess:
     """``kvtiers serve`` over ``config`` on ``socket``; :meth:`start` waits for ready."""
 

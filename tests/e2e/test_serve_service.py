@@ -24,7 +24,7 @@ import pytest
 
 from kvtiers.service.client import read_status
 from kvtiers.testing.serve import VllmServer, kv_transfer_config
-from kvtiers.testing.service import ServiceProcess
+from kvtiers.testing.service import ServiceProcess, remove_pool
 from tests.e2e.conftest import SERVER_ENV, SUMMARY
 from tests.e2e.tiny_model import SPECIALS, VOCAB
 
@@ -133,4 +133,4 @@ def test_two_servers_share_prefixes_through_the_service(model_dir: Path, tmp_pat
     finally:
         if service.proc is not None and service.proc.poll() is None:
             service.stop()
-        Path("/dev/shm", pool).unlink(missing_ok=True)
+        remove_pool(pool)
