@@ -247,6 +247,12 @@ class TenantStack(OffloadingManager):
         scope = self.keys.scope
         return [scope(key, tenant) for key in keys]
 
+    def scoped_keys(self, keys: Iterable[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """``keys`` as this layer hands them to the tiers for ``ctx``'s request: scoped by
+        its tenant, in order (the default tenant's: unchanged). An engine that checks what
+        the primary holds by key (a sharded vLLM engine's shard check) asks by these."""
+        return self._scoped(keys, ctx)
+
     def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         tenant = self.keys.tenant_of(ctx)
         scoped = self.keys.scope(key, tenant)

@@ -40,6 +40,9 @@ class.
   manager publishes a stored chunk it checks the shard ledger
   (:mod:`kvtiers.tiers.cpu.shards`), where each rank stamped the slots it wrote for that
   job: a chunk with a shard missing or stale is freed, never published, for every rank.
+  The check goes by the key the primary holds (with tenants, the request's tenant-scoped
+  key): each store's stamp is kept under it and its slot looked up by it, so two tenants
+  storing the same vLLM key at once are checked each in its own slot, for its own store.
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ class KVTiersManager(vbase.OffloadingManager):
         self._tiered: TieredManager | TenantStack = (
             stack.manager if self._tenants is None else self._tenants
         )
-        # A sharded engine's ledger, and the stamp of every key stored and not completed.
+        # A sharded engine's ledger, and the stamp of every key stored and not completed,
+        # by the key the primary holds (see _primary_keys).
         self._ledger = ledger
         self._stamps: dict[OffloadKey, int] = {}
         self._keys = keys
@@ -327,7 +331,7 @@ class KVTiersManager(vbase.OffloadingManager):
         stamp = 0
         if self._ledger is not None:
             stamp = self._ledger.next_stamp()
-            self._stamps.update(dict.fromkeys(accepted, stamp))
+            self._stamps.update(dict.fromkeys(self._primary_keys(accepted, ctx), stamp))
         return vbase.PrepareStoreOutput(
             keys_to_store=to_store,
             store_spec=self._spec(accepted, stamp),
@@ -351,31 +355,42 @@ class KVTiersManager(vbase.OffloadingManager):
             self._tiered.complete_store(ours, ctx, success, generation=generation)
             return
         if not success:
-            for key in ours:
+            for key in self._primary_keys(ours, ctx):
                 self._stamps.pop(key, None)
             self._tiered.complete_store(ours, ctx, False, generation=generation)
             return
-        whole, torn = self._check_shards(ours)
+        whole, torn = self._check_shards(ours, ctx)
         if whole:
             self._tiered.complete_store(whole, ctx, generation=generation)
         if torn:
             self._tiered.complete_store(torn, ctx, False, generation=generation)
 
+    def _primary_keys(
+        self, keys: Collection[OffloadKey], ctx: ReqContext
+    ) -> Collection[OffloadKey]:
+        """``keys`` (kvtiers') as the primary holds them for ``ctx``'s request: scoped by
+        its tenant with a ``tenants:`` section (what the tenant layer hands the tiers),
+        else as given."""
+        if self._tenants is None:
+            return keys
+        return self._tenants.scoped_keys(keys, ctx)
+
     def _check_shards(
-        self, keys: Collection[OffloadKey]
+        self, keys: Collection[OffloadKey], ctx: ReqContext
     ) -> tuple[list[OffloadKey], list[OffloadKey]]:
         """``keys`` split into the chunks every rank wrote for their store and the torn
-        ones. A key without a stamp passes as whole, for the stack to judge (vLLM completes
-        only keys it reserved since the last reset, and each of those has one)."""
+        ones, each checked by the key the primary holds for ``ctx``'s request. A key
+        without a stamp passes as whole, for the stack to judge (vLLM completes only keys
+        it reserved since the last reset, and each of those has one)."""
         assert self._ledger is not None
         primary = self._slotted
         assert primary is not None  # a sharded engine's primary (see __init__)
         checked: list[OffloadKey] = []
         slots: list[int] = []
         stamps: list[int] = []
-        for key in keys:
-            stamp = self._stamps.pop(key, None)
-            slot = primary.slot_of(key)
+        for key, held in zip(keys, self._primary_keys(keys, ctx), strict=True):
+            stamp = self._stamps.pop(held, None)
+            slot = primary.slot_of(held)
             if stamp is not None and slot is not None:
                 checked.append(key)
                 slots.append(slot)

@@ -55,7 +55,6 @@ from kvtiers.integrations.vllm.direct import KVTiersDirectManager, direct_eligib
 from kvtiers.integrations.vllm.engine import find_engine_configs, handed_over
 from kvtiers.integrations.vllm.manager import KVTiersManager, reset_grace_steps
 from kvtiers.integrations.vllm.media import medium_names
-from kvtiers.integrations.vllm.tenants import refuse_sharded_tenants
 from kvtiers.integrations.vllm.translate import (
     EXTRA_CONFIG,
     KeyMap,
@@ -219,7 +218,6 @@ class KVTiersOffloadingSpec(vbase.OffloadingSpec):
                 if isinstance(primary, CPUTierConfig) and primary.shared_memory_name
                 else engine_ledger_name(config.engine_id)
             )
-        refuse_sharded_tenants(self.stack_config, self.ranks)
         if persistent:
             warn_unstable_hashes(self.hash_algorithm)
         self.keys = KeyMap([group.group_id for group in config.groups])

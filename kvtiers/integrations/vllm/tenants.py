@@ -23,34 +23,22 @@ keep that tenant's quotas (docs/tenants.md). What that takes of the manager:
 * Removed and stored events of a non-default tenant carry its scoped keys, which vLLM has
   never seen (docs/tenants.md: prefix-aware routing works for the default tenant only).
 
-Not done: a sharded engine (tensor or pipeline parallel ranks sharing the primary) checks
-each stored chunk's slot in the shard ledger by key; that check does not scope keys yet,
-so a ``tenants:`` section on a sharded engine is refused when the spec is built
-(:func:`refuse_sharded_tenants`).
+* A sharded engine (tensor or pipeline parallel ranks sharing the primary, a cpu tier or
+  the node service's pool) checks each stored chunk's slot in the shard ledger by the
+  scoped key the tenant layer handed the primary
+  (:meth:`~kvtiers.stack.tenants.TenantStack.scoped_keys`): every rank's shard of a
+  tenant's chunk is checked in that tenant's slot, for that tenant's store, and a chunk a
+  rank failed to write is published for no tenant.
 """
 
 from __future__ import annotations
 
 import logging
 
-from kvtiers.config.stack import StackConfig
-from kvtiers.errors import ConfigError
 from kvtiers.stack.builder import Stack
 from kvtiers.stack.tenants import TenantStack
 
 logger = logging.getLogger(__name__)
-
-
-def refuse_sharded_tenants(stack_config: StackConfig, ranks: int) -> None:
-    """Raise :class:`~kvtiers.errors.ConfigError` for a ``tenants:`` section on a sharded
-    engine (``ranks`` > 1), before anything is built (see the module docstring)."""
-    if ranks > 1 and stack_config.tenants is not None:
-        raise ConfigError(
-            f"a tenants: section is not supported yet with {ranks} ranks (tensor or "
-            "pipeline parallel ranks sharing the primary): the shard check does not scope "
-            "keys by tenant",
-            path="tenants",
-        )
 
 
 def route1_tenants(stack: Stack) -> TenantStack | None:
