@@ -6,7 +6,8 @@ engine's ``kind: service`` tier; each rank is a spawned process (``tests/test_vl
 :class:`Ranks`) whose spec attaches its worker to the same pool and copies its own shard
 into the slots the scheduler leased, stamping the engine's shard ledger. Data parallel:
 each rank is an engine of its own (its own engine id and scheduler) with the same
-namespace identity, so what one stores the other finds in the pool.
+namespace identity, so what one stores the other finds in the pool. Tenants on a sharded
+engine: the shard check goes by each tenant's scoped key in the pool too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,17 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from kvtiers.filemapper import NamespaceIdentity
 from kvtiers.testing.service import ServiceProcess, remove_pool
 from tests.test_vllm_spec import canonical_kv, ctx, gpu_spec, make_request, vllm_config
+from tests.test_vllm_tenants import (
+    SHARDED_TENANTS,
+    chunk_keys,
+    on_blocks,
+    prepare_sharded,
+    run_sharded_store,
+    sharded_engine,
+    sharded_load,
+    sharded_store,
+)
+from tests.test_vllm_tenants import started as tenant_started
 from tests.test_vllm_tp import (
     RANK_REPLY_S,
     RANKS,
@@ -185,3 +197,48 @@ def test_two_data_parallel_engines_share_a_prefix_through_the_pool(
         for manager, worker in engines:
             worker.shutdown()
             manager.shutdown()
+
+
+def test_two_tenants_on_two_ranks_through_the_service_are_checked_by_scoped_key(
+    tmp_path: Path, service: ServiceProcess
+) -> None:
+    """A sharded engine with a ``tenants:`` section over the pool (two rank workers in this
+    process, each attached with the engine's identity): two tenants store the same vLLM
+    keys in one step, rank 1 fails the later store. The earlier tenant's chunks are
+    committed to the pool and load byte-exact on both ranks for it alone; the torn ones are
+    committed for neither tenant until stored again whole."""
+    made = service_config(service, tmp_path)
+    made.extra_config["kvtiers"]["tenants"] = SHARDED_TENANTS
+    engine = sharded_engine(made)
+    manager = engine.manager
+    try:
+        req = make_request(8, first_block=0)
+        theirs = on_blocks(req, first_block=24)
+        chunks = [range(0, 2), range(0, 1)]
+        keys = chunk_keys(req, chunks)
+        search, batch = tenant_started(manager, "search", "s1"), tenant_started(
+            manager, "batch", "b1")
+        first = prepare_sharded(manager, req, chunks, search)
+        second = prepare_sharded(manager, theirs, chunks, batch)
+        run_sharded_store(engine, req, chunks, first, job_id=1)
+        run_sharded_store(engine, theirs, chunks, second, job_id=2, failing_rank=1)
+        manager.complete_store(first.keys_to_store, search)
+        manager.complete_store(second.keys_to_store, batch)
+        _commit(manager)
+        assert manager.torn_chunks == 3
+        for tenant in ("batch", None):
+            reader = tenant_started(manager, tenant, f"{tenant}-1")
+            assert [manager.lookup(key, reader) for key in keys] == [
+                vbase.LookupResult.MISS] * 3, tenant
+        reader = tenant_started(manager, "search", "s2")
+        assert [manager.lookup(key, reader) for key in keys] == [vbase.LookupResult.HIT] * 3
+        sharded_load(engine, req, chunks, reader, job_id=3)
+
+        sharded_store(engine, theirs, chunks, tenant_started(manager, "batch", "b2"), job_id=4)
+        _commit(manager)
+        assert manager.torn_chunks == 3
+        reader = tenant_started(manager, "batch", "b3")
+        assert [manager.lookup(key, reader) for key in keys] == [vbase.LookupResult.HIT] * 3
+        sharded_load(engine, theirs, chunks, reader, job_id=5)
+    finally:
+        engine.shutdown()

@@ -5,7 +5,13 @@ boundary), a 4-slot cpu primary over a file tier, a worker moving real bytes.
 Two requests of two tenants (named by ``kv_transfer_params``) with the same token ids never
 hit each other's chunks in either tier, a tenant hits its own (the bytes loaded are the
 ones it stored, from the primary and after a promotion from the file tier), a tenant's
-quota holds, and a stack without a ``tenants:`` section is driven as before."""
+quota holds, and a stack without a ``tenants:`` section is driven as before.
+
+On a sharded engine (two tensor-parallel rank workers in this process, different bytes
+per rank, sharing the primary): each tenant's chunks are stored by both ranks and load
+byte-exact on each rank for that tenant only, and a chunk a rank failed to write is
+published for no tenant, also when two tenants store the same vLLM keys in one step (the
+shard check goes by each tenant's scoped key)."""
 
 from __future__ import annotations
 
