@@ -30,6 +30,7 @@ from kvtiers.service.client import ServiceClient, read_status
 from kvtiers.stack.builder import Stack, load_stack
 from kvtiers.testing.conformance import conformance_key
 from kvtiers.testing.objects import offloading_config
+from kvtiers.testing.serve import scrape
 from kvtiers.testing.service import ServiceProcess
 from tests.test_service_tenants import (
     CHUNK,
@@ -178,6 +179,8 @@ def test_pins_hold_under_pressure_within_each_tenants_cap_then_expire(
         state = read_status(retaining.socket)
         assert pinned(state) == {"default": 0, "a": PIN_CAP * CHUNK, "b": PIN_CAP * CHUNK}
         assert state["retention"]["retention_pins_refused"] == 1
+        assert exported_pins(retaining) == {"default": 0, "a": PIN_CAP * CHUNK,
+                                            "b": PIN_CAP * CHUNK}
         store_hinted(stack, filler, "a")  # more than the pool again
         assert held(stack, a_pinned, "a") == [True] * PIN_CAP
         assert held(stack, b_pinned, "b") == [True] * PIN_CAP
@@ -194,7 +197,31 @@ def test_pins_hold_under_pressure_within_each_tenants_cap_then_expire(
         assert held(stack, b_pinned, "b") == [False] * PIN_CAP
     state = read_status(retaining.socket)
     assert pinned(state) == {"default": 0, "a": 0, "b": 0}
+    assert exported_pins(retaining) == {"default": 0, "a": 0, "b": 0}
     assert state["counters"]["retention_expired_evictions"] == PIN_CAP
+
+
+def exported_pins(proc: ServiceProcess) -> dict[str, float]:
+    """``kvtiers_service_retention_pinned_bytes`` per tenant, as the service's exporter
+    serves it now."""
+    name = "kvtiers_service_retention_pinned_bytes"
+    samples = scrape(f"http://127.0.0.1:{proc.metrics_port}/metrics")
+    return {series[len(name) + len('{tenant="'):-len('"}')]: value
+            for series, value in samples.items() if series.startswith(name + "{")}
+
+
+def test_pinned_bytes_without_tenants_are_one_series_for_the_pool() -> None:
+    """A service with retention and no tenants: the pool's pins, unlabelled; without a
+    retention section, no family."""
+    pytest.importorskip("prometheus_client")
+    from kvtiers.service.metrics import _retention_families
+
+    pool = {"retention": {"pins": [{"tenant": None, "pinned_bytes": 3 * CHUNK,
+                                    "max_pinned_bytes": SLOTS * CHUNK}]}}
+    (family,) = _retention_families(pool)
+    assert family.name == "kvtiers_service_retention_pinned_bytes"
+    assert [(sample.labels, sample.value) for sample in family.samples] == [({}, 3 * CHUNK)]
+    assert list(_retention_families({"retention": None})) == []
 
 
 def test_a_pin_never_wedges_the_pool(retaining: ServiceProcess) -> None:

@@ -18,7 +18,10 @@ leased; held: evicted or staged slots a lower tier's copy still reads),
 them with its step's end write) and ``kvtiers_service_engine_stored{,_bytes}_total
 {pid,engine}`` (what it stored into the pool),
 ``kvtiers_service_tenant_{bytes,chunks}{tenant}`` (with a ``tenants:`` section: each
-tenant's chunks in the pool, counted by their keys' tags, in whole slots)
+tenant's chunks in the pool, counted by their keys' tags, in whole slots),
+``kvtiers_service_retention_pinned_bytes{tenant}`` (with a ``retention:`` section: the
+bytes each tenant's pins hold in the pool now, every tenant listed; without a
+``tenants:`` section one unlabelled series for the pool, as ``kvtiers status`` shows them)
 and ``kvtiers_service_events_total{event}`` (attaches, detaches, connections, evictions,
 refused_peers, bad_messages, slow_clients, duplicate_stores, adopted and the
 adoption's torn, corrupt and foreign slots). With tiers below the pool, per namespace
@@ -133,6 +136,7 @@ class _Collector:
             tenant_chunks.add_metric([tenant["name"]], tenant["chunks"])
         yield tenant_bytes
         yield tenant_chunks
+        yield from _retention_families(state)
         yield from _lower_families(state)
         events = CounterMetricFamily("kvtiers_service_events",
                                      "Service events since its start (events)",
@@ -140,6 +144,28 @@ class _Collector:
         for name, value in sorted(state["counters"].items()):
             events.add_metric([name], value)
         yield events
+
+
+def _retention_families(state: dict[str, Any]) -> Iterator[Any]:
+    """``kvtiers_service_retention_pinned_bytes`` from the state's ``retention`` (see the
+    module docstring); nothing without a ``retention:`` section. Its ``pins`` list one
+    entry per tenant, or one of tenant ``None`` (the pool) without tenants."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    retention = state.get("retention")
+    if retention is None:
+        return
+    name = "kvtiers_service_retention_pinned_bytes"
+    pins = retention["pins"]
+    if [entry["tenant"] for entry in pins] == [None]:
+        yield GaugeMetricFamily(name, "Bytes the retention pins hold in the pool (bytes)",
+                                value=pins[0]["pinned_bytes"])
+        return
+    family = GaugeMetricFamily(name, "Bytes each tenant's retention pins hold in the pool "
+                               "(bytes)", labels=["tenant"])
+    for entry in pins:
+        family.add_metric([entry["tenant"]], entry["pinned_bytes"])
+    yield family
 
 
 #: Per namespace: each family's outcomes and the composite's counter of each.
