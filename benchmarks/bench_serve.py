@@ -1705,56 +1705,53 @@ NOREUSE_NOTES: list[str] = [
 SERVICE_NOTES: list[str] = [
     "### Reading the service numbers",
     "",
-    "- *One round, not three.* The run was sized for three rounds of about 12 minutes; at "
-    "load average 12-21 (other engineers' test suites, a second `vllm serve` of another "
-    "job and a million-file scale test on the same 2 cores) one round took 39 minutes "
-    "(server start-ups 86-157 s, a recomputed 8k prefix 28-48 s), so the run was stopped "
-    "after round 1 to meet the session's deadline. The median, p90 and spread above are "
-    "that one round's ratio: no spread is measured. In the in-process run a local "
-    "prefix-cache hit moved 6x between rounds; a ratio near a target (1.29x against "
-    "1.25x) does not resolve from one round. `make bench-serve ARGS='--service "
-    "--rounds 3'` on a quieter machine gives the spread.",
-    "- *Engine restart -> pool hit* (item 4): the restarted engine's first request of "
-    "each prefix loaded every full block from the pool (27,648 external hit tokens, "
-    "the same in every hit phase) and its outputs equalled the baseline's (12 of 12). "
-    "Against vLLM's local prefix-cache hit: met at 2k (0.57x: 702 ms against 1,240), "
-    "missed at 8k (1.29x: 1,633 ms against 1,263). Against recomputing: 0.11x and 0.06x "
-    "(item 6's restart target, 0.25x: met).",
-    "- *Second engine on the node* (items 3 and 6): met at both lengths (0.46x and "
-    "1.18x of a local hit; 0.09x and 0.05x of recomputing); nothing was read from a file "
-    "or S3 tier (the service has none).",
-    "- *Service killed* (item 5): the service was `kill -9`-ed between phases; every "
-    "request completed (0 failed), every output equalled the baseline's (12 of 12), "
-    "vLLM counted no external hit (every lookup missed, nothing waited for the dead "
-    "service). Its TTFT was 1.82x (2k) and 1.19x (8k) of the baseline's recompute: the "
-    "phase runs on the second engine while engine 1 is still up beside it (two engines, "
-    "each with a spinning engine core, on 2 cores), where the baseline's restart server "
-    "runs alone; the load average was 17-21 during it. It is recompute, slowed by the "
-    "extra engine and the load, not a wait on the service.",
-    "- *Service restarted* (item 5): the new service re-adopted all 432 chunks of the "
-    "pool after checking each (its ready line: `adopted 432`); the second engine, its own "
-    "prefix cache emptied, reattached at its next call and loaded every full block again "
-    "(27,648 external hit tokens), outputs equal (12 of 12): 0.10x (2k) and 0.03x (8k) of "
-    "recomputing.",
-    "- *Cold through the service*: new prompts cost 1.09x (2k) and 1.18x (8k) of no "
-    "offloading (the first request of each prefix; one round, at load 12-21): the "
-    "engine's worker copies each stored block into the pool. The service process itself "
-    "used 0.1 s of CPU in the whole cold phase (every store is the engine's copy into "
-    "shared memory and one commit message).",
-    "- *What limits the 8k engine restart, and what would close it*: the 8k pool hit "
-    "copies 128 chunks (128 MiB) from the pool into vLLM's KV cache on the worker's "
-    "thread, after a `Pin` round trip to the service per load (the code of this run), "
-    "on cores shared with 18-21 runnable jobs; the local hit "
-    "copies nothing. The second engine's 8k pool hit, the same copy, was 1.18x, the "
-    "service-restarted one 0.65x (824 ms): the 1.29x is within what these phases vary by "
-    "in one round. What would close it: more rounds on a quieter machine to measure the "
-    "spread, with loads that no longer pin by a round trip (built after this run: "
-    "docs/service.md, 'Loads without a round trip'); on a GPU the pool-to-device copy of "
-    "128 MiB runs at PCIe rate (milliseconds).",
-    "- *Not measured through the service*: item 6's second server through SeaweedFS "
-    "(<= 0.4x of recomputing) and the TPOT while stores cascade: this run came before "
-    "the service had tiers below its pool (docs/service.md, 'Lower tiers'); the phases "
-    "that read a second server's chunks from S3 through it are not in the bench yet.",
+    "- *The machine.* Three rounds in 31 minutes, load average 4-11 (other engineers' "
+    "test suites and a scale benchmark on the same 2 cores for the first round, fewer "
+    "after). vLLM's local prefix-cache hit of a 2k prefix, the denominator of the first "
+    "two rows, took 66, 228 and 274 ms in the three rounds, and the pool hits 50-327 ms: "
+    "ratios of two numbers that small move several-fold with the load of the moment, "
+    "and with three rounds the p90 is the worst round.",
+    "- *Engine restart -> pool hit* (item 4, <= 1.25x of a local hit, median and p90): "
+    "the restarted engine loaded every full block of both groups from the pool in every "
+    "round (27,648 external hit tokens), outputs equal (36 of 36). Median met at both "
+    "lengths (0.98x at 2k, 0.56x at 8k), p90 missed (2.30x, 1.31x): round 0 ran the "
+    "service side at load 9-11 and the baseline's local hit at a quieter moment (2k: "
+    "173 ms against 66 ms; 8k: 117 ms against 209); rounds 1 and 2 read 0.98x / 0.18x "
+    "at 2k and 1.50x / 0.09x at 8k. What a pool hit adds over a local hit is the copy "
+    "of the prefix (34 and 128 chunks of 1 MiB) from the pool into vLLM's KV cache on "
+    "the worker's thread; no round trip (loads read the mirror and the slot generations "
+    "the scheduler saw). What would settle it: more rounds on a quiet machine; on a GPU "
+    "the copy runs at PCIe rate.",
+    "- *Second engine on the node* (items 3 and 6): every block a pool hit, nothing read "
+    "from S3 (SeaweedFS used 0.1-0.2 s of CPU in the phase against 4.6-5.1 s in the cold "
+    "one): 0.99x / 0.26x of a local hit (median; p90 4.18x at 2k, one round at 327 ms "
+    "against 66), 0.07x / 0.01x of recomputing.",
+    "- *Service killed* (item 5): `kill -9` between phases; every request completed (no "
+    "failure in any round), outputs equal (36 of 36), no external hit (every lookup a "
+    "miss at once, nothing waited for the dead service); 0.71x / 1.24x of the "
+    "baseline's recompute (median) with engine 1 still up beside the second engine.",
+    "- *Service restarted* (item 5): the new service re-adopted all 432 chunks after "
+    "checking each (`adopted 432` in every round); the second engine reattached and "
+    "loaded every full block again: 0.12x / 0.02x of recomputing.",
+    "- *Second server through SeaweedFS* (item 6, <= 0.4x of recomputing): a new service "
+    "on an empty pool over the same bucket prefix (433 objects: 432 chunks and the "
+    "manifest, cascaded by the first service's `write: through` S3 tier) and a new "
+    "engine on it: every full block came from S3 through the service's promotions "
+    "(27,648 external hit tokens, outputs equal): met, 0.25x (p90 0.37x) at 2k and 0.12x "
+    "(0.16x) at 8k. A first try of this phase recomputed: the engine gave a probe up "
+    "after 16 scheduler steps, which an engine with one request waiting runs in "
+    "milliseconds; a probe now waits `probe_wait_s` (10 s) as well.",
+    "- *TPOT while stores cascade below the pool* (item 6 with the 'costs the engine "
+    "nothing' target, <= 1.05x): met at 8k (0.75x, p90 0.89x), missed at 2k (1.49x, p90 "
+    "1.89x; 0.35x, 1.99x and 1.49x by round): the baseline's own cold TPOT moved 52-145 "
+    "ms between rounds. Through the service the cascades are the service's and "
+    "SeaweedFS's CPU (2.2-2.6 s and 4.6-5.1 s a cold phase), not the engine's: the "
+    "engine's part of a store is its worker's copy into shared memory and one commit a "
+    "step, and the engine core's CPU in the cold phase matched the baseline's "
+    "(9.2-18.0 s against 9.3-15.4 s). On two shared cores that CPU still competes with "
+    "the model's thread; on a node with spare cores it would not.",
+    "- *Cold through the service*: new prompts cost 0.90x / 0.87x of no offloading (first "
+    "request of each prefix, median).",
 ]
 
 
