@@ -792,3 +792,38 @@ def test_a_failed_stat_pass_in_the_walks_processes_stats_in_process(
             tier.close()
     assert "a stand-in failure" in caplog.text
     assert "stat-ing in this process instead" in caplog.text
+
+
+@pytest.mark.parametrize("word", [b"", b"s"])
+def test_a_walking_child_stats_only_when_told(tmp_path: Path, word: bytes) -> None:
+    """A names-only child sends its names, then waits: its stat pass runs only on the
+    parent's word (``s``, once every child's names are merged); a closed stdin without
+    it (the build stopped, the parent gone) ends the child with no stat pass."""
+    stored_tier(tmp_path, range(5))
+    namespace_dir = FileMapper(tmp_path, IDENTITY).namespace_dir
+    parts = [str(p) for p in sorted(namespace_dir.iterdir())
+             if p.is_dir() and p.name != "quarantine"]
+    child = subprocess.Popen(
+        [sys.executable, "-m", walk_module.__name__, "0.0", "2", "7", *parts],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    try:
+        block = walk_module._read_child(child, _Build())  # type: ignore[arg-type]
+        assert not isinstance(block, str), block
+        assert len(block.lengths) == 5 and set(block.sizes.tolist()) == {7}
+        assert child.stdin is not None
+        child.stdin.write(word)
+        child.stdin.close()
+        stats = walk_module._read_stats(child, 5)
+    finally:
+        child.kill()
+        assert child.stdout is not None
+        child.stdout.close()
+        child.wait()
+    if word:
+        assert not isinstance(stats, str), stats
+        assert sorted(stats[0].tolist()) == sorted(
+            path.stat().st_size for path in chunk_files(namespace_dir))
+    else:
+        assert stats == "it ended without its stat pass"

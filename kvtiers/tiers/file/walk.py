@@ -23,15 +23,17 @@ only the packed arrays they send back (its allocator never holds the walk's garb
 the walk's Python work runs beside the scheduler's, not under its GIL. A child writes one
 byte a part (progress; a parent that died ends it with ``EPIPE``), then ``=``, a header and
 its chunks' key lengths, sizes, mtimes and padded keys, unsorted; on an error ``!`` and
-the message. After a names-only pass's answer a child goes on with the stat pass of the
-chunks it named and sends that too (:class:`ChildStats`), so the stat work runs beside the
-serving process, not under its interpreter lock. The parent merges the blocks in part
+the message. After a names-only pass's answer, once the parent has every child's names
+merged and says so, a child goes on with the stat pass of the chunks it named and sends
+that too (:class:`ChildStats`), so the stat work runs beside the serving process, not
+under its interpreter lock. The parent merges the blocks in part
 order and sorts by mtime (stable), as the walk in this process does, so both give the
 same :class:`Walked`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -479,7 +481,8 @@ def walk_in_children(
                 if build.stopping:
                     return None
                 children.append(subprocess.Popen(
-                    [sys.executable, "-m", __name__, *args], stdin=subprocess.DEVNULL,
+                    [sys.executable, "-m", __name__, *args],
+                    stdin=subprocess.DEVNULL if assume_size is None else subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ,
                 ))
     except OSError as exc:
@@ -511,29 +514,44 @@ def walk_in_children(
                 top, [(child, len(block.lengths)) for child, block in zip(
                     children, found, strict=True)])
             build.on_stop(stats.close)
+            stats.start()
         return walked
     finally:
         if stats is None:
             kill_all()
             for child in children:
-                if child.stdout is not None:
-                    child.stdout.close()
+                for stream in (child.stdin, child.stdout):
+                    if stream is not None:
+                        with contextlib.suppress(OSError):
+                            stream.close()
                 child.wait()
 
 
 class ChildStats:
     """The stat pass of a names-only walk, running in its walking children: each child,
-    once it sent its names, ``lstat``-s its chunks and sends ``+``, their sizes (or
-    :data:`STAT_MISSING`, :data:`STAT_NOT_REGULAR`) and mtimes (``<i8`` each) in the
-    order of the keys it sent (``!`` and a message on an error). The chunks at the
-    namespace's top were ``stat``-ed by the walk in this process. Thread-safe
-    :meth:`close`."""
+    once it sent its names and :meth:`start` told it to, ``lstat``-s its chunks and sends
+    ``+``, their sizes (or :data:`STAT_MISSING`, :data:`STAT_NOT_REGULAR`) and mtimes
+    (``<i8`` each) in the order of the keys it sent (``!`` and a message on an error).
+    The chunks at the namespace's top were ``stat``-ed by the walk in this process.
+    Thread-safe :meth:`close`."""
 
     def __init__(self, top: _Part, children: list[tuple[subprocess.Popen[bytes], int]]) -> None:
         self._top = (np.array(top.sizes, dtype=np.int64), np.array(top.mtimes, dtype=np.int64))
         self._children = children
         self._lock = threading.Lock()
         self._closed = False
+
+    def start(self) -> None:
+        """Tell the children to begin (``s`` on their stdin): only once every one has
+        sent its names and they are merged, so a child that finished its names early
+        takes no CPU from the others' before the index is usable. A child gone by then
+        is found by :meth:`collect`."""
+        for child, _ in self._children:
+            if child.stdin is None:
+                continue
+            with contextlib.suppress(OSError):
+                child.stdin.write(b"s")
+                child.stdin.close()
 
     def collect(self) -> tuple[np.ndarray, np.ndarray] | str:
         """Wait for every child's stat pass: the sizes and mtimes of the walk's chunks in
@@ -563,8 +581,10 @@ class ChildStats:
                 if child.poll() is None:
                     child.kill()
         for child, _ in self._children:
-            if child.stdout is not None:
-                child.stdout.close()
+            for stream in (child.stdin, child.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
             child.wait()
 
 
@@ -663,7 +683,8 @@ def _merge(top: _Part, blocks: list[_Block], names_only: bool = False) -> Walked
 def _child(argv: list[str]) -> int:
     """A walking child (module docstring): ``CUTOFF THREADS SIZE DIR...`` (``SIZE``: the
     names-only pass's assumed size, ``-`` to ``lstat`` every chunk). After a names-only
-    pass's answer it runs the stat pass and sends it (:class:`ChildStats`)."""
+    pass's answer it waits for ``s`` on its stdin, then runs the stat pass and sends it
+    (:class:`ChildStats`)."""
     out = sys.stdout.buffer
     lock = threading.Lock()
     try:
@@ -694,6 +715,10 @@ def _child(argv: list[str]) -> int:
         out.flush()
         del keys, padded
         if names_only:
+            # The stat pass waits for the parent's word (ChildStats.start): EOF means it
+            # stopped the build or is gone.
+            if sys.stdin.buffer.read(1) != b"s":
+                return 1
             for part in done:
                 part.keys = []  # sent: only the names are needed now
             with ThreadPoolExecutor(max(1, threads),
