@@ -472,10 +472,7 @@ def keep_file_rows(earlier: dict[str, Any], rows: list[dict[str, Any]]) -> list[
     gets a ``run``: the date, loads and command of the run that measured it (a row carried
     a second time keeps the one it has)."""
     measured = {row["n"] for row in rows}
-    machine = earlier["machine"]
-    run = {"date": machine.get("date", "unknown"), "load": machine.get("load", "unknown"),
-           "load_end": machine.get("load_end", "unknown"),
-           "command": earlier.get("command", "unknown")}
+    run = run_of(earlier)
     kept = [{"run": run, **row} for row in earlier["file"]
             if row["n"] not in measured and "walk" in row]
     rows += kept
@@ -483,24 +480,33 @@ def keep_file_rows(earlier: dict[str, Any], rows: list[dict[str, Any]]) -> list[
     return kept
 
 
-def reused_sentence(earlier: dict[str, Any], kept: list[dict[str, Any]]) -> str:
-    """The page's account of which rows ``--reuse`` carried over, and from which run."""
+def run_of(earlier: dict[str, Any]) -> dict[str, str]:
+    """The date, loads and command of the run that wrote ``earlier``."""
+    machine = earlier["machine"]
+    return {"date": machine.get("date", "unknown"), "load": machine.get("load", "unknown"),
+            "load_end": machine.get("load_end", "unknown"),
+            "command": earlier.get("command", "unknown")}
+
+
+def reused_sentence(kept: list[dict[str, Any]]) -> str:
+    """The page's account of which rows ``--reuse`` carried over, and from which run
+    (file rows by ``n``, SeaweedFS rows by ``objects``)."""
     by_run: dict[str, list[dict[str, Any]]] = {}
     for row in kept:
         by_run.setdefault(json.dumps(row["run"], sort_keys=True), []).append(row)
     sentence = ""
     for rows in by_run.values():
         run = rows[0]["run"]
-        sizes = " and ".join(f"{row['n']:,}" for row in rows)
-        sentence += (f"The file rows at {sizes} chunks (walk and snapshot, marked with their "
-                     f"run) are from the run of {run['date']} (load {run['load']}, at its end "
-                     f"{run['load_end']}; `{run['command']}`). ")
-    before = ("The before rows and the SeaweedFS rows this run did not measure are carried "
-              "over from earlier runs")
-    if "reused" in earlier:
-        before += (f" (the note of the page of {earlier['machine'].get('date')}, on that "
-                   f"page's rows: \"{earlier['reused']}\")")
-    return sentence + before + ". This run (the machine line above) measured the rest."
+        what = "; ".join(
+            f"the {kind} rows at {' and '.join(f'{r[field]:,}' for r in group)}"
+            for kind, field in (("file", "n"), ("SeaweedFS", "objects"))
+            for group in [[r for r in rows if field in r]] if group)
+        sentence += (f"Carried over, marked with their run: {what}, from the run of "
+                     f"{run['date']} (load {run['load']}, at its end {run['load_end']}; "
+                     f"`{run['command']}`). ")
+    return (sentence + "The before rows (the blocking start before the background index) "
+            "are carried over from the earliest runs of this page (09:12 UTC and before). "
+            "This run (the machine line above) measured the rest.")
 
 
 def _index_cells(r: dict[str, Any]) -> list[str]:
@@ -556,7 +562,8 @@ def render(report: dict[str, Any]) -> str:
                   for phase in ("walk", "snapshot")]
     s3_rows = s3_list(report)
     for s3 in s3_rows:
-        cells.append(["s3 (SeaweedFS)", f"{s3['objects']:,}", "listings by prefix",
+        tier = f"s3 (SeaweedFS, run {s3['run']['date']})" if "run" in s3 else "s3 (SeaweedFS)"
+        cells.append([tier, f"{s3['objects']:,}", "listings by prefix",
                       *_index_cells(s3)])
     lines += markdown_table(
         ["tier", "chunks", "start", "constructor", "first lookup", "usable index",
@@ -682,18 +689,21 @@ def main() -> int:
         print(json.dumps(row), flush=True)
         report["index"].append(row)
     s3_rows = []
+    s3_kept: list[dict[str, Any]] = []
     for n in (int(s) for s in args.s3_objects.split(",") if s):
         s3_rows.append(bench_s3(n, args.data, blocking=n <= args.s3_blocking_max))
         print(json.dumps(s3_rows[-1]), flush=True)
     if earlier is not None:
-        # The SeaweedFS rows this run did not measure are kept.
+        # The SeaweedFS rows this run did not measure are kept, marked with their run.
         measured = {row["objects"] for row in s3_rows}
-        s3_rows += [row for row in s3_list(earlier) if row["objects"] not in measured]
+        s3_kept = [{"run": run_of(earlier), **row} for row in s3_list(earlier)
+                   if row["objects"] not in measured]
+        s3_rows += s3_kept
     if s3_rows:
         report["s3"] = sorted(s3_rows, key=lambda row: int(row["objects"]))
     if earlier is not None:
         kept = keep_file_rows(earlier, report["file"])
-        report["reused"] = reused_sentence(earlier, kept)
+        report["reused"] = reused_sentence(kept + s3_kept)
     report["machine"] = finish_note(note)
     report["command"] = "benchmarks/bench_scale.py " + " ".join(sys.argv[1:])
     if not (args.quick or args.no_write):

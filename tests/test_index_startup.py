@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvtiers.core.keys import OffloadKey, get_offload_block_hash
@@ -815,15 +816,18 @@ def test_a_walking_child_stats_only_when_told(tmp_path: Path, word: bytes) -> No
         assert child.stdin is not None
         child.stdin.write(word)
         child.stdin.close()
-        stats = walk_module._read_stats(child, 5)
+        sizes, mtimes = np.zeros(5, dtype="<i8"), np.zeros(5, dtype="<i8")
+        failure = walk_module._read_stats(child, sizes, mtimes)
     finally:
         child.kill()
         assert child.stdout is not None
         child.stdout.close()
         child.wait()
     if word:
-        assert not isinstance(stats, str), stats
-        assert sorted(stats[0].tolist()) == sorted(
+        assert failure is None, failure
+        assert sorted(sizes.tolist()) == sorted(
             path.stat().st_size for path in chunk_files(namespace_dir))
+        assert sorted(mtimes.tolist()) == sorted(
+            path.stat().st_mtime_ns for path in chunk_files(namespace_dir))
     else:
-        assert stats == "it ended without its stat pass"
+        assert failure == "it ended without its stat pass"

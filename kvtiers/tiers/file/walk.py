@@ -557,19 +557,25 @@ class ChildStats:
         """Wait for every child's stat pass: the sizes and mtimes of the walk's chunks in
         the order :func:`walk_in_children` packed them (its merge keeps the walk's order
         for a names-only walk), or why not (a child failed or was closed). Closes."""
+        # Each child's answer is read straight into its slice: no copy of it is made.
+        top_sizes, top_mtimes = self._top
+        total = len(top_sizes) + sum(count for _, count in self._children)
+        sizes = np.empty(total, dtype="<i8")
+        mtimes = np.empty(total, dtype="<i8")
+        sizes[:len(top_sizes)], mtimes[:len(top_sizes)] = top_sizes, top_mtimes
+        slices = []
+        at = len(top_sizes)
+        for child, count in self._children:
+            slices.append((child, sizes[at:at + count], mtimes[at:at + count]))
+            at += count
         try:
             with ThreadPoolExecutor(max(1, len(self._children)),
                                     thread_name_prefix="kvtiers-file-stat-read") as pool:
-                got = list(pool.map(lambda pair: _read_stats(*pair), self._children))
+                failures = [f for f in pool.map(lambda job: _read_stats(*job), slices)
+                            if f is not None]
         finally:
             self.close()
-        sizes, mtimes = [self._top[0]], [self._top[1]]
-        for answer in got:
-            if isinstance(answer, str):
-                return answer
-            sizes.append(answer[0])
-            mtimes.append(answer[1])
-        return np.concatenate(sizes), np.concatenate(mtimes)
+        return failures[0] if failures else (sizes, mtimes)
 
     def close(self) -> None:
         """Kill the children still running and reap them. Idempotent."""
@@ -588,8 +594,11 @@ class ChildStats:
             child.wait()
 
 
-def _read_stats(child: subprocess.Popen[bytes], count: int) -> tuple[np.ndarray, np.ndarray] | str:
-    """One child's stat pass (:class:`ChildStats`), or why there is none."""
+def _read_stats(
+    child: subprocess.Popen[bytes], sizes: np.ndarray, mtimes: np.ndarray,
+) -> str | None:
+    """One child's stat pass (:class:`ChildStats`) read into ``sizes`` and ``mtimes``
+    (``<i8``, its chunks' count each); why there is none, or ``None``."""
     stream = child.stdout
     assert stream is not None
     try:
@@ -598,11 +607,22 @@ def _read_stats(child: subprocess.Popen[bytes], count: int) -> tuple[np.ndarray,
             return stream.read().decode(errors="replace").strip() or "an error"
         if mark != b"+":
             return "it ended without its stat pass"
-        sizes = np.frombuffer(_read_exact(stream, 8 * count), dtype="<i8")
-        mtimes = np.frombuffer(_read_exact(stream, 8 * count), dtype="<i8")
+        _read_into(stream, sizes)
+        _read_into(stream, mtimes)
     except (OSError, ValueError, EOFError) as exc:
         return f"its stat pass could not be read: {exc}"
-    return sizes.astype(np.int64), mtimes.astype(np.int64)
+    return None
+
+
+def _read_into(stream: IO[bytes], out: np.ndarray) -> None:
+    """Fill ``out`` (contiguous) from ``stream``; ``EOFError`` if it ends first."""
+    view = out.data.cast("B")
+    got = 0
+    while got < len(view):
+        n = stream.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise EOFError(f"the answer ended after {got} of {len(view)} bytes")
+        got += n
 
 
 def _read_exact(stream: IO[bytes], nbytes: int) -> bytes:
