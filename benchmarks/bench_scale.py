@@ -27,10 +27,12 @@ and keys that are not, until the index is complete. Recorded:
 The index alone (``ChunkIndex`` against ``CompactChunkIndex``, N keys added, in a process
 each) gives bytes a chunk and ``lookup`` per call side by side. SeaweedFS (``weed mini``)
 opens a bucket namespace of ``--s3-objects`` objects the same way (listings by prefix),
-beside the blocking start (one listing, as before).
+beside the blocking start (one listing, as before); the objects are created through the
+filer's HTTP API (:func:`create_objects`) and, with ``--data``, kept under
+``DIR/seaweed-<N>`` (``seaweed-1m``) for the next run.
 
 Run: ``.venv/bin/python benchmarks/bench_scale.py [--data DIR] [--sizes 100000,1000000]
-[--s3-objects 100000]``. Chunk trees are made under ``--data`` once and reused (delete
+[--s3-objects 100000,1000000]``. Chunk trees are made under ``--data`` once and reused (delete
 them afterwards). Writes ``benchmarks/results/scale.{md,json,png}`` unless
 ``--no-write``.
 """
@@ -161,7 +163,8 @@ def serve_during_build(
             wrong += (result is LookupResult.HIT) != there
         pending = pending[64:] + pending[:64]
         end_step()
-        if usable_s is None and (usable is None or usable()):
+        # Without a ``usable`` (the object tier), usable is complete.
+        if usable_s is None and (complete() if usable is None else usable()):
             usable_s = time.perf_counter() - start
         if complete():
             break
@@ -327,31 +330,105 @@ def bench_file(data: Path, n: int, baseline: Path | None, walk_processes: int,
     return row
 
 
-def bench_s3(objects: int) -> dict[str, Any]:
-    """SeaweedFS: ``objects`` objects, a background start against the blocking one."""
-    from bench_s3 import BUCKET, RawSide, Server
+#: Processes and connections each creating the SeaweedFS objects through the filer.
+CREATE_PROCESSES = 4
+CREATE_CONNECTIONS = 8
+
+
+def _put_through_filer(job: tuple[int, str, list[str]]) -> int:
+    """One creating process: ``names`` written under the filer's directory ``base`` on
+    :data:`CREATE_CONNECTIONS` kept-alive connections (threads); how many."""
+    import http.client
+    from concurrent.futures import ThreadPoolExecutor
+
+    port, base, names = job
+    body = b"c" * 64
+
+    def run(share: list[str]) -> int:
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for name in share:
+            connection.request("PUT", f"{base}/{name}", body=body)
+            response = connection.getresponse()
+            response.read()
+            if response.status not in (200, 201):
+                raise RuntimeError(f"PUT {name}: HTTP {response.status}")
+        connection.close()
+        return len(share)
+
+    with ThreadPoolExecutor(CREATE_CONNECTIONS) as pool:
+        return sum(pool.map(run, [names[i::CREATE_CONNECTIONS]
+                                  for i in range(CREATE_CONNECTIONS)]))
+
+
+def create_objects(filer_port: int, bucket: str, names: list[str]) -> None:
+    """Write 64-byte objects ``names`` into ``bucket`` through SeaweedFS's filer HTTP API
+    (an S3 bucket is the filer's directory ``/buckets/<bucket>``; a plain ``PUT`` of the
+    body, no request signing), :data:`CREATE_PROCESSES` processes of
+    :data:`CREATE_CONNECTIONS` connections each: the signed boto3 requests this replaced
+    were bound by the client's CPU (100,000 objects in 275 s)."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    base = f"/buckets/{bucket}"
+    shares = [(filer_port, base, names[i::CREATE_PROCESSES]) for i in range(CREATE_PROCESSES)]
+    with ProcessPoolExecutor(CREATE_PROCESSES) as pool:
+        created = sum(pool.map(_put_through_filer, shares))
+    if created != len(names):
+        raise RuntimeError(f"created {created} of {len(names)} objects")
+
+
+def _short(n: int) -> str:
+    """``1000000`` as ``1m``, ``100000`` as ``100k`` (a directory's name)."""
+    for unit, size in (("m", 1_000_000), ("k", 1_000)):
+        if n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def bench_s3(objects: int, data: Path | None = None, blocking: bool = True) -> dict[str, Any]:
+    """SeaweedFS: ``objects`` objects, a background start against the blocking one. With
+    ``data`` the server's directory is ``data/seaweed-<objects>`` and kept: a run that
+    finds its objects there (``created.json``) does not create them again (the tiers only
+    list them: a start changes nothing there but the namespace's manifest). ``blocking``:
+    the blocking start with one lister is measured too."""
+    from bench_s3 import BUCKET, Server
 
     from kvtiers.tiers.object.backend import ObjectBackend
     from kvtiers.tiers.object.manager import ObjectTierManager
 
-    scratch = Path(tempfile.mkdtemp(prefix="kvtiers-scale-s3-"))
+    if data is None:
+        scratch = Path(tempfile.mkdtemp(prefix="kvtiers-scale-s3-"))
+    else:
+        scratch = data / f"seaweed-{_short(objects)}"
+    marker = scratch / "created.json"
     server = Server("seaweedfs", scratch)
     try:
-        server.reset()
         identity = NamespaceIdentity.from_config(_config())
         store = server.store(8)
-        namer = ObjectBackend(store, identity, prefix="scale", threads=1)
-        namer.open_namespace()
-        names = [namer.object_key(key_of(i)) for i in range(objects)]
-        namer.stop_threads()
-        creator = RawSide(server, 16)
-        start = time.perf_counter()
-        creator.put(names, [b"c" * 64] * objects, {})
-        create_s = time.perf_counter() - start
-        creator.close()
+        created = json.loads(marker.read_text()) if marker.exists() else None
+        if created is None or created.get("objects") != objects:
+            server.reset()
+            namer = ObjectBackend(store, identity, prefix="scale", threads=1)
+            namer.open_namespace()
+            names = [namer.object_key(key_of(i)) for i in range(objects)]
+            namer.stop_threads()
+            start = time.perf_counter()
+            create_objects(server.seaweed._ports[6], BUCKET, names)
+            created = {"objects": objects, "create_s": time.perf_counter() - start,
+                       "how": f"filer PUTs, {CREATE_PROCESSES} processes x "
+                              f"{CREATE_CONNECTIONS} connections"}
+            del names
+            if data is not None:
+                marker.write_text(json.dumps(created))
         rng = random.Random(objects)
         present = [key_of(rng.randrange(objects)) for _ in range(SAMPLE)]
         absent = [absent_key(i) for i in range(SAMPLE)]
+        # A start over an empty namespace first: the S3 clients of the I/O threads and
+        # their service models are loaded once a process (tens of MB), not a chunk's cost.
+        warm_backend = ObjectBackend(store, identity, prefix="scale-warm", threads=8)
+        warm = ObjectTierManager(warm_backend, max_chunk_bytes=4096, background_index=True)
+        warm.wait_index()
+        warm_backend.stop_threads()
+        warm.shutdown()
 
         gc.collect()
         before = rss()
@@ -373,14 +450,16 @@ def bench_s3(objects: int) -> dict[str, Any]:
         out["miss_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), absent)
         backend.stop_threads()
         manager.shutdown()
-        start = time.perf_counter()
-        backend = ObjectBackend(store, identity, prefix="scale", threads=8)
-        blocking = ObjectTierManager(backend, max_chunk_bytes=4096, list_threads=1)
-        out["blocking_one_lister_s"] = time.perf_counter() - start
-        backend.stop_threads()
-        blocking.shutdown()
+        if blocking:
+            start = time.perf_counter()
+            backend = ObjectBackend(store, identity, prefix="scale", threads=8)
+            one_lister = ObjectTierManager(backend, max_chunk_bytes=4096, list_threads=1)
+            out["blocking_one_lister_s"] = time.perf_counter() - start
+            backend.stop_threads()
+            one_lister.shutdown()
         out["objects"] = objects
-        out["create_s"] = create_s
+        out["create_s"] = created["create_s"]
+        out["create_how"] = created.get("how", "boto3 put_object, 16 threads")
         out["bucket"] = BUCKET
         return out
     finally:
@@ -393,10 +472,7 @@ def keep_file_rows(earlier: dict[str, Any], rows: list[dict[str, Any]]) -> list[
     gets a ``run``: the date, loads and command of the run that measured it (a row carried
     a second time keeps the one it has)."""
     measured = {row["n"] for row in rows}
-    machine = earlier["machine"]
-    run = {"date": machine.get("date", "unknown"), "load": machine.get("load", "unknown"),
-           "load_end": machine.get("load_end", "unknown"),
-           "command": earlier.get("command", "unknown")}
+    run = run_of(earlier)
     kept = [{"run": run, **row} for row in earlier["file"]
             if row["n"] not in measured and "walk" in row]
     rows += kept
@@ -404,23 +480,33 @@ def keep_file_rows(earlier: dict[str, Any], rows: list[dict[str, Any]]) -> list[
     return kept
 
 
-def reused_sentence(earlier: dict[str, Any], kept: list[dict[str, Any]]) -> str:
-    """The page's account of which rows ``--reuse`` carried over, and from which run."""
+def run_of(earlier: dict[str, Any]) -> dict[str, str]:
+    """The date, loads and command of the run that wrote ``earlier``."""
+    machine = earlier["machine"]
+    return {"date": machine.get("date", "unknown"), "load": machine.get("load", "unknown"),
+            "load_end": machine.get("load_end", "unknown"),
+            "command": earlier.get("command", "unknown")}
+
+
+def reused_sentence(kept: list[dict[str, Any]]) -> str:
+    """The page's account of which rows ``--reuse`` carried over, and from which run
+    (file rows by ``n``, SeaweedFS rows by ``objects``)."""
     by_run: dict[str, list[dict[str, Any]]] = {}
     for row in kept:
         by_run.setdefault(json.dumps(row["run"], sort_keys=True), []).append(row)
     sentence = ""
     for rows in by_run.values():
         run = rows[0]["run"]
-        sizes = " and ".join(f"{row['n']:,}" for row in rows)
-        sentence += (f"The file rows at {sizes} chunks (walk and snapshot, marked with their "
-                     f"run) are from the run of {run['date']} (load {run['load']}, at its end "
-                     f"{run['load_end']}; `{run['command']}`). ")
-    before = "The before rows and the SeaweedFS row are carried over from earlier runs"
-    if "reused" in earlier:
-        before += (f" (the note of the page of {earlier['machine'].get('date')}, on that "
-                   f"page's rows: \"{earlier['reused']}\")")
-    return sentence + before + ". This run (the machine line above) measured the rest."
+        what = "; ".join(
+            f"the {kind} rows at {' and '.join(f'{r[field]:,}' for r in group)}"
+            for kind, field in (("file", "n"), ("SeaweedFS", "objects"))
+            for group in [[r for r in rows if field in r]] if group)
+        sentence += (f"Carried over, marked with their run: {what}, from the run of "
+                     f"{run['date']} (load {run['load']}, at its end {run['load_end']}; "
+                     f"`{run['command']}`). ")
+    return (sentence + "The before rows (the blocking start before the background index) "
+            "are carried over from the earliest runs of this page (09:12 UTC and before). "
+            "This run (the machine line above) measured the rest.")
 
 
 def _index_cells(r: dict[str, Any]) -> list[str]:
@@ -433,6 +519,12 @@ def _index_cells(r: dict[str, Any]) -> list[str]:
             f"{r['peak_rss_bytes']:.0f}" if "peak_rss_bytes" in r else "n/a",
             f"{r['cpu_s']:.1f} + {r['child_cpu_s']:.1f} s" if "cpu_s" in r else "n/a",
             f"{r['hit_ns'] / 1e3:.1f} / {r['miss_ns'] / 1e3:.1f} µs"]
+
+
+def s3_list(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """The SeaweedFS rows, by object count (an older report holds one row, not a list)."""
+    s3 = report.get("s3") or []
+    return sorted(s3 if isinstance(s3, list) else [s3], key=lambda row: int(row["objects"]))
 
 
 def render(report: dict[str, Any]) -> str:
@@ -468,9 +560,10 @@ def render(report: dict[str, Any]) -> str:
         tier = f"file (run {row['run']['date']})" if "run" in row else "file"
         cells += [[tier, f"{row['n']:,}", row[phase]["source"], *_index_cells(row[phase])]
                   for phase in ("walk", "snapshot")]
-    s3 = report.get("s3")
-    if s3:
-        cells.append(["s3 (SeaweedFS)", f"{s3['objects']:,}", "listings by prefix",
+    s3_rows = s3_list(report)
+    for s3 in s3_rows:
+        tier = f"s3 (SeaweedFS, run {s3['run']['date']})" if "run" in s3 else "s3 (SeaweedFS)"
+        cells.append([tier, f"{s3['objects']:,}", "listings by prefix",
                       *_index_cells(s3)])
     lines += markdown_table(
         ["tier", "chunks", "start", "constructor", "first lookup", "usable index",
@@ -490,10 +583,12 @@ def render(report: dict[str, Any]) -> str:
                    # The dict-based index's row is there only from a --baseline or --reuse.
                    for old in [row.get("dict", _NO_ROW)]),
                   align="rrrrr")]
-    if s3:
-        lines += ["", f"SeaweedFS: {s3['objects']:,} objects created in {s3['create_s']:.0f} s; "
-                  f"the blocking start with one lister at a time took "
-                  f"{s3['blocking_one_lister_s']:.2f} s."]
+    for s3 in s3_rows:
+        how = s3.get("create_how", "boto3 put_object, 16 threads")
+        blocking = (f"took {s3['blocking_one_lister_s']:.2f} s"
+                    if "blocking_one_lister_s" in s3 else "was not measured")
+        lines += ["", f"SeaweedFS: {s3['objects']:,} objects created in {s3['create_s']:.0f} s "
+                  f"({how}); the blocking start with one lister at a time {blocking}."]
     if "reused" in report:
         lines += ["", report["reused"]]
     lines += ["", "![start-up against N](scale.png)", ""]
@@ -538,7 +633,11 @@ def main() -> int:
     parser.add_argument("--sizes", default=None, help="file chunks per start, comma-separated "
                         "(default 100000,1000000,3000000)")
     parser.add_argument("--index-sizes", default=None, help="index sizes (default 1000000)")
-    parser.add_argument("--s3-objects", type=int, default=0)
+    parser.add_argument("--s3-objects", default="",
+                        help="SeaweedFS object counts, comma-separated (with --data, each "
+                             "server's directory is kept there and its objects reused)")
+    parser.add_argument("--s3-blocking-max", type=int, default=100_000,
+                        help="the blocking start (one lister) is measured up to this count")
     parser.add_argument("--one-file", nargs=2, metavar=("ROOT", "N"))
     parser.add_argument("--one-index", nargs=2, metavar=("KIND", "N"))
     parser.add_argument("--one-before", nargs=2, metavar=("ROOT", "N"))
@@ -562,8 +661,11 @@ def main() -> int:
     if args.one_index:
         print(json.dumps(one_index(args.one_index[0], int(args.one_index[1]))))
         return 0
-    sizes = args.sizes or ("20000" if args.quick else "100000,1000000,3000000")
-    index_sizes = args.index_sizes or ("100000" if args.quick else "1000000")
+    # An empty list ("") measures no size of its kind.
+    sizes = args.sizes if args.sizes is not None else (
+        "20000" if args.quick else "100000,1000000,3000000")
+    index_sizes = args.index_sizes if args.index_sizes is not None else (
+        "100000" if args.quick else "1000000")
     note = machine_note()
     data = args.data or Path(tempfile.mkdtemp(prefix="kvtiers-scale-"))
     report: dict[str, Any] = {"file": [], "index": []}
@@ -586,14 +688,22 @@ def main() -> int:
             row.update(("dict", r["dict"]) for r in earlier["index"] if r["n"] == n)
         print(json.dumps(row), flush=True)
         report["index"].append(row)
-    if args.s3_objects:
-        report["s3"] = bench_s3(args.s3_objects)
-        print(json.dumps(report["s3"]), flush=True)
-    elif earlier is not None and "s3" in earlier:
-        report["s3"] = earlier["s3"]
+    s3_rows = []
+    s3_kept: list[dict[str, Any]] = []
+    for n in (int(s) for s in args.s3_objects.split(",") if s):
+        s3_rows.append(bench_s3(n, args.data, blocking=n <= args.s3_blocking_max))
+        print(json.dumps(s3_rows[-1]), flush=True)
+    if earlier is not None:
+        # The SeaweedFS rows this run did not measure are kept, marked with their run.
+        measured = {row["objects"] for row in s3_rows}
+        s3_kept = [{"run": run_of(earlier), **row} for row in s3_list(earlier)
+                   if row["objects"] not in measured]
+        s3_rows += s3_kept
+    if s3_rows:
+        report["s3"] = sorted(s3_rows, key=lambda row: int(row["objects"]))
     if earlier is not None:
         kept = keep_file_rows(earlier, report["file"])
-        report["reused"] = reused_sentence(earlier, kept)
+        report["reused"] = reused_sentence(kept + s3_kept)
     report["machine"] = finish_note(note)
     report["command"] = "benchmarks/bench_scale.py " + " ".join(sys.argv[1:])
     if not (args.quick or args.no_write):

@@ -60,14 +60,31 @@ def test_reuse_keeps_the_unmeasured_sizes_with_the_run_that_measured_them() -> N
     # A row carried a second time names the run that measured it.
     assert rows[2]["run"]["date"] == "2026-12-07 09:12 UTC"
 
-    sentence = bench.reused_sentence(_earlier(), kept)
-    assert "1,000,000 chunks" in sentence and "load 4.4, 6.0, 8.5" in sentence
-    assert "3,000,000 chunks" in sentence and "load 9.0, 9.0, 9.0" in sentence
-    assert "100,000 chunks" not in sentence
-    assert "The before rows are from 09:12 UTC." in sentence
+    sentence = bench.reused_sentence(kept)
+    assert "the file rows at 1,000,000, from the run of 2026-12-07 15:30 UTC" in sentence
+    assert "load 4.4, 6.0, 8.5" in sentence
+    assert "the file rows at 3,000,000, from the run of 2026-12-07 09:12 UTC" in sentence
+    assert "load 9.0, 9.0, 9.0" in sentence
+    assert "100,000" not in sentence
+    assert "The before rows" in sentence
 
     page = bench.render({"machine": {"unknown": "test"}, "command": "bench_scale.py",
                          "file": rows, "index": [], "reused": sentence})
     assert "| file | 100,000 |" in page
     assert "| file (run 2026-12-07 15:30 UTC) | 1,000,000 |" in page
     assert "| file (run 2026-12-07 09:12 UTC) | 3,000,000 |" in page
+
+
+def test_seaweedfs_rows_of_an_earlier_run_are_kept_with_their_run() -> None:
+    """An older page holds one SeaweedFS row (a dict), a newer a list; either is read
+    as rows by object count, and a row carried over names its run on the page."""
+    s3 = {**_row(0, 24.0)["walk"], "objects": 100_000, "create_s": 79.0}
+    assert bench.s3_list({"s3": s3}) == [s3]
+    assert bench.s3_list({"s3": [{**s3, "objects": 1_000_000}, s3]})[0] is s3
+    carried = {"run": bench.run_of(_earlier()), **s3}
+    sentence = bench.reused_sentence([carried])
+    assert "the SeaweedFS rows at 100,000, from the run of 2026-12-07 15:30 UTC" in sentence
+    page = bench.render({"machine": {"unknown": "test"}, "command": "bench_scale.py",
+                         "file": [], "index": [], "s3": [carried], "reused": sentence})
+    assert "| s3 (SeaweedFS, run 2026-12-07 15:30 UTC) | 100,000 |" in page
+    assert "the blocking start with one lister at a time was not measured" in page

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from kvtiers.core.keys import OffloadKey, get_offload_block_hash
@@ -644,6 +645,15 @@ def test_names_then_stat_find_what_the_stat_walk_finds(tmp_path: Path, processes
     keys = names.packed.keys
     stat = walk_module.stat_chunks(namespace_dir, keys, lambda: False)
     assert stat is not None
+    if processes:
+        # The children's own stat pass, in the packed order, says the same.
+        assert names.stats is not None
+        children = names.stats.collect()
+        assert not isinstance(children, str), children
+        assert children[0].tolist() == stat[0].tolist()
+        assert children[1].tolist() == stat[1].tolist()
+    else:
+        assert names.stats is None
     sizes, mtimes = stat
     kept = {(key, int(size), int(mtime))
             for key, size, mtime in zip(keys, sizes, mtimes, strict=True) if size >= 0}
@@ -682,3 +692,142 @@ def test_nothing_is_evicted_on_the_assumed_sizes_before_the_stat_pass(
         assert manager.usage_bytes <= 3 * manager.reserve_bytes
     finally:
         close(tier, gate)
+
+
+def test_a_childs_stat_pass_marks_gone_files_and_places(tmp_path: Path) -> None:
+    """A walking child's stat pass over a part: true sizes and mtimes; a chunk whose
+    file went since its place was listed, and every chunk of a place that went, are
+    missing; the slow way's chunk keeps the stat it had."""
+    stored_tier(tmp_path, range(8), slots=8)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    paths = [mapper.path(conformance_key(i)) for i in range(8)]
+    part = walk_module._Part(places=[])
+    by_place: dict[Path, list[str]] = {}
+    for path in paths:
+        by_place.setdefault(path.parent, []).append(path.name)
+    for place, names in by_place.items():
+        part.places.append((str(place), len(part.keys), names))  # type: ignore[union-attr]
+        for name in names:
+            part.keys.append(OffloadKey(name.encode()))
+            part.sizes.append(999)
+            part.mtimes.append(0)
+    slow = len(part.keys)
+    part.keys.append(OffloadKey(b"slow"))
+    part.sizes.append(5)
+    part.mtimes.append(6)
+    order = [place / name for place, names in by_place.items() for name in names]
+    order[0].unlink()  # gone since its place was listed
+    gone_place = order[-1].parent  # a place that went, with its chunks
+    assert gone_place != order[0].parent  # (these keys' places differ)
+    for name in by_place[gone_place]:
+        (gone_place / name).unlink()
+    gone_place.rmdir()
+    sizes, mtimes = walk_module._stat_part(part)
+    assert len(sizes) == len(mtimes) == slow + 1
+    assert (sizes[slow], mtimes[slow]) == (5, 6)
+    for i, path in enumerate(order):
+        if i == 0 or path.parent == gone_place:
+            assert sizes[i] == walk_module.STAT_MISSING
+        else:
+            st = os.lstat(path)
+            assert (sizes[i], mtimes[i]) == (st.st_size, st.st_mtime_ns)
+
+
+def test_the_walks_processes_stat_what_is_no_chunk_file_out(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A names-only walk in child processes, and their stat pass: true sizes, and what
+    is no chunk file (a directory under a chunk's name, a file larger than any chunk)
+    dropped and counted in ``stat_dropped``; nothing stat-ed in this process."""
+    stored_tier(tmp_path, range(6), slots=6)
+    mapper = FileMapper(tmp_path, IDENTITY)
+    not_regular = mapper.path(conformance_key(1))
+    not_regular.unlink()
+    not_regular.mkdir()
+    with open(mapper.path(conformance_key(2)), "ab") as grown:
+        grown.write(b"\0" * 7)
+    sizes = sum(mapper.path(conformance_key(i)).stat().st_size for i in (0, 3, 4, 5))
+    called: list[int] = []
+    real = walk_module.stat_chunks
+
+    def in_process(*args: Any, **kwargs: Any) -> Any:
+        called.append(1)
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("kvtiers.tiers.file.manager.stat_chunks", in_process)
+        tier = open_tier(tmp_path, background_index=True, snapshot=False, walk_processes=2)
+        try:
+            manager = tier.manager
+            manager.wait_index()
+            assert manager.index_stat_done
+            stats = manager.get_stats()
+            assert stats["stat_dropped"] == manager.stat_dropped == 2
+            assert stats["chunks"] == 4
+            assert manager.usage_bytes == sizes
+            answers = [manager.lookup(conformance_key(i), CTX) for i in range(6)]
+            assert answers == [HIT, MISS, MISS, HIT, HIT, HIT]
+        finally:
+            tier.close()
+    assert not called
+    assert "stat-ing in this process instead" not in caplog.text
+
+
+def test_a_failed_stat_pass_in_the_walks_processes_stats_in_process(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    stored_tier(tmp_path, range(6), slots=6)
+    sizes = sum(path.stat().st_size for path in chunk_files(
+        FileMapper(tmp_path, IDENTITY).namespace_dir))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(walk_module.ChildStats, "collect",
+                      lambda self: (self.close(), "a stand-in failure")[1])
+        tier = open_tier(tmp_path, background_index=True, snapshot=False, walk_processes=2)
+        try:
+            manager = tier.manager
+            manager.wait_index()
+            assert manager.index_stat_done
+            assert manager.usage_bytes == sizes
+            assert manager.get_stats()["stat_dropped"] == 0
+        finally:
+            tier.close()
+    assert "a stand-in failure" in caplog.text
+    assert "stat-ing in this process instead" in caplog.text
+
+
+@pytest.mark.parametrize("word", [b"", b"s"])
+def test_a_walking_child_stats_only_when_told(tmp_path: Path, word: bytes) -> None:
+    """A names-only child sends its names, then waits: its stat pass runs only on the
+    parent's word (``s``, once every child's names are merged); a closed stdin without
+    it (the build stopped, the parent gone) ends the child with no stat pass."""
+    stored_tier(tmp_path, range(5))
+    namespace_dir = FileMapper(tmp_path, IDENTITY).namespace_dir
+    parts = [str(p) for p in sorted(namespace_dir.iterdir())
+             if p.is_dir() and p.name != "quarantine"]
+    child = subprocess.Popen(
+        [sys.executable, "-m", walk_module.__name__, "0.0", "2", "7", *parts],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    try:
+        block = walk_module._read_child(child, _Build())  # type: ignore[arg-type]
+        assert not isinstance(block, str), block
+        assert len(block.lengths) == 5 and set(block.sizes.tolist()) == {7}
+        assert child.stdin is not None
+        child.stdin.write(word)
+        child.stdin.close()
+        sizes, mtimes = np.zeros(5, dtype="<i8"), np.zeros(5, dtype="<i8")
+        failure = walk_module._read_stats(child, sizes, mtimes)
+    finally:
+        child.kill()
+        assert child.stdout is not None
+        child.stdout.close()
+        child.wait()
+    if word:
+        assert failure is None, failure
+        assert sorted(sizes.tolist()) == sorted(
+            path.stat().st_size for path in chunk_files(namespace_dir))
+        assert sorted(mtimes.tolist()) == sorted(
+            path.stat().st_mtime_ns for path in chunk_files(namespace_dir))
+    else:
+        assert failure == "it ended without its stat pass"

@@ -157,6 +157,9 @@ TIER: Mapping[str, MetricSpec] = MappingProxyType({
                  "keys it asked the service to look for below its pool)."),
     "probe_hits": _c("kvtiers_tier_probe_hits",
                      "Probes that found a chunk another engine wrote."),
+    "stat_dropped": _c("kvtiers_tier_stat_dropped",
+                       "Index entries the file tier's start-up stat pass dropped: named like "
+                       "chunks, but gone, not regular files or larger than any chunk."),
     "retries": _c("kvtiers_tier_retries",
                   "Requests retried after throttling, a 5xx answer or a timeout."),
     "forgotten": _c("kvtiers_tier_forgotten",
@@ -248,6 +251,7 @@ _COUNTED: Mapping[str, str] = MappingProxyType({
     "kvtiers_tier_capacity_chunks": "chunks",
     "kvtiers_tier_load_failures": "chunks",
     "kvtiers_tier_forgotten": "index entries",
+    "kvtiers_tier_stat_dropped": "index entries",
     "kvtiers_tier_lookup_calls": "lookups",
     "kvtiers_tier_service_down_lookups": "lookups",
     "kvtiers_tier_service_round_trips": "round trips",

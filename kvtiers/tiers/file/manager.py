@@ -9,7 +9,8 @@ interrupted publishes (older than this opening) and finds the chunks — names a
 parsed as :func:`~kvtiers.filemapper.scan_namespace` does, sizes and mtimes from ``stat``
 (never opening a file), recency seeded from mtimes; with ``background_index`` the walk
 takes names only (no ``stat``; chunks at the largest blob's size, in name order) and a
-stat pass on a thread of its own refines sizes and order afterwards
+stat pass refines sizes and order afterwards: in the walking child processes, which go on
+to ``lstat`` the chunks they named, else on a thread of this process
 (:meth:`FileTierManager._merge_names`, docs/architecture.md). The constructor waits for
 the build unless
 ``background_index`` (and then still when the namespace has no fan-out directory, so
@@ -126,6 +127,7 @@ from kvtiers.tiers.file.space import SpaceLatch
 from kvtiers.tiers.file.walk import (
     DEFAULT_WALK_PROCESSES,
     DEFAULT_WALK_THREADS,
+    ChildStats,
     Walked,
     stat_chunks,
     walk_in_children,
@@ -423,8 +425,10 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     ``corrupt_chunks`` and ``vanished_chunks`` (reported by movers), ``load_failures``
     (failed loads reported by movers), ``unreadable_chunks`` (keys forgotten after lasting
     load failures), ``backing_off`` (keys with a failure record), ``probes`` and
-    ``probe_hits`` (shared directories) and ``io_backend`` (see :mod:`.io`'s ``IO_*``
-    codes; the name is in :attr:`io_backend_name`); with a ``listing`` also the
+    ``probe_hits`` (shared directories), ``stat_dropped`` (entries the stat pass after a
+    names-only walk dropped: gone, not regular, or larger than any chunk) and
+    ``io_backend`` (see :mod:`.io`'s ``IO_*`` codes; the name is in
+    :attr:`io_backend_name`); with a ``listing`` also the
     listing's (:meth:`~kvtiers.tiers.listing.SharedListing.stats`).
     """
 
@@ -612,6 +616,11 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     ) -> None:
         walked, foreign = result
         index = self.index
+        stats = walked.stats
+        walked.stats = None
+        if stats is not None and (self._cleared or not len(walked.packed)):
+            stats.close()  # nothing to stat
+            stats = None
         if self._cleared:
             # Cleared while the walk ran: what it found goes, except what was stored since.
             self._delete([key for key in walked.packed.keys if key not in index])
@@ -619,7 +628,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         # Chunks found at start are least recently used, by mtime; beyond capacity the
         # oldest go. What was stored, found or removed meanwhile stands.
         if walked.names_only and len(walked.packed):
-            self._merge_names(walked.packed, gone)
+            self._merge_names(walked.packed, gone, stats)
         else:
             self._delete(index.merge_oldest(walked.packed, gone).victims)
         self.unindexed_entries = walked.unindexed
@@ -640,8 +649,12 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             self.index_build_s or 0.0,
         )
 
-    def _merge_names(self, packed: PackedChunks, gone: set[OffloadKey]) -> None:
-        """Take a names-only walk in (module docstring) and start its stat pass. The
+    def _merge_names(
+        self, packed: PackedChunks, gone: set[OffloadKey], children: ChildStats | None,
+    ) -> None:
+        """Take a names-only walk in (module docstring) and start its stat pass: the
+        walking children's (``children``, collected on a thread), else ``lstat`` on a
+        thread of this process (and when the children's fails). The
         chunks count at the largest blob's size, which a chunk's file never exceeds, so
         ``usage`` is not below the truth; nothing is evicted on that estimate (it could
         delete chunks that fit): the capacity is held at the estimate's usage, never
@@ -661,9 +674,23 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
 
         def stat_pass(build: IndexBuild[tuple[np.ndarray, np.ndarray] | None]
                       ) -> tuple[np.ndarray, np.ndarray] | None:
+            if children is not None:
+                build.on_stop(children.close)
             if before is not None:
                 before()
-            found = stat_chunks(namespace_dir, keys, lambda: build.stopping)
+            found = None
+            if children is not None:
+                answer = children.collect()
+                if build.stopping:
+                    return None
+                if isinstance(answer, str):
+                    logger.warning("file tier %s: the walk's processes' stat pass failed "
+                                   "(%s); stat-ing in this process instead", namespace_dir,
+                                   answer)
+                else:
+                    found = answer
+            if found is None:
+                found = stat_chunks(namespace_dir, keys, lambda: build.stopping)
             # The mtime order made here, off the scheduler's thread.
             return None if found is None else (found[0], stable_order(found[1]))
 
@@ -1098,6 +1125,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         with self._reported_lock:
             stats.update(self._reported)
         stats["probe_hits"] = self._probe_hits
+        stats["stat_dropped"] = self.stat_dropped
         stats["io_backend"] = self.io_backend
         return stats
 

@@ -9,7 +9,8 @@ directory's descriptor, no entry object; anything else is taken as the scan's en
 are (:func:`_walk_part`; a test holds the two ways equal). The names-only pass
 (``assume_size``) skips that ``lstat``: a chunk place's names are matched in one scan of
 its listing and each chunk is taken at the assumed size and mtime 0 (name order);
-:func:`stat_chunks` measures them afterwards, off the scheduler's thread.
+the walking children measure them afterwards (:class:`ChildStats`), or
+:func:`stat_chunks` does, off the scheduler's thread.
 Each top-level directory is one part, walked by one of ``threads`` threads (``stat`` and
 ``scandir`` release the GIL: on a network filesystem their latencies overlap);
 ``before_part(i)`` runs on the walking thread before part ``i`` (parts in name order),
@@ -22,12 +23,17 @@ only the packed arrays they send back (its allocator never holds the walk's garb
 the walk's Python work runs beside the scheduler's, not under its GIL. A child writes one
 byte a part (progress; a parent that died ends it with ``EPIPE``), then ``=``, a header and
 its chunks' key lengths, sizes, mtimes and padded keys, unsorted; on an error ``!`` and
-the message. The parent merges the blocks in part order and sorts by mtime (stable), as
-the walk in this process does, so both give the same :class:`Walked`.
+the message. After a names-only pass's answer, once the parent has every child's names
+merged and says so, a child goes on with the stat pass of the chunks it named and sends
+that too (:class:`ChildStats`), so the stat work runs beside the serving process, not
+under its interpreter lock. The parent merges the blocks in part
+order and sorts by mtime (stable), as the walk in this process does, so both give the
+same :class:`Walked`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -84,6 +90,9 @@ class Walked:
     #: Names only (``assume_size``): chunks in name order at the assumed size, not yet
     #: ``stat``-ed (:func:`stat_chunks` does that afterwards).
     names_only: bool = False
+    #: A names-only walk in child processes: their stat pass, under way there
+    #: (:meth:`ChildStats.collect`; ``None``: stat in this process).
+    stats: ChildStats | None = None
 
 
 @dataclass
@@ -93,6 +102,10 @@ class _Part:
     mtimes: list[int] = field(default_factory=list)
     removed_temps: int = 0
     unindexed: int = 0
+    #: With names kept (a walking child's names-only pass): each chunk place's
+    #: directory, the index in ``keys`` of its first chunk taken by name, and those
+    #: chunks' names in ``keys``' order (:func:`_stat_part` stats them).
+    places: list[tuple[str, int, list[str]]] | None = None
 
     def take(self, item: ScannedEntry, temp_cutoff: float) -> None:
         if item.is_temp:
@@ -177,7 +190,7 @@ def _take_chunks(path: str, prefix: str, part: _Part, assume_size: int | None) -
         return others
     if assume_size is not None:
         try:
-            return _take_names(os.listdir(fd), start, part, assume_size)
+            return _take_names(os.listdir(fd), start, part, assume_size, path)
         finally:
             os.close(fd)
     # Names bound once: this loop runs once a chunk.
@@ -268,10 +281,43 @@ def stat_chunks(
     return sizes, mtimes
 
 
-def _take_names(names: list[str], start: str, part: _Part, assume_size: int) -> set[str]:
+def _stat_part(part: _Part) -> tuple[list[int], list[int]]:
+    """A walking child's stat pass over one part of its names-only walk: the sizes
+    (or :data:`STAT_MISSING`, :data:`STAT_NOT_REGULAR`) and mtimes of ``part.keys``, in
+    their order. The chunks taken by name are ``lstat``-ed by their directory's
+    descriptor; those the slow way took were ``stat``-ed then and keep those values."""
+    sizes, mtimes = list(part.sizes), list(part.mtimes)
+    lstat, is_regular = os.lstat, stat.S_ISREG
+    for path, first, names in part.places or ():
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            sizes[first:first + len(names)] = [STAT_MISSING] * len(names)
+            continue
+        try:
+            for i, name in enumerate(names, first):
+                try:
+                    st = lstat(name, dir_fd=fd)
+                except OSError:
+                    sizes[i] = STAT_MISSING
+                    continue
+                if is_regular(st.st_mode):
+                    sizes[i] = st.st_size
+                    mtimes[i] = st.st_mtime_ns
+                else:
+                    sizes[i] = STAT_NOT_REGULAR
+        finally:
+            os.close(fd)
+    return sizes, mtimes
+
+
+def _take_names(
+    names: list[str], start: str, part: _Part, assume_size: int, path: str,
+) -> set[str]:
     """The names-only way of :func:`_take_chunks` through one chunk place's ``names``
-    (their fan-out prefix ``start``): the chunks' names matched in one scan of the joined
-    listing, each taken at ``assume_size``; returns the other names (the slow way's)."""
+    (their fan-out prefix ``start``, the place's directory ``path``): the chunks' names
+    matched in one scan of the joined listing, each taken at ``assume_size`` (and kept in
+    ``part.places`` when that is a list); returns the other names (the slow way's)."""
     text = "\n".join(names)
     if text.count("\n") != len(names) - 1:
         # A name holding a newline: matched one by one instead.
@@ -281,6 +327,10 @@ def _take_names(names: list[str], start: str, part: _Part, assume_size: int) -> 
         found = [(m.group(0), m.group(1), m.group(2)) for m in _CHUNK_LINES.finditer(text)]
     keys, fromhex, zero = part.keys.append, bytes.fromhex, _GROUP_ZERO
     taken: set[str] | None = None if len(found) == len(names) else set()
+    kept: list[str] | None = None
+    if part.places is not None:
+        kept = []
+        part.places.append((path, len(part.keys), kept))
     for name, hex_hash, digits in found:
         if not hex_hash.startswith(start):
             continue
@@ -293,6 +343,8 @@ def _take_names(names: list[str], start: str, part: _Part, assume_size: int) -> 
             keys(OffloadKey(fromhex(hex_hash) + group.to_bytes(GROUP_INDEX_BYTES, "big")))
         if taken is not None:
             taken.add(name)
+        if kept is not None:
+            kept.append(name)
     added = len(part.keys) - len(part.sizes)
     part.sizes.extend([assume_size] * added)
     part.mtimes.extend([0] * added)
@@ -307,13 +359,14 @@ def _take_names(names: list[str], start: str, part: _Part, assume_size: int) -> 
 
 def _walk_parts(
     parts: Sequence[tuple[str, str]], temp_cutoff: float, threads: int,
-    before: Callable[[int], bool], assume_size: int | None = None,
+    before: Callable[[int], bool], assume_size: int | None = None, keep_names: bool = False,
 ) -> list[_Part]:
     """Walk ``parts``, ``threads`` at a time; ``before(i)`` runs first on the walking
-    thread and returns False to skip part ``i``."""
+    thread and returns False to skip part ``i``. ``keep_names``: the names-only pass
+    keeps the chunks' names (:attr:`_Part.places`)."""
 
     def walk(i: int) -> _Part:
-        part = _Part()
+        part = _Part(places=[] if keep_names else None)
         if not before(i):
             return part
         path, prefix = parts[i]
@@ -396,7 +449,9 @@ def walk_in_children(
     """:func:`walk_namespace` with the fan-out directories walked by ``processes`` child
     processes (module docstring); ``None`` when a child could not be started or did not
     answer (logged) or the build was stopped: the caller walks in its own process or
-    gives up. ``build.stop()`` kills the children."""
+    gives up. ``build.stop()`` kills the children. A names-only walk (``assume_size``)
+    leaves the children running their stat pass: :attr:`Walked.stats`, whose owner
+    collects or closes it (``build.stop()`` closes it too)."""
     top, parts = _list_parts(namespace_dir, temp_cutoff)
     count = max(1, min(processes, len(parts)))
     bounds = [len(parts) * i // count for i in range(count + 1)]
@@ -405,6 +460,7 @@ def walk_in_children(
     environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if isinstance(p, str) and p)
     children: list[subprocess.Popen[bytes]] = []
     lock = threading.Lock()
+    stats: ChildStats | None = None
 
     def kill_all() -> None:
         with lock:
@@ -425,7 +481,8 @@ def walk_in_children(
                 if build.stopping:
                     return None
                 children.append(subprocess.Popen(
-                    [sys.executable, "-m", __name__, *args], stdin=subprocess.DEVNULL,
+                    [sys.executable, "-m", __name__, *args],
+                    stdin=subprocess.DEVNULL if assume_size is None else subprocess.PIPE,
                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=environ,
                 ))
     except OSError as exc:
@@ -437,24 +494,135 @@ def walk_in_children(
         with ThreadPoolExecutor(max(1, len(children)),
                                 thread_name_prefix="kvtiers-file-walk-read") as pool:
             got = list(pool.map(lambda child: _read_child(child, build), children))
-    finally:
-        kill_all()
-        for child in children:
-            if child.stdout is not None:
-                child.stdout.close()
-            child.wait()
-    if build.stopping:
-        return None
-    found: list[_Block] = []
-    for child, answer in zip(children, got, strict=True):
-        if isinstance(answer, str):
-            logger.warning("file tier %s: the walk's process failed (%s; exit status %s)",
-                           namespace_dir, answer, child.returncode)
+        found: list[_Block] = []
+        for child, answer in zip(children, got, strict=True):
+            if isinstance(answer, str):
+                kill_all()
+                child.wait()
+                logger.warning("file tier %s: the walk's process failed (%s; exit status "
+                               "%s)", namespace_dir, answer, child.returncode)
+                return None
+            found.append(answer)
+        if build.stopping:
             return None
-        found.append(answer)
-    walked = _merge(top, found)
-    walked.names_only = assume_size is not None
-    return walked
+        names_only = assume_size is not None
+        walked = _merge(top, found, names_only)
+        walked.names_only = names_only
+        if names_only:
+            # The children go on with the stat pass; its owner collects or closes it.
+            stats = walked.stats = ChildStats(
+                top, [(child, len(block.lengths)) for child, block in zip(
+                    children, found, strict=True)])
+            build.on_stop(stats.close)
+            stats.start()
+        return walked
+    finally:
+        if stats is None:
+            kill_all()
+            for child in children:
+                for stream in (child.stdin, child.stdout):
+                    if stream is not None:
+                        with contextlib.suppress(OSError):
+                            stream.close()
+                child.wait()
+
+
+class ChildStats:
+    """The stat pass of a names-only walk, running in its walking children: each child,
+    once it sent its names and :meth:`start` told it to, ``lstat``-s its chunks and sends
+    ``+``, their sizes (or :data:`STAT_MISSING`, :data:`STAT_NOT_REGULAR`) and mtimes
+    (``<i8`` each) in the order of the keys it sent (``!`` and a message on an error).
+    The chunks at the namespace's top were ``stat``-ed by the walk in this process.
+    Thread-safe :meth:`close`."""
+
+    def __init__(self, top: _Part, children: list[tuple[subprocess.Popen[bytes], int]]) -> None:
+        self._top = (np.array(top.sizes, dtype=np.int64), np.array(top.mtimes, dtype=np.int64))
+        self._children = children
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        """Tell the children to begin (``s`` on their stdin): only once every one has
+        sent its names and they are merged, so a child that finished its names early
+        takes no CPU from the others' before the index is usable. A child gone by then
+        is found by :meth:`collect`."""
+        for child, _ in self._children:
+            if child.stdin is None:
+                continue
+            with contextlib.suppress(OSError):
+                child.stdin.write(b"s")
+                child.stdin.close()
+
+    def collect(self) -> tuple[np.ndarray, np.ndarray] | str:
+        """Wait for every child's stat pass: the sizes and mtimes of the walk's chunks in
+        the order :func:`walk_in_children` packed them (its merge keeps the walk's order
+        for a names-only walk), or why not (a child failed or was closed). Closes."""
+        # Each child's answer is read straight into its slice: no copy of it is made.
+        top_sizes, top_mtimes = self._top
+        total = len(top_sizes) + sum(count for _, count in self._children)
+        sizes = np.empty(total, dtype="<i8")
+        mtimes = np.empty(total, dtype="<i8")
+        sizes[:len(top_sizes)], mtimes[:len(top_sizes)] = top_sizes, top_mtimes
+        slices = []
+        at = len(top_sizes)
+        for child, count in self._children:
+            slices.append((child, sizes[at:at + count], mtimes[at:at + count]))
+            at += count
+        try:
+            with ThreadPoolExecutor(max(1, len(self._children)),
+                                    thread_name_prefix="kvtiers-file-stat-read") as pool:
+                failures = [f for f in pool.map(lambda job: _read_stats(*job), slices)
+                            if f is not None]
+        finally:
+            self.close()
+        return failures[0] if failures else (sizes, mtimes)
+
+    def close(self) -> None:
+        """Kill the children still running and reap them. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for child, _ in self._children:
+                if child.poll() is None:
+                    child.kill()
+        for child, _ in self._children:
+            for stream in (child.stdin, child.stdout):
+                if stream is not None:
+                    with contextlib.suppress(OSError):
+                        stream.close()
+            child.wait()
+
+
+def _read_stats(
+    child: subprocess.Popen[bytes], sizes: np.ndarray, mtimes: np.ndarray,
+) -> str | None:
+    """One child's stat pass (:class:`ChildStats`) read into ``sizes`` and ``mtimes``
+    (``<i8``, its chunks' count each); why there is none, or ``None``."""
+    stream = child.stdout
+    assert stream is not None
+    try:
+        mark = stream.read(1)
+        if mark == b"!":
+            return stream.read().decode(errors="replace").strip() or "an error"
+        if mark != b"+":
+            return "it ended without its stat pass"
+        _read_into(stream, sizes)
+        _read_into(stream, mtimes)
+    except (OSError, ValueError, EOFError) as exc:
+        return f"its stat pass could not be read: {exc}"
+    return None
+
+
+def _read_into(stream: IO[bytes], out: np.ndarray) -> None:
+    """Fill ``out`` (contiguous) from ``stream``; ``EOFError`` if it ends first."""
+    view = out.data.cast("B")
+    got = 0
+    while got < len(view):
+        n = stream.readinto(view[got:])  # type: ignore[attr-defined]
+        if not n:
+            raise EOFError(f"the answer ended after {got} of {len(view)} bytes")
+        got += n
 
 
 def _read_exact(stream: IO[bytes], nbytes: int) -> bytes:
@@ -490,8 +658,10 @@ def _read_child(child: subprocess.Popen[bytes], build: IndexBuild[Any]) -> _Bloc
                   unindexed)
 
 
-def _merge(top: _Part, blocks: list[_Block]) -> Walked:
-    """The top part and the children's blocks, in part order, packed oldest first."""
+def _merge(top: _Part, blocks: list[_Block], names_only: bool = False) -> Walked:
+    """The top part and the children's blocks, in part order, packed oldest first; a
+    ``names_only`` walk's in the walk's order as they are (the children's stat pass sends
+    its answers in that order: :class:`ChildStats`)."""
     width = max([block.width for block in blocks] + [len(key) for key in top.keys], default=0)
     total = len(top.keys) + sum(len(block.lengths) for block in blocks)
     matrix = np.zeros((total, width), dtype=np.uint8)
@@ -509,6 +679,8 @@ def _merge(top: _Part, blocks: list[_Block]) -> Walked:
         lengths[at:at + n], sizes[at:at + n], mtimes[at:at + n] = (
             block.lengths, block.sizes, block.mtimes)
         at += n
+    if names_only:
+        mtimes[:] = 0  # the top's chunks were stat-ed; the walk's order is kept
     order = stable_order(mtimes)
     del mtimes
     # The keys sorted straight into the index's bytearray: one copy of them at a time.
@@ -530,7 +702,9 @@ def _merge(top: _Part, blocks: list[_Block]) -> Walked:
 
 def _child(argv: list[str]) -> int:
     """A walking child (module docstring): ``CUTOFF THREADS SIZE DIR...`` (``SIZE``: the
-    names-only pass's assumed size, ``-`` to ``lstat`` every chunk)."""
+    names-only pass's assumed size, ``-`` to ``lstat`` every chunk). After a names-only
+    pass's answer it waits for ``s`` on its stdin, then runs the stat pass and sends it
+    (:class:`ChildStats`)."""
     out = sys.stdout.buffer
     lock = threading.Lock()
     try:
@@ -544,7 +718,9 @@ def _child(argv: list[str]) -> int:
                 out.flush()
             return True
 
-        done = _walk_parts(parts, temp_cutoff, threads, progress, assume_size)
+        names_only = assume_size is not None
+        done = _walk_parts(parts, temp_cutoff, threads, progress, assume_size,
+                           keep_names=names_only)
         keys = [key for part in done for key in part.keys]
         width = max((len(key) for key in keys), default=0)
         padded = b"".join(keys) if all(len(k) == width for k in keys) else b"".join(
@@ -557,6 +733,23 @@ def _child(argv: list[str]) -> int:
         out.write(np.array([m for part in done for m in part.mtimes], dtype="<i8").tobytes())
         out.write(padded)
         out.flush()
+        del keys, padded
+        if names_only:
+            # The stat pass waits for the parent's word (ChildStats.start): EOF means it
+            # stopped the build or is gone.
+            if sys.stdin.buffer.read(1) != b"s":
+                return 1
+            for part in done:
+                part.keys = []  # sent: only the names are needed now
+            with ThreadPoolExecutor(max(1, threads),
+                                    thread_name_prefix="kvtiers-file-stat") as pool:
+                stated = list(pool.map(_stat_part, done))
+            out.write(b"+")
+            out.write(np.array([n for sizes, _ in stated for n in sizes],
+                               dtype="<i8").tobytes())
+            out.write(np.array([n for _, mtimes in stated for n in mtimes],
+                               dtype="<i8").tobytes())
+            out.flush()
     except BrokenPipeError:
         return 1  # the tier's process is gone or stopped the build
     except Exception as exc:  # reported to the parent, which walks in its own process
