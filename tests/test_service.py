@@ -48,17 +48,37 @@ def pool_name(tmp_path: Path) -> Iterator[str]:
     remove_pool(name)
 
 
-@pytest.fixture
-def service(tmp_path: Path, pool_name: str) -> Iterator[ServiceProcess]:
+def _started(tmp_path: Path, pool_name: str, metrics_port: int | None = None
+             ) -> ServiceProcess:
+    """A service over a fresh 1 MiB pool ``pool_name`` (its exporter on ``metrics_port``)."""
     config = tmp_path / "serve.yaml"
     config.write_text(
         f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
     )
-    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT)
+    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT,
+                          metrics_port=metrics_port)
     proc.start(fresh=True)
+    return proc
+
+
+@pytest.fixture
+def service(tmp_path: Path, pool_name: str) -> Iterator[ServiceProcess]:
+    proc = _started(tmp_path, pool_name)
     yield proc
     if proc.proc is not None and proc.proc.poll() is None:
         proc.stop()
+
+
+@pytest.fixture
+def exported(tmp_path: Path, pool_name: str) -> Iterator[tuple[ServiceProcess, str]]:
+    """A service with its exporter listening, and the exporter's URL; stopped cleanly."""
+    pytest.importorskip("prometheus_client")
+    from kvtiers.testing.serve import free_port
+
+    port = free_port()
+    proc = _started(tmp_path, pool_name, port)
+    yield proc, f"http://127.0.0.1:{port}/metrics"
+    assert proc.stop() == 0
 
 
 def engine(service: ServiceProcess, identity: bytes = IDENTITY, *, lease: int = 8
@@ -472,39 +492,30 @@ def test_kvtiers_check_probes_the_service_socket(service: ServiceProcess, tmp_pa
     assert "no kvtiers service answers" in capsys.readouterr().err
 
 
-def test_metrics_export_the_pool_namespaces_and_engines(tmp_path: Path, pool_name: str
-                                                        ) -> None:
-    pytest.importorskip("prometheus_client")
-    from kvtiers.testing.serve import free_port, scrape
+def test_metrics_export_the_pool_namespaces_and_engines(
+    exported: tuple[ServiceProcess, str],
+) -> None:
+    from kvtiers.testing.serve import scrape
 
-    config = tmp_path / "serve.yaml"
-    config.write_text(
-        f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
-    )
-    port = free_port()
-    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT, metrics_port=port)
-    proc.start(fresh=True)
-    try:
-        mine = engine(proc)
-        stored = store(mine, keys(3))
-        assert read_exact(mine, stored)
-        twin, other = engine(proc), engine(proc, OTHER_IDENTITY)
-        samples = scrape(f"http://127.0.0.1:{port}/metrics")
-        namespace = 'namespace="test/model-f4a91f1b4ef09ca1"'
-        # Attaches are answered before the engine goes on: each is counted by now.
-        assert samples[f"kvtiers_service_namespace_engines{{{namespace}}}"] == 2
-        assert samples["kvtiers_service_namespace_engines"] == 3
-        assert samples['kvtiers_service_events_total{event="attaches"}'] == 3
-        twin.shutdown()
-        other.shutdown()
-        assert samples[f"kvtiers_service_namespace_chunks{{{namespace}}}"] == 3
-        assert samples[f"kvtiers_service_namespace_bytes{{{namespace}}}"] == 3 * SLOT
-        assert samples[f"kvtiers_service_namespace_hits_total{{{namespace}}}"] == 3
-        assert samples['kvtiers_service_pool_slots{state="ready"}'] == 3
-        assert samples["kvtiers_service_engines"] == 3
-        mine.shutdown()
-    finally:
-        assert proc.stop() == 0
+    proc, url = exported
+    mine = engine(proc)
+    stored = store(mine, keys(3))
+    assert read_exact(mine, stored)
+    twin, other = engine(proc), engine(proc, OTHER_IDENTITY)
+    samples = scrape(url)
+    namespace = 'namespace="test/model-f4a91f1b4ef09ca1"'
+    # Attaches are answered before the engine goes on: each is counted by now.
+    assert samples[f"kvtiers_service_namespace_engines{{{namespace}}}"] == 2
+    assert samples["kvtiers_service_namespace_engines"] == 3
+    assert samples['kvtiers_service_events_total{event="attaches"}'] == 3
+    twin.shutdown()
+    other.shutdown()
+    assert samples[f"kvtiers_service_namespace_chunks{{{namespace}}}"] == 3
+    assert samples[f"kvtiers_service_namespace_bytes{{{namespace}}}"] == 3 * SLOT
+    assert samples[f"kvtiers_service_namespace_hits_total{{{namespace}}}"] == 3
+    assert samples['kvtiers_service_pool_slots{state="ready"}'] == 3
+    assert samples["kvtiers_service_engines"] == 3
+    mine.shutdown()
 
 
 def test_an_engine_of_another_wire_protocol_is_refused_with_the_reason(
@@ -534,52 +545,43 @@ def test_an_engine_of_another_wire_protocol_is_refused_with_the_reason(
     good.shutdown()
 
 
-def test_each_engine_reports_its_lookups_and_hits_to_the_service(tmp_path: Path,
-                                                                 pool_name: str) -> None:
-    pytest.importorskip("prometheus_client")
-    from kvtiers.testing.serve import free_port, scrape
+def test_each_engine_reports_its_lookups_and_hits_to_the_service(
+    exported: tuple[ServiceProcess, str],
+) -> None:
+    from kvtiers.testing.serve import scrape
 
-    config = tmp_path / "serve.yaml"
-    config.write_text(
-        f"tiers:\n  - kind: cpu\n    capacity: 1MiB\n    shared_memory_name: {pool_name}\n"
-    )
-    port = free_port()
-    proc = ServiceProcess(config, tmp_path / "serve.sock", slot_bytes=SLOT, metrics_port=port)
-    proc.start(fresh=True)
-    try:
-        writer = engine(proc)
-        stored = store(writer, keys(3))
-        # One engine per process here (both would have the same pid label).
-        writer.shutdown()
-        reader = engine(proc)
-        ctx = ReqContext("r")
-        # The reader's lookups read the mirror: the service hears of them only by report.
-        answers = [reader.lookup(k, ctx) for k in [*stored, *keys(2, salt=9)]]
-        assert answers == [HIT] * 3 + [MISS] * 2
-        reader.flush(wait=True)
-        engines = read_status(proc.socket)["engines"]
-        assert [(e["lookups"], e["hits"]) for e in engines] == [(5, 3)]
-        samples = scrape(f"http://127.0.0.1:{port}/metrics")
-        looked = {k: v for k, v in samples.items()
-                  if k.startswith("kvtiers_service_engine_lookups_total{")}
-        hits = {k: v for k, v in samples.items()
-                if k.startswith("kvtiers_service_engine_hits_total{")}
-        assert list(looked.values()) == [5.0] and list(hits.values()) == [3.0]
-        stored_by = {k: v for k, v in samples.items()
-                     if k.startswith("kvtiers_service_engine_stored_bytes_total{")}
-        assert list(stored_by.values()) == [0.0]  # the reader stored nothing
-        store(reader, keys(2, salt=5))
-        assert [(e["stored"], e["stored_bytes"]) for e in
-                read_status(proc.socket)["engines"]] == [(2, 2 * SLOT)]
-        assert str(os.getpid()) in next(iter(looked))
-        liar = ServiceClient(proc.socket, IDENTITY, SLOT, timeout_s=5.0)
-        with pytest.raises(ServiceDown, match="refused a request"):
-            liar.call([p.Report(1, liar.ns, 2, 3)])
-        liar.close()
-        assert read_exact(reader, stored)
-        reader.shutdown()
-    finally:
-        assert proc.stop() == 0
+    proc, url = exported
+    writer = engine(proc)
+    stored = store(writer, keys(3))
+    # One engine per process here (both would have the same pid label).
+    writer.shutdown()
+    reader = engine(proc)
+    ctx = ReqContext("r")
+    # The reader's lookups read the mirror: the service hears of them only by report.
+    answers = [reader.lookup(k, ctx) for k in [*stored, *keys(2, salt=9)]]
+    assert answers == [HIT] * 3 + [MISS] * 2
+    reader.flush(wait=True)
+    engines = read_status(proc.socket)["engines"]
+    assert [(e["lookups"], e["hits"]) for e in engines] == [(5, 3)]
+    samples = scrape(url)
+    looked = {k: v for k, v in samples.items()
+              if k.startswith("kvtiers_service_engine_lookups_total{")}
+    hits = {k: v for k, v in samples.items()
+            if k.startswith("kvtiers_service_engine_hits_total{")}
+    assert list(looked.values()) == [5.0] and list(hits.values()) == [3.0]
+    stored_by = {k: v for k, v in samples.items()
+                 if k.startswith("kvtiers_service_engine_stored_bytes_total{")}
+    assert list(stored_by.values()) == [0.0]  # the reader stored nothing
+    store(reader, keys(2, salt=5))
+    assert [(e["stored"], e["stored_bytes"]) for e in
+            read_status(proc.socket)["engines"]] == [(2, 2 * SLOT)]
+    assert str(os.getpid()) in next(iter(looked))
+    liar = ServiceClient(proc.socket, IDENTITY, SLOT, timeout_s=5.0)
+    with pytest.raises(ServiceDown, match="refused a request"):
+        liar.call([p.Report(1, liar.ns, 2, 3)])
+    liar.close()
+    assert read_exact(reader, stored)
+    reader.shutdown()
 
 
 def test_an_engines_service_tier_counters_are_on_its_stack_exporter(

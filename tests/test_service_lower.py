@@ -8,6 +8,7 @@ engine's lookup answered), bounded by a deadline that only a defect reaches; no 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -287,6 +288,36 @@ def test_a_dead_service_and_an_unanswered_probe_are_misses_within_the_bound(
     a.shutdown()
 
 
+@contextlib.contextmanager
+def serving_here(tmp_path: Path, pool_name: str, lower: str, gate: threading.Event
+                 ) -> Iterator[Path]:
+    """The service in this process (so a test can block its movers) over a fresh pool
+    with ``lower`` below it; its socket. ``gate`` is set before the service stops, so a
+    mover the test blocked lets go."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(stack_yaml(pool_name, lower))
+    pool = Pool(Path("/dev/shm", pool_name), Layout(SLOTS, CHUNK), fresh=True)
+    socket = tmp_path / "local.sock"
+    svc = Service(pool, socket, lower=load_stack_config(config))
+    thread = threading.Thread(target=svc.serve)
+    thread.start()
+    try:
+        yield socket
+    finally:
+        gate.set()
+        svc.stop()
+        thread.join()
+        pool.close()
+
+
+def stored_then_evicted(manager: ServiceTierManager, socket: Path, target: OffloadKey
+                        ) -> None:
+    """``target`` stored, cascaded below, then evicted from the pool by other stores."""
+    store(manager, [target], settle=socket)
+    store(manager, [key(100 + i) for i in range(SLOTS)], settle=socket)
+    wait_status(socket, lambda s: lower_counter(s, "cascades") >= 1 + SLOTS)
+
+
 # -- priority: a promotion is served while the cascades ahead of it are blocked --------
 @pytest.fixture
 def blocked_stores(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
@@ -309,20 +340,12 @@ def blocked_stores(monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]
 def test_a_promotion_is_served_ahead_of_the_cascades_queued_before_it(
     tmp_path: Path, pool_name: str, blocked_stores: threading.Event
 ) -> None:
-    config = tmp_path / "serve.yaml"
     # One store thread: the first cascade blocks it, the others queue behind.
-    config.write_text(stack_yaml(pool_name, file_tier(tmp_path / "root") + "    threads: 1\n"))
-    pool = Pool(Path("/dev/shm", pool_name), Layout(SLOTS, CHUNK), fresh=True)
-    socket = tmp_path / "local.sock"
-    svc = Service(pool, socket, lower=load_stack_config(config))
-    thread = threading.Thread(target=svc.serve)
-    thread.start()
-    try:
+    lower = file_tier(tmp_path / "root") + "    threads: 1\n"
+    with serving_here(tmp_path, pool_name, lower, blocked_stores) as socket:
         a = engine(socket)
         target = key(1)
-        store(a, [target], settle=socket)
-        store(a, [key(100 + i) for i in range(SLOTS)], settle=socket)  # evicts the target
-        wait_status(socket, lambda s: lower_counter(s, "cascades") >= 1 + SLOTS)
+        stored_then_evicted(a, socket, target)
         assert a.lookup(target, ReqContext("a")) is not HIT
 
         blocked_stores.clear()
@@ -342,11 +365,6 @@ def test_a_promotion_is_served_ahead_of_the_cascades_queued_before_it(
         wait_status(socket, lambda s: lower_counter(s, "cascades") >= before + len(queued))
         a.shutdown()
         b.shutdown()
-    finally:
-        blocked_stores.set()
-        svc.stop()
-        thread.join()
-        pool.close()
 
 
 def test_a_probe_waits_out_a_slow_promotion_in_time_not_only_in_steps(
@@ -363,19 +381,10 @@ def test_a_probe_waits_out_a_slow_promotion_in_time_not_only_in_steps(
         return load_one(self, chunk)
 
     monkeypatch.setattr(FileMover, "_load_one", gated)
-    config = tmp_path / "serve.yaml"
-    config.write_text(stack_yaml(pool_name, file_tier(tmp_path / "root")))
-    pool = Pool(Path("/dev/shm", pool_name), Layout(SLOTS, CHUNK), fresh=True)
-    socket = tmp_path / "local.sock"
-    svc = Service(pool, socket, lower=load_stack_config(config))
-    thread = threading.Thread(target=svc.serve)
-    thread.start()
-    try:
+    with serving_here(tmp_path, pool_name, file_tier(tmp_path / "root"), gate) as socket:
         a = engine(socket)
         target = key(1)
-        store(a, [target], settle=socket)
-        store(a, [key(100 + i) for i in range(SLOTS)], settle=socket)  # evicts the target
-        wait_status(socket, lambda s: lower_counter(s, "cascades") >= 1 + SLOTS)
+        stored_then_evicted(a, socket, target)
         gate.clear()  # the promotion it starts cannot land
         b = engine(socket, probe_steps=2, probe_wait_s=5.0)
         now = [1000.0]
@@ -391,11 +400,6 @@ def test_a_probe_waits_out_a_slow_promotion_in_time_not_only_in_steps(
         gate.set()
         a.shutdown()
         b.shutdown()
-    finally:
-        gate.set()
-        svc.stop()
-        thread.join()
-        pool.close()
 
 
 @pytest.mark.usefixtures("aws_env")
