@@ -831,3 +831,53 @@ def test_a_walking_child_stats_only_when_told(tmp_path: Path, word: bytes) -> No
             path.stat().st_mtime_ns for path in chunk_files(namespace_dir))
     else:
         assert failure == "it ended without its stat pass"
+
+
+def _cpu_work(i: int) -> int:
+    """A few milliseconds on a core, never blocked."""
+    return i + sum(range(400_000)) * 0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"),
+                    reason="no per-thread scheduler account: waits for a core read as blocked")
+def test_walk_parts_on_a_medium_answering_from_memory_keep_one_thread() -> None:
+    threads: set[int] = set()
+
+    def work(i: int) -> int:
+        threads.add(threading.get_ident())
+        return _cpu_work(i)
+
+    assert walk_module.map_parts(work, 40, 4) == list(range(40))
+    # One stall outside the walk (the virtual machine's host taking the core) may add a
+    # thread; a pool that does not wait for the medium's answers to grow uses all four.
+    assert len(threads) <= 2
+
+
+def test_walk_parts_that_wait_on_the_medium_get_more_threads() -> None:
+    # Part 0 stands for a slow medium: blocked 50 ms, nearly nothing on a core. Parts 1
+    # and 2 pass the barrier only if two threads walk at once.
+    barrier = threading.Barrier(2, timeout=30)
+    slow = threading.Event()
+
+    def work(i: int) -> int:
+        if i == 0:
+            slow.wait(0.05)
+        else:
+            barrier.wait()
+        return i
+
+    assert walk_module.map_parts(work, 3, 4) == [0, 1, 2]
+
+
+def test_walk_parts_stop_at_the_first_error_and_raise_it() -> None:
+    done: list[int] = []
+
+    def work(i: int) -> int:
+        if i == 2:
+            raise PermissionError(f"part {i}")
+        done.append(i)
+        return i
+
+    with pytest.raises(PermissionError, match="part 2"):
+        walk_module.map_parts(work, 10, 1)
+    assert done == [0, 1]

@@ -11,8 +11,10 @@ are (:func:`_walk_part`; a test holds the two ways equal). The names-only pass
 its listing and each chunk is taken at the assumed size and mtime 0 (name order);
 the walking children measure them afterwards (:class:`ChildStats`), or
 :func:`stat_chunks` does, off the scheduler's thread.
-Each top-level directory is one part, walked by one of ``threads`` threads (``stat`` and
-``scandir`` release the GIL: on a network filesystem their latencies overlap);
+Each top-level directory is one part, walked by one of at most ``threads`` threads,
+one until a part waited on the medium longer than it worked (:func:`map_parts`: ``stat``
+and ``scandir`` release the GIL, so on a network filesystem or a cold disk their
+latencies overlap; on a medium answering from memory more threads only contend for it);
 ``before_part(i)`` runs on the walking thread before part ``i`` (parts in name order),
 and a build that is stopping skips the parts not yet begun.
 
@@ -42,12 +44,13 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import numpy as np
 
@@ -60,7 +63,10 @@ from kvtiers.tiers.compact import PackedChunks, key_list, stable_order
 
 logger = logging.getLogger(__name__)
 
-#: Threads walking fan-out directories at once (in each walking process).
+_T = TypeVar("_T")
+
+#: Threads walking fan-out directories at once, at most (in each walking process; one
+#: until the medium keeps them waiting: :func:`map_parts`).
 DEFAULT_WALK_THREADS = 4
 #: Child processes walking blocks of fan-out directories at once (0: the tier's own
 #: process). Two: the walk is bound by a stat and a name parse a chunk, which two cores
@@ -357,6 +363,95 @@ def _take_names(
     return set(names) - taken
 
 
+#: A part whose thread spent longer blocked (waiting on the medium, not for a core) than
+#: this many times its CPU time makes room for one more walking thread.
+_BLOCKED_RATIO = 2.0
+
+
+def map_parts(
+    work: Callable[[int], _T], count: int, threads: int, *, name: str = "kvtiers-file-walk",
+) -> list[_T]:
+    """``work(i)`` for each part ``i`` of ``range(count)``, the results in part order, on
+    at most ``threads`` threads: one at first, and one more each time a part's thread was
+    blocked longer than :data:`_BLOCKED_RATIO` times its time on a core (a network
+    filesystem, a cold disk: waits that more threads overlap). A medium answering from
+    memory keeps one thread a process: every ``lstat`` and listing releases the
+    interpreter lock, and threads that only contend for it cost about twice the CPU a
+    chunk (benchmarks/results/scale.md). The first exception ``work`` raises is raised
+    here once every thread has ended; parts not begun by then are skipped."""
+    results: list[Any] = [None] * count
+    pending = iter(range(count))
+    lock = threading.Lock()
+    workers: list[threading.Thread] = []
+    errors: list[BaseException] = []
+
+    def take() -> int | None:
+        with lock:
+            return None if errors else next(pending, None)
+
+    def run() -> None:
+        while (i := take()) is not None:
+            before = _thread_times(start=True)
+            try:
+                results[i] = work(i)
+            except BaseException as exc:  # raised by map_parts on its caller's thread
+                with lock:
+                    errors.append(exc)
+                return
+            if _blocked_longer(before, _thread_times(start=False)):
+                add()
+
+    def add() -> None:
+        with lock:
+            if len(workers) >= max(1, threads) or errors:
+                return
+            worker = threading.Thread(target=run, name=f"{name}-{len(workers)}", daemon=True)
+            workers.append(worker)
+        worker.start()
+
+    add()
+    joined = 0
+    while True:
+        with lock:
+            if joined == len(workers):
+                break
+            worker = workers[joined]
+        worker.join()
+        joined += 1
+    if errors:
+        raise errors[0]
+    return results
+
+
+def _thread_times(*, start: bool) -> tuple[float, float, float]:
+    """The wall clock, this thread's CPU time and its time spent waiting for a core
+    (seconds; the scheduler's account of that wait where Linux gives it, else none
+    known). The scheduler's own on-core figure is not used: it moves by whole ticks
+    while the thread runs. ``start``: the first of a pair; the waits are read outside
+    the wall clock's readings, so a preemption between two readings is never taken for
+    time blocked."""
+    if start:
+        waiting = _waited()
+        return time.perf_counter(), time.thread_time(), waiting
+    on_core, wall = time.thread_time(), time.perf_counter()
+    return wall, on_core, _waited()
+
+
+def _waited() -> float:
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _blocked_longer(before: tuple[float, float, float], after: tuple[float, float, float]) -> bool:
+    """Whether the thread was blocked (neither on a core nor waiting for one) longer than
+    :data:`_BLOCKED_RATIO` times its time on a core between ``before`` and ``after``."""
+    wall, on_core, waiting = (b - a for a, b in zip(before, after, strict=True))
+    return wall - on_core - waiting > _BLOCKED_RATIO * on_core
+
+
 def _walk_parts(
     parts: Sequence[tuple[str, str]], temp_cutoff: float, threads: int,
     before: Callable[[int], bool], assume_size: int | None = None, keep_names: bool = False,
@@ -373,8 +468,7 @@ def _walk_parts(
         _walk_part(path, prefix, part, temp_cutoff, assume_size)
         return part
 
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtiers-file-walk") as pool:
-        return list(pool.map(walk, range(len(parts))))
+    return map_parts(walk, len(parts), threads)
 
 
 def _pack(keys: list[OffloadKey], sizes: list[int], mtimes: np.ndarray) -> PackedChunks:
@@ -741,9 +835,8 @@ def _child(argv: list[str]) -> int:
                 return 1
             for part in done:
                 part.keys = []  # sent: only the names are needed now
-            with ThreadPoolExecutor(max(1, threads),
-                                    thread_name_prefix="kvtiers-file-stat") as pool:
-                stated = list(pool.map(_stat_part, done))
+            stated = map_parts(lambda i: _stat_part(done[i]), len(done), threads,
+                               name="kvtiers-file-stat")
             out.write(b"+")
             out.write(np.array([n for sizes, _ in stated for n in sizes],
                                dtype="<i8").tobytes())
