@@ -881,3 +881,30 @@ def test_walk_parts_stop_at_the_first_error_and_raise_it() -> None:
     with pytest.raises(PermissionError, match="part 2"):
         walk_module.map_parts(work, 10, 1)
     assert done == [0, 1]
+
+
+def test_an_object_tiers_listing_indexes_oldest_first_ties_by_name(tmp_path: Path) -> None:
+    identity = NamespaceIdentity.from_config(offloading_config())
+    store = LocalStore(tmp_path)
+    namer = ObjectBackend(store, identity, threads=1)
+    namer.open_namespace()
+    keys = [conformance_key(i) for i in range(12)]
+    for key in keys:
+        store.put(namer.object_key(key), [b"chunk" * (1 + keys.index(key))])
+    by_name = sorted(keys, key=namer.object_key)
+    # The last six by name are the oldest; the first six share one mtime (name order).
+    ages = {key: 10**18 + (0 if n < 6 else -n) * 10**9 for n, key in enumerate(by_name)}
+    for key, mtime in ages.items():
+        os.utime(tmp_path / namer.object_key(key), ns=(mtime, mtime))
+    namer.close()
+    backend = ObjectBackend(store, identity, threads=2)
+    manager = ObjectTierManager(backend, max_chunk_bytes=4096, background_index=True,
+                                list_threads=3)
+    try:
+        manager.wait_index()
+        assert list(manager.index.keys()) == [*reversed(by_name[6:]), *by_name[:6]]
+        sizes = {key: entry.size for key, entry in manager.index.items()}
+        assert sizes == {key: 5 * (1 + keys.index(key)) for key in keys}
+    finally:
+        manager.shutdown()
+        backend.close()

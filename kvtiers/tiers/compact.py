@@ -219,8 +219,32 @@ class PackedChunks:
         )
         return cls(width, key_bytes, lengths, hashes, sizes, table, keys)
 
+    @classmethod
+    def from_sorted(
+        cls, width: int, key_bytes: bytearray, lengths: np.ndarray, sizes: np.ndarray,
+    ) -> PackedChunks:
+        """Pack chunks laid out oldest first (:func:`sorted_rows` made ``key_bytes``;
+        ``lengths`` uint16 and ``sizes`` int64 in the same order): the keys as ``bytes``
+        are made here."""
+        keys = key_list(key_bytes, lengths, width)
+        return cls.from_arrays(
+            width, key_bytes, array("H", lengths.astype(np.uint16).tobytes()),
+            array("q", sizes.astype(np.int64).tobytes()), keys,
+        )
+
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def sorted_rows(matrix: np.ndarray, order: np.ndarray) -> bytearray:
+    """``matrix``'s rows (keys padded to its width, uint8) in ``order``, copied once,
+    straight into the bytearray an index keeps (the caller can drop ``matrix`` before the
+    keys are made as ``bytes``, which is the build's peak)."""
+    total, width = matrix.shape
+    key_bytes = bytearray(total * width)
+    np.take(matrix, order, axis=0,
+            out=np.frombuffer(key_bytes, dtype=np.uint8).reshape(total, width))
+    return key_bytes
 
 
 class _Keys(Collection[OffloadKey]):

@@ -45,7 +45,6 @@ import subprocess
 import sys
 import threading
 import time
-from array import array
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ from kvtiers.filemapper import CHUNK_SUFFIX, QUARANTINE_DIR, key_from_chunk_name
 from kvtiers.filemapper.mapper import CHUNK_NAME as _CHUNK_NAME
 from kvtiers.filemapper.scan import ScannedEntry
 from kvtiers.tiers.build import IndexBuild
-from kvtiers.tiers.compact import PackedChunks, key_list, stable_order
+from kvtiers.tiers.compact import PackedChunks, sorted_rows, stable_order
 
 logger = logging.getLogger(__name__)
 
@@ -777,16 +776,9 @@ def _merge(top: _Part, blocks: list[_Block], names_only: bool = False) -> Walked
         mtimes[:] = 0  # the top's chunks were stat-ed; the walk's order is kept
     order = stable_order(mtimes)
     del mtimes
-    # The keys sorted straight into the index's bytearray: one copy of them at a time.
-    key_bytes = bytearray(total * width)
-    np.take(matrix, order, axis=0,
-            out=np.frombuffer(key_bytes, dtype=np.uint8).reshape(total, width))
+    key_bytes = sorted_rows(matrix, order)
     del matrix
-    lengths, sizes = lengths[order], sizes[order]
-    keys = key_list(key_bytes, lengths, width)
-    packed = PackedChunks.from_arrays(
-        width, key_bytes, array("H", lengths.tobytes()), array("q", sizes.tobytes()), keys,
-    )
+    packed = PackedChunks.from_sorted(width, key_bytes, lengths[order], sizes[order])
     return Walked(
         packed,
         removed_temps=top.removed_temps + sum(block.removed_temps for block in blocks),

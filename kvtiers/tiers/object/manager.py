@@ -40,9 +40,13 @@ import logging
 import queue
 import threading
 import time
+from array import array
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvtiers.core.chunkformat import HEADER_BYTES
 from kvtiers.core.keys import OffloadKey
@@ -57,7 +61,7 @@ from kvtiers.core.specs import ObjectLoadStoreSpec
 from kvtiers.filemapper.summary import SUMMARY_NAME
 from kvtiers.tiers.backoff import DEFAULT_BACKOFF, BackoffSettings, LoadBackoff, MoverReports
 from kvtiers.tiers.build import IndexBuild
-from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks
+from kvtiers.tiers.compact import CompactChunkIndex, PackedChunks, sorted_rows, stable_order
 from kvtiers.tiers.listing import ListingSettings
 from kvtiers.tiers.object.backend import ObjectBackend
 from kvtiers.tiers.persistent import PersistentTierManager
@@ -151,31 +155,28 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
     ) -> PackedChunks:
         """The build's work (its own thread): every chunk object of the namespace, oldest
         modification first (then by name), listed by fan-out prefix, ``threads`` prefixes
-        at once; the objects outside them (manifest, summary) are no chunks."""
+        at once; the objects outside them (manifest, summary) are no chunks. Each
+        prefix's chunks are packed into arrays as its pages come (:class:`_Listed`): the
+        listing's per-object Python objects live for one page, never for the namespace."""
         backend = self.backend
         base = backend.namespace_prefix + "/"
         prefixes = [f"{base}{i:02x}/" for i in range(256)]
 
-        def one(i: int) -> list[tuple[float, str, OffloadKey, int]]:
+        def one(i: int) -> _Listed:
             if build.stopping:
-                return []
+                return _Listed()
             if before_part is not None:
                 before_part(i)
-            found = []
-            for info in backend.retrier.call(
-                lambda: list(backend.store.list(prefixes[i])),
+            listed = backend.retrier.call(
+                lambda: _Listed.of(backend, prefixes[i]),
                 bounded=False,  # one listing is many pages; each is bounded by the store
-            ):
-                key = backend.key_of(info.name)
-                if key is not None:
-                    found.append((info.mtime, info.name, key, info.size))
+            )
             build.part_done()
-            return found
+            return listed
 
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="kvtiers-object-list") as pool:
-            found = [item for part in pool.map(one, range(len(prefixes))) for item in part]
-        found.sort()
-        return PackedChunks.pack([key for _, _, key, _ in found], [size for *_, size in found])
+            parts = list(pool.map(one, range(len(prefixes))))
+        return _Listed.pack(parts)
 
     def _merge_build(self, result: PackedChunks, gone: set[OffloadKey]) -> None:
         # Listed chunks are least recently used, by mtime; beyond capacity the oldest go.
@@ -385,3 +386,59 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
 
     def _close(self) -> None:
         self.backend.close()
+
+
+@dataclass
+class _Listed:
+    """The chunk objects of one listed prefix, packed as they come, in listing order
+    (name order: every store lists sorted): keys end to end with their lengths, sizes,
+    and mtimes in integer nanoseconds."""
+
+    keys: bytearray = field(default_factory=bytearray)
+    lengths: array = field(default_factory=lambda: array("H"))
+    sizes: array = field(default_factory=lambda: array("q"))
+    mtimes: array = field(default_factory=lambda: array("q"))
+
+    @classmethod
+    def of(cls, backend: ObjectBackend, prefix: str) -> _Listed:
+        """Every chunk object under ``prefix`` (a listing thread; one paginated listing)."""
+        listed = cls()
+        keys, lengths, sizes, mtimes = (listed.keys.extend, listed.lengths.append,
+                                        listed.sizes.append, listed.mtimes.append)
+        for info in backend.store.list(prefix):
+            key = backend.key_of(info.name)
+            if key is None:
+                continue
+            keys(key)
+            lengths(len(key))
+            sizes(info.size)
+            # A float's seconds to nanoseconds keeps their order: near today's epoch two
+            # doubles differ by more than a nanosecond.
+            mtimes(round(info.mtime * 1e9))
+        return listed
+
+    @staticmethod
+    def pack(parts: list[_Listed]) -> PackedChunks:
+        """``parts`` (in prefix order) packed oldest first, ties in listing order."""
+        lengths = np.frombuffer(b"".join(part.lengths for part in parts), dtype=np.uint16)
+        sizes = np.frombuffer(b"".join(part.sizes for part in parts), dtype=np.int64)
+        mtimes = np.frombuffer(b"".join(part.mtimes for part in parts), dtype=np.int64)
+        total = len(lengths)
+        width = int(lengths.max()) if total else 0
+        joined = b"".join(part.keys for part in parts)
+        parts.clear()
+        if total and bool((lengths == width).all()):
+            matrix = np.frombuffer(joined, dtype=np.uint8).reshape(total, width)
+        else:
+            # Keys of several lengths (never in one namespace today): padded one by one.
+            matrix = np.zeros((total, width), dtype=np.uint8)
+            at = 0
+            for row, length in enumerate(lengths.tolist()):
+                matrix[row, :length] = np.frombuffer(joined, dtype=np.uint8, count=length,
+                                                     offset=at)
+                at += length
+        del joined
+        order = stable_order(mtimes)
+        key_bytes = sorted_rows(matrix, order)
+        del matrix
+        return PackedChunks.from_sorted(width, key_bytes, lengths[order], sizes[order])
