@@ -19,9 +19,9 @@ and keys that are not, until the index is complete. Recorded:
 - ``index_bytes``: the packed arrays' allocation a chunk
   (:meth:`~kvtiers.tiers.compact.CompactChunkIndex.resident_bytes`), and ``rss_bytes``:
   the process's resident set growth a chunk from before the constructor to after the
-  merge (announcement taken, garbage collected), and ``peak_rss_bytes``: the peak
-  resident set's growth a chunk over the same span (the walk runs in a child process
-  unless ``--walk-processes 0``);
+  merge (announcement taken, the next step ended, garbage collected), and
+  ``peak_rss_bytes``: the peak resident set's growth a chunk over the same span (the
+  walk runs in a child process unless ``--walk-processes 0``);
 - ``hit_ns`` / ``miss_ns``: the manager's ``lookup`` per call once the index is complete.
 
 The index alone (``ChunkIndex`` against ``CompactChunkIndex``, N keys added, in a process
@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,6 +175,17 @@ def serve_during_build(
             "wrong": wrong, "retries": retries, "max_call_ms": max_call * 1e3}
 
 
+def settle(end_step: Callable[[], None]) -> None:
+    """The scheduler's next step after the merge's announcement was taken (the tier hands
+    the build's freed memory back then, on a thread of its own, waited for here), then a
+    garbage collection: what stays is what the index keeps."""
+    end_step()
+    for thread in threading.enumerate():
+        if thread.name == "kvtiers-release-memory":
+            thread.join()
+    gc.collect()
+
+
 def per_call_ns(lookup: Callable[[OffloadKey], LookupResult], keys: list[OffloadKey],
                 rounds: int = 50) -> float:
     start = time.perf_counter()
@@ -237,7 +249,7 @@ def one_file(root: Path, n: int, walk_processes: int) -> dict[str, Any]:
     out["source"] = manager.index_source
     out["chunks"] = int(manager.get_stats()["chunks"])
     manager.take_events()
-    gc.collect()
+    settle(lambda: manager.on_schedule_end(END))
     out["index_bytes"] = manager.index.resident_bytes() / n
     out["rss_bytes"] = (rss() - before) / n
     out["peak_rss_bytes"] = (peak_rss() - before) / n
@@ -443,7 +455,7 @@ def bench_s3(objects: int, data: Path | None = None, blocking: bool = True) -> d
         out["ctor_s"] = ctor_s
         out["chunks"] = int(manager.get_stats()["chunks"])
         manager.take_events()
-        gc.collect()
+        settle(lambda: manager.on_schedule_end(END))
         out["index_bytes"] = manager.index.resident_bytes() / objects
         out["rss_bytes"] = (rss() - before) / objects
         out["hit_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), present)

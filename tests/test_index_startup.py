@@ -908,3 +908,33 @@ def test_an_object_tiers_listing_indexes_oldest_first_ties_by_name(tmp_path: Pat
     finally:
         manager.shutdown()
         backend.close()
+
+
+def test_memory_goes_back_once_each_merges_announcement_is_taken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    released: list[str] = []
+    monkeypatch.setattr("kvtiers.tiers.persistent.release_free_memory",
+                        lambda: released.append(threading.current_thread().name))
+
+    def step() -> int:
+        manager.on_schedule_end(END)
+        for thread in threading.enumerate():
+            if thread.name == "kvtiers-release-memory":
+                thread.join()
+        return len(released)
+
+    stored_tier(tmp_path, range(6), slots=6)
+    tier = open_tier(tmp_path, background_index=True, snapshot=False)
+    try:
+        manager = tier.manager
+        manager.wait_index()  # the names merged, then the stat pass
+        assert manager.index_stat_done
+        assert step() == 0  # the announcement is not taken yet
+        events = list(manager.take_events())
+        assert sum(len(event.keys) for event in events) == 6
+        assert step() == 1
+        assert step() == 1  # once a merge
+        assert released == ["kvtiers-release-memory"]
+    finally:
+        tier.close()

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import functools
 import logging
+import mmap
 import threading
 import time
 from collections.abc import Callable
 from typing import Generic, TypeVar, cast
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +106,19 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+def anonymous_array(count: int, dtype: str) -> np.ndarray:
+    """A zero-filled array of ``count`` items in pages of its own (an anonymous
+    mapping), handed back to the system when the array is freed. For a build's large
+    buffers filled on threads other than the scheduler's: glibc serves those from the
+    thread's own heap, and a freed block at the top of such a heap stays resident
+    (``malloc_trim`` does not reach it): about 36 B a chunk at 1M chunks, the walking
+    children's answers read on two threads (benchmarks/results/scale.md)."""
+    kind = np.dtype(dtype)
+    if count == 0:
+        return np.zeros(0, dtype=kind)
+    return np.frombuffer(mmap.mmap(-1, count * kind.itemsize), dtype=kind)
 
 
 @functools.cache

@@ -18,6 +18,7 @@ incomplete, so index misses stay probed.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Collection, Iterator
 from typing import Generic, TypeVar
 
@@ -31,7 +32,7 @@ from kvtiers.core.manager import (
 )
 from kvtiers.policies.retention import RetentionBook
 from kvtiers.tiers.backoff import LoadBackoff, MoverReports
-from kvtiers.tiers.build import IndexBuild
+from kvtiers.tiers.build import IndexBuild, release_free_memory
 from kvtiers.tiers.compact import CompactChunkIndex
 from kvtiers.tiers.listing import ListingSettings, SharedListing
 from kvtiers.tiers.probe import ProbeBook
@@ -64,6 +65,9 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
     listing: SharedListing | None
     capacity_bytes: int | None
     _closed: bool
+    # A merge's buffers and announcement are freed memory to hand back: 1 once merged,
+    # 2 once its announcement was taken (handed back at the end of that step).
+    _release_due: int = 0
 
     # -- the index built in the background ------------------------------------------
     @property
@@ -103,6 +107,23 @@ class PersistentTierManager(OffloadingManager, Generic[_T]):
         self.index_build_s = build.elapsed_s
         self._merge_build(build.result, gone)
         self._complete = True
+        self._release_due = 1
+
+    def _announcement_taken(self) -> None:
+        """The index's events were taken (after ``take_events``): a merge's announcement
+        among them is the caller's now, gone by the step's end."""
+        if self._release_due == 1:
+            self._release_due = 2
+
+    def _release_after_merge(self) -> None:
+        """At a step's end after a merge's announcement was taken: the allocator's free
+        memory (the build's buffers, the announced keys) goes back to the system, on a
+        thread of its own (a few milliseconds at a million chunks). Without it the tier's
+        process keeps about 50 B a chunk it no longer uses (benchmarks/results/scale.md)."""
+        if self._release_due == 2:
+            self._release_due = 0
+            threading.Thread(target=release_free_memory, name="kvtiers-release-memory",
+                             daemon=True).start()
 
     def _merge_build(self, result: _T, gone: set[OffloadKey]) -> None:
         """Take ``result`` in as the least recently used entries (``merge_oldest``),

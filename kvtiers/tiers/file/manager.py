@@ -714,6 +714,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
             return
         sizes, by_mtime = stat_pass.result
         dropped = index.refine_unverified(sizes, by_mtime, self.reserve_bytes)
+        self._release_due = 1
         self.stat_dropped += len(dropped)
         self.stat_pass_s = stat_pass.elapsed_s
         self._unwant(dropped)
@@ -1055,6 +1056,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
     # -- the rest of the contract ---------------------------------------------------
     def take_events(self) -> Iterable[OffloadingEvent]:
         events = self.index.take_events()
+        self._announcement_taken()
         if self.listing is None:
             return events
         observed, self._observed = self._observed, []
@@ -1062,6 +1064,7 @@ class FileTierManager(PersistentTierManager[tuple[Walked, _Foreign | None]]):
         return observed
 
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
+        self._release_after_merge()
         self._drain_forgotten()
         self._flush_probes()
         if self._foreign is not None:

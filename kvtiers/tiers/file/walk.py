@@ -57,7 +57,7 @@ from kvtiers.core.keys import GROUP_INDEX_BYTES, OffloadKey
 from kvtiers.filemapper import CHUNK_SUFFIX, QUARANTINE_DIR, key_from_chunk_name, remove_temp
 from kvtiers.filemapper.mapper import CHUNK_NAME as _CHUNK_NAME
 from kvtiers.filemapper.scan import ScannedEntry
-from kvtiers.tiers.build import IndexBuild
+from kvtiers.tiers.build import IndexBuild, anonymous_array
 from kvtiers.tiers.compact import PackedChunks, sorted_rows, stable_order
 
 logger = logging.getLogger(__name__)
@@ -653,8 +653,7 @@ class ChildStats:
         # Each child's answer is read straight into its slice: no copy of it is made.
         top_sizes, top_mtimes = self._top
         total = len(top_sizes) + sum(count for _, count in self._children)
-        sizes = np.empty(total, dtype="<i8")
-        mtimes = np.empty(total, dtype="<i8")
+        sizes, mtimes = anonymous_array(total, "<i8"), anonymous_array(total, "<i8")
         sizes[:len(top_sizes)], mtimes[:len(top_sizes)] = top_sizes, top_mtimes
         slices = []
         at = len(top_sizes)
@@ -741,10 +740,12 @@ def _read_child(child: subprocess.Popen[bytes], build: IndexBuild[Any]) -> _Bloc
             else:
                 return "it ended without an answer"
         count, width, removed, unindexed = _RESULT.unpack(_read_exact(stream, _RESULT.size))
-        lengths = np.frombuffer(_read_exact(stream, 2 * count), dtype="<u2")
-        sizes = np.frombuffer(_read_exact(stream, 8 * count), dtype="<i8")
-        mtimes = np.frombuffer(_read_exact(stream, 8 * count), dtype="<i8")
-        keys = np.frombuffer(_read_exact(stream, width * count), dtype=np.uint8)
+        # Read on this thread, freed on the build's: in pages of their own.
+        lengths, sizes, mtimes = (anonymous_array(count, "<u2"), anonymous_array(count, "<i8"),
+                                  anonymous_array(count, "<i8"))
+        keys = anonymous_array(width * count, "u1")
+        for out in (lengths, sizes, mtimes, keys):
+            _read_into(stream, out)
     except (OSError, EOFError, struct.error) as exc:
         return f"its answer could not be read: {exc}"
     return _Block(width, lengths, sizes, mtimes, keys.reshape(count, width), removed,

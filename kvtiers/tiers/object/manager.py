@@ -303,6 +303,7 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
     def take_events(self) -> Iterable[OffloadingEvent]:
         self._drain()
         events = self.index.take_events()
+        self._announcement_taken()
         if self.listing is None:
             return events
         observed, self._observed = self._observed, []
@@ -312,6 +313,7 @@ class ObjectTierManager(PersistentTierManager[PackedChunks]):
     # -- shared namespaces: batched existence probes --------------------------------
     def on_schedule_end(self, ctx: ScheduleEndContext) -> None:
         self._drain()
+        self._release_after_merge()
         self._background = [f for f in self._background if not f.done()]
         if self.listing is not None and not self._closed and self._complete:
             # This step's removals reach the listing before it compares (their events
