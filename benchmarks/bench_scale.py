@@ -19,9 +19,11 @@ and keys that are not, until the index is complete. Recorded:
 - ``index_bytes``: the packed arrays' allocation a chunk
   (:meth:`~kvtiers.tiers.compact.CompactChunkIndex.resident_bytes`), and ``rss_bytes``:
   the process's resident set growth a chunk from before the constructor to after the
-  merge (announcement taken, the next step ended, garbage collected), and
-  ``peak_rss_bytes``: the peak resident set's growth a chunk over the same span (the
-  walk runs in a child process unless ``--walk-processes 0``);
+  merge (announcement taken, the next step ended, garbage collected), ``anon_bytes``:
+  the same for the resident anonymous memory (``RssAnon``: without the pages of mapped
+  files, the library code the build touches first), and ``peak_rss_bytes``: the peak
+  resident set's growth a chunk over the same span (the walk runs in a child process
+  unless ``--walk-processes 0``);
 - ``hit_ns`` / ``miss_ns``: the manager's ``lookup`` per call once the index is complete.
 
 The index alone (``ChunkIndex`` against ``CompactChunkIndex``, N keys added, in a process
@@ -195,6 +197,17 @@ def per_call_ns(lookup: Callable[[OffloadKey], LookupResult], keys: list[Offload
     return (time.perf_counter() - start) / (rounds * len(keys)) * 1e9
 
 
+def anon_rss() -> int:
+    """The process's resident anonymous memory, in bytes (``RssAnon``): its resident set
+    less the pages of mapped files (the libraries' code the build touches first, shared
+    with every process that maps them and dropped by the kernel at need)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
 def peak_rss() -> int:
     """The process's peak resident set so far, in bytes."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -231,7 +244,7 @@ def one_file(root: Path, n: int, walk_processes: int) -> dict[str, Any]:
     mapper = FileMapper(root, identity)
     geometry = ChunkGeometry.from_config(_config())
     gc.collect()
-    before = rss()
+    before, anon_before = rss(), anon_rss()
     cpu_before = cpu_s(resource.RUSAGE_SELF), cpu_s(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     manager = FileTierManager(mapper, geometry, background_index=True,
@@ -252,6 +265,7 @@ def one_file(root: Path, n: int, walk_processes: int) -> dict[str, Any]:
     settle(lambda: manager.on_schedule_end(END))
     out["index_bytes"] = manager.index.resident_bytes() / n
     out["rss_bytes"] = (rss() - before) / n
+    out["anon_bytes"] = (anon_rss() - anon_before) / n
     out["peak_rss_bytes"] = (peak_rss() - before) / n
     out["walk_processes"] = walk_processes
     out["hit_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), present)
@@ -451,7 +465,7 @@ def bench_s3(objects: int, data: Path | None = None, blocking: bool = True) -> d
                      for _ in range(backend.threads)]:
             done.result()
         gc.collect()
-        before = rss()
+        before, anon_before = rss(), anon_rss()
         start = time.perf_counter()
         manager = ObjectTierManager(backend, max_chunk_bytes=4096, background_index=True)
         ctor_s = time.perf_counter() - start
@@ -465,6 +479,7 @@ def bench_s3(objects: int, data: Path | None = None, blocking: bool = True) -> d
         settle(lambda: manager.on_schedule_end(END))
         out["index_bytes"] = manager.index.resident_bytes() / objects
         out["rss_bytes"] = (rss() - before) / objects
+        out["anon_bytes"] = (anon_rss() - anon_before) / objects
         out["hit_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), present)
         out["miss_ns"] = per_call_ns(lambda key: manager.lookup(key, CTX), absent)
         backend.stop_threads()
@@ -535,6 +550,7 @@ def _index_cells(r: dict[str, Any]) -> list[str]:
             f"{r['full_s']:.2f} s",
             f"{r['answers']} ({r['wrong']})", f"{r['max_call_ms']:.1f} ms",
             f"{r['index_bytes']:.0f}", f"{r['rss_bytes']:.0f}",
+            f"{r['anon_bytes']:.0f}" if "anon_bytes" in r else "n/a",
             f"{r['peak_rss_bytes']:.0f}" if "peak_rss_bytes" in r else "n/a",
             f"{r['cpu_s']:.1f} + {r['child_cpu_s']:.1f} s" if "cpu_s" in r else "n/a",
             f"{r['hit_ns'] / 1e3:.1f} / {r['miss_ns'] / 1e3:.1f} µs"]
@@ -563,8 +579,11 @@ def render(report: dict[str, Any]) -> str:
         "its rounds (a walk, then a start from the snapshot its shutdown wrote, in turn; "
         "the rounds' full-index times in the JSON). CPU: user and system seconds of the "
         "tier's process and of its walk's child processes, constructor to merge (what "
-        "the start costs however loaded the machine is); peak RSS: the process's peak "
-        "resident growth over the same span.",
+        "the start costs however loaded the machine is); RSS: the process's resident "
+        "growth from before the constructor to the step after the merge; anonymous RSS: "
+        "the same without the pages of mapped files (library code the build touches "
+        "first, shared and reclaimable); peak RSS: the process's peak resident growth "
+        "over the same span.",
         "",
     ]
     cells: list[list[object]] = []
@@ -573,7 +592,7 @@ def render(report: dict[str, Any]) -> str:
             b = row["before"]
             cells.append(["file, before", f"{row['n']:,}", "walk, blocking",
                           *[f"{b['ctor_s']:.2f} s"] * 4, "n/a", f"{b['ctor_s'] * 1e3:.0f} ms",
-                          "n/a", f"{b['rss_bytes']:.0f}", "n/a", "n/a",
+                          "n/a", f"{b['rss_bytes']:.0f}", "n/a", "n/a", "n/a",
                           f"{b['hit_ns'] / 1e3:.1f} / {b['miss_ns'] / 1e3:.1f} µs"])
         # A row --reuse kept from an earlier run says so (the note below names the run).
         tier = f"file (run {row['run']['date']})" if "run" in row else "file"
@@ -588,8 +607,9 @@ def render(report: dict[str, Any]) -> str:
         ["tier", "chunks", "start", "constructor", "first lookup", "usable index",
          "full index",
          "answers (wrong)", "longest call", "index B/chunk", "RSS B/chunk",
-         "peak RSS B/chunk", "CPU (tier + walk)", "hit / miss per call"], cells,
-        align="lrlrrrrrrrrrrr")
+         "anonymous RSS B/chunk", "peak RSS B/chunk", "CPU (tier + walk)",
+         "hit / miss per call"], cells,
+        align="lrlrrrrrrrrrrrr")
     lines += ["", "The index alone (N keys added; RSS growth a chunk; `lookup` per call):", "",
               *markdown_table(
                   ["keys", "ChunkIndex B/chunk", "CompactChunkIndex B/chunk",
@@ -636,12 +656,14 @@ def plot(report: dict[str, Any], path: Path) -> None:
     left.legend(fontsize=8)
     right.plot(ns, [r["walk"]["index_bytes"] for r in rows], "o-", label="index arrays")
     right.plot(ns, [r["walk"]["rss_bytes"] for r in rows], "s-", label="RSS growth")
+    right.plot(ns, [r["walk"].get("anon_bytes", float("nan")) for r in rows], "d-",
+               label="anonymous RSS growth")
     right.axhline(TARGET_BYTES, color="grey", linestyle=":", label="target")
     right.set_xscale("log")
     right.set_xlabel("chunks")
     right.set_ylabel("bytes a chunk")
     right.legend(fontsize=8)
-    fig.suptitle("file tier start-up (2 shared cores)")
+    fig.suptitle("file tier start-up (2 cores)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
